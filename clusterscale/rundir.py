@@ -1,0 +1,160 @@
+"""The run directory: one folder (local or any pyarrow filesystem URI) holding every stage's output.
+
+Stages write their files, then a `_DONE.json` marker carrying the fingerprint of the config that
+produced them. A stage is complete only when its marker exists; a rerun with the same fingerprint
+skips it, a rerun with another fingerprint refuses to mix outputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import time
+import uuid
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from clusterscale.config import Config, to_yaml
+
+DONE = "_DONE.json"
+
+
+class StageMissingError(RuntimeError):
+    """An input of a stage is missing; the message names the verb to run first."""
+
+
+class ConfigMismatchError(RuntimeError):
+    """Outputs exist that were made with a different config."""
+
+
+def resolve_filesystem(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path or a pyarrow filesystem URI."""
+    if "://" in uri_or_path:
+        return pafs.FileSystem.from_uri(uri_or_path)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri_or_path))
+
+
+class RunDir:
+    def __init__(self, uri: str):
+        if not uri:
+            raise ValueError("--run-dir is required: a local folder or a URI such as s3://bucket/run.")
+        self.uri = uri
+        self.fs, self.root = resolve_filesystem(uri)
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    # paths -------------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def uri_of(self, *parts: str) -> str:
+        """A string Ray Data / Ray Train accept together with `self.fs`."""
+        return self.path(*parts)
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound
+
+    def listdir(self, *parts: str) -> list[str]:
+        """Base names directly inside a folder, sorted; [] when it does not exist."""
+        if not self.exists(*parts):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(*parts), recursive=False))
+        return sorted(posixpath.basename(i.path) for i in infos)
+
+    def files(self, *parts: str, suffix: str = ".parquet") -> list[str]:
+        """Full paths of the data files under a folder (recursive), sorted, skipping temp files."""
+        if not self.exists(*parts):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(*parts), recursive=True))
+        return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix)
+                      and not posixpath.basename(i.path).startswith((".", "_")))
+
+    def makedirs(self, *parts: str) -> None:
+        self.fs.create_dir(self.path(*parts), recursive=True)
+
+    def remove(self, *parts: str) -> None:
+        p = self.path(*parts)
+        info = self.fs.get_file_info(p)
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(p)
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(p)
+
+    # atomic files ----------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write to a temporary name, then rename: readers never see a half-written file."""
+        final = self.path(rel)
+        self.fs.create_dir(posixpath.dirname(final), recursive=True)
+        tmp = posixpath.join(posixpath.dirname(final), f".tmp-{uuid.uuid4().hex}-{posixpath.basename(final)}")
+        with self.fs.open_output_stream(tmp) as out:
+            out.write(data)
+        self.fs.move(tmp, final)
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            return f.read()
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, json.dumps(obj, indent=2, sort_keys=False, default=_json_default).encode())
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode())
+
+    # stage markers -----------------------------------------------------------------------------
+    def is_done(self, stage_dir: str, fingerprint: str) -> bool:
+        """True when `stage_dir` is complete for this fingerprint; raises if made by another config."""
+        marker = posixpath.join(stage_dir, DONE)
+        if not self.exists(marker):
+            return False
+        done = self.read_json(marker)
+        if done.get("fingerprint") != fingerprint:
+            raise ConfigMismatchError(
+                f"{self.path(stage_dir)} was made with a different config (fingerprint "
+                f"{done.get('fingerprint')}, now {fingerprint}; its config is in {DONE} there). "
+                f"Outputs are never mixed: use a new --run-dir, or delete {stage_dir}/ and what depends on it.")
+        return True
+
+    def begin(self, stage_dir: str) -> None:
+        """Clear the leftovers of an interrupted attempt of an incomplete stage."""
+        if self.exists(stage_dir):
+            self.remove(stage_dir)
+        self.makedirs(stage_dir)
+
+    def mark_done(self, stage_dir: str, fingerprint: str, stats: dict, config_subset: dict | None = None) -> None:
+        self.write_json(posixpath.join(stage_dir, DONE), {
+            "fingerprint": fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "stats": stats, "config": config_subset or {}})
+
+    def done_stats(self, stage_dir: str) -> dict:
+        return self.read_json(posixpath.join(stage_dir, DONE)).get("stats", {})
+
+    def require(self, stage_dir: str, verb: str, what: str) -> None:
+        if not self.exists(stage_dir, DONE):
+            raise StageMissingError(f"{what} not found in {self.path(stage_dir)}: run `clusterscale {verb}` "
+                                    f"(with the same config and --run-dir) first.")
+
+    def write_config(self, cfg: Config) -> None:
+        self.write_text("config.yaml", to_yaml(cfg))
+
+    # costs -------------------------------------------------------------------------------------
+    def record_cost(self, key: str, record: dict) -> None:
+        """Merge one stage's cost record into RUN/report/costs.json (driver-only, so no races)."""
+        rel = "report/costs.json"
+        costs = self.read_json(rel) if self.exists(rel) else {}
+        costs[key] = record
+        self.write_json(rel, costs)
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o)}")

@@ -1,0 +1,158 @@
+"""Shard: write the assigned rows as one seeded-shuffled Parquet set per cluster, then the manifest.
+
+shards/k=<k>/cluster=<c>/part-*.parquet and shards/k=<k>/manifest.json (written last).
+Clusters smaller than one global batch follow shard.small_cluster_policy (merge | pool).
+Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`).
+"""
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import ray
+
+from clusterscale.config import Config
+from clusterscale.embed import emb_matrix
+from clusterscale.kmeans import ClusteringError, assign_dir, load_centroids
+from clusterscale.rundir import RunDir
+
+SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
+
+
+def shards_dir(k: int) -> str:
+    return f"shards/k={k}"
+
+
+def mean_pairwise_cosine(vector_sum: np.ndarray, n: int) -> float | None:
+    """Mean cosine over distinct pairs of n unit vectors from their sum: (|sum|^2 - n) / (n(n-1))."""
+    if n < 2:
+        return None
+    return float((np.dot(vector_sum, vector_sum) - n) / (n * (n - 1)))
+
+
+def plan_small_clusters(counts: np.ndarray, centroids: np.ndarray, min_rows: int, policy: str) -> dict:
+    """Map every original cluster to the shard that receives its rows.
+
+    Returns {"target": int array (k,), "pool_id": int | None, "moved": {orig: target}}. With 'merge',
+    a small cluster goes to the most similar (centroid cosine) cluster that is not small.
+    """
+    k = len(counts)
+    target = np.arange(k)
+    small = (counts > 0) & (counts < min_rows)
+    big = np.flatnonzero(counts >= min_rows)
+    moved: dict[int, int] = {}
+    pool_id = None
+    if small.any():
+        if policy == "pool":
+            pool_id = k
+            for c in np.flatnonzero(small):
+                target[c] = pool_id
+                moved[int(c)] = pool_id
+        else:
+            if len(big) == 0:
+                raise ClusteringError(
+                    f"Every cluster has fewer rows ({int(counts.max())} at most) than one global batch "
+                    f"(train.global_batch_size={min_rows}): lower cluster.k or train.global_batch_size, or use "
+                    f"shard.small_cluster_policy=pool.")
+            sims = centroids @ centroids[big].T
+            for c in np.flatnonzero(small):
+                target[c] = int(big[int(np.argmax(sims[c]))])
+                moved[int(c)] = int(target[c])
+    return {"target": target, "pool_id": pool_id, "moved": moved}
+
+
+def cluster_counts(run: RunDir, k: int) -> np.ndarray:
+    dataset = pads.dataset(run.files(assign_dir(k)), filesystem=run.fs, format="parquet")
+    counts = np.zeros(k, dtype=np.int64)
+    for batch in dataset.to_batches(columns=["cluster"]):
+        counts += np.bincount(batch.column("cluster").to_numpy(), minlength=k)
+    return counts
+
+
+class WriteClusterShard:
+    """Ray Data map_groups fn: one call per shard; sorts by pair_id, permutes with a seeded RNG, writes."""
+
+    def __init__(self, run_uri: str, k: int, seed: int, target_rows_per_file: int, num_samples: int,
+                 pool_id: int | None):
+        self.run = RunDir(run_uri)
+        self.k, self.seed, self.rows_per_file = k, seed, target_rows_per_file
+        self.num_samples, self.pool_id = num_samples, pool_id
+
+    def __call__(self, group: pa.Table) -> pa.Table:
+        shard_id = int(group.column("shard")[0].as_py())
+        group = group.sort_by("pair_id")  # arrival order after the shuffle is not deterministic
+        perm = np.random.default_rng([self.seed, self.k, shard_id]).permutation(group.num_rows)
+        group = group.take(pa.array(perm))
+        name = "pool" if shard_id == self.pool_id else str(shard_id)
+        files = []
+        for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
+            rel = f"{shards_dir(self.k)}/cluster={name}/part-{part:05d}.parquet"
+            sink = io.BytesIO()
+            pq.write_table(group.slice(start, self.rows_per_file).select(SHARD_COLUMNS), sink)
+            self.run.write_bytes(rel, sink.getvalue())
+            files.append(rel)
+        vector_sum = emb_matrix(group.column("emb"), dtype=np.float64).sum(axis=0)
+        return pa.table({"shard": [shard_id], "name": [name], "rows": [group.num_rows], "files": [files],
+                         "members": [sorted(set(group.column("cluster").to_pylist()))],
+                         "vector_sum": [vector_sum.tolist()],
+                         "mean_cos_to_centroid": [float(np.mean(group.column("cos").to_numpy()))],
+                         "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
+
+
+def run_shard(cfg: Config, run: RunDir) -> dict:
+    k = cfg.cluster.k
+    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard"),
+                                  extra={"global_batch_size": cfg.train.global_batch_size})
+    run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
+    out = shards_dir(k)
+    if run.is_done(out, fingerprint):
+        return run.read_json(f"{out}/manifest.json")["stats"]
+    run.begin(out)
+    started = time.time()
+    counts = cluster_counts(run, k)
+    centroids = load_centroids(run, k)
+    plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
+    target = plan["target"]
+    ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs)
+    ds = ds.map_batches(lambda b: b.append_column("shard", pa.array(target[b.column("cluster").to_numpy()])),
+                        batch_format="pyarrow")
+    written = ds.groupby("shard", num_partitions=max(1, min(200, int((target >= 0).sum())))).map_groups(
+        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, cfg.shard.target_rows_per_file,
+                                                cfg.shard.num_samples, plan["pool_id"]),
+        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.5)
+    rows = sorted(written.take_all(), key=lambda r: r["shard"])
+    clusters, total_sum, n_total = [], None, 0
+    for r in rows:
+        vec = np.asarray(r["vector_sum"], dtype=np.float64)
+        total_sum = vec if total_sum is None else total_sum + vec
+        n_total += r["rows"]
+        clusters.append({"cluster": r["shard"], "name": r["name"], "rows": r["rows"], "files": list(r["files"]),
+                         "members": [int(m) for m in r["members"]],
+                         "mean_intra_cosine": mean_pairwise_cosine(vec, r["rows"]),
+                         "mean_cos_to_centroid": r["mean_cos_to_centroid"],
+                         "samples": list(r["samples"])})
+    if n_total != int(counts.sum()):
+        raise RuntimeError(f"Shard row count {n_total} != assigned rows {int(counts.sum())}: rerun `shard`.")
+    stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c["files"]) for c in clusters),
+             "min_rows": min(c["rows"] for c in clusters), "max_rows": max(c["rows"] for c in clusters),
+             "overall_mean_cosine": mean_pairwise_cosine(total_sum, n_total), "wall_s": round(time.time() - started, 3)}
+    stats["worker_s"] = stats["wall_s"]
+    manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
+                "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
+                "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
+                "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
+    run.write_json(f"{out}/manifest.json", manifest)
+    run.mark_done(out, fingerprint, stats)
+    moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
+    print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
+          f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
+    return stats
+
+
+def load_manifest(run: RunDir, k: int) -> dict:
+    run.require(shards_dir(k), "shard", f"Shards for k={k}")
+    return run.read_json(f"{shards_dir(k)}/manifest.json")

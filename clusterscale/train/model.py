@@ -1,0 +1,52 @@
+"""The student encoder: fine-tuned from an HF model/folder, or a BERT built from scratch."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clusterscale.config import TrainConfig
+from clusterscale.encoder import BUNDLED, detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
+
+
+def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
+    """(model, tokenizer, pooling). Unused heads (BERT's pooler) are frozen so DDP sees no idle params."""
+    if cfg.init == "scratch":
+        from transformers import BertConfig, BertModel
+
+        tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer))
+        torch.manual_seed(cfg.seed)
+        model = BertModel(BertConfig(
+            vocab_size=len(tokenizer), hidden_size=cfg.scratch_hidden_size,
+            num_hidden_layers=cfg.scratch_num_layers, num_attention_heads=cfg.scratch_num_heads,
+            intermediate_size=cfg.scratch_intermediate_size,
+            max_position_embeddings=max(512, cfg.passage_max_length)), add_pooling_layer=False)
+        pooling = "cls" if cfg.pooling == "auto" else cfg.pooling
+    else:
+        path = resolve_model_path(cfg.init)
+        tokenizer = load_tokenizer(path)
+        model = load_model(path)
+        pooling = detect_pooling(path) if cfg.pooling == "auto" else cfg.pooling
+    for name, param in model.named_parameters():
+        if name.startswith("pooler."):
+            param.requires_grad_(False)
+    return model, tokenizer, pooling
+
+
+def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device) -> torch.Tensor:
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    hidden = model(**batch).last_hidden_state
+    return F.normalize(pool(hidden.float(), batch["attention_mask"], pooling), dim=-1)
+
+
+def text_keys(texts: list[str]) -> torch.Tensor:
+    """Stable int64 hashes of texts: equal texts (after ingest normalisation) get equal keys."""
+    return torch.from_numpy(np.array(
+        [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
+         for t in texts], dtype=np.int64))
+
+
+def default_tokenizer_path() -> str:
+    return resolve_model_path(BUNDLED)
