@@ -1,0 +1,118 @@
+"""End to end on local Ray with tiny data: every stage for real, and the run-directory contract."""
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.dataset as pads
+import pytest
+import yaml
+
+from clusterscale import cli
+from tests.conftest import tiny_overrides
+
+
+def _ids(run, folder):
+    files = run.files(folder)
+    if not files:
+        return []
+    return pads.dataset(files, format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model, ray_local):
+    import pyarrow.parquet as pq
+
+    from tests.conftest import make_pairs
+
+    base = tmp_path_factory.mktemp("e2e")
+    table = make_pairs(300)
+    # Bad rows the ingest must quarantine (not drop): empty, null and whitespace-only texts.
+    rows = table.to_pylist() + [{"q": "", "p": "text", "src": "x"}, {"q": "query", "p": None, "src": "x"},
+                                {"q": "  \t ", "p": "passage", "src": "x"}]
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows), base / "pairs.parquet")
+    run_dir = base / "run"
+    rc = cli.main(["run", "--run-dir", str(run_dir), "--set", *tiny_overrides(tiny_model, str(base / "pairs.parquet"))])
+    assert rc == 0
+    from clusterscale.rundir import RunDir
+
+    return RunDir(str(run_dir)), len(rows)
+
+
+def test_every_row_lands_exactly_once(finished_run):
+    run, n_rows = finished_run
+    pairs, held, quarantined = _ids(run, "pairs"), _ids(run, "heldout"), _ids(run, "quarantine")
+    sharded = _ids(run, "shards/k=4")
+    assert len(quarantined) == 3
+    assert sorted(pairs) == sorted(sharded)  # every training pair is in exactly one shard
+    everything = held + quarantined + sharded
+    assert len(everything) == len(set(everything)) == n_rows
+    reasons = pads.dataset(run.files("quarantine"), format="parquet").to_table().column("reason").to_pylist()
+    assert sorted(reasons) == ["passage_null", "query_empty", "query_empty"]
+
+
+def test_manifest_matches_disk(finished_run):
+    run, _ = finished_run
+    manifest = run.read_json("shards/k=4/manifest.json")
+    for c in manifest["clusters"]:
+        rows = sum(pads.dataset(run.path(f), format="parquet").count_rows() for f in c["files"])
+        assert rows == c["rows"]
+        assert all(f"cluster={c['name']}/" in f for f in c["files"])
+        clusters_in_files = set(pads.dataset([run.path(f) for f in c["files"]], format="parquet")
+                                .to_table(columns=["cluster"]).column("cluster").to_pylist())
+        assert clusters_in_files <= set(c["members"])
+        assert c["mean_intra_cosine"] is None or -1.0 <= c["mean_intra_cosine"] <= 1.0
+    assert manifest["stats"]["rows"] == sum(c["rows"] for c in manifest["clusters"])
+
+
+def test_every_step_every_rank_same_single_cluster(finished_run):
+    run, _ = finished_run
+    manifest = run.read_json("shards/k=4/manifest.json")
+    cluster_of = {}
+    for c in manifest["clusters"]:
+        table = pads.dataset([run.path(f) for f in c["files"]], format="parquet").to_table(columns=["pair_id"])
+        cluster_of.update({pid: c["cluster"] for pid in table.column("pair_id").to_pylist()})
+    logs = [[json.loads(line) for line in run.read_bytes(f"train/clustered-seed0/batches/rank-{r}.jsonl")
+             .decode().splitlines()] for r in (0, 1)]
+    assert len(logs[0]) == len(logs[1]) == 6
+    for step0, step1 in zip(*logs):
+        assert step0["step"] == step1["step"]
+        clusters = {cluster_of[p] for p in step0["pair_ids"] + step1["pair_ids"]}
+        assert len(clusters) == 1
+        assert len(step0["pair_ids"]) == len(step1["pair_ids"]) == 8
+        assert not set(step0["pair_ids"]) & set(step1["pair_ids"])
+
+
+def test_metrics_eval_report_exist_and_are_finite(finished_run):
+    run, _ = finished_run
+    lines = [json.loads(x) for x in run.read_bytes("train/clustered-seed0/metrics.jsonl").decode().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["lr"]) for x in lines)
+    for name in ("frozen", "clustered-seed0"):
+        result = run.read_json(f"eval/{name}.json")
+        assert all(math.isfinite(v) and 0 <= v <= 1 for v in result["metrics"].values())
+    report = run.read_bytes("report/report.md").decode()
+    assert "Held-out retrieval" in report and "clustered-seed0" in report
+    config = yaml.safe_load(run.read_bytes("config.yaml"))
+    assert config["config_hash"] and config["cluster"]["k"] == 4
+    assert run.exists("train/clustered-seed0/model/model.safetensors")
+
+
+def test_rerun_reuses_and_different_config_refuses(finished_run, tiny_model, capsys):
+    run, _ = finished_run
+    data_path = run.read_json("pairs/_DONE.json")["config"]["data"]["path"]
+    overrides = tiny_overrides(tiny_model, data_path)
+    before = run.read_json("embeddings/_DONE.json")["finished_at"]
+    assert cli.main(["embed", "--run-dir", run.uri, "--set", *overrides]) == 0
+    assert run.read_json("embeddings/_DONE.json")["finished_at"] == before
+    rc = cli.main(["embed", "--run-dir", run.uri, "--set", *overrides, "embed.max_length=16"])
+    assert rc == 2
+    assert "different config" in capsys.readouterr().err
+
+
+def test_missing_stage_names_the_verb(tmp_path, tiny_model, ray_local, capsys):
+    rc = cli.main(["fit", "--run-dir", str(tmp_path / "empty"), "--set", f"embed.model={tiny_model}"])
+    assert rc == 2
+    assert "clusterscale embed" in capsys.readouterr().err
