@@ -31,9 +31,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from clusterscale.ingest import IngestError
     from clusterscale.kmeans import ClusteringError
     from clusterscale.rundir import ConfigMismatchError, StageMissingError
+    from clusterscale.train.data import TrainDataError
 
     return (config_mod.ConfigError, StageMissingError, ConfigMismatchError, IngestError, ClusteringError,
-            EncoderLoadError, EmbeddingError)
+            EncoderLoadError, EmbeddingError, TrainDataError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--run-dir", required=True, help="Run directory: a local folder or a URI (s3://...).")
         p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                        help="Override config keys, e.g. --set cluster.k=16 train.steps=100.")
+        if verb == "train":
+            p.add_argument("--resume", action="store_true",
+                           help="Continue train/<name>/ from its latest checkpoint (same config).")
     return parser
 
 
@@ -72,8 +76,8 @@ def stage_functions() -> dict[str, Callable]:
             "shard": run_shard, "train": run_train, "evaluate": run_evaluate, "report": run_report}
 
 
-def run_stages(cfg, run, verbs: tuple[str, ...]) -> dict:
-    """Run stages in order, recording each one's cost; returns {verb: result}."""
+def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False) -> dict:
+    """Run stages in order, recording each one's cost; returns {verb: result}. `resume`: train only."""
     from clusterscale.session import init_ray
 
     init_ray(cfg.ray)
@@ -82,7 +86,8 @@ def run_stages(cfg, run, verbs: tuple[str, ...]) -> dict:
     for verb in verbs:
         print(f"== {verb} ==", flush=True)
         started = time.time()
-        results[verb] = functions[verb](cfg, run)
+        results[verb] = functions[verb](cfg, run, resume=True) if verb == "train" and resume else \
+            functions[verb](cfg, run)
         if verb not in ("report",):
             stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
             key = f"train:{cfg.train_name()}" if verb == "train" else verb
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         run = RunDir(args.run_dir)
         verbs = PIPELINE if args.verb == "run" else (args.verb,)
         started = time.time()
-        results = run_stages(cfg, run, verbs)
+        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False))
         if args.verb in ("run", "evaluate", "report"):
             print(summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {run.uri}", flush=True)

@@ -84,14 +84,24 @@ class ShardConfig:
 class TrainConfig:
     name: str = knob("", "Run name under train/<name>/; '' = '<sampler>-seed<seed>'.")
     sampler: str = knob("clustered", "Batch sampler: 'clustered' draws every global batch from one "
-                                     "cluster; 'random' is the global-shuffle baseline.",
-                        ("clustered", "random"))
+                                     "cluster; 'random' is the global-shuffle baseline; 'random_clusters' is "
+                                     "the control (a fixed random partition with the clusters' sizes); "
+                                     "'source' draws every global batch from one value of the `source` column.",
+                        ("clustered", "random", "random_clusters", "source"))
+    cluster_weighting: str = knob("proportional", "How often each cluster is drawn: 'proportional' = every "
+                                                  "full batch once per epoch; 'uniform' = clusters drawn equally "
+                                                  "often (small ones repeat, large ones are subsampled).",
+                                  ("proportional", "uniform"))
     global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).")
     steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.")
     epochs: int = knob(1, "Epochs over the shards (paper: 3).")
     num_workers: int = knob(2, "Ray Train workers (DDP ranks).", affects_output=False)
     use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
     temperature: float = knob(0.05, "InfoNCE temperature tau (paper: 0.02 from scratch).")
+    symmetric: bool = knob(False, "Add the passage->query InfoNCE term (mean of both directions).")
+    grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
+                                    "activation memory no longer grows with the batch; 0 = off. Same "
+                                    "gradients, ~1/3 more compute.", affects_output=False)
     init: str = knob("bundled", "Student weights: 'bundled', an HF id or folder to fine-tune, or "
                                 "'scratch' (random BERT of the scratch_* shape).")
     pooling: str = knob("auto", "Student pooling; 'auto' = the init model's own, CLS from scratch.",
@@ -113,6 +123,17 @@ class TrainConfig:
     log_batches: bool = knob(False, "Write every rank's pair_ids per step to batches/rank-<r>.jsonl "
                                     "(for audits; large at scale).", affects_output=False)
     log_every_steps: int = knob(10, "Print a progress line every N steps.", affects_output=False)
+    checkpoint_every_steps: int = knob(0, "Save a resumable checkpoint (weights, optimizer, scheduler, data "
+                                          "cursor) every N steps; 0 = only at the end.", affects_output=False)
+    stop_after_steps: int | None = knob(None, "Stop (with a checkpoint) after this many steps without changing "
+                                              "the LR schedule; continue with `clusterscale train --resume`.",
+                                        affects_output=False)
+    max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
+                                "continuing from the latest checkpoint.", affects_output=False)
+    peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
+                                   "GPU, or measure an fp32 matmul on CPU.", affects_output=False)
+    tensorboard: bool = knob(False, "Also log the per-step metrics to train/<name>/tensorboard (needs the "
+                                    "`tensorboard` package; local run directories only).", affects_output=False)
 
 
 @dataclass
@@ -260,6 +281,10 @@ def validate(cfg: Config) -> None:
     if cfg.train.global_batch_size % cfg.train.num_workers:
         raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
                           f"train.num_workers ({cfg.train.num_workers}): every rank takes an equal slice.")
+    for key in ("grad_cache_chunk", "checkpoint_every_steps", "max_failures", "peak_tflops"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(cfg.train, key)}.")
+    _positive("train.stop_after_steps", cfg.train.stop_after_steps, allow_none=True)
     if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
         raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
     if not cfg.eval.k_values or any(not isinstance(k, int) or k <= 0 for k in cfg.eval.k_values):

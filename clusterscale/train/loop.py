@@ -1,29 +1,32 @@
-"""Ray Train DDP loop: every global batch from one shard, InfoNCE over the gathered batch, metrics per step.
+"""Ray Train DDP loop: every global batch from one stratum, InfoNCE over the gathered batch, metrics per step.
 
-Run with `clusterscale train [CONFIG] --run-dir R` (after `shard`). Writes train/<name>/:
-metrics.jsonl (rank 0, one line per step), checkpoints (Ray Train), model/ (the exported encoder).
+Run with `clusterscale train [CONFIG] --run-dir R` (after `shard`); `--resume` continues a stopped or
+failed run from its latest checkpoint. Writes train/<name>/: metrics.jsonl (rank 0, one line per
+step), batches/rank-<r>.jsonl (train.log_batches), checkpoints (Ray Train, under ray/), model/ (the
+exported encoder).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from clusterscale.config import Config, TrainConfig, from_dict
-from clusterscale.rundir import RunDir
-from clusterscale.shards import load_manifest, shards_dir
+from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
+from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
-from clusterscale.train.loss import info_nce
-from clusterscale.train.model import build_student, embed, text_keys
+from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
+from clusterscale.train.data import ShardReader, checked_manifest, source_codes
+from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
+from clusterscale.train.model import build_student, matmul_params
+from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
+
+RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
 
 
 def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
@@ -35,32 +38,24 @@ def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
     return cfg.lr + (cfg.final_lr - cfg.lr) * frac
 
 
-class ShardReader:
-    """Reads rows of a shard by index; keeps the last few shards in memory."""
+def _strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int], object, list[str] | None]:
+    """(shard sizes, source codes or None, source names or None)."""
+    sizes = [c["rows"] for c in manifest["clusters"]]
+    if sampler != "source":
+        return sizes, None, None
+    codes, names = source_codes(run, manifest)
+    return sizes, codes, names
 
-    def __init__(self, run: RunDir, manifest: dict, cache_size: int = 2):
-        self.run, self.clusters, self.cache, self.cache_size = run, manifest["clusters"], OrderedDict(), cache_size
-        self._all: pa.Table | None = None
 
-    def _read(self, files: list[str]) -> pa.Table:
-        tables = [pq.read_table(self.run.fs.open_input_file(self.run.path(f)),
-                                columns=["pair_id", "query", "passage"]) for f in files]
-        return pa.concat_tables(tables)
-
-    def shard(self, index: int) -> pa.Table:
-        if index not in self.cache:
-            self.cache[index] = self._read(self.clusters[index]["files"])
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(index)
-        return self.cache[index]
-
-    def rows(self, shard: int, rows: np.ndarray) -> pa.Table:
-        if shard >= 0:
-            return self.shard(shard).take(pa.array(rows))
-        if self._all is None:  # random sampler: rows index the shards concatenated in manifest order
-            self._all = self._read([f for c in self.clusters for f in c["files"]])
-        return self._all.take(pa.array(rows))
+def _group_label(gb: schedule.GlobalBatch, manifest: dict, sampler: str, sources: list[str] | None):
+    if sampler == "clustered":
+        shard = manifest["clusters"][gb.shard]
+        return shard["cluster"], shard["name"]
+    if sampler == "source":
+        return gb.group, sources[gb.group]
+    if sampler == "random_clusters":
+        return gb.group, f"random-{gb.group}"
+    return None, "random"
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -71,136 +66,176 @@ def train_loop_per_worker(config: dict) -> None:
     tc = cfg.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    threads = int(config.get("threads_per_worker", 1))
-    torch.set_num_threads(max(1, threads))
-    run = RunDir(config["run_uri"])
-    manifest = load_manifest(run, cfg.cluster.k)
-    sizes = [c["rows"] for c in manifest["clusters"]]
-    num_steps = config["num_steps"]
+    torch.set_num_threads(max(1, int(config.get("threads_per_worker", 1))))
+    run, name, num_steps = RunDir(config["run_uri"]), config["name"], config["num_steps"]
+    manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
+    sizes, codes, sources = _strata_inputs(run, manifest, tc.sampler)
     device = rt_torch.get_device()
 
     model, tokenizer, pooling = build_student(tc)
+    flops_params = matmul_params(model)
     model = rt_torch.prepare_model(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                                   weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, tc, num_steps) / tc.lr)
+    expected_cursor = {"num_steps": num_steps, "sampler": tc.sampler, "seed": tc.seed,
+                       "cluster_weighting": tc.cluster_weighting, "global_batch_size": tc.global_batch_size}
+    start_step, checkpoint = 0, ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as local:
+            cursor = load_state(local, model, optimizer, scheduler, device)
+        check_cursor(cursor, expected_cursor)
+        start_step = cursor["step"]
+    elif config.get("resume"):
+        raise RuntimeError(f"--resume: Ray Train found no checkpoint of train/{name}; start without --resume.")
+    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
+    resumed = start_step if checkpoint is not None else None
+    metrics = JsonlLog(run, f"train/{name}/metrics.jsonl", resumed) if rank == 0 else None
+    batches = JsonlLog(run, f"train/{name}/batches/rank-{rank}.jsonl", resumed) if tc.log_batches else None
+    board = TensorBoardLog(run.path(f"train/{name}/tensorboard")) if tc.tensorboard and rank == 0 else None
+    peak = peak_flops(device, tc.peak_tflops) if rank == 0 else None
+    settings = StepSettings.from_train_config(tc, pooling, amp=device.type == "cuda")
     reader = ShardReader(run, manifest)
-    name = config["name"]
-    metrics_lines: list[str] = []
-    batch_log: list[str] = []
-    per_rank = tc.global_batch_size // world
-    use_amp = device.type == "cuda"
+    if start_step:
+        print(f"[train] rank {rank}: resuming at step {start_step}/{num_steps}", flush=True)
     t_last, started = time.time(), time.time()
-    for gb in schedule.iterate(sizes, tc.global_batch_size, tc.sampler, tc.seed, num_steps):
-        t0 = time.time()
+
+    def flush_logs() -> None:
+        for log in (metrics, batches):
+            if log is not None:
+                log.flush()
+
+    def save(step: int, epoch: int, final: bool) -> None:
+        """All ranks call report (a barrier); rank 0 attaches the checkpoint."""
+        flush_logs()
+        directory, attached = tempfile.mkdtemp(prefix="clusterscale-ckpt-"), None
+        if rank == 0:
+            save_state(directory, model, optimizer, scheduler, {**expected_cursor, "step": step, "epoch": epoch})
+            if final:
+                from clusterscale.encoder import save_sentence_transformers_dir
+
+                save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"), pooling,
+                                               tc.passage_max_length)
+            attached = ray.train.Checkpoint.from_directory(directory)
+        ray.train.report({"step": step, "train_s": time.time() - started}, checkpoint=attached)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    epoch = start_step // max(1, schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes))
+    for gb in schedule.iterate(sizes, tc.global_batch_size, tc.sampler, tc.seed, stop_step, start_step,
+                               tc.cluster_weighting, codes):
+        if config.get("fail_at_step") == gb.step and checkpoint is None and rank == 0:
+            raise RuntimeError(f"injected failure at step {gb.step} (test hook)")
+        t0, epoch = time.time(), gb.epoch
+        torch.manual_seed(step_seed(tc.seed, gb.step, rank))
         table = reader.rows(gb.shard, gb.rank_rows(rank, world))
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
         model.train()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            q = embed(model, tokenizer, queries, tc.query_max_length, pooling, device)
-            p = embed(model, tokenizer, passages, tc.passage_max_length, pooling, device)
-        loss, stats = info_nce(q.float(), p.float(), tc.temperature, text_keys(queries).to(device),
-                               text_keys(passages).to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = contrastive_backward(model, tokenizer, queries, passages, settings, device)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        # Global means of the logged figures (every rank's queries), one small all-reduce.
-        values = torch.stack([loss.detach().float(), stats["pos_cos"].float(), stats["neg_cos_mean"].float(),
-                              stats["neg_cos_max"].float(), stats["masked_false_negatives"].float()])
+        # Global means of the logged figures (every rank's queries) and token sums: one small all-reduce.
+        values = torch.stack([loss.float(), stats["pos_cos"].float(), stats["neg_cos_mean"].float(),
+                              stats["neg_cos_max"].float(), stats["masked_false_negatives"].float(),
+                              torch.tensor(float(stats["tokens"]), device=loss.device)])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(values)
             values[:4] /= world
         values = values.tolist()
         step_s = time.time() - t0
-        if tc.log_batches:
-            batch_log.append(json.dumps({"step": gb.step, "epoch": gb.epoch, "shard": gb.shard,
-                                         "pair_ids": table.column("pair_id").to_pylist()}))
+        if batches is not None:
+            batches.append({"step": gb.step, "epoch": gb.epoch, "shard": gb.shard, "group": gb.group,
+                            "pair_ids": table.column("pair_id").to_pylist()})
         if rank == 0:
-            shard = manifest["clusters"][gb.shard] if gb.shard >= 0 else None
-            record = {"step": gb.step, "epoch": gb.epoch, "cluster": shard["cluster"] if shard else None,
-                      "cluster_name": shard["name"] if shard else "random", "loss": values[0], "lr": lr,
-                      "grad_norm": float(grad_norm), "pos_cos": values[1], "neg_cos_mean": values[2],
-                      "neg_cos_max": values[3], "masked_false_negatives": int(values[4]),
-                      "pairs_per_s": tc.global_batch_size / step_s, "step_s": step_s}
-            metrics_lines.append(json.dumps(record))
-            if (gb.step + 1) % tc.log_every_steps == 0 or gb.step + 1 == num_steps:
-                run.write_text(f"train/{name}/metrics.jsonl", "\n".join(metrics_lines) + "\n")
-                elapsed = time.time() - t_last
-                t_last = time.time()
-                print(f"[train] step {gb.step + 1}/{num_steps} epoch {gb.epoch} loss {values[0]:.4f} "
-                      f"lr {lr:.2e} neg_cos {values[2]:.3f} {tc.log_every_steps * tc.global_batch_size / max(elapsed, 1e-9):.1f} pairs/s",
-                      flush=True)
+            cluster, cluster_name = _group_label(gb, manifest, tc.sampler, sources)
+            flops = stats["flops_per_param_token"] * flops_params * values[5]
+            record = {"step": gb.step, "epoch": gb.epoch, "cluster": cluster, "cluster_name": cluster_name,
+                      "loss": values[0], "lr": lr, "grad_norm": float(grad_norm), "pos_cos": values[1],
+                      "neg_cos_mean": values[2], "neg_cos_max": values[3],
+                      "masked_false_negatives": int(values[4]), "pairs_per_s": tc.global_batch_size / step_s,
+                      "step_s": step_s, "tokens": int(values[5]), "tflops_per_s": flops / step_s / 1e12,
+                      "mfu": flops / step_s / (peak * world) if peak else None}
+            metrics.append(record)
+            if board is not None:
+                board.log(record)
+            if (gb.step + 1) % tc.log_every_steps == 0 or gb.step + 1 == stop_step:
+                flush_logs()
+                elapsed, t_last = time.time() - t_last, time.time()
+                mfu = f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+                print(f"[train] step {gb.step + 1}/{num_steps} epoch {gb.epoch} loss {values[0]:.4f} lr {lr:.2e} "
+                      f"neg_cos {values[2]:.3f} {tc.log_every_steps * tc.global_batch_size / max(elapsed, 1e-9):.1f} "
+                      f"pairs/s{mfu}", flush=True)
         if not math.isfinite(values[0]):
             raise FloatingPointError(f"Loss became {values[0]} at step {gb.step}: lower train.lr or raise "
                                      f"train.temperature.")
-    if tc.log_batches:
-        run.write_text(f"train/{name}/batches/rank-{rank}.jsonl", "\n".join(batch_log) + "\n")
-    checkpoint_dir = tempfile.mkdtemp(prefix="clusterscale-ckpt-")
-    checkpoint = None
-    if rank == 0:
-        unwrapped = model.module if hasattr(model, "module") else model
-        from clusterscale.encoder import save_sentence_transformers_dir
-
-        save_sentence_transformers_dir(unwrapped, tokenizer, os.path.join(checkpoint_dir, "model"), pooling,
-                                       tc.passage_max_length)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   os.path.join(checkpoint_dir, "optimizer.pt"))
-        with open(os.path.join(checkpoint_dir, "cursor.json"), "w") as f:
-            json.dump({"step": num_steps, "seed": tc.seed}, f)
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir)
-    ray.train.report({"step": num_steps, "train_s": time.time() - started}, checkpoint=checkpoint)
+        done = gb.step + 1
+        if tc.checkpoint_every_steps and done % tc.checkpoint_every_steps == 0 and done < stop_step:
+            save(done, gb.epoch, final=False)
+    if board is not None:
+        board.close()
+    save(stop_step, epoch, final=stop_step == num_steps)
 
 
-def run_train(cfg: Config, run: RunDir) -> dict:
-    import ray
-    from ray.train import RunConfig, ScalingConfig
+def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int | None = None) -> dict:
+    """Train train/<name>/; `resume` continues from its latest checkpoint. fail_at_step: a test hook that
+    makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    import ray
 
-
-    k, tc, name = cfg.cluster.k, cfg.train, cfg.train_name()
+    tc, name = cfg.train, cfg.train_name()
     out = f"train/{name}"
     fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train"))
-    manifest = load_manifest(run, k)
-    if manifest["global_batch_size"] != tc.global_batch_size:
-        raise ValueError(f"The shards under {shards_dir(k)} were planned for train.global_batch_size="
-                         f"{manifest['global_batch_size']}, not {tc.global_batch_size}: rerun `clusterscale shard` "
-                         f"with this batch size in a new --run-dir, or keep the batch size.")
+    manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
     if run.is_done(out, fingerprint):
         return run.done_stats(out)
-    sizes = [c["rows"] for c in manifest["clusters"]]
-    if max(sizes) < tc.global_batch_size:
-        raise ValueError(f"train.global_batch_size={tc.global_batch_size} is larger than every shard "
-                         f"(largest {max(sizes)} rows): lower it or cluster.k.")
-    num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps)
-    _, unused = schedule.epoch_batches(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0)
-    run.begin(out)
+    if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
+        raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
+                          "local --run-dir; set train.tensorboard=false otherwise.")
+    sizes, codes, _ = _strata_inputs(run, manifest, tc.sampler)
+    num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps, codes)
+    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes) == 0:
+        raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
+                          f"{tc.global_batch_size} pairs: lower train.global_batch_size.")
+    unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting, codes)
+    storage = run.path(out, "ray")
+    if resume:
+        if not run.exists(out, "ray", RAY_RUN_NAME):
+            raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
+    else:
+        run.begin(out)  # a fresh run must not pick up an older run's checkpoints (same Ray run name)
     started = time.time()
     cpus = ray.cluster_resources().get("CPU", 1)
     threads = 1 if tc.use_gpu else max(1, int(cpus // tc.num_workers))
     resources = {"GPU": 1, "CPU": 1} if tc.use_gpu else {"CPU": min(threads, cpus / tc.num_workers)}
-    storage = run.path(out, "ray")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "run_uri": run.uri, "num_steps": num_steps, "name": name,
-                           "threads_per_worker": threads},
+                           "threads_per_worker": threads, "resume": resume, "fail_at_step": fail_at_step},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name="ray-train", storage_path=storage,
-                             storage_filesystem=None if run.is_local else run.fs))
-    print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler}, "
-          f"{tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs unused per epoch "
-          f"(remainders < one global batch)", flush=True)
+        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=storage,
+                             storage_filesystem=None if run.is_local else run.fs,
+                             failure_config=FailureConfig(max_failures=tc.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler} "
+          f"({tc.cluster_weighting}), {tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs "
+          f"unused per epoch (remainders < one global batch)", flush=True)
     result = trainer.fit()
     if result.error:
         raise result.error
-    _export_model(run, result.checkpoint, out)
+    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
     wall = time.time() - started
     stats = {"name": name, "steps": num_steps, "global_batch_size": tc.global_batch_size, "sampler": tc.sampler,
-             "unused_pairs_per_epoch": unused, "wall_s": round(wall, 3),
+             "cluster_weighting": tc.cluster_weighting, "unused_pairs_per_epoch": unused, "wall_s": round(wall, 3),
              "worker_s": round(wall * tc.num_workers, 3), "device": "gpu" if tc.use_gpu else "cpu",
              "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
+    if stop_step < num_steps:
+        print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
+              f"`clusterscale train --resume` and the same config.", flush=True)
+        return stats | {"stopped_at_step": stop_step}
+    _export_model(run, result.checkpoint, out)
     run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
     print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}", flush=True)
     return stats

@@ -35,8 +35,12 @@ def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
     return model, tokenizer, pooling
 
 
-def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device) -> torch.Tensor:
+def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device,
+          counters: dict | None = None) -> torch.Tensor:
+    """L2-normalised pooled embeddings; adds the padded token count to counters["tokens"] when given."""
     batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    if counters is not None:
+        counters["tokens"] = counters.get("tokens", 0) + int(batch["input_ids"].numel())
     hidden = model(**batch).last_hidden_state
     return F.normalize(pool(hidden.float(), batch["attention_mask"], pooling), dim=-1)
 
@@ -50,3 +54,9 @@ def text_keys(texts: list[str]) -> torch.Tensor:
 
 def default_tokenizer_path() -> str:
     return resolve_model_path(BUNDLED)
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Trainable parameters that take part in matmuls (embedding tables excluded), for FLOP estimates."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return int(sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in embeddings))

@@ -1,0 +1,126 @@
+"""The batch schedule: determinism, one stratum per global batch, lock-step ranks, exact coverage."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clusterscale.train import schedule
+
+SIZES = [70, 33, 16, 100]
+B = 16
+
+
+def _codes(n: int) -> np.ndarray:
+    return np.random.default_rng(5).integers(0, 3, size=n)
+
+
+def _batches(sampler, epoch=0, weighting="proportional", seed=0, sizes=SIZES):
+    codes = _codes(sum(sizes)) if sampler == "source" else None
+    return schedule.epoch_global_batches(sizes, B, sampler, seed, epoch, weighting, codes)
+
+
+def _global_rows(sizes, b: schedule.GlobalBatch) -> np.ndarray:
+    offsets = np.cumsum([0] + list(sizes))
+    return b.rows + offsets[b.shard] if b.shard >= 0 else b.rows
+
+
+@pytest.mark.parametrize("sampler", schedule.SAMPLERS)
+@pytest.mark.parametrize("weighting", schedule.WEIGHTINGS)
+def test_deterministic_and_seed_dependent(sampler, weighting):
+    a, b = _batches(sampler, weighting=weighting), _batches(sampler, weighting=weighting)
+    assert [(x.shard, x.group, x.rows.tolist()) for x in a] == [(x.shard, x.group, x.rows.tolist()) for x in b]
+    other = _batches(sampler, weighting=weighting, seed=1)
+    assert [x.rows.tolist() for x in a] != [x.rows.tolist() for x in other]
+    assert [x.rows.tolist() for x in a] != [x.rows.tolist() for x in _batches(sampler, 1, weighting)]
+
+
+@pytest.mark.parametrize("sampler", ["clustered", "random_clusters", "source"])
+def test_every_global_batch_from_one_stratum(sampler):
+    codes = _codes(sum(SIZES))
+    parts = schedule.strata(SIZES, sampler, 0, codes)
+    member = {}
+    for s, part in enumerate(parts):
+        rows = _global_rows(SIZES, schedule.GlobalBatch(0, 0, part.shard, part.rows))
+        member.update({int(r): s for r in rows})
+    for weighting in schedule.WEIGHTINGS:
+        for b in _batches(sampler, weighting=weighting):
+            assert {member[int(r)] for r in _global_rows(SIZES, b)} == {b.group}
+            assert len(b.rows) == B and len(set(b.rows.tolist())) == B
+
+
+@pytest.mark.parametrize("sampler", schedule.SAMPLERS)
+def test_exactly_once_per_epoch_when_proportional(sampler):
+    """Each pair in at most one batch per epoch; exactly the full batches of every stratum are used."""
+    codes = _codes(sum(SIZES))
+    for epoch in range(3):
+        batches = _batches(sampler, epoch)
+        rows = np.concatenate([_global_rows(SIZES, b) for b in batches])
+        assert len(rows) == len(set(rows.tolist()))
+        unused = schedule.unused_pairs(SIZES, B, sampler, 0, epoch, "proportional", codes)
+        assert len(rows) + unused == sum(SIZES)
+        assert len(batches) == schedule.batches_per_epoch(SIZES, B, sampler, codes)
+        if sampler == "clustered":
+            assert unused == sum(s % B for s in SIZES)
+
+
+def test_random_clusters_keep_the_cluster_sizes_but_not_the_members():
+    parts = schedule.strata(SIZES, "random_clusters", 0)
+    assert [len(p.rows) for p in parts] == SIZES
+    everything = np.concatenate([p.rows for p in parts])
+    assert sorted(everything.tolist()) == list(range(sum(SIZES)))
+    assert parts[0].rows.tolist() != list(range(SIZES[0]))
+    assert [p.rows.tolist() for p in parts] == [p.rows.tolist() for p in schedule.strata(SIZES, "random_clusters", 0)]
+
+
+def test_source_strata_follow_the_codes():
+    codes = _codes(sum(SIZES))
+    parts = schedule.strata(SIZES, "source", 0, codes)
+    assert len(parts) == 3
+    for value, part in enumerate(parts):
+        assert sorted(part.rows.tolist()) == np.flatnonzero(codes == value).tolist()
+    with pytest.raises(ValueError, match="source code per row"):
+        schedule.strata(SIZES, "source", 0, None)
+
+
+def test_uniform_weighting_draws_strata_equally_and_counts_unused():
+    sizes = [400, 48, 32]  # 25, 3 and 2 full batches
+    batches = schedule.epoch_global_batches(sizes, B, "clustered", 0, 0, "uniform")
+    assert len(batches) == 30
+    counts = np.bincount([b.group for b in batches], minlength=3)
+    assert counts.min() >= 5  # ~10 each; proportional would give 25 / 3 / 2
+    used = set()
+    for b in batches:
+        used |= set(_global_rows(sizes, b).tolist())
+    assert schedule.unused_pairs(sizes, B, "clustered", 0, 0, "uniform") == sum(sizes) - len(used)
+    # A small stratum drawn more often than it has batches repeats rows only across reshuffled passes.
+    small = [b for b in batches if b.group == 2]
+    for first, second in zip(small[:2], small[2:4]):
+        assert first.rows.tolist() != second.rows.tolist()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ranks_split_each_batch_and_exhaust_together(world_size):
+    per_epoch = schedule.batches_per_epoch(SIZES, B, "clustered")
+    steps = 2 * per_epoch + 3
+    per_rank = [list(schedule.iterate(SIZES, B, "clustered", 0, steps)) for _ in range(world_size)]
+    assert all(len(r) == steps for r in per_rank)  # every rank runs the same number of steps
+    for step in range(steps):
+        batch = per_rank[0][step]
+        assert {r[step].shard for r in per_rank} == {batch.shard}  # same cluster on every rank
+        slices = [per_rank[r][step].rank_rows(r, world_size) for r in range(world_size)]
+        assert np.concatenate(slices).tolist() == batch.rows.tolist()
+        assert all(len(s) == B // world_size for s in slices)
+    assert [b.epoch for b in per_rank[0]] == [s // per_epoch for s in range(steps)]
+
+
+def test_resume_from_any_step_continues_the_same_sequence():
+    full = list(schedule.iterate(SIZES, B, "clustered", 3, 30, weighting="uniform"))
+    for start in (0, 7, 11, 25):
+        tail = list(schedule.iterate(SIZES, B, "clustered", 3, 30, start, "uniform"))
+        assert [(b.step, b.shard, b.rows.tolist()) for b in tail] == \
+               [(b.step, b.shard, b.rows.tolist()) for b in full[start:]]
+
+
+def test_no_full_batch_is_an_error():
+    with pytest.raises(ValueError, match="lower train.global_batch_size"):
+        next(schedule.iterate([10, 12], B, "clustered", 0, 5))

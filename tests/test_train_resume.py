@@ -1,0 +1,82 @@
+"""Ray Train on local Ray: a stopped-and-resumed run and a run with an injected worker failure see exactly
+the batches (and losses) of an uninterrupted run; other samplers and GradCache run through the same loop."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale.train.loop import run_train
+from tests.train_data import make_sharded_run, train_overrides
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return make_sharded_run(tmp_path_factory.mktemp("train") / "run")
+
+
+def _cfg(model: str, name: str, *extra: str):
+    return config_mod.load(None, train_overrides(model, steps=STEPS) + [f"train.name={name}", *extra])
+
+
+def _jsonl(run, rel):
+    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line]
+
+
+def _batches(run, name):
+    return [[(r["step"], r["pair_ids"]) for r in _jsonl(run, f"train/{name}/batches/rank-{rank}.jsonl")]
+            for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(sharded, tiny_model, ray_local):
+    run_train(_cfg(tiny_model, "full"), sharded)
+    return _batches(sharded, "full"), _jsonl(sharded, "train/full/metrics.jsonl")
+
+
+def _assert_same_run(run, name, uninterrupted):
+    batches, metrics = uninterrupted
+    assert _batches(run, name) == batches
+    got = _jsonl(run, f"train/{name}/metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(STEPS))
+    for a, b in zip(got, metrics):
+        assert a["cluster"] == b["cluster"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])  # same weights, optimizer state, dropout
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+    assert run.exists(f"train/{name}/model/model.safetensors") and run.exists(f"train/{name}/_DONE.json")
+
+
+def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
+    stats = run_train(_cfg(tiny_model, "resumed", "train.stop_after_steps=3"), sharded)
+    assert stats["stopped_at_step"] == 3 and not sharded.exists("train/resumed/_DONE.json")
+    assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 3
+    run_train(_cfg(tiny_model, "resumed"), sharded, resume=True)
+    _assert_same_run(sharded, "resumed", uninterrupted)
+
+
+def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninterrupted):
+    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1")
+    run_train(cfg, sharded, fail_at_step=3)
+    _assert_same_run(sharded, "failed", uninterrupted)
+
+
+def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):
+    run_train(_cfg(tiny_model, "source", "train.sampler=source", "train.cluster_weighting=uniform",
+                   "train.grad_cache_chunk=3", "train.steps=4"), sharded)
+    source_of = {}
+    for rows in sharded.read_json("shards/k=4/manifest.json")["clusters"]:
+        import pyarrow.parquet as pq
+
+        for f in rows["files"]:
+            t = pq.read_table(sharded.path(f), columns=["pair_id", "source"])
+            source_of.update(zip(t.column("pair_id").to_pylist(), t.column("source").to_pylist()))
+    metrics = _jsonl(sharded, "train/source/metrics.jsonl")
+    for (step0, ids0), (step1, ids1), m in zip(*_batches(sharded, "source"), metrics):
+        assert {source_of[p] for p in ids0 + ids1} == {m["cluster_name"]}
+    for m in metrics:
+        assert m["mfu"] is not None and 0 < m["mfu"] < 1 and m["tokens"] > 0 and m["tflops_per_s"] > 0
+        assert set(m) >= {"step", "epoch", "cluster", "loss", "lr", "grad_norm", "neg_cos_mean", "neg_cos_max",
+                          "pos_cos", "masked_false_negatives", "pairs_per_s"}
