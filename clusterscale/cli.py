@@ -116,32 +116,28 @@ def summary(cfg, run, results: dict) -> str:
 
 
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
+    """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
     import json
 
     import yaml
 
     from clusterscale.rundir import RunDir
-    from clusterscale.shards import load_manifest
+    from clusterscale.shards import cluster_table, format_cluster_table, load_manifest, shards_dir
 
     run = RunDir(run_dir)
     if k is None:
         if not run.exists("config.yaml"):
             raise config_mod.ConfigError(f"{run_dir} has no config.yaml: pass --k or check the run directory.")
         k = yaml.safe_load(run.read_bytes("config.yaml"))["cluster"]["k"]
-    manifest = load_manifest(run, k)
-    overall = manifest["stats"]["overall_mean_cosine"]
-    print(f"k={k}: {manifest['stats']['rows']} rows in {len(manifest['clusters'])} shards; whole-dataset mean "
-          f"cosine {overall:.3f}" if overall is not None else f"k={k}")
-    print(f"{'cluster':>8} {'rows':>8} {'intra cos':>9}  sample queries")
-    table = []
-    for c in manifest["clusters"]:
-        intra = c["mean_intra_cosine"]
-        print(f"{c['name']:>8} {c['rows']:>8} {'' if intra is None else f'{intra:.3f}':>9}  "
-              + " | ".join(s[:60] for s in c["samples"][:3]))
-        table.append({"cluster": c["name"], "rows": c["rows"], "mean_intra_cosine": intra, "samples": c["samples"]})
+    table = cluster_table(load_manifest(run, k))
+    print(format_cluster_table(table))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"k": k, "overall_mean_cosine": overall, "clusters": table}, f, indent=2)
+            json.dump(table, f, indent=2)
+    else:
+        run.write_json(f"{shards_dir(k)}/inspect.json", table)
+        json_path = run.path(shards_dir(k), "inspect.json")
+    print(f"table written to {json_path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,18 @@ class ClusterConfig:
     k: int = knob(8, "Number of clusters.")
     niter: int = knob(20, "Lloyd iterations.")
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
-    max_points_per_centroid: int = knob(256, "Fit sample = min(N, this x k) rows, like FAISS.")
+    max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (chosen by a seeded "
+                                             "hash of pair_id), like FAISS.")
+    fit_sample: str = knob("capped", "'capped' = fit on the max_points_per_centroid x k sample; 'all' = fit "
+                                     "on every embedded row.", ("capped", "all"))
+    num_workers: int = knob(0, "Ray actors of the data-parallel fit, each holding a slice of the sample; "
+                               "0 = one per GPU, or one per node on CPU. Centroids do not depend on it.",
+                            affects_output=False)
+    assign_index: str = knob("auto", "Centroid index of `assign`: 'flat' (exact), 'ivf' (approximate, much "
+                                     "faster for k >= 10,000), 'auto' = ivf when k >= 10,000.",
+                             ("auto", "flat", "ivf"))
+    ivf_nprobe: int = knob(16, "Inverted lists searched per row when assign uses the IVF index "
+                               "(of sqrt(k) lists); higher = closer to exact.")
 
 
 @dataclass
@@ -264,6 +275,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.query_column and data.passage_column must name different columns.")
     for key in ("data.max_text_chars", "data.rows_per_part", "embed.max_length", "embed.batch_size",
                 "embed.threads_per_actor", "cluster.k", "cluster.niter", "cluster.max_points_per_centroid",
+                "cluster.ivf_nprobe",
                 "shard.target_rows_per_file", "train.global_batch_size", "train.epochs", "train.num_workers",
                 "train.temperature", "train.lr", "train.query_max_length", "train.passage_max_length",
                 "train.max_grad_norm", "train.log_every_steps", "eval.max_queries", "eval.batch_size",
@@ -272,6 +284,8 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         _positive(key, getattr(getattr(cfg, section), name))
     _positive("train.steps", cfg.train.steps, allow_none=True)
+    if cfg.cluster.num_workers < 0:
+        raise ConfigError(f"cluster.num_workers must be >= 0 (0 = auto), got {cfg.cluster.num_workers}.")
     if cfg.embed.num_actors < 0:
         raise ConfigError(f"embed.num_actors must be >= 0, got {cfg.embed.num_actors}.")
     if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:

@@ -1,27 +1,31 @@
-"""Fit spherical k-means on a seeded sample of embeddings/, and assign every row to its nearest centroid.
+"""Fit spherical k-means over W Ray actors on a seeded sample of embeddings/, and assign every row.
 
 fit:    kmeans/k=<k>/centroids.npy + fit_stats.json   (`clusterscale fit`, after `embed`)
 assign: assign/k=<k>/  = embeddings rows + cluster:int32 + cos:float32 (`clusterscale assign`)
+The math lives in clusterscale/kmeans_core.py; this module only distributes it.
 """
 from __future__ import annotations
 
+import functools
 import io
+import math
 import time
 
 import faiss
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
+from clusterscale.config import ClusterConfig, Config
 from clusterscale.embed import emb_matrix
 from clusterscale.ingest import hash_unit
+from clusterscale.kmeans_core import (ClusteringError, check_vectors, init_candidates, lloyd, lloyd_partials,
+                                      pick_initial)
 from clusterscale.rundir import RunDir
 
-
-class ClusteringError(ValueError):
-    """k-means cannot run on this input; the message names the cause and the fix."""
+__all__ = ["ClusteringError", "check_vectors", "kmeans_dir", "assign_dir", "run_fit", "run_assign",
+           "load_centroids", "AssignBatches"]
 
 
 def kmeans_dir(k: int) -> str:
@@ -32,52 +36,111 @@ def assign_dir(k: int) -> str:
     return f"assign/k={k}"
 
 
-def check_vectors(x: np.ndarray, where: str, dim: int | None = None) -> None:
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ClusteringError(f"No embeddings in {where}: run `clusterscale embed` first.")
-    if dim is not None and x.shape[1] != dim:
-        raise ClusteringError(f"Embeddings in {where} have dimension {x.shape[1]}, the centroids {dim}: they "
-                              f"come from different encoders; re-run `clusterscale fit` for this embed.model.")
-    bad = ~np.isfinite(x).all(axis=1)
-    if bad.any():
-        raise ClusteringError(f"{int(bad.sum())} embedding rows in {where} hold NaN/inf: re-run "
-                              f"`clusterscale embed` with a working encoder.")
+# --- fit ------------------------------------------------------------------------------------------------
+def row_group_units(run: RunDir) -> list[tuple[str, int, int]]:
+    """(file, row group, rows) of embeddings/ from the Parquet footers only: the actors' work units."""
+    units = []
+    for path in run.files("embeddings"):
+        with run.fs.open_input_file(path) as f:
+            meta = pq.ParquetFile(f).metadata
+        units += [(path, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
+    return units
 
 
-def read_fit_sample(run: RunDir, k: int, max_points_per_centroid: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rows whose seeded hash of pair_id is among the smallest min(N, mppc*k): (pair_ids, vectors)."""
-    dataset = pads.dataset(run.files("embeddings"), filesystem=run.fs, format="parquet")
-    ids = dataset.to_table(columns=["pair_id"]).column("pair_id").to_numpy()
-    n_sample = min(len(ids), max_points_per_centroid * k)
-    if k > len(ids):
-        raise ClusteringError(f"cluster.k={k} is larger than the number of embedded pairs ({len(ids)}): "
-                              f"lower cluster.k or ingest more data.")
-    keys = hash_unit(ids, salt=seed)
-    threshold = np.partition(keys, n_sample - 1)[n_sample - 1]
-    chosen_ids, chunks = [], []
-    for batch in dataset.to_batches(columns=["pair_id", "emb"]):
-        keep = hash_unit(batch.column("pair_id").to_numpy(), salt=seed) <= threshold
+def split_units(units: list, workers: int) -> list[list]:
+    """Contiguous runs of units with about equal rows per worker (fewer workers if there are few units)."""
+    total = sum(u[2] for u in units)
+    slices, current, acc = [], [], 0
+    for unit in units:
+        current.append(unit)
+        acc += unit[2]
+        if acc >= total * (len(slices) + 1) / workers and len(slices) < workers - 1:
+            slices.append(current)
+            current = []
+    return [s for s in slices + [current] if s]
+
+
+def read_sample_slice(run_uri: str, units: list, keep_fraction: float, seed: int) -> tuple[np.ndarray, list]:
+    """Rows of `units` whose seeded hash of pair_id is < keep_fraction: (pair_ids, [fp32 matrices])."""
+    run = RunDir(run_uri)
+    ids, chunks = [], []
+    for path, group, _ in units:
+        with run.fs.open_input_file(path) as f:
+            table = pq.ParquetFile(f).read_row_group(group, columns=["pair_id", "emb"])
+        pid = table.column("pair_id").to_numpy()
+        keep = hash_unit(pid, salt=seed) < keep_fraction if keep_fraction < 1 else np.ones(len(pid), bool)
         if keep.any():
-            chosen_ids.append(batch.column("pair_id").to_numpy()[keep])
-            chunks.append(emb_matrix(batch.column("emb"))[keep])
-    sample_ids = np.concatenate(chosen_ids)
-    order = np.argsort(sample_ids)  # a fixed row order makes the fit independent of file layout
-    return sample_ids[order], np.concatenate(chunks)[order]
+            ids.append(pid[keep])
+            chunks.append(emb_matrix(table.column("emb"))[keep])
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), chunks
 
 
-def fit_spherical_kmeans(x: np.ndarray, k: int, niter: int, seed: int) -> tuple[np.ndarray, dict]:
-    """faiss spherical k-means on x (rows L2-normalised). Returns (centroids, stats)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    check_vectors(x, "the fit sample")
-    km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=seed, spherical=True,
-                      max_points_per_centroid=max(1, -(-len(x) // k)), min_points_per_centroid=1, verbose=False)
-    km.train(x)
-    sims, labels = km.index.search(x, 1)
-    counts = np.bincount(labels[:, 0], minlength=k)
-    stats = {"objective": float(sims.sum()), "objective_per_iteration": [float(o) for o in km.obj],
-             "imbalance_factor": float(k * np.square(counts).sum() / max(1, counts.sum()) ** 2),
-             "empty_clusters": int((counts == 0).sum())}
-    return km.centroids.astype(np.float32), stats
+class SampleShard:
+    """One worker of the fit: holds its slice of the fit sample in memory for all iterations."""
+
+    def __init__(self, load, threads: int, use_gpu: bool = False):
+        faiss.omp_set_num_threads(threads)
+        self.use_gpu = use_gpu
+        self.ids, chunks = load()
+        self.dims = sorted({c.shape[1] for c in chunks})
+        self.x = np.concatenate(chunks) if len(self.dims) == 1 else np.zeros((0, 0), np.float32)
+
+    def describe(self) -> dict:
+        return {"rows": len(self.ids), "dims": self.dims,
+                "nonfinite_rows": int((~np.isfinite(self.x).all(axis=1)).sum()) if self.x.size else 0}
+
+    def init_candidates(self, k: int, seed: int):
+        return init_candidates(self.ids, self.x, k, seed) if len(self.ids) else (np.zeros(0), self.x[:0])
+
+    def step(self, centroids: np.ndarray):
+        if not len(self.ids):
+            return lloyd_partials(np.zeros((0, centroids.shape[1]), np.float32), centroids)
+        return lloyd_partials(self.x, centroids, self.use_gpu)
+
+
+def fit_resources(num_workers: int, units: int) -> tuple[int, int, dict]:
+    """(workers, faiss threads per worker, actor options): one per GPU, else one per node by default."""
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    use_gpu = gpus > 0 and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU"))
+    workers = max(1, min(num_workers or (gpus if use_gpu else nodes), units))
+    threads = max(1, int(resources.get("CPU", 1)) // workers)
+    options = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": threads}
+    return workers, threads, options | {"scheduling_strategy": "SPREAD"}
+
+
+def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tuple[np.ndarray, dict]:
+    """Seeded init and niter Lloyd iterations over live SampleShard actors (driver side)."""
+    initial = pick_initial(ray.get([a.init_candidates.remote(k, seed) for a in actors]), k)
+
+    def step(centroids: np.ndarray) -> list:
+        ref = ray.put(centroids)  # one copy in the object store per iteration, not one per actor
+        return ray.get([a.step.remote(ref) for a in actors])
+
+    return lloyd(step, initial, niter, log)
+
+
+def start_sample_shards(loads: list, threads: int, options: dict, use_gpu: bool = False) -> list:
+    actor_cls = ray.remote(SampleShard).options(**options)
+    return [actor_cls.remote(load, threads, use_gpu) for load in loads]
+
+
+def check_sample(descriptions: list[dict], k: int, cfg: ClusterConfig) -> int:
+    """Raise ClusteringError for mixed dimensions, NaN/inf vectors or a sample smaller than k."""
+    dims = sorted({d for desc in descriptions for d in desc["dims"]})
+    if len(dims) > 1 or any(len(desc["dims"]) > 1 for desc in descriptions):
+        raise ClusteringError(f"embeddings/ mixes vectors of dimensions {dims}: it holds output of different "
+                              f"encoders. Delete embeddings/ and re-run `clusterscale embed`.")
+    bad = sum(desc["nonfinite_rows"] for desc in descriptions)
+    if bad:
+        raise ClusteringError(f"{bad} sampled embedding rows hold NaN/inf: the encoder is broken. Re-run "
+                              f"`clusterscale embed` with a working embed.model (delete embeddings/ first).")
+    rows = sum(desc["rows"] for desc in descriptions)
+    if rows < k:
+        raise ClusteringError(f"The fit sample holds {rows} vectors, fewer than cluster.k={k}: lower cluster.k, "
+                              f"raise cluster.max_points_per_centroid, or set cluster.fit_sample=all.")
+    return rows
 
 
 def run_fit(cfg: Config, run: RunDir) -> dict:
@@ -87,23 +150,44 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
     out = kmeans_dir(k)
     if run.is_done(out, fingerprint):
         return run.done_stats(out)
+    n_rows = int(run.done_stats("embeddings").get("rows", 0))
+    units = row_group_units(run)
+    n_files_rows = sum(u[2] for u in units)
+    if n_rows == 0 or n_files_rows == 0:
+        raise ClusteringError(f"embeddings/ in {run.path()} holds no rows: ingest kept no pairs or embed wrote "
+                              f"nothing. Check `clusterscale ingest` output (pairs/, quarantine/) and re-run embed.")
+    if k > n_files_rows:
+        raise ClusteringError(f"cluster.k={k} is larger than the number of embedded pairs ({n_files_rows}): "
+                              f"lower cluster.k or ingest more data.")
     run.begin(out)
     started = time.time()
-    ids, x = read_fit_sample(run, k, cfg.cluster.max_points_per_centroid, cfg.cluster.seed)
-    fit_started = time.time()
-    centroids, stats = fit_spherical_kmeans(x, k, cfg.cluster.niter, cfg.cluster.seed)
-    fit_s = time.time() - fit_started
+    wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
+    keep_fraction = min(1.0, wanted / n_files_rows)
+    workers, threads, options = fit_resources(cfg.cluster.num_workers, len(units))
+    slices = split_units(units, workers)
+    loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
+    actors = start_sample_shards(loads, threads, options, use_gpu="num_gpus" in options)
+    try:
+        n_sample = check_sample(ray.get([a.describe.remote() for a in actors]), k, cfg.cluster)
+        dim = next(d for desc in ray.get([a.describe.remote() for a in actors]) for d in desc["dims"])
+        load_s = time.time() - started
+        centroids, stats = fit_on_actors(actors, k, cfg.cluster.niter, cfg.cluster.seed)
+    finally:
+        for a in actors:
+            ray.kill(a)
     buf = io.BytesIO()
     np.save(buf, centroids)
     run.write_bytes(f"{out}/centroids.npy", buf.getvalue())
-    stats.update({"k": k, "niter": cfg.cluster.niter, "seed": cfg.cluster.seed, "n_sample": int(len(x)),
-                  "dim": int(x.shape[1]), "seconds_per_iteration": round(fit_s / cfg.cluster.niter, 4),
-                  "wall_s": round(time.time() - started, 3)})
-    stats["worker_s"] = stats["wall_s"]
+    wall = time.time() - started
+    stats.update({"k": k, "niter": cfg.cluster.niter, "seed": cfg.cluster.seed, "n_sample": n_sample,
+                  "sample_fraction": round(keep_fraction, 6), "dim": dim, "num_workers": len(actors),
+                  "threads_per_worker": threads, "device": "gpu" if "num_gpus" in options else "cpu",
+                  "load_s": round(load_s, 3), "wall_s": round(wall, 3),
+                  "worker_s": round(wall * len(actors), 3)})
     run.write_json(f"{out}/fit_stats.json", stats)
     run.mark_done(out, fingerprint, stats, {"cluster": cfg.to_dict()["cluster"]})
-    print(f"[fit] k={k} on {len(x)} sampled vectors (d={x.shape[1]}): objective {stats['objective']:.1f}, "
-          f"imbalance {stats['imbalance_factor']:.2f}, {stats['wall_s']:.1f}s", flush=True)
+    print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
+          f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
     return stats
 
 
@@ -111,17 +195,42 @@ def load_centroids(run: RunDir, k: int) -> np.ndarray:
     return np.load(io.BytesIO(run.read_bytes(f"{kmeans_dir(k)}/centroids.npy")))
 
 
-class AssignBatches:
-    """Ray Data callable class: nearest centroid by inner product (faiss IndexFlatIP) and its cosine."""
+# --- assign ---------------------------------------------------------------------------------------------
+def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int) -> bytes:
+    """Serialised faiss index over the centroids: exact (flat) or IVF (k >= 10k, faster, approximate)."""
+    k, d = centroids.shape
+    c = np.ascontiguousarray(centroids, dtype=np.float32)
+    if kind == "auto":
+        kind = "ivf" if k >= 10_000 else "flat"
+    if kind == "flat":
+        index = faiss.IndexFlatIP(d)
+    else:
+        nlist = max(1, int(math.sqrt(k)))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = 1234  # the coarse quantizer's k-means: fixed so assign is reproducible
+        index.train(c)
+        index.nprobe = min(nprobe, nlist)
+    index.add(c)
+    return faiss.serialize_index(index).tobytes()
 
-    def __init__(self, centroids: np.ndarray):
-        self.index = faiss.IndexFlatIP(centroids.shape[1])
-        self.index.add(np.ascontiguousarray(centroids, dtype=np.float32))
+
+class AssignBatches:
+    """Ray Data callable class: nearest centroid by inner product (a faiss index) and its cosine."""
+
+    def __init__(self, index_or_centroids):
+        if isinstance(index_or_centroids, np.ndarray):  # older callers pass the centroids
+            index_or_centroids = build_assign_index(index_or_centroids, "flat", 1)
+        self.index = faiss.deserialize_index(np.frombuffer(index_or_centroids, dtype=np.uint8))
+        if faiss.get_num_gpus() > 0 and hasattr(faiss, "StandardGpuResources") and ray.get_gpu_ids():
+            self.index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         x = emb_matrix(batch.column("emb"))
         check_vectors(x, "embeddings/", dim=self.index.d)
         sims, labels = self.index.search(x, 1)
+        if (labels < 0).any():  # IVF with too small nprobe can find no list for a row
+            raise ClusteringError("The IVF assign index found no centroid for some rows: raise "
+                                  "cluster.ivf_nprobe or use cluster.assign_index=flat.")
         return batch.append_column("cluster", pa.array(labels[:, 0].astype(np.int32))).append_column(
             "cos", pa.array(sims[:, 0].astype(np.float32)))
 
@@ -135,17 +244,21 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
         return run.done_stats(out)
     run.begin(out)
     started = time.time()
-    centroids = load_centroids(run, k)
+    index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
     n_rows = run.done_stats("embeddings")["rows"]
-    cpus = int(ray.cluster_resources().get("CPU", 1))
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+    on_gpu = gpus > 0 and hasattr(faiss, "StandardGpuResources")
+    # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
+    remote_args = {"num_gpus": 1} if on_gpu else {"num_cpus": 0.5}
     ds = ray.data.read_parquet(run.files("embeddings"), filesystem=run.fs)
-    ds = ds.map_batches(AssignBatches, fn_constructor_args=(centroids,), batch_size=65_536,
-                        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cpus),
-                        num_cpus=0.5)
+    ds = ds.map_batches(AssignBatches, fn_constructor_args=(index,), batch_size=65_536, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=gpus if on_gpu else cpus),
+                        **remote_args)
     ds.write_parquet(run.path(out), filesystem=run.fs)
     wall = time.time() - started
-    stats = {"k": k, "rows": n_rows, "wall_s": round(wall, 3), "rows_per_s": round(n_rows / wall, 1),
-             "worker_s": round(wall, 3)}
+    stats = {"k": k, "rows": n_rows, "index": cfg.cluster.assign_index, "wall_s": round(wall, 3),
+             "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3)}
     run.mark_done(out, fingerprint, stats)
     print(f"[assign] {n_rows} rows to {k} centroids in {wall:.1f}s", flush=True)
     return stats

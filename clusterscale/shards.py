@@ -156,3 +156,31 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
 def load_manifest(run: RunDir, k: int) -> dict:
     run.require(shards_dir(k), "shard", f"Shards for k={k}")
     return run.read_json(f"{shards_dir(k)}/manifest.json")
+
+
+def cluster_table(manifest: dict, num_samples: int = 3) -> dict:
+    """The paper's Table 1 for one k: rows and mean intra-cluster cosine per shard, the whole-dataset
+    mean cosine, and a few sample queries per shard (the paper's Appendix B)."""
+    clusters = [{"cluster": c["name"], "rows": c["rows"], "members": c["members"],
+                 "mean_intra_cosine": c["mean_intra_cosine"], "mean_cos_to_centroid": c["mean_cos_to_centroid"],
+                 "sample_queries": c["samples"][:num_samples]} for c in manifest["clusters"]]
+    return {"k": manifest["k"], "rows": manifest["stats"]["rows"], "shards": len(clusters),
+            "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
+            "small_cluster_policy": manifest["small_cluster_policy"], "moved": manifest["moved"],
+            "clusters": clusters}
+
+
+def format_cluster_table(table: dict) -> str:
+    overall = table["overall_mean_cosine"]
+    lines = [f"k={table['k']}: {table['rows']} rows in {table['shards']} shards; whole-dataset mean cosine "
+             + ("-" if overall is None else f"{overall:.3f}")]
+    if table["moved"]:
+        lines.append(f"small clusters ({table['small_cluster_policy']}): "
+                     + ", ".join(f"{a}->{'pool' if b == table['k'] else b}" for a, b in table["moved"].items()))
+    lines.append(f"{'cluster':>8} {'rows':>9} {'intra cos':>9}  sample queries")
+    for c in table["clusters"]:
+        intra = "-" if c["mean_intra_cosine"] is None else f"{c['mean_intra_cosine']:.3f}"
+        lines.append(f"{c['cluster']:>8} {c['rows']:>9} {intra:>9}  "
+                     + " | ".join(q[:60] for q in c["sample_queries"]))
+    return "\n".join(lines)
+

@@ -1,0 +1,162 @@
+"""clusterscale's spherical k-means fit vs faiss.Kmeans, and fit/assign/shard scaling in N and k.
+
+    python benchmarks/bench_kmeans.py [--n 65536 --k 256 --dim 128 --niter 20] [--json PATH]
+    python benchmarks/bench_kmeans.py --scaling --ns 10000 100000 --ks 10 100 [--json PATH]
+    python benchmarks/bench_kmeans.py --gpu            (faiss-gpu; on a GPU box)
+
+Compare mode, on the same fp16-rounded clustered unit vectors, k, niter and seed:
+  faiss     faiss.Kmeans(d, k, spherical=True).train(x), all rows (no subsampling), all CPU threads
+  core      clusterscale.kmeans_core.fit_spherical_kmeans(x) in this process, all CPU threads
+  ray_w1/2  the Ray fit (fit_on_actors) over 1 / 2 SampleShard actors holding the rows in memory,
+            threads split between actors. Timed: seeded init + niter Lloyd iterations; NOT timed: Ray
+            startup, actor startup and loading the rows (the stage reports those as load_s).
+objective = sum over rows of the cosine to the nearest final centroid (higher is better), computed
+the same way for every method; objective_ratio = faiss / clusterscale (goal <= 1.01).
+time_ratio_w1 / _w2 = ray_w1 / faiss and ray_w2 / faiss seconds (goal for w1 <= 1.25).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import faiss
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from clusterscale.kmeans_core import fit_spherical_kmeans, nearest_centroid  # noqa: E402
+from clusterscale.synthetic import clustered_unit_vectors  # noqa: E402
+
+
+def objective(x: np.ndarray, centroids: np.ndarray) -> float:
+    return float(nearest_centroid(x, centroids)[0].astype(np.float64).sum())
+
+
+def in_memory_slice(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, list]:
+    return ids, [x]
+
+
+def ray_fit(x: np.ndarray, k: int, niter: int, seed: int, workers: int, cpus: int) -> tuple[np.ndarray, float]:
+    import ray
+
+    from clusterscale.kmeans import fit_on_actors, start_sample_shards
+
+    ids = np.arange(len(x), dtype=np.int64)
+    bounds = np.linspace(0, len(x), workers + 1).astype(int)
+    loads = [functools.partial(in_memory_slice, ids[a:b], x[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    threads = max(1, cpus // workers)
+    actors = start_sample_shards(loads, threads, {"num_cpus": threads})
+    ray.get([a.describe.remote() for a in actors])  # wait until the rows are loaded: not timed
+    started = time.perf_counter()
+    centroids, _ = fit_on_actors(actors, k, niter, seed)
+    seconds = time.perf_counter() - started
+    for a in actors:
+        ray.kill(a)
+    return centroids, seconds
+
+
+def compare(args) -> dict:
+    import ray
+
+    x, _ = clustered_unit_vectors(args.n, args.dim, args.topics, seed=args.seed)
+    cpus = os.cpu_count() or 1
+    faiss.omp_set_num_threads(cpus)
+    result = {"n": args.n, "k": args.k, "dim": args.dim, "niter": args.niter, "seed": args.seed, "cpus": cpus,
+              "device": "gpu" if args.gpu else "cpu"}
+    started = time.perf_counter()
+    km = faiss.Kmeans(args.dim, args.k, niter=args.niter, seed=args.seed, spherical=True, gpu=args.gpu,
+                      max_points_per_centroid=args.n, verbose=False)
+    km.train(x)
+    result["faiss_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    core, _ = fit_spherical_kmeans(x, args.k, args.niter, args.seed, use_gpu=args.gpu)
+    result["core_s"] = time.perf_counter() - started
+    objectives = {"faiss": objective(x, km.centroids), "core": objective(x, core)}
+    if not args.gpu:  # the Ray fit on a GPU box runs through `clusterscale fit`, not here
+        ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
+        for w in (1, 2):
+            centroids, result[f"ray_w{w}_s"] = ray_fit(x, args.k, args.niter, args.seed, w, cpus)
+            objectives[f"ray_w{w}"] = objective(x, centroids)
+            result[f"ray_w{w}_equals_core"] = bool(np.array_equal(centroids, core))
+        ray.shutdown()
+    result["objective"] = objectives
+    result["objective_ratio"] = objectives["faiss"] / objectives["core"]
+    result["time_ratio_core"] = result["core_s"] / result["faiss_s"]
+    for w in (1, 2):
+        if f"ray_w{w}_s" in result:
+            result[f"time_ratio_w{w}"] = result[f"ray_w{w}_s"] / result["faiss_s"]
+    return result
+
+
+def scaling(args) -> list[dict]:
+    """Real stages (run_fit, run_assign, run_shard) on synthetic embeddings/ in a temp run dir."""
+    import ray
+
+    from clusterscale import config as config_mod
+    from clusterscale.kmeans import run_assign, run_fit
+    from clusterscale.rundir import RunDir
+    from clusterscale.shards import run_shard
+    from clusterscale.synthetic import write_embeddings_stage
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    rows = []
+    for n in args.ns:
+        x, _ = clustered_unit_vectors(n, args.dim, max(args.ks), seed=args.seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            run = RunDir(os.path.join(tmp, "run"))
+            write_embeddings_stage(run, x, rows_per_file=100_000)
+            for k in args.ks:
+                if k * 10 > n:
+                    continue
+                cfg = config_mod.load(None, ["data.path=synthetic", f"cluster.k={k}", f"cluster.niter={args.niter}",
+                                             f"train.global_batch_size={args.batch}", "train.num_workers=1"])
+                row = {"n": n, "k": k, "dim": args.dim, "niter": args.niter}
+                for stage, fn in (("fit", run_fit), ("assign", run_assign), ("shard", run_shard)):
+                    started = time.perf_counter()
+                    stats = fn(cfg, run)
+                    row[f"{stage}_s"] = round(time.perf_counter() - started, 2)
+                    if stage == "shard":
+                        row["shards"], row["files"] = stats["shards"], stats["files"]
+                    if stage == "fit":
+                        row["fit_sample"] = stats["n_sample"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    ray.shutdown()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=65_536, help="vectors (compare mode); 256 x k = FAISS's own sample")
+    p.add_argument("--k", type=int, default=256)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--topics", type=int, default=400, help="true directions of the synthetic data")
+    p.add_argument("--niter", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scaling", action="store_true", help="sweep N and k through fit/assign/shard")
+    p.add_argument("--ns", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--ks", type=int, nargs="+", default=[10, 100, 1_000, 10_000])
+    p.add_argument("--batch", type=int, default=64, help="train.global_batch_size (small-cluster threshold)")
+    p.add_argument("--gpu", action="store_true", help="faiss GPU index in faiss and in the core (needs faiss-gpu)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if args.scaling:
+        result = {"scaling": scaling(args)}
+    else:
+        result = compare(args)
+        print(f"objective ratio faiss/clusterscale {result['objective_ratio']:.4f} | seconds: faiss "
+              f"{result['faiss_s']:.2f}, core {result['core_s']:.2f}"
+              + "".join(f", ray W={w} {result[f'ray_w{w}_s']:.2f} (x{result[f'time_ratio_w{w}']:.2f})"
+                        for w in (1, 2) if f"ray_w{w}_s" in result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

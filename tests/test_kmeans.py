@@ -1,0 +1,138 @@
+"""Spherical k-means: the compute core against naive numpy and faiss.Kmeans, the Ray fit against the core."""
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale.kmeans import assign_dir, kmeans_dir, load_centroids, run_assign, run_fit
+from clusterscale.kmeans_core import (Partials, fit_spherical_kmeans, lloyd_partials, nearest_centroid,
+                                      update_centroids)
+from clusterscale.rundir import RunDir
+from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
+
+
+def cfg_with(**cluster):
+    return config_mod.load(None, ["data.path=unused.parquet"] + [f"cluster.{k}={v}" for k, v in cluster.items()])
+
+
+def test_lloyd_partials_match_naive_numpy():
+    x, _ = clustered_unit_vectors(500, 16, 5, seed=3)
+    centroids = x[:7] / np.linalg.norm(x[:7], axis=1, keepdims=True)
+    p = lloyd_partials(x, centroids)
+    sims = x.astype(np.float64) @ centroids.T.astype(np.float64)
+    labels = sims.argmax(axis=1)
+    expected = np.stack([x[labels == c].astype(np.float64).sum(axis=0) for c in range(7)])
+    np.testing.assert_allclose(p.sums, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(p.counts, np.bincount(labels, minlength=7))
+    assert p.objective == pytest.approx(sims.max(axis=1).sum(), rel=1e-5)
+
+
+def test_empty_cluster_takes_half_of_the_largest():
+    sums = np.array([[10.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    centroids, splits = update_centroids(Partials(sums, np.array([10, 2, 0]), 0.0))
+    assert splits == 1
+    np.testing.assert_allclose(np.linalg.norm(centroids, axis=1), 1.0, rtol=1e-6)
+    assert centroids[2] @ centroids[0] > 0.99 and not np.array_equal(centroids[2], centroids[0])
+    np.testing.assert_allclose(centroids[1], [0.0, 1.0])
+
+
+def test_objective_within_one_percent_of_faiss():
+    x, _ = clustered_unit_vectors(6000, 32, 40, seed=1)
+    k, niter, seed = 24, 20, 0
+    ours, stats = fit_spherical_kmeans(x, k, niter, seed)
+    km = faiss.Kmeans(32, k, niter=niter, seed=seed, spherical=True, max_points_per_centroid=10**9)
+    km.train(x)
+    # Spherical k-means maximises the summed cosine to the nearest centroid.
+    ratio = nearest_centroid(x, km.centroids)[0].sum() / nearest_centroid(x, ours)[0].sum()
+    assert ratio <= 1.01
+    assert len(stats["objective_per_iteration"]) == niter
+    assert stats["objective_per_iteration"][-1] >= stats["objective_per_iteration"][0]
+
+
+def test_too_few_vectors_is_a_clear_error():
+    from clusterscale.kmeans_core import ClusteringError
+
+    x, _ = clustered_unit_vectors(5, 8, 2)
+    with pytest.raises(ClusteringError, match="cluster.k=6 is larger"):
+        fit_spherical_kmeans(x, 6, 3, 0)
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """An embeddings/ stage of 3,000 clustered vectors in 3 files of 2 row groups each."""
+    run = RunDir(str(tmp_path_factory.mktemp("kmeans") / "run"))
+    x, _ = clustered_unit_vectors(3000, 24, 12, seed=5)
+    write_embeddings_stage(run, x, rows_per_file=1000)
+    return run, x
+
+
+def fit_in(run: RunDir, cfg) -> tuple[np.ndarray, dict]:
+    if run.exists(kmeans_dir(cfg.cluster.k)):
+        run.remove(kmeans_dir(cfg.cluster.k))
+    stats = run_fit(cfg, run)
+    return load_centroids(run, cfg.cluster.k), stats
+
+
+@pytest.fixture(scope="module")
+def fits(synthetic_run, ray_local):
+    """The same fit (k=10, all 3,000 rows) on 1 and on 2 Ray actors; the second one stays on disk."""
+    run, _ = synthetic_run
+    return [fit_in(run, cfg_with(k=10, niter=8, seed=3, num_workers=w, fit_sample="all")) for w in (1, 2)]
+
+
+def test_ray_fit_same_centroids_for_one_and_two_workers_and_the_core(synthetic_run, fits):
+    run, x = synthetic_run
+    (c1, s1), (c2, s2) = fits
+    assert (s1["num_workers"], s2["num_workers"]) == (1, 2)
+    np.testing.assert_array_equal(c1, c2)
+    reference, _ = fit_spherical_kmeans(x, 10, 8, 3, ids=np.arange(len(x)))
+    np.testing.assert_array_equal(c1, reference)
+    other_seed, _ = fit_spherical_kmeans(x, 10, 8, 4, ids=np.arange(len(x)))
+    assert not np.array_equal(reference, other_seed)  # the seed matters
+    stats = run.read_json(f"{kmeans_dir(10)}/fit_stats.json")
+    assert len(stats["objective_per_iteration"]) == len(stats["seconds_per_iteration"]) == 8
+    assert stats["imbalance_factor"] >= 1.0 and stats["n_sample"] == 3000 and stats["seed"] == 3
+
+
+def test_ray_fit_sample_is_seeded_and_capped(tmp_path, synthetic_run, ray_local):
+    _, x = synthetic_run
+    run = RunDir(str(tmp_path / "run"))
+    write_embeddings_stage(run, x, rows_per_file=1000)
+    cfg = cfg_with(k=10, niter=2, max_points_per_centroid=50, num_workers=2)
+    _, stats = fit_in(run, cfg)
+    assert 400 <= stats["n_sample"] <= 600  # about 50 x 10 of 3,000 rows, by a seeded hash of pair_id
+    from clusterscale.ingest import hash_unit
+
+    assert stats["n_sample"] == int((hash_unit(np.arange(3000), salt=0) < 500 / 3000).sum())
+
+
+@pytest.mark.parametrize("index", ["flat", "ivf"])
+def test_assign_index_matches_brute_force(synthetic_run, index):
+    import pyarrow.parquet as pq
+
+    from clusterscale.kmeans import AssignBatches, build_assign_index
+
+    run, x = synthetic_run
+    centroids = fit_spherical_kmeans(x, 10, 5, 0)[0]
+    batch = pq.read_table(run.files("embeddings")[0])
+    out = AssignBatches(build_assign_index(centroids, index, nprobe=4))(batch)  # nprobe 4 >= sqrt(10) lists
+    sims, labels = nearest_centroid(x[:1000], centroids)
+    np.testing.assert_array_equal(out.column("cluster").to_numpy(), labels)
+    np.testing.assert_allclose(out.column("cos").to_numpy(), sims, rtol=1e-5)
+
+
+def test_ray_assign_streams_every_row(synthetic_run, fits):
+    import pyarrow.dataset as pads
+
+    run, x = synthetic_run
+    cfg = cfg_with(k=10, niter=8, seed=3, fit_sample="all", assign_index="ivf", ivf_nprobe=4)
+    if run.exists(assign_dir(10)):
+        run.remove(assign_dir(10))
+    run_assign(cfg, run)
+    table = pads.dataset(run.files(assign_dir(10)), format="parquet").to_table().sort_by("pair_id")
+    sims, labels = nearest_centroid(x, load_centroids(run, 10))
+    assert table.num_rows == 3000
+    np.testing.assert_array_equal(table.column("cluster").to_numpy(), labels)
+    np.testing.assert_allclose(table.column("cos").to_numpy(), sims, rtol=1e-5)
