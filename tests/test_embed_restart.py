@@ -1,0 +1,187 @@
+"""The embed stage on local Ray: exact output, side=both, and kills (driver, actor) followed by reruns."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import cli
+from clusterscale import config as config_mod
+from clusterscale.embed import emb_matrix, run_embed
+from clusterscale.encoder import Encoder
+from clusterscale.ingest import run_ingest
+from clusterscale.rundir import RunDir
+from tests.conftest import make_pairs
+from tests.test_embed import save_nan_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def overrides(data: str, model: str = "bundled", *extra: str) -> list[str]:
+    """600 pairs in 3 pairs/ parts, 12 units of 50 rows: enough units in flight to kill something mid-run."""
+    return [f"data.path={data}", "data.query_column=q", "data.passage_column=p", "data.heldout_fraction=0",
+            "data.rows_per_part=200", f"embed.model={model}", "embed.max_length=32", "embed.rows_per_unit=50",
+            *extra]
+
+
+def read_embeddings(run: RunDir, column: str = "emb") -> dict[int, np.ndarray]:
+    table = pads.dataset(run.files("embeddings"), format="parquet").to_table(columns=["pair_id", column])
+    ids = table.column("pair_id").to_pylist()
+    assert len(ids) == len(set(ids)), "a pair_id appears twice"
+    return dict(zip(ids, emb_matrix(table.column(column))))
+
+
+def pair_ids(run: RunDir) -> list[int]:
+    return sorted(pads.dataset(run.files("pairs"), format="parquet").to_table().column("pair_id").to_pylist())
+
+
+@pytest.fixture(scope="module")
+def ingested(tmp_path_factory, ray_local) -> tuple[str, Path]:
+    base = tmp_path_factory.mktemp("embed")
+    pq.write_table(make_pairs(600), base / "pairs.parquet")
+    data = str(base / "pairs.parquet")
+    run_ingest(config_mod.load(None, overrides(data)), RunDir(str(base / "ingested")))
+    return data, base / "ingested"
+
+
+def fresh_copy(ingested, tmp_path: Path) -> RunDir:
+    _, src = ingested
+    shutil.copytree(src, tmp_path / "run")
+    return RunDir(str(tmp_path / "run"))
+
+
+@pytest.fixture(scope="module")
+def reference(ingested, tmp_path_factory) -> dict[int, np.ndarray]:
+    """An uninterrupted run: the vectors every interrupted run must reproduce."""
+    run = fresh_copy(ingested, tmp_path_factory.mktemp("reference"))
+    stats = run_embed(config_mod.load(None, overrides(ingested[0])), run)
+    assert stats["units"] == 12 and stats["units_skipped"] == 0 and stats["rows"] == 600
+    assert stats["rows_per_s"] > 0 and stats["worker_s"] > 0
+    return read_embeddings(run)
+
+
+def test_output_schema_ids_and_vectors_match_the_encoder(ingested, reference, tmp_path):
+    run = RunDir(str(ingested[1]))
+    table = pads.dataset(run.files("pairs"), format="parquet").to_table()
+    assert sorted(reference) == pair_ids(run)
+    texts = table.column("passage").to_pylist()
+    expected = Encoder("bundled", max_length=32, device="cpu").encode(texts)
+    got = np.stack([reference[i] for i in table.column("pair_id").to_pylist()])
+    assert (got * expected).sum(axis=1).min() >= 0.999
+
+
+def test_side_both_and_the_later_stages(ingested, tiny_model, tmp_path):
+    run = fresh_copy(ingested, tmp_path)
+    args = ["--run-dir", run.uri, "--set", *overrides(ingested[0], tiny_model, "embed.side=both", "cluster.k=4",
+                                                     "train.global_batch_size=8")]
+    for verb in ("embed", "fit", "assign", "shard"):
+        assert cli.main([verb, *args]) == 0
+    schema = pq.read_schema(run.files("embeddings")[0])
+    assert str(schema.field("emb").type) == "fixed_size_list<element: halffloat>[32]"
+    for name in ("emb_query", "truncated", "truncated_query", "pair_id", "query", "passage", "source"):
+        assert name in schema.names
+    table = pads.dataset(run.files("embeddings"), format="parquet").to_table()
+    encoder = Encoder(tiny_model, max_length=32, device="cpu")
+    for column, text in (("emb", "passage"), ("emb_query", "query")):
+        expected = encoder.encode(table.column(text).to_pylist()[:50])
+        assert (emb_matrix(table.column(column))[:50] * expected).sum(axis=1).min() >= 0.999
+    assert run.read_json("shards/k=4/manifest.json")["stats"]["rows"] == 600
+
+
+def test_sigkill_of_the_driver_then_rerun(ingested, reference, tmp_path, ray_local):
+    run = fresh_copy(ingested, tmp_path)
+    address = ray_local.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address}
+    cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(ingested[0])]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run: at least one unit is complete, the marker is not written
+    proc.wait()
+    survivors = len(run.files("embeddings"))
+    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json")
+
+    stats = run_embed(config_mod.load(None, overrides(ingested[0])), run)
+    assert stats["units_skipped"] >= survivors and stats["rows"] == 600
+    got = read_embeddings(run)
+    assert sorted(got) == sorted(reference) == pair_ids(run)
+    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
+
+
+def _embed_unit_processes() -> list[int]:
+    """Pids of actor processes of this test's Ray (descendants of this process) running a unit right now.
+
+    Read from /proc (Linux): Ray renames a worker process to `ray::EmbedWorker.embed_unit` while it runs one."""
+    parent, cmdline = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+                cmdline[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, ValueError, IndexError):
+                pass
+    me, found = os.getpid(), []
+    for pid, cmd in cmdline.items():
+        if "EmbedWorker.embed_unit" not in cmd:
+            continue
+        ancestor = pid
+        while ancestor > 1 and ancestor != me:
+            ancestor = parent.get(ancestor, 1)
+        if ancestor == me:
+            found.append(pid)
+    return found
+
+
+def test_killed_actor_is_retried_without_duplicates(ingested, reference, tmp_path):
+    run = fresh_copy(ingested, tmp_path)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(run_embed(config_mod.load(None, overrides(ingested[0])),
+                                                                      run)))
+    worker.start()
+    killed, deadline = None, time.time() + 300
+    while killed is None and worker.is_alive() and time.time() < deadline:
+        busy = _embed_unit_processes()
+        if busy and run.files("embeddings"):
+            killed = busy[0]
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.02)
+    worker.join(timeout=300)
+    assert killed is not None and result, "the stage should finish after an actor was killed mid-unit"
+    assert result["units_skipped"] == 0 and result["rows"] == 600
+    got = read_embeddings(run)
+    assert sorted(got) == sorted(reference)
+    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
+
+
+def test_nan_model_and_missing_weights_stop_with_a_message(ingested, tiny_model, tmp_path, capsys):
+    run = fresh_copy(ingested, tmp_path)
+    nan_model = save_nan_model(tiny_model, str(tmp_path / "nan"))
+    assert cli.main(["embed", "--run-dir", run.uri, "--set", *overrides(ingested[0], nan_model)]) == 2
+    err = capsys.readouterr().err
+    assert "NaN/inf vectors" in err and "pair_ids [" in err and not run.exists("embeddings/_DONE.json")
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert cli.main(["embed", "--run-dir", run.uri, "--set", *overrides(ingested[0], str(empty))]) == 2
+    assert "No safetensors weights" in capsys.readouterr().err
+
+
+def test_truncated_texts_are_counted(ingested, tiny_model, tmp_path):
+    run = fresh_copy(ingested, tmp_path)
+    stats = run_embed(config_mod.load(None, overrides(ingested[0], tiny_model, "embed.max_length=12")), run)
+    passages = pads.dataset(run.files("pairs"), format="parquet").to_table().column("passage").to_pylist()
+    tokenizer = Encoder(tiny_model, max_length=12, device="cpu").tokenizer
+    expected = sum(len(ids) > 12 for ids in tokenizer(passages)["input_ids"])
+    assert 0 < stats["truncated"] == expected
