@@ -121,6 +121,9 @@ class EvalConfig:
     max_queries: int = knob(1000, "At most this many held-out queries (hash-chosen).")
     num_distractors: int = knob(2000, "Training-pool passages added to the held-out passages as distractors.")
     batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
+    extrapolate_to_rows: int | None = knob(100_000_000, "The report extrapolates preprocessing and training "
+                                                        "cost to this many pairs from the measured runs; "
+                                                        "null = no extrapolation.", affects_output=False)
 
 
 @dataclass
@@ -251,6 +254,7 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         _positive(key, getattr(getattr(cfg, section), name))
     _positive("train.steps", cfg.train.steps, allow_none=True)
+    _positive("eval.extrapolate_to_rows", cfg.eval.extrapolate_to_rows, allow_none=True)
     if cfg.embed.num_actors < 0:
         raise ConfigError(f"embed.num_actors must be >= 0, got {cfg.embed.num_actors}.")
     if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:
