@@ -18,7 +18,9 @@ VERBS = {
     "shard": "Write one shuffled Parquet shard set per cluster and the manifest.",
     "train": "Train the student with Ray Train DDP, every global batch from one cluster.",
     "evaluate": "Held-out retrieval metrics of the frozen encoder and the trained model.",
-    "report": "Write report/report.md: clusters, costs, evaluation, loss curve.",
+    "report": "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
+    "compare": "Train and evaluate every sampler x seed arm on the same shards; mean and spread per arm.",
+    "sweep": "Cluster at several k (and data sizes) from one embedding pass each; optionally train and evaluate.",
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
     "config": "Print every config key with its default and documentation.",
 }
@@ -30,11 +32,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from clusterscale.encoder import EncoderLoadError
     from clusterscale.ingest import IngestError
     from clusterscale.kmeans import ClusteringError
+    from clusterscale.mteb_eval import MTEBError
     from clusterscale.rundir import ConfigMismatchError, StageMissingError
     from clusterscale.train.data import TrainDataError
 
     return (config_mod.ConfigError, StageMissingError, ConfigMismatchError, IngestError, ClusteringError,
-            EncoderLoadError, EmbeddingError, TrainDataError)
+            EncoderLoadError, EmbeddingError, TrainDataError, MTEBError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +63,43 @@ def build_parser() -> argparse.ArgumentParser:
         if verb == "train":
             p.add_argument("--resume", action="store_true",
                            help="Continue train/<name>/ from its latest checkpoint (same config).")
+        add_experiment_arguments(verb, p)
     return parser
+
+
+def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
+    """Options of the evaluate, compare and sweep verbs."""
+    if verb == "evaluate":
+        p.add_argument("--mteb", metavar="TASK[,TASK...]",
+                       help="Also run MTEB retrieval tasks: MTEB task names (data from the HF hub) or "
+                            "local:FOLDER (BEIR files corpus.jsonl, queries.jsonl, qrels/test.tsv).")
+    elif verb == "compare":
+        p.add_argument("--samplers", default="clustered,random",
+                       help="Comma-separated train.sampler values, one arm each (default: clustered,random).")
+        p.add_argument("--seeds", type=int, default=3, help="Seeds per arm: train.seed, +1, ... (default 3).")
+    elif verb == "sweep":
+        p.add_argument("--k", dest="k_values", required=True, help="Comma-separated cluster counts, e.g. 10,100,1000.")
+        p.add_argument("--limit", dest="limits",
+                       help="Comma-separated data sizes (data.limit); each gets its own RUN/limit=<N>/ and embedding pass.")
+        p.add_argument("--preprocess-only", action="store_true", help="Only fit/assign/shard per k; no training.")
+
+
+def run_experiment(args, cfg) -> None:
+    from clusterscale import experiments
+    from clusterscale.rundir import RunDir
+
+    if args.verb == "compare":
+        samplers = experiments.parse_list(args.samplers, "--samplers")
+        summary = experiments.run_compare(cfg, RunDir(args.run_dir), samplers, args.seeds)
+        for name, arm in summary["arms"].items():
+            n = arm["metrics"]["ndcg_at_10"]
+            print(f"{name}: NDCG@10 {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) over "
+                  f"{len(arm['seeds'])} seeds")
+    else:
+        limits = experiments.parse_list(args.limits, "--limit", int) if args.limits else None
+        sweep = experiments.run_sweep(cfg, args.run_dir, experiments.parse_list(args.k_values, "--k", int), limits,
+                                      args.preprocess_only)
+        print(f"sweep: {len(sweep['points'])} points; table in {args.run_dir}/report/report.md")
 
 
 def stage_functions() -> dict[str, Callable]:
@@ -76,12 +115,17 @@ def stage_functions() -> dict[str, Callable]:
             "shard": run_shard, "train": run_train, "evaluate": run_evaluate, "report": run_report}
 
 
-def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False) -> dict:
-    """Run stages in order, recording each one's cost; returns {verb: result}. `resume`: train only."""
+def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
+               cost_keys: dict[str, str] | None = None) -> dict:
+    """Run stages in order, recording each one's cost; returns {verb: result}. `resume`: train only.
+
+    cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
+    write_config=False keeps RUN/config.yaml as it is (experiments run variants of one config)."""
     from clusterscale.session import init_ray
 
     init_ray(cfg.ray)
-    run.write_config(cfg)
+    if write_config:
+        run.write_config(cfg)
     functions, results = stage_functions(), {}
     for verb in verbs:
         print(f"== {verb} ==", flush=True)
@@ -91,7 +135,8 @@ def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False) -> dict:
         if verb not in ("report",):
             stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
             key = f"train:{cfg.train_name()}" if verb == "train" else verb
-            run.record_cost(key, {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+            run.record_cost((cost_keys or {}).get(verb, key),
+                            {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
                             | {"invocation_s": round(time.time() - started, 3)})
     return results
 
@@ -157,10 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         from clusterscale.rundir import RunDir
 
         cfg = config_mod.load(args.config, args.overrides)
+        if args.verb in ("compare", "sweep"):
+            started = time.time()
+            run_experiment(args, cfg)
+            print(f"done in {time.time() - started:.1f}s", flush=True)
+            return 0
         run = RunDir(args.run_dir)
         verbs = PIPELINE if args.verb == "run" else (args.verb,)
         started = time.time()
         results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False))
+        if args.verb == "evaluate" and args.mteb:
+            from clusterscale.experiments import parse_list
+            from clusterscale.mteb_eval import run_mteb
+
+            run_mteb(cfg, run, parse_list(args.mteb, "--mteb"))
         if args.verb in ("run", "evaluate", "report"):
             print(summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {run.uri}", flush=True)

@@ -161,6 +161,9 @@ class EvalConfig:
     max_queries: int = knob(1000, "At most this many held-out queries (hash-chosen).")
     num_distractors: int = knob(2000, "Training-pool passages added to the held-out passages as distractors.")
     batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
+    extrapolate_to_rows: int | None = knob(100_000_000, "The report extrapolates preprocessing and training "
+                                                        "cost to this many pairs from the measured runs; "
+                                                        "null = no extrapolation.", affects_output=False)
 
 
 @dataclass
@@ -300,6 +303,7 @@ def validate(cfg: Config) -> None:
     if 0 < cfg.embed.max_tokens_per_batch < cfg.embed.max_length:
         raise ConfigError(f"embed.max_tokens_per_batch ({cfg.embed.max_tokens_per_batch}) must be at least "
                           f"embed.max_length ({cfg.embed.max_length}) so that one text fits.")
+    _positive("eval.extrapolate_to_rows", cfg.eval.extrapolate_to_rows, allow_none=True)
     if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:
         raise ConfigError(f"train.final_lr must be in [0, train.lr={cfg.train.lr}], got {cfg.train.final_lr}.")
     if cfg.train.warmup_steps < 0:

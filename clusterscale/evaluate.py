@@ -1,7 +1,9 @@
 """Evaluate: held-out queries against a passage pool (held-out passages + training-pool distractors).
 
 FAISS inner-product search; NDCG@10, MRR@10 and Recall@k for the frozen encoder and a trained
-model; results in eval/<name>.json. Run with `clusterscale evaluate [CONFIG] --run-dir R`.
+model; results in eval/<name>.json, and NDCG@10 per cluster (each held-out pair assigned to its
+nearest k-means centroid by its frozen embedding) in eval/by_cluster/k=<k>.json.
+Run with `clusterscale evaluate [CONFIG] --run-dir R` (`--mteb TASKS` adds MTEB, see mteb_eval.py).
 """
 from __future__ import annotations
 
@@ -44,11 +46,20 @@ def recall_at_k(ranked: list[int], relevant: set[int], k: int) -> float:
 
 
 def retrieval_metrics(rankings: list[list[int]], qrels: list[set[int]], k_values: list[int]) -> dict:
-    """Mean NDCG@10, MRR@10 and Recall@k over queries."""
+    """Mean NDCG@10, MRR@10 and Recall@k over queries (0 for a query whose relevant passages are all missed)."""
     out = {"ndcg_at_10": float(np.mean([ndcg_at_k(r, rel, 10) for r, rel in zip(rankings, qrels)])),
            "mrr_at_10": float(np.mean([mrr_at_k(r, rel, 10) for r, rel in zip(rankings, qrels)]))}
     for k in k_values:
         out[f"recall_at_{k}"] = float(np.mean([recall_at_k(r, rel, k) for r, rel in zip(rankings, qrels)]))
+    return out
+
+
+def mean_by_group(values: list[float], groups: list[int]) -> dict[int, dict]:
+    """{group: {"queries": n, "mean": mean of its values}}, groups in ascending order."""
+    out: dict[int, dict] = {}
+    for g in sorted(set(groups)):
+        picked = [v for v, gg in zip(values, groups) if gg == g]
+        out[int(g)] = {"queries": len(picked), "mean": float(np.mean(picked))}
     return out
 
 
@@ -75,7 +86,8 @@ def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
             pool_texts.append(text)
     qrels = [{index_of[t]} for t in held.column("passage").to_pylist()]
     return {"query_ids": held.column("pair_id").to_pylist(), "queries": held.column("query").to_pylist(),
-            "sources": held.column("source").to_pylist(), "pool": pool_texts, "qrels": qrels}
+            "passages": held.column("passage").to_pylist(), "sources": held.column("source").to_pylist(),
+            "pool": pool_texts, "qrels": qrels}
 
 
 @ray.remote(max_retries=1)
@@ -87,11 +99,32 @@ def _encode_remote(model: str, pooling: str, query_max_length: int, passage_max_
     return q, q_enc.encode(passages, batch_size)
 
 
+def encode_in_task(model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
+                   passages: list[str], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Embed queries and passages (at their own max lengths) in one Ray task, on a GPU when there is one."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    threads = 1 if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)))
+    task = _encode_remote.options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads)
+    return ray.get(task.remote(model, pooling, *max_lengths, queries, passages, batch_size, threads))
+
+
 def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
+    """Top-`depth` pool indices per query by inner product.
+
+    Equal scores are ordered by a fixed pseudo-random key of the pool index, not by the index itself:
+    the held-out (relevant) passages come first in the pool, so index order would break every tie in
+    their favour."""
     index = faiss.IndexFlatIP(pool.shape[1])
     index.add(np.ascontiguousarray(pool, dtype=np.float32))
-    _, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(depth, pool.shape[0]))
-    return [[int(i) for i in row if i >= 0] for row in ids]
+    scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(depth, pool.shape[0]))
+    tie_key = hash_unit(np.arange(pool.shape[0]), salt=EVAL_SALT)
+    out = []
+    for row_scores, row_ids in zip(scores, ids):
+        keep = row_ids >= 0
+        row_scores, row_ids = row_scores[keep], row_ids[keep]
+        order = np.lexsort((tie_key[row_ids], -row_scores))
+        out.append([int(i) for i in row_ids[order]])
+    return out
 
 
 def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling: str, eval_set: dict,
@@ -103,12 +136,8 @@ def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
-    gpus = ray.cluster_resources().get("GPU", 0)
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    threads = 1 if gpus else max(1, cpus)
-    task = _encode_remote.options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads)
-    q, p = ray.get(task.remote(model, pooling, cfg.train.query_max_length, cfg.train.passage_max_length,
-                               eval_set["queries"], eval_set["pool"], cfg.eval.batch_size, threads))
+    q, p = encode_in_task(model, pooling, (cfg.train.query_max_length, cfg.train.passage_max_length),
+                          eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth)
     metrics = retrieval_metrics(rankings, eval_set["qrels"], cfg.eval.k_values)
@@ -117,14 +146,61 @@ def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling
         by_source.setdefault(s or "", []).append(i)
     per_source = {s: retrieval_metrics([rankings[i] for i in idx], [eval_set["qrels"][i] for i in idx],
                                        cfg.eval.k_values)["ndcg_at_10"] for s, idx in sorted(by_source.items())}
+    per_query = [ndcg_at_k(r, rel, 10) for r, rel in zip(rankings, eval_set["qrels"])]
     result = {"name": eval_name, "fingerprint": fingerprint, "model": model, "pooling": pooling, "metrics": metrics,
               "ndcg_at_10_by_source": per_source if len(per_source) > 1 else {},
+              "per_query": {"pair_id": eval_set["query_ids"], "ndcg_at_10": per_query},
               "num_queries": len(eval_set["queries"]), "pool_size": len(eval_set["pool"]),
               "wall_s": round(time.time() - started, 3)}
     run.write_json(rel, result)
     print(f"[evaluate] {eval_name}: NDCG@10 {metrics['ndcg_at_10']:.4f}  MRR@10 {metrics['mrr_at_10']:.4f}  "
           f"({len(eval_set['queries'])} queries, pool {len(eval_set['pool'])})", flush=True)
     return result
+
+
+def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | None:
+    """Nearest centroid of kmeans/k=<k>/ for each held-out pair, by its frozen embedding of embed.side.
+
+    Held-out pairs are never clustered, so they are embedded here exactly as the embed stage would
+    (same model, pooling, max length). None when the fit of this k does not exist."""
+    from clusterscale.kmeans import kmeans_dir, load_centroids
+
+    k = cfg.cluster.k
+    if not run.exists(kmeans_dir(k), "centroids.npy"):
+        return None
+    rel = f"eval/clusters/k={k}.json"
+    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "eval"))
+    if run.exists(rel):
+        cached = run.read_json(rel)
+        if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
+            return cached["cluster"]
+    texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
+    vectors, _ = encode_in_task(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
+                                cfg.eval.batch_size)
+    clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
+    run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})
+    return clusters
+
+
+def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -> dict | None:
+    """NDCG@10 per cluster of held-out pairs for every evaluated model; written to eval/by_cluster/k=<k>.json."""
+    clusters = heldout_clusters(cfg, run, eval_set)
+    if clusters is None:
+        return None
+    # Every model evaluated in this run so far (compare arms too), not only this call's.
+    everything = {r["name"]: r for f in run.listdir("eval") if f.endswith(".json")
+                  for r in [run.read_json(f"eval/{f}")]} | results
+    table: dict[str, dict] = {}
+    for name, result in everything.items():
+        per_query = result.get("per_query")
+        if not per_query or per_query["pair_id"] != eval_set["query_ids"]:
+            continue  # a result saved before per-query scores existed, or on another eval set
+        for c, cell in mean_by_group(per_query["ndcg_at_10"], clusters).items():
+            row = table.setdefault(str(c), {"queries": cell["queries"], "ndcg_at_10": {}})
+            row["ndcg_at_10"][name] = cell["mean"]
+    out = {"k": cfg.cluster.k, "clusters": table}
+    run.write_json(f"eval/by_cluster/k={cfg.cluster.k}.json", out)
+    return out
 
 
 def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict:
@@ -141,6 +217,7 @@ def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict
         run.require(f"train/{name}", "train", f"Trained model {name!r}")
         results[name] = evaluate_model(cfg, run, name, local_model_dir(run, name), "auto", eval_set,
                                        cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
+    by_cluster = cluster_breakdown(cfg, run, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]
-    return {"stats": stats, "results": results}
+    return {"stats": stats, "results": results, "by_cluster": by_cluster}

@@ -1,90 +1,179 @@
-"""Report: report/report.md with the cluster table, per-stage costs, eval results and the loss curve.
+"""Report: report/report.md with PNG plots — clusters (the paper's Table 1), costs (preprocessing vs
+training, extrapolated), held-out and MTEB results, compare and sweep results, loss and hardness curves
+(the paper's Figure 2).
 
 Run with `clusterscale report [CONFIG] --run-dir R` (after any stages; it reports what exists).
 """
 from __future__ import annotations
 
-import io
 import json
+import re
 
-import numpy as np
-
+from clusterscale import report_plots
 from clusterscale.config import Config
+from clusterscale.costs import PREPROCESS_STAGES, device_seconds_label, stage_of, summarize
 from clusterscale.rundir import RunDir
 from clusterscale.shards import shards_dir
 
-PREPROCESS_STAGES = ("ingest", "embed", "fit", "assign", "shard")
+PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def cluster_table(manifest: dict) -> str:
     lines = ["| cluster | rows | mean intra-cluster cosine | mean cos to centroid | merged from | sample query |",
              "|---|---|---|---|---|---|"]
     for c in manifest["clusters"]:
-        intra = "n/a" if c["mean_intra_cosine"] is None else f"{c['mean_intra_cosine']:.3f}"
         members = ",".join(str(m) for m in c["members"]) if len(c["members"]) > 1 else ""
         sample = (c["samples"][0] if c["samples"] else "").replace("|", "\\|")[:80]
-        lines.append(f"| {c['name']} | {c['rows']} | {intra} | {c['mean_cos_to_centroid']:.3f} | {members} | {sample} |")
+        lines.append(f"| {c['name']} | {c['rows']} | {_fmt(c['mean_intra_cosine'])} | "
+                     f"{c['mean_cos_to_centroid']:.3f} | {members} | {sample} |")
     overall = manifest["stats"]["overall_mean_cosine"]
-    lines.append(f"\nWhole dataset: {manifest['stats']['rows']} rows, mean pairwise cosine "
-                 f"{'n/a' if overall is None else f'{overall:.3f}'}.")
+    lines.append(f"\nWhole dataset: {manifest['stats']['rows']} rows, mean pairwise cosine {_fmt(overall)}.")
     return "\n".join(lines)
 
 
-def cost_table(costs: dict) -> tuple[str, dict]:
-    lines = ["| stage | wall s | worker s | rows/s |", "|---|---|---|---|"]
-    totals = {"preprocess_s": 0.0, "train_s": 0.0}
-    for stage, rec in costs.items():
+def table1_line(manifest: dict) -> str:
+    """The paper's Table 1: spread of cluster sizes and intra-cluster cosine against the whole set."""
+    clusters = [c for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
+    if not clusters:
+        return ""
+    rows = [c["rows"] for c in manifest["clusters"]]
+    cos = [c["mean_intra_cosine"] for c in clusters]
+    weighted = sum(c["mean_intra_cosine"] * c["rows"] for c in clusters) / sum(c["rows"] for c in clusters)
+    return (f"Table 1 analogue: shards of {min(rows)}..{max(rows)} rows; mean intra-cluster cosine "
+            f"{min(cos):.3f}..{max(cos):.3f} (row-weighted {weighted:.3f}) vs "
+            f"{_fmt(manifest['stats']['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
+
+
+def stage_kind(key: str) -> str:
+    stage = stage_of(key)
+    if stage in PREPROCESS_STAGES:
+        return "preprocess"
+    return stage if stage in ("train", "evaluate") else "other"
+
+
+def cost_table(costs: dict, flops: dict | None = None) -> str:
+    lines = ["| stage | device | wall s | worker s | rows/s | est. FLOPs |", "|---|---|---|---|---|---|"]
+    for key, rec in costs.items():
         rps = rec.get("rows_per_s") or rec.get("pairs_per_s") or ""
-        lines.append(f"| {stage} | {rec.get('wall_s', 0):.1f} | {rec.get('worker_s', 0):.1f} | {rps} |")
-        if stage in PREPROCESS_STAGES:
-            totals["preprocess_s"] += rec.get("worker_s", 0)
-        elif stage.startswith("train"):
-            totals["train_s"] += rec.get("worker_s", 0)
-    if totals["train_s"]:
-        totals["preprocess_to_train_ratio"] = totals["preprocess_s"] / totals["train_s"]
-    return "\n".join(lines), totals
+        flop = (flops or {}).get(key)
+        lines.append(f"| {key} | {device_seconds_label(rec)} | {rec.get('wall_s', 0):.1f} | "
+                     f"{rec.get('worker_s', 0):.1f} | {rps} | {'' if flop is None else f'{flop:.2e}'} |")
+    return "\n".join(lines)
+
+
+def cost_summary_text(summary: dict) -> list[str]:
+    lines = [f"Preprocessing (ingest + embed + fit/assign/shard at k={summary['k']}; cost keys "
+             f"{', '.join(summary['preprocess_stages']) or 'none'}) on {summary['rows']} pairs: "
+             f"**{summary['preprocess_worker_s']:.1f} worker-s**."]
+    if "train_epoch_worker_s" in summary:
+        lines.append(f"Training ({', '.join(summary['train_runs'])}; one epoch = startup + batches per epoch x "
+                     f"measured mean step time): **{summary['train_epoch_worker_s']:.1f} worker-s per epoch**, "
+                     f"{summary['train_total_worker_s']:.1f} for train.epochs={summary['epochs']}. "
+                     f"Preprocessing / training ratio: **{_fmt(summary['ratio_per_epoch'], 2)} per epoch, "
+                     f"{_fmt(summary['ratio_total'], 2)} in total**.")
+    ext = summary.get("extrapolation")
+    if ext:
+        pre = ext["preprocess"]
+        pts = ", ".join(f"({int(n)} rows, {c:.1f} s)" for n, c in pre["points"])
+        text = (f"Extrapolation (not a measurement) to {ext['target_rows']:,} pairs, {pre['method']} from the measured "
+                f"points {pts}: preprocessing ~{pre['value']:.3g} worker-s")
+        if "train_epoch" in ext:
+            text += (f", training ~{ext['train_epoch']['value']:.3g} worker-s per epoch, ratio "
+                     f"~{_fmt(ext['ratio_per_epoch'], 2)} per epoch")
+        lines.append(text + ". Same hardware and settings assumed; the fit's sample is capped at "
+                     "max_points_per_centroid x k, so it grows with k rather than with N.")
+    return lines
+
+
+def eval_rows(run: RunDir) -> list[dict]:
+    return [run.read_json(f"eval/{f}") for f in run.listdir("eval") if f.endswith(".json")]
 
 
 def eval_table(run: RunDir) -> str:
-    rows = []
-    for fname in run.listdir("eval"):
-        if fname.endswith(".json"):
-            rows.append(run.read_json(f"eval/{fname}"))
+    rows = eval_rows(run)
     if not rows:
         return "No evaluation yet: run `clusterscale evaluate`."
     keys = list(rows[0]["metrics"])
     lines = ["| model | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
-    for r in sorted(rows, key=lambda r: r["name"] != "frozen"):
+    for r in sorted(rows, key=lambda r: (r["name"] != "frozen", r["name"])):
         lines.append(f"| {r['name']} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys) + " |")
     return "\n".join(lines)
 
 
-def loss_plot(run: RunDir, out_rel: str) -> bool:
-    """Loss per step with a rolling mean for every training run; False when there is none."""
-    import matplotlib
+def by_cluster_table(breakdown: dict) -> str:
+    models = sorted({m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]},
+                    key=lambda m: (m != "frozen", m))
+    lines = ["| centroid | held-out queries | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    for c, row in sorted(breakdown["clusters"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {c} | {row['queries']} | " + " | ".join(_fmt(row["ndcg_at_10"].get(m), 4) for m in models) + " |")
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    runs = [n for n in run.listdir("train") if run.exists(f"train/{n}/metrics.jsonl")]
-    if not runs:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in runs:
-        records = [json.loads(line) for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-                   if line.strip()]
-        loss = np.array([r["loss"] for r in records])
-        ax.plot(loss, alpha=0.3)
-        window = max(1, len(loss) // 10)
-        ax.plot(np.convolve(loss, np.ones(window) / window, mode="valid"), label=f"{name} (rolling {window})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("InfoNCE loss")
-    ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    run.write_bytes(out_rel, buf.getvalue())
-    return True
+def mteb_table(run: RunDir) -> str | None:
+    results = [run.read_json(f"eval/mteb/{f}") for f in run.listdir("eval/mteb") if f.endswith(".json")]
+    if not results:
+        return None
+    tasks = sorted({t for r in results for t in r["tasks"]})
+    lines = ["| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for r in results:
+        lines.append(f"| {r['model_name']} | " + " | ".join(_fmt(r["tasks"].get(t, {}).get("ndcg_at_10"), 4)
+                                                          for t in tasks) + " |")
+    return "NDCG@10 per task (mteb " + results[0].get("mteb_version", "?") + "):\n\n" + "\n".join(lines)
+
+
+def compare_table(compare: dict) -> str:
+    lines = ["| arm | seeds | NDCG@10 mean ± std (min..max) | MRR@10 mean ± std | mean loss, last 10 steps | "
+             "neg cos mean | train worker-s |", "|---|---|---|---|---|---|---|"]
+    for name, arm in compare["arms"].items():
+        n, m = arm["metrics"]["ndcg_at_10"], arm["metrics"]["mrr_at_10"]
+        lines.append(f"| {name} | {len(arm['seeds'])} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
+                     f"{m['mean']:.4f} ± {m['std']:.4f} | {_fmt(arm.get('final_loss_mean'))} | "
+                     f"{_fmt(arm.get('neg_cos_mean'))} | {arm.get('train_worker_s', 0):.0f} |")
+    for name, d in compare.get("paired_vs_random", {}).items():
+        lines.append(f"\n{name} - random, paired by seed: NDCG@10 {d['mean']:+.4f} ± {d['std']:.4f} "
+                     f"(min {d['min']:+.4f}, max {d['max']:+.4f}; {d['wins']}/{d['n']} seeds better).")
+    return "\n".join(lines)
+
+
+def sweep_table(sweep: dict) -> str:
+    lines = ["| N | k | shards | size min..max | intra cos (mean, min..max) | fit s | assign s | shard s | NDCG@10 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in sweep["points"]:
+        if "error" in p:
+            lines.append(f"| {p['rows']} | {p['k']} | skipped: {p['error'][:120]} ||||||")
+            continue
+        lines.append(f"| {p['rows']} | {p['k']} | {p['shards']} | {p['min_rows']}..{p['max_rows']} | "
+                     f"{_fmt(p['mean_intra_cosine'])} ({_fmt(p['min_intra_cosine'])}..{_fmt(p['max_intra_cosine'])}) | "
+                     f"{p['fit_s']:.1f} | {p['assign_s']:.1f} | {p['shard_s']:.1f} | {_fmt(p.get('ndcg_at_10'), 4)} |")
+    for c in sweep.get("cost_points", []):
+        text = f"\nN={c['rows']} (k={c['k']}): preprocessing {c['preprocess_worker_s']:.1f} worker-s"
+        if c.get("train_epoch_worker_s"):
+            text += (f", training {c['train_epoch_worker_s']:.1f} worker-s per epoch, ratio "
+                     f"{_fmt(c['ratio_per_epoch'], 2)} per epoch / {_fmt(c['ratio_total'], 2)} in total")
+        lines.append(text + ".")
+    return "\n".join(lines)
+
+
+def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
+    """{group: {run name: metrics records}}; group = the run name without its '-seed<N>' suffix."""
+    groups: dict[str, dict[str, list[dict]]] = {}
+    for name in run.listdir("train"):
+        if run.exists(f"train/{name}/metrics.jsonl"):
+            records = [json.loads(line) for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
+                       if line.strip()]
+            if records:
+                groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
+    return groups
+
+
+def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, caption: str) -> None:
+    if png:
+        run.write_bytes(f"report/{filename}", png)
+        parts += [f"![{caption}]({filename})", ""]
 
 
 def run_report(cfg: Config, run: RunDir) -> str:
@@ -97,18 +186,44 @@ def run_report(cfg: Config, run: RunDir) -> str:
     if run.exists(shards_dir(k), "manifest.json"):
         manifest = run.read_json(f"{shards_dir(k)}/manifest.json")
         parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
-                  cluster_table(manifest), ""]
+                  table1_line(manifest), "", cluster_table(manifest), ""]
+        _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     if costs:
-        table, totals = cost_table(costs)
-        parts += ["## Cost per stage", table, "",
-                  f"Preprocessing (ingest..shard): {totals['preprocess_s']:.1f} worker-s; training: "
-                  f"{totals['train_s']:.1f} worker-s"
-                  + (f"; ratio {totals['preprocess_to_train_ratio']:.2f}." if "preprocess_to_train_ratio" in totals else "."),
-                  ""]
+        sweep_points = run.read_json("report/cost_points.json") if run.exists("report/cost_points.json") else None
+        summary = summarize(cfg, run, costs, extra_points=sweep_points)
+        run.write_json("report/cost_summary.json", summary)
+        parts += ["## Cost: preprocessing vs training", *cost_summary_text(summary), "",
+                  cost_table(costs, summary["flops"]), "",
+                  "FLOPs are estimates on non-padding tokens (embedding 2 x params x tokens, training 6 x params "
+                  "x tokens; token counts from a sample of pairs). worker-s = workers x wall seconds (GPU-s on GPUs).", ""]
+        _figure(run, parts, "costs.png", report_plots.cost_breakdown(
+            [(key, rec.get("worker_s", 0.0), stage_kind(key)) for key, rec in costs.items()]), "cost per stage")
     parts += ["## Held-out retrieval", eval_table(run), ""]
-    if loss_plot(run, "report/loss.png"):
-        parts += ["## Training loss", "![loss](loss.png)", ""]
+    if run.exists(f"eval/by_cluster/k={k}.json"):
+        parts += [f"NDCG@10 per cluster (each held-out pair assigned to its nearest centroid at k={k} by its frozen "
+                  "embedding):", "", by_cluster_table(run.read_json(f"eval/by_cluster/k={k}.json")), ""]
+    mteb = mteb_table(run)
+    if mteb:
+        parts += ["## MTEB retrieval", mteb, ""]
+    if run.exists("report/compare.json"):
+        compare = run.read_json("report/compare.json")
+        parts += ["## Compare: samplers over seeds", compare.get("description", ""), "", compare_table(compare), ""]
+        _figure(run, parts, "compare.png", report_plots.compare_arms(compare), "compare")
+    if run.exists("report/sweep.json"):
+        sweep = run.read_json("report/sweep.json")
+        parts += ["## Sweep over k and N", sweep.get("description", ""), "", sweep_table(sweep), ""]
+        _figure(run, parts, "sweep.png", report_plots.sweep_curves(sweep), "sweep")
+    curves = training_runs(run)
+    if curves:
+        parts += ["## Training dynamics", "Loss per step (the paper's Figure 2: clustered batches should show higher "
+                  "loss and variance than random ones) and negative hardness (cosine of each query to its in-batch "
+                  "negatives: mean, and the hardest per query).", ""]
+        _figure(run, parts, "loss.png", report_plots.training_curves(curves, ("loss",), ("InfoNCE loss",),
+                                                                     "Training loss"), "loss")
+        _figure(run, parts, "hardness.png", report_plots.training_curves(
+            curves, ("neg_cos_mean", "neg_cos_max"), ("mean cosine to negatives", "max cosine to a negative"),
+            "Negative hardness"), "hardness")
     text = "\n".join(parts)
     run.write_text("report/report.md", text)
     print(f"[report] {run.path('report/report.md')}", flush=True)

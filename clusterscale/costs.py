@@ -1,0 +1,186 @@
+"""Cost model of a run: measured stage costs (report/costs.json), FLOP estimates, the preprocessing /
+training ratio and its extrapolation to a target number of pairs. Used by `clusterscale report`.
+
+costs.json keys are stage names, optionally qualified: `fit:k=100` (a sweep), `train:<name>`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from clusterscale.config import Config
+from clusterscale.rundir import RunDir
+
+PREPROCESS_STAGES = ("ingest", "embed", "fit", "assign", "shard")
+PER_K_STAGES = ("fit", "assign", "shard")
+TOKEN_SAMPLE_ROWS = 256
+
+
+def stage_of(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
+def device_seconds_label(record: dict) -> str:
+    """'GPU-s' for work that ran on GPUs, 'CPU worker-s' otherwise (worker_s counts workers x wall)."""
+    return "GPU-s" if record.get("device") == "gpu" else "CPU worker-s"
+
+
+def param_count(model: str) -> int | None:
+    """Parameters of a local safetensors model from the file headers (no weights loaded); None if unknown."""
+    from clusterscale.encoder import resolve_model_path
+
+    try:
+        from safetensors import safe_open
+
+        files = sorted(Path(resolve_model_path(model)).glob("*.safetensors"))
+        total = 0
+        for f in files:
+            with safe_open(str(f), framework="np") as st:
+                total += sum(int(np.prod(st.get_slice(name).get_shape())) for name in st.keys())
+        return total or None
+    except Exception:  # a hub id without network, or an unreadable folder: FLOPs stay unestimated
+        return None
+
+
+def student_param_count(cfg: Config) -> int | None:
+    """Parameters of the student: its init weights, or a from-scratch BERT built on the meta device (no memory)."""
+    if cfg.train.init != "scratch":
+        return param_count(cfg.train.init)
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from clusterscale.encoder import load_tokenizer, resolve_model_path
+
+    try:
+        vocab = len(load_tokenizer(resolve_model_path(cfg.train.tokenizer)))
+    except Exception:
+        return None
+    tc = cfg.train
+    with torch.device("meta"):
+        model = BertModel(BertConfig(vocab_size=vocab, hidden_size=tc.scratch_hidden_size,
+                                     num_hidden_layers=tc.scratch_num_layers, num_attention_heads=tc.scratch_num_heads,
+                                     intermediate_size=tc.scratch_intermediate_size,
+                                     max_position_embeddings=max(512, tc.passage_max_length)), add_pooling_layer=False)
+    return sum(p.numel() for p in model.parameters())
+
+
+def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
+    """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length."""
+    import pyarrow.dataset as pads
+
+    from clusterscale.encoder import load_tokenizer, resolve_model_path
+
+    files = run.files("pairs")
+    if not files:
+        return None
+    try:
+        tokenizer = load_tokenizer(resolve_model_path(cfg.embed.model))
+    except Exception:
+        return None
+    table = pads.dataset(files, filesystem=run.fs, format="parquet").head(TOKEN_SAMPLE_ROWS, columns=["query", "passage"])
+    lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist())["input_ids"]])
+               for side in ("query", "passage")}
+    return {"embed": float(np.minimum(lengths[cfg.embed.side], cfg.embed.max_length).mean()),
+            "train_query": float(np.minimum(lengths["query"], cfg.train.query_max_length).mean()),
+            "train_passage": float(np.minimum(lengths["passage"], cfg.train.passage_max_length).mean()),
+            "sample_rows": table.num_rows}
+
+
+def estimate_flops(cfg: Config, run: RunDir, costs: dict) -> dict[str, float]:
+    """Forward-only 2*P*tokens for embedding, 6*P*tokens (forward + backward) for training; non-padding tokens."""
+    tokens = mean_tokens(run, cfg)
+    if tokens is None:
+        return {}
+    out = {}
+    embed_params = param_count(cfg.embed.model)
+    if embed_params and "embed" in costs:
+        out["embed"] = 2.0 * embed_params * costs["embed"].get("rows", 0) * tokens["embed"]
+    student = student_param_count(cfg)
+    for key, rec in costs.items():
+        if stage_of(key) == "train" and rec.get("steps"):
+            if student:
+                pairs = rec["steps"] * rec.get("global_batch_size", cfg.train.global_batch_size)
+                out[key] = 6.0 * student * pairs * (tokens["train_query"] + tokens["train_passage"])
+    return out
+
+
+def extrapolate(points: list[tuple[float, float]], target: float) -> dict:
+    """Cost at `target` rows from measured (rows, cost) points: proportional from one point, a least-squares
+    line a + b*rows from two or more (intercept = fixed cost such as startup and the sample-capped fit)."""
+    points = sorted(points)
+    if len(points) == 1 or len({n for n, _ in points}) == 1:
+        n, c = points[-1]
+        return {"value": c * target / n, "method": "proportional to rows", "points": points}
+    slope, intercept = np.polyfit([n for n, _ in points], [c for _, c in points], 1)
+    value = max(0.0, float(intercept + slope * target))
+    return {"value": value, "method": f"least-squares line a + b*rows (a={intercept:.3g} s, b={slope:.3g} s/row)",
+            "points": points}
+
+
+def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | None:
+    """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
+    from clusterscale.shards import shards_dir
+    from clusterscale.train import schedule
+
+    name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
+    if not (record.get("steps") and run.exists(f"train/{name}/metrics.jsonl")
+            and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
+        return None
+    steps = [json.loads(line)["step_s"] for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
+             if line.strip()]
+    manifest = run.read_json(f"{shards_dir(cfg.cluster.k)}/manifest.json")
+    sizes = [c["rows"] for c in manifest["clusters"]]
+    gbs = record.get("global_batch_size", cfg.train.global_batch_size)
+    batches = schedule.batches_per_epoch(sizes, gbs, record.get("sampler", cfg.train.sampler))
+    workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.num_workers
+    overhead = max(0.0, record["wall_s"] - sum(steps))
+    epoch_wall = overhead + batches * float(np.mean(steps))
+    return {"name": name, "rows": int(sum(sizes)), "batches_per_epoch": batches, "mean_step_s": float(np.mean(steps)),
+            "overhead_s": overhead, "epoch_worker_s": epoch_wall * workers}
+
+
+def preprocess_cost(costs: dict, k: int) -> tuple[float, list[str]]:
+    """Worker-seconds of ingest + embed + fit/assign/shard at k, and the cost keys used."""
+    total, used = 0.0, []
+    for stage in PREPROCESS_STAGES:
+        for key in ((f"{stage}:k={k}", stage) if stage in PER_K_STAGES else (stage,)):
+            if key in costs:
+                total += costs[key].get("worker_s", 0.0)
+                used.append(key)
+                break
+    return total, used
+
+
+def summarize(cfg: Config, run: RunDir, costs: dict, train_names: list[str] | None = None,
+              extra_points: list[dict] | None = None) -> dict:
+    """The preprocessing/training comparison of a run at cfg.cluster.k. `train_names`: the training runs to
+    count (default: every one in costs.json); `extra_points`: other runs' summaries (a sweep over data.limit)
+    used as further measured points of the extrapolation."""
+    pre_s, used = preprocess_cost(costs, cfg.cluster.k)
+    rows = costs.get("embed", {}).get("rows") or costs.get("ingest", {}).get("pairs")
+    out: dict = {"k": cfg.cluster.k, "rows": rows, "preprocess_worker_s": pre_s, "preprocess_stages": used,
+                 "flops": estimate_flops(cfg, run, costs), "epochs": cfg.train.epochs}
+    train_keys = [key for key in costs if stage_of(key) == "train"
+                  and (train_names is None or key.split(":", 1)[-1] in train_names)]
+    epochs = [e for key in train_keys for e in [train_per_epoch(run, cfg, key, costs[key])] if e]
+    if epochs:
+        epoch_s = float(np.mean([e["epoch_worker_s"] for e in epochs]))
+        out.update({"train_runs": [e["name"] for e in epochs], "train_epoch_worker_s": epoch_s,
+                    "train_total_worker_s": epoch_s * cfg.train.epochs, "train_rows": epochs[0]["rows"],
+                    "ratio_per_epoch": pre_s / epoch_s if epoch_s else None,
+                    "ratio_total": pre_s / (epoch_s * cfg.train.epochs) if epoch_s else None})
+    target = cfg.eval.extrapolate_to_rows
+    if target and rows and pre_s:
+        points = [(rows, pre_s)] + [(p["rows"], p["preprocess_worker_s"]) for p in extra_points or []
+                                    if p.get("rows") and p.get("preprocess_worker_s")]
+        out["extrapolation"] = {"target_rows": target, "preprocess": extrapolate(points, target)}
+        if epochs:
+            tpoints = [(out["train_rows"], out["train_epoch_worker_s"])] + [
+                (p["train_rows"], p["train_epoch_worker_s"]) for p in extra_points or [] if p.get("train_epoch_worker_s")]
+            ext = out["extrapolation"]
+            ext["train_epoch"] = extrapolate(tpoints, target * out["train_rows"] / rows)
+            ext["ratio_per_epoch"] = ext["preprocess"]["value"] / ext["train_epoch"]["value"] \
+                if ext["train_epoch"]["value"] else None
+    return out

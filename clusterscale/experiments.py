@@ -1,0 +1,195 @@
+"""Experiments over one config: `compare` (samplers x seeds on the same shards) and `sweep` (k x data size).
+
+compare: clusterscale compare [CONFIG] --run-dir R --samplers clustered,random --seeds 3
+         -> train/<sampler>-seed<s>/, eval/<sampler>-seed<s>.json, report/compare.json, report/report.md
+sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2] [--preprocess-only]
+         -> one embedding pass per data size (R itself, or R/limit=<N>/ per size), fit/assign/shard per k,
+            optionally train + evaluate per k; report/sweep.json, report/report.md
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+
+import numpy as np
+
+from clusterscale.config import Config, ConfigError, from_dict
+from clusterscale.rundir import RunDir
+
+PREPROCESS = ("ingest", "embed", "fit", "assign", "shard")
+
+
+def variant(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some keys changed, validated like a user's config (unknown values are errors)."""
+    raw = cfg.to_dict()
+    for section, updates in sections.items():
+        raw[section].update(updates)
+    return from_dict(raw)
+
+
+def parse_list(text: str, what: str, cast=str) -> list:
+    try:
+        values = [cast(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{what} must be a comma-separated list, got {text!r} ({exc}).") from exc
+    if not values:
+        raise ConfigError(f"{what} is empty: give a comma-separated list, e.g. {what} 10,100.")
+    return values
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), min, max and the values themselves."""
+    arr = np.asarray(values, dtype=float)
+    return {"mean": float(arr.mean()), "std": float(arr.std(ddof=1)) if len(arr) > 1 else 0.0,
+            "min": float(arr.min()), "max": float(arr.max()), "values": [float(v) for v in arr]}
+
+
+def _metrics_records(run: RunDir, name: str) -> list[dict]:
+    rel = f"train/{name}/metrics.jsonl"
+    if not run.exists(rel):
+        return []
+    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
+
+
+def _train_and_evaluate(cfg: Config, run: RunDir) -> dict:
+    from clusterscale.cli import run_stages
+
+    name = cfg.train_name()
+    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False,
+                         cost_keys={"evaluate": f"evaluate:{name}"})
+    return results["evaluate"]["results"]
+
+
+# --- compare ------------------------------------------------------------------------------------------
+def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int) -> dict:
+    """Train every (sampler, seed) arm on the same shards for the same steps; evaluate; mean and spread."""
+    from clusterscale.cli import run_stages
+    from clusterscale.report import run_report
+
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
+    seed_list = [cfg.train.seed + i for i in range(seeds)]
+    # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
+    arms = {s: [variant(cfg, train={"sampler": s, "seed": seed, "name": f"{s}-seed{seed}"}) for seed in seed_list]
+            for s in samplers}
+    started = time.time()
+    run_stages(cfg, run, PREPROCESS)
+    metrics: dict[str, dict[str, list]] = {}
+    frozen = None
+    for sampler, arm_cfgs in arms.items():
+        for arm_cfg in arm_cfgs:
+            print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
+            results = _train_and_evaluate(arm_cfg, run)
+            frozen = results["frozen"]["metrics"]
+            metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
+    summary = summarize_compare(cfg, run, arms, metrics, frozen)
+    summary["wall_s"] = round(time.time() - started, 1)
+    run.write_json("report/compare.json", summary)
+    run_report(cfg, run)
+    return summary
+
+
+def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], metrics: dict, frozen: dict) -> dict:
+    out = {"description": (f"{len(next(iter(arms.values())))} seed(s) per arm, every arm {cfg.train.steps or 'full-epoch'} "
+                           f"steps x {cfg.train.global_batch_size} pairs on the same shards (k={cfg.cluster.k}), "
+                           f"evaluated on the same held-out set; std is the sample standard deviation over seeds."),
+           "k": cfg.cluster.k, "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
+           "frozen": frozen, "arms": {}}
+    for sampler, arm_cfgs in arms.items():
+        names = [a.train_name() for a in arm_cfgs]
+        per_seed = [metrics[sampler][n] for n in names]
+        records = [_metrics_records(run, n) for n in names]
+        arm = {"seeds": [a.train.seed for a in arm_cfgs], "runs": names,
+               "metrics": {key: spread([m[key] for m in per_seed]) for key in per_seed[0]},
+               "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
+               if any(records) else None,
+               "neg_cos_mean": float(np.mean([r["neg_cos_mean"] for recs in records for r in recs])) if any(records) else None,
+               "train_worker_s": float(sum(run.done_stats(f"train/{n}").get("worker_s", 0) for n in names))}
+        out["arms"][sampler] = arm
+    if "random" in arms:
+        base = {a.train.seed: metrics["random"][a.train_name()]["ndcg_at_10"] for a in arms["random"]}
+        for sampler, arm_cfgs in arms.items():
+            if sampler == "random":
+                continue
+            diffs = [metrics[sampler][a.train_name()]["ndcg_at_10"] - base[a.train.seed] for a in arm_cfgs]
+            out.setdefault("paired_vs_random", {})[sampler] = spread(diffs) | {
+                "n": len(diffs), "wins": int(sum(d > 0 for d in diffs))}
+    return out
+
+
+# --- sweep --------------------------------------------------------------------------------------------
+def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
+    """One row of the sweep table from the shard manifest and the recorded stage costs of this k."""
+    manifest = run.read_json(f"shards/k={k}/manifest.json")
+    sizes = np.array([c["rows"] for c in manifest["clusters"]], dtype=float)
+    intra = [(c["mean_intra_cosine"], c["rows"]) for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
+    fit = run.read_json(f"kmeans/k={k}/fit_stats.json")
+    return {"rows": rows, "k": k, "shards": len(sizes), "min_rows": int(sizes.min()), "max_rows": int(sizes.max()),
+            "size_cv": float(sizes.std() / sizes.mean()), "imbalance_factor": fit.get("imbalance_factor"),
+            "mean_intra_cosine": float(sum(c * n for c, n in intra) / sum(n for _, n in intra)) if intra else None,
+            "min_intra_cosine": min(c for c, _ in intra) if intra else None,
+            "max_intra_cosine": max(c for c, _ in intra) if intra else None,
+            "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
+            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in ("fit", "assign", "shard")},
+            "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
+
+
+def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool) -> dict:
+    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k."""
+    from clusterscale.cli import run_stages
+    from clusterscale.costs import summarize
+    from clusterscale.kmeans import ClusteringError
+    from clusterscale.report import run_report
+
+    if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
+        raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
+    report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
+    sizes = [(n, RunDir(posixpath.join(run_dir, f"limit={n}"))) for n in limits] if limits \
+        else [(cfg.data.limit, RunDir(run_dir))]
+    points, cost_points = [], []
+    for limit, run in sizes:
+        base = variant(cfg, data={"limit": limit})
+        run.write_config(base)
+        run_stages(base, run, ("ingest", "embed"), write_config=False)
+        rows = run.done_stats("embeddings")["rows"]
+        for k in ks:
+            kcfg = variant(base, cluster={"k": k},
+                           train={"name": f"{base.train.sampler}-k{k}-seed{base.train.seed}"})
+            print(f"== sweep: N={rows} k={k} ==", flush=True)
+            try:
+                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False,
+                           cost_keys={s: f"{s}:k={k}" for s in ("fit", "assign", "shard")})
+            except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
+                points.append({"rows": rows, "k": k, "error": str(exc)})
+                continue
+            costs = run.read_json("report/costs.json")
+            point = sweep_point(run, costs, k, rows)
+            if not preprocess_only:
+                results = _train_and_evaluate(kcfg, run)
+                point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
+                point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
+                point["train_worker_s"] = run.done_stats(f"train/{kcfg.train_name()}").get("worker_s")
+            points.append(point)
+        report_cfg = variant(base, cluster={"k": report_k},
+                             train={"name": f"{base.train.sampler}-k{report_k}-seed{base.train.seed}"})
+        costs = run.read_json("report/costs.json")
+        cost_points.append(summarize(report_cfg, run, costs, train_names=None if preprocess_only
+                                     else [report_cfg.train_name()]) | {"limit": limit, "run": run.uri})
+    sweep = {"description": (f"k in {ks}, data sizes {[p['rows'] for p in cost_points]} pairs "
+                             f"({'preprocessing only' if preprocess_only else f'trained {cfg.train.steps} steps per k'}); "
+                             f"one embedding pass per data size. Stage seconds are wall-clock."),
+             "ks": ks, "limits": [n for n, _ in sizes], "preprocess_only": preprocess_only,
+             "points": points, "cost_points": cost_points}
+    top = RunDir(run_dir)
+    top.write_json("report/sweep.json", sweep)
+    for limit, run in sizes:
+        # Each run's report extrapolates from its own costs plus the other sizes' measured points.
+        run.write_json("report/cost_points.json", [p for p in cost_points if p["run"] != run.uri])
+        if run.uri != top.uri:
+            run.write_json("report/sweep.json", sweep)
+        run_report(variant(cfg, data={"limit": limit}, cluster={"k": report_k},
+                           train={"name": f"{cfg.train.sampler}-k{report_k}-seed{cfg.train.seed}"}), run)
+    if len(sizes) > 1:
+        run_report(variant(cfg, cluster={"k": report_k}), top)
+    return sweep

@@ -1,0 +1,199 @@
+"""MTEB retrieval (mteb 2.x) for the frozen encoder and the trained model of a run.
+
+`clusterscale evaluate [CONFIG] --run-dir R --mteb TASK[,TASK...]` where TASK is an MTEB task name
+(e.g. SciFact; its data comes from the Hugging Face hub) or `local:FOLDER`, a retrieval task built from
+local files in BEIR layout: corpus.jsonl ({"_id"|"id", "text", "title"?}), queries.jsonl
+({"_id"|"id", "text"}) and qrels/test.tsv or qrels.tsv (query-id, corpus-id, score; header line).
+Results go to eval/mteb/<model>.json.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from clusterscale.config import Config
+from clusterscale.rundir import RunDir
+
+LOCAL_PREFIX = "local:"
+KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "main_score")
+
+
+class MTEBError(RuntimeError):
+    """An MTEB task cannot be built or run; the message says why and what to do."""
+
+
+def _require_mteb():
+    try:
+        import mteb
+    except ImportError as exc:
+        raise MTEBError("MTEB evaluation needs the mteb package: `pip install \"mteb>=2\"`.") from exc
+    return mteb
+
+
+def make_encoder(model_path: str, name: str, pooling: str, query_max_length: int, passage_max_length: int,
+                 batch_size: int):
+    """An mteb encoder (mteb.models.abs_encoder.AbsEncoder) over clusterscale's Encoder, with ModelMeta.
+
+    Queries are cut at query_max_length and passages at passage_max_length (the run's train.* lengths,
+    which the model was trained with). No prompts: clusterscale trains without instructions."""
+    _require_mteb()
+    from mteb.models.abs_encoder import AbsEncoder
+    from mteb.models.model_meta import ModelMeta
+    from mteb.types import PromptType
+
+    from clusterscale.costs import param_count
+    from clusterscale.encoder import Encoder
+
+    class ClusterscaleEncoder(AbsEncoder):
+        def __init__(self) -> None:
+            self.encoder = Encoder(model_path, pooling=pooling, max_length=passage_max_length)
+            self.mteb_model_meta = ModelMeta(
+                loader=None, name=f"clusterscale/{name}", revision="local", release_date=None, languages=None,
+                n_parameters=param_count(model_path), memory_usage_mb=None, max_tokens=passage_max_length,
+                embed_dim=self.encoder.dim, license=None, open_weights=True, public_training_code=None,
+                public_training_data=None, framework=["PyTorch"], similarity_fn_name="cosine",
+                use_instructions=False, training_datasets=None)
+
+        def encode(self, inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kwargs: Any):
+            texts = []
+            for batch in inputs:
+                titles = batch.get("title")
+                for i, text in enumerate(batch["text"]):
+                    title = titles[i] if titles is not None else ""
+                    texts.append(f"{title} {text}".strip() if title else text)
+            is_query = prompt_type == PromptType.query
+            self.encoder.max_length = query_max_length if is_query else passage_max_length
+            return self.encoder.encode(texts, batch_size)
+
+    return ClusterscaleEncoder()
+
+
+def _read_jsonl(path: Path, kind: str) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        doc_id = obj.get("_id", obj.get("id"))
+        if doc_id is None or not isinstance(obj.get("text"), str):
+            raise MTEBError(f"{path}:{n}: each {kind} line needs an \"_id\" (or \"id\") and a \"text\" string.")
+        rows.append({"id": str(doc_id), "text": obj["text"], **({"title": obj.get("title") or ""}
+                                                              if kind == "corpus" else {})})
+    return rows
+
+
+def read_local_task(folder: str) -> dict:
+    """corpus, queries and qrels ({query id: {doc id: score}}) of a BEIR-layout folder."""
+    root = Path(folder)
+    qrels_path = next((p for p in (root / "qrels" / "test.tsv", root / "qrels.tsv") if p.exists()), None)
+    missing = [n for n, p in (("corpus.jsonl", root / "corpus.jsonl"), ("queries.jsonl", root / "queries.jsonl"),
+                              ("qrels/test.tsv or qrels.tsv", qrels_path)) if p is None or not p.exists()]
+    if missing:
+        raise MTEBError(f"Local MTEB task {folder!r} lacks {', '.join(missing)} (BEIR layout: corpus.jsonl, "
+                        f"queries.jsonl, qrels/test.tsv).")
+    qrels: dict[str, dict[str, int]] = {}
+    with qrels_path.open() as f:
+        for row in csv.DictReader(f, delimiter="\t"):
+            qrels.setdefault(str(row["query-id"]), {})[str(row["corpus-id"])] = int(float(row["score"]))
+    queries = [q for q in _read_jsonl(root / "queries.jsonl", "queries") if q["id"] in qrels]
+    return {"corpus": _read_jsonl(root / "corpus.jsonl", "corpus"), "queries": queries, "qrels": qrels}
+
+
+def local_task(folder: str):
+    """An mteb AbsTaskRetrieval over local files (metadata per ENVIRONMENT.md: dataset path local/...)."""
+    _require_mteb()
+    from datasets import Dataset
+    from mteb.abstasks.retrieval import AbsTaskRetrieval
+    from mteb.abstasks.task_metadata import TaskMetadata
+
+    data = read_local_task(folder)
+    name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalTask"
+
+    class LocalRetrieval(AbsTaskRetrieval):
+        metadata = TaskMetadata(
+            name=name, type="Retrieval", main_score="ndcg_at_10", description=f"Local retrieval task from {folder}",
+            reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
+            eval_splits=["test"], eval_langs=["eng-Latn"], date=None, dialect=None, domains=None,
+            task_subtypes=None, license=None, annotations_creators=None, modalities=["text"],
+            sample_creation=None, bibtex_citation=None)
+
+        def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
+            self.dataset = {"default": {"test": {"corpus": Dataset.from_list(data["corpus"]),
+                                                 "queries": Dataset.from_list(data["queries"]),
+                                                 "relevant_docs": data["qrels"], "top_ranked": None}}}
+            self.data_loaded = True
+
+    return LocalRetrieval()
+
+
+def resolve_tasks(specs: list[str]) -> list:
+    mteb = _require_mteb()
+    tasks = []
+    for spec in specs:
+        if spec.startswith(LOCAL_PREFIX):
+            tasks.append(local_task(spec[len(LOCAL_PREFIX):]))
+            continue
+        try:
+            task = mteb.get_task(spec)
+        except Exception as exc:
+            raise MTEBError(f"Unknown MTEB task {spec!r} ({exc}); list retrieval tasks with "
+                            f"`python -c \"import mteb; print([t.metadata.name for t in mteb.get_tasks(task_types=['Retrieval'])])\"`"
+                            f", or use local:FOLDER.") from exc
+        if task.metadata.type != "Retrieval":
+            raise MTEBError(f"MTEB task {spec!r} is a {task.metadata.type} task; --mteb runs Retrieval tasks.")
+        tasks.append(task)
+    return tasks
+
+
+def run_mteb_model(model_path: str, name: str, pooling: str, cfg_dict: dict, specs: list[str]) -> dict:
+    """Run the tasks on one model in this process; {task name: kept scores of its first test split}."""
+    mteb = _require_mteb()
+    os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="clusterscale-mteb-"))  # never the home folder
+    cfg_train, cfg_eval = cfg_dict["train"], cfg_dict["eval"]
+    encoder = make_encoder(model_path, name, pooling, cfg_train["query_max_length"], cfg_train["passage_max_length"],
+                           cfg_eval["batch_size"])
+    out = {}
+    for task in resolve_tasks(specs):
+        try:
+            result = mteb.evaluate(encoder, task, cache=None, show_progress_bar=False)
+        except Exception as exc:
+            if task.metadata.dataset["path"].startswith("local/"):
+                raise
+            raise MTEBError(f"MTEB task {task.metadata.name} failed ({type(exc).__name__}: {exc}). Hub tasks download "
+                            f"their data from the Hugging Face hub: run where the internet is reachable (unset "
+                            f"HF_HUB_OFFLINE), or evaluate on local files with --mteb local:FOLDER.") from exc
+        task_result = result.task_results[0]
+        split = "test" if "test" in task_result.scores else next(iter(task_result.scores))
+        scores = task_result.scores[split][0]
+        out[task.metadata.name] = {k: float(scores[k]) for k in KEPT_SCORES if k in scores} | {"split": split}
+    return out
+
+
+def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
+    """MTEB for the frozen encoder and, when trained, the run's model; one Ray task per model."""
+    import ray
+
+    from clusterscale.train.loop import local_model_dir
+
+    resolve_tasks(specs)  # fail on a bad task name before any model is loaded
+    models = {"frozen": (cfg.embed.model, cfg.embed.pooling)}
+    name = cfg.train_name()
+    if run.exists(f"train/{name}", "_DONE.json"):
+        models[name] = (local_model_dir(run, name), "auto")
+    gpus = ray.cluster_resources().get("GPU", 0)
+    remote = ray.remote(max_retries=0)(run_mteb_model).options(num_gpus=1 if gpus else 0, num_cpus=1)
+    mteb = _require_mteb()
+    results = {}
+    for model_name, (path, pooling) in models.items():
+        tasks = ray.get(remote.remote(path, model_name, pooling, cfg.to_dict(), specs))
+        results[model_name] = {"model_name": model_name, "model": path, "mteb_version": mteb.__version__,
+                               "tasks": tasks}
+        run.write_json(f"eval/mteb/{model_name}.json", results[model_name])
+        for task, scores in tasks.items():
+            print(f"[mteb] {model_name} {task}: NDCG@10 {scores.get('ndcg_at_10', float('nan')):.4f}", flush=True)
+    return results

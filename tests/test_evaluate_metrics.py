@@ -1,0 +1,102 @@
+"""Retrieval metrics, tie handling, grouping and the cost arithmetic against hand-computed values."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from clusterscale.costs import extrapolate
+from clusterscale.evaluate import mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search
+from clusterscale.experiments import spread
+from clusterscale.report_plots import rolling_mean
+
+
+def test_single_relevant_at_rank_three():
+    ranked = [7, 8, 3, 9]
+    assert ndcg_at_k(ranked, {3}, 10) == pytest.approx(1 / math.log2(4))  # = 0.5
+    assert mrr_at_k(ranked, {3}, 10) == pytest.approx(1 / 3)
+    assert recall_at_k(ranked, {3}, 1) == 0.0
+    assert recall_at_k(ranked, {3}, 3) == 1.0
+
+
+def test_several_relevant_passages():
+    ranked = [1, 5, 2, 6, 7]
+    relevant = {1, 2, 4}  # 4 is never retrieved
+    dcg = 1 + 1 / math.log2(4)  # hits at ranks 1 and 3
+    ideal = 1 + 1 / math.log2(3) + 1 / math.log2(4)
+    assert ndcg_at_k(ranked, relevant, 10) == pytest.approx(dcg / ideal)  # 1.5 / 2.1309 = 0.7039
+    assert ndcg_at_k(ranked, relevant, 10) == pytest.approx(0.70391, abs=1e-5)
+    assert mrr_at_k(ranked, relevant, 10) == 1.0
+    assert recall_at_k(ranked, relevant, 2) == pytest.approx(1 / 3)
+    assert recall_at_k(ranked, relevant, 5) == pytest.approx(2 / 3)
+
+
+def test_ideal_dcg_is_capped_at_k():
+    # 12 relevant passages, all of the top 10 relevant: a perfect NDCG@10 even though recall@10 < 1.
+    ranked = list(range(12))
+    assert ndcg_at_k(ranked, set(range(12)), 10) == pytest.approx(1.0)
+    assert recall_at_k(ranked, set(range(12)), 10) == pytest.approx(10 / 12)
+
+
+def test_none_retrieved_scores_zero_and_counts_in_the_mean():
+    assert ndcg_at_k([1, 2, 3], {9}, 10) == 0.0
+    assert mrr_at_k([1, 2, 3], {9}, 10) == 0.0
+    assert recall_at_k([1, 2, 3], {9}, 100) == 0.0
+    assert recall_at_k([], set(), 10) == 0.0
+    m = retrieval_metrics([[0, 1], [1, 0]], [{0}, {9}], [1, 10])
+    assert m["ndcg_at_10"] == pytest.approx(0.5)  # (1 + 0) / 2: the miss is not dropped
+    assert m["mrr_at_10"] == pytest.approx(0.5)
+    assert m["recall_at_1"] == pytest.approx(0.5)
+
+
+def test_relevant_beyond_cutoff_is_not_counted():
+    ranked = list(range(20))
+    assert ndcg_at_k(ranked, {15}, 10) == 0.0
+    assert mrr_at_k(ranked, {15}, 10) == 0.0
+    assert recall_at_k(ranked, {15}, 10) == 0.0
+    assert recall_at_k(ranked, {15}, 100) == 1.0
+
+
+def test_search_orders_by_score_and_ties_independently_of_pool_index():
+    pool = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.6, 0.8]], dtype=np.float32)
+    query = np.array([[1.0, 0.0]], dtype=np.float32)
+    ranked = search(query, pool, depth=4)[0]
+    assert set(ranked[:2]) == {0, 2} and ranked[2:] == [3, 1]
+    # The same tie in the other pool order keeps the same two texts' relative order (a fixed key per index,
+    # so it is deterministic), and the tie costs exactly one rank position in NDCG terms.
+    assert search(query, pool, depth=4)[0] == ranked
+    tied_first, tied_second = ranked[0], ranked[1]
+    assert ndcg_at_k(ranked, {tied_first}, 10) == 1.0
+    assert ndcg_at_k(ranked, {tied_second}, 10) == pytest.approx(1 / math.log2(3))
+
+
+def test_search_depth_larger_than_pool():
+    pool = np.eye(3, dtype=np.float32)
+    assert sorted(search(np.eye(3, dtype=np.float32)[:1], pool, depth=100)[0]) == [0, 1, 2]
+
+
+def test_mean_by_group():
+    out = mean_by_group([1.0, 0.0, 0.5, 0.25], [2, 0, 2, 0])
+    assert out == {0: {"queries": 2, "mean": 0.125}, 2: {"queries": 2, "mean": 0.75}}
+
+
+def test_spread_uses_sample_std():
+    s = spread([0.5, 0.7, 0.6])
+    assert s["mean"] == pytest.approx(0.6)
+    assert s["std"] == pytest.approx(0.1)  # ddof=1
+    assert (s["min"], s["max"]) == (0.5, 0.7)
+    assert spread([0.3])["std"] == 0.0
+
+
+def test_extrapolation_proportional_and_linear():
+    one = extrapolate([(1000, 50.0)], 1_000_000)
+    assert one["value"] == pytest.approx(50_000.0) and "proportional" in one["method"]
+    line = extrapolate([(1000, 12.0), (3000, 32.0)], 10_000)  # a = 2 s, b = 0.01 s/row
+    assert line["value"] == pytest.approx(102.0)
+    assert line["points"] == [(1000, 12.0), (3000, 32.0)]
+
+
+def test_rolling_mean():
+    out = rolling_mean(np.array([1.0, 3.0, 5.0, 7.0]), 2)
+    assert out.tolist() == [1.0, 2.0, 4.0, 6.0]
