@@ -66,9 +66,10 @@ def ray_head(tmp_path_factory):
     token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
     token_file.chmod(0o600)
     temp_dir = tempfile.mkdtemp(prefix="csjob-", dir="/tmp")  # short: Ray's socket paths are length-limited
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), PYTHONPATH=str(REPO),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    # Not RAY_ADDRESS (nothing else may find this head), not PYTHONPATH (the job ships its code itself).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1")
     dashboard_port = free_port()
     ports = ["--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
