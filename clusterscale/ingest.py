@@ -90,8 +90,10 @@ def list_input_files(data: DataConfig) -> tuple[pafs.FileSystem, list[str]]:
     path = builtin_docstrings_path() if data.path == BUILTIN_DOCSTRINGS else data.path
     if not path:
         raise IngestError("data.path is empty: set it to a file, folder or glob of pairs.")
-    has_glob = any(ch in path for ch in "*?[")
-    fs, base = resolve_filesystem(path.split("*")[0].rsplit("/", 1)[0] + "/" if has_glob else path)
+    # In a URI '?' starts the query (s3://b/p?endpoint_override=...), so it is a wildcard only in local paths.
+    location, sep, query = path.partition("?") if "://" in path else (path, "", "")
+    has_glob = any(ch in location for ch in ("*[" if sep or "://" in path else "*?["))
+    fs, base = resolve_filesystem(location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query if has_glob else path)
     if has_glob:
         _, pattern = resolve_filesystem(path)
         root = base.rstrip("/")

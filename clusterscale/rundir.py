@@ -6,9 +6,12 @@ skips it, a rerun with another fingerprint refuses to mix outputs.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
+import shutil
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -35,6 +38,44 @@ def resolve_filesystem(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri_or_path))
 
 
+def join_uri(uri: str, *parts: str) -> str:
+    """`uri` with path parts appended before its query (s3://b/run?endpoint_override=.. keeps its options)."""
+    base, sep, query = uri.partition("?")
+    return posixpath.join(base, *parts) + sep + query
+
+
+def local_copy(uri_or_path: str) -> str:
+    """A local folder holding the files under `uri_or_path`; local paths are returned unchanged.
+
+    Object-store folders (a model in a bucket, a trained model in an s3:// run) are downloaded once
+    per node into the temp dir; the cache key includes every file's size and mtime, so a changed
+    folder is fetched again. Download goes to a temporary name first, so a reader never sees half.
+    """
+    if "://" not in uri_or_path or uri_or_path.startswith("file://"):
+        return resolve_filesystem(uri_or_path)[1]
+    fs, root = resolve_filesystem(uri_or_path)
+    infos = [i for i in fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+             if i.type == pafs.FileType.File]
+    if not infos:
+        raise FileNotFoundError(f"No files under {uri_or_path}: check the URI and the credentials of this node.")
+    listing = sorted((posixpath.relpath(i.path, root), i.size, str(i.mtime)) for i in infos)
+    key = hashlib.sha256(json.dumps([uri_or_path.partition("?")[0], listing]).encode()).hexdigest()[:16]
+    target = os.path.join(tempfile.gettempdir(), "clusterscale-copies", key)
+    if os.path.isdir(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    for rel, _, _ in listing:
+        os.makedirs(os.path.dirname(os.path.join(staging, rel)), exist_ok=True)
+        with fs.open_input_stream(posixpath.join(root, rel)) as src, open(os.path.join(staging, rel), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process on this node finished first: same content, keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 class RunDir:
     def __init__(self, uri: str):
         if not uri:
@@ -50,6 +91,10 @@ class RunDir:
     def uri_of(self, *parts: str) -> str:
         """A string Ray Data / Ray Train accept together with `self.fs`."""
         return self.path(*parts)
+
+    def child_uri(self, *parts: str) -> str:
+        """A URI (or local path) of a file or folder inside the run that any process can resolve."""
+        return join_uri(self.uri, *parts) if "://" in self.uri else self.path(*parts)
 
     def exists(self, *parts: str) -> bool:
         return self.fs.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound

@@ -1,20 +1,26 @@
-"""Connecting to Ray: a local instance (dashboard off or on loopback) or an existing cluster."""
+"""Connecting to Ray: a local instance (dashboard off or on loopback) or the cluster a job was submitted to."""
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import ray
 
-from clusterscale.config import RayConfig
+from clusterscale.config import ConfigError, RayConfig
+
+
+def cluster_address(cfg: RayConfig) -> str | None:
+    """Where to connect: ray.address, else the cluster of a submitted job (RAY_ADDRESS), else None (local)."""
+    return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
 def init_ray(cfg: RayConfig) -> None:
-    """Start or join Ray once per process. Jobs submitted to a cluster join it via RAY_ADDRESS."""
+    """Start or join Ray once per process. Jobs submitted with `ray job submit` join via RAY_ADDRESS."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    address = cfg.address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(cfg)
     kwargs = dict(address=address, logging_level=logging.WARNING, log_to_driver=True)
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
@@ -23,3 +29,35 @@ def init_ray(cfg: RayConfig) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     ctx.verbose_stats_logs = False
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _sees(path: str) -> tuple[str, bool]:
+    return ray.util.get_node_ip_address(), os.path.exists(path)
+
+
+def check_run_dir_shared(run) -> None:
+    """On a multi-node cluster, fail early when a local --run-dir is not the same folder on every node.
+
+    Stages write from whichever node runs the work, so a folder on the head's own disk would scatter
+    the run over the nodes. Object-store URIs are shared by construction and are not checked.
+    """
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if not run.is_local or len(alive) < 2:
+        return
+    probe = f".node-probe-{uuid.uuid4().hex}"
+    run.write_text(probe, "written by the driver")
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        refs = [_sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(run.path(probe)) for n in alive]
+        blind = sorted(ip for ip, seen in ray.get(refs, timeout=300) if not seen)
+    finally:
+        run.remove(probe)
+    if blind:
+        raise ConfigError(
+            f"--run-dir {run.uri} is a local folder that node(s) {', '.join(blind)} cannot see. Every node "
+            f"writes part of the run: use shared storage mounted at the same path on every node (NFS/EFS/"
+            f"Filestore; the KubeRay manifests mount one at /mnt/runs) or an object-store URI such as "
+            f"s3://bucket/runs/name.")

@@ -1,0 +1,75 @@
+"""What every job entry point shares: arguments, joining the cluster, the run directory, exit codes.
+
+Exit status: 0 done, 2 a user error (bad config, missing stage; the message says what to fix),
+1 anything else (the traceback is printed). The run directory is printed first and last, so a
+failed job still says where its partial output is.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+# The package shipped with the job (`--working-dir .`) wins over an older one installed on the image.
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from clusterscale import cli  # noqa: E402
+from clusterscale import config as config_mod  # noqa: E402
+
+PREPROCESS = ("ingest", "embed", "fit", "assign", "shard")
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="Pipeline config YAML (e.g. cluster_configs/msmarco-paper.yaml); "
+                                                  "omitted = the embedded default.")
+    parser.add_argument("--run-dir", required=True, help="Run directory: an object-store URI (s3://bucket/runs/x) "
+                                                         "or a folder on storage shared by every node.")
+    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="Override config keys, e.g. --set cluster.k=16 train.num_workers=8.")
+    return parser
+
+
+def run_job(description: str, body: Callable, argv: list[str] | None = None,
+            parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status."""
+    from clusterscale.rundir import RunDir
+    from clusterscale.session import check_run_dir_shared, cluster_address, init_ray
+
+    args = (parser or build_parser(description)).parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_uri = args.run_dir
+    try:
+        cfg = config_mod.load(args.config, args.overrides)  # validated before any cluster time is spent
+        run = RunDir(args.run_dir)
+        run_uri = run.uri
+        print(f"run directory: {run.uri}", flush=True)
+        init_ray(cfg.ray)
+        print(f"ray: {'joined ' + cluster_address(cfg.ray) if cluster_address(cfg.ray) else 'local instance'}",
+              flush=True)
+        check_run_dir_shared(run)
+        body(cfg, run, args)
+    except cli._user_errors() as exc:
+        print(f"error: {exc}\nrun directory: {run_uri}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:  # noqa: BLE001 - a job must end with a status, never hang on an exception
+        traceback.print_exc()
+        print(f"failed; run directory: {run_uri}", file=sys.stderr, flush=True)
+        return 1
+    print(f"done; run directory: {run_uri}", flush=True)
+    return 0
+
+
+def stages_job(description: str, verbs: tuple[str, ...], argv: list[str] | None = None) -> int:
+    """A job that runs `verbs` in order with the CLI's own stage runner."""
+    def body(cfg, run, args):
+        results = cli.run_stages(cfg, run, verbs)
+        if "evaluate" in verbs or "report" in verbs:
+            print(cli.summary(cfg, run, results), flush=True)
+
+    return run_job(description, body, argv)

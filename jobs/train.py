@@ -1,0 +1,10 @@
+"""Ray job: train on the shards of a preprocessed run (Ray Train DDP, every global batch from one cluster).
+
+    ray job submit --working-dir . -- python jobs/train.py CONFIG --run-dir URI [--set train.sampler=random ...]
+"""
+import sys
+
+from _job import stages_job
+
+if __name__ == "__main__":
+    sys.exit(stages_job(__doc__, ("train",)))

@@ -1,0 +1,140 @@
+"""Jobs for real: a Ray head on 127.0.0.1 with token auth, `ray job submit` of the pipeline on tiny data.
+
+The head is this module's own (own ports, own --temp-dir); it is stopped by killing the processes
+that carry that temp dir, never with a global `ray stop` (other Ray instances may be running).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from clusterscale.rundir import RunDir
+from tests.conftest import make_pairs, tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_of(temp_dir: str) -> list[int]:
+    """pids of the processes started for the head whose --temp-dir is temp_dir (found in their command lines)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if temp_dir in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def stop_head(temp_dir: str) -> None:
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        pids = processes_of(temp_dir)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait
+        while processes_of(temp_dir) and time.time() < deadline:
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A one-node Ray cluster on loopback with token auth; yields the job API address and the client env."""
+    token_file = tmp_path_factory.mktemp("secret") / "auth_token"
+    token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    token_file.chmod(0o600)
+    temp_dir = tempfile.mkdtemp(prefix="csjob-", dir="/tmp")  # short: Ray's socket paths are length-limited
+    # Not RAY_ADDRESS (nothing else may find this head), not PYTHONPATH (the job ships its code itself).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1")
+    dashboard_port = free_port()
+    ports = ["--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+             "--node-manager-port", "--object-manager-port"]
+    chosen = {flag: (dashboard_port if flag == "--dashboard-port" else free_port()) for flag in ports}
+    start = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+             "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+             *[f"{flag}={port}" for flag, port in chosen.items()]]
+    try:
+        subprocess.run(start, env=env, check=True, timeout=240, capture_output=True, text=True)
+        yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env, "temp_dir": temp_dir}
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"ray start failed:\n{exc.stdout}\n{exc.stderr}")
+    finally:
+        stop_head(temp_dir)
+    assert not processes_of(temp_dir)
+
+
+def job(ray_head, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([RAY, "job", *args[:1], "--address", ray_head["address"], *args[1:]],
+                          env=env or ray_head["env"], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def config_file(path: Path, overrides: list[str]) -> str:
+    """The same keys as --set overrides, written as a pipeline YAML."""
+    raw: dict = {}
+    for text in overrides:
+        key, value = text.split("=", 1)
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_submitted_pipeline_succeeds_and_fills_the_run_dir(ray_head, tiny_model, tmp_path):
+    pq.write_table(make_pairs(200), tmp_path / "pairs.parquet")
+    config = config_file(tmp_path / "tiny.yaml", tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet")))
+    run_dir = tmp_path / "run"
+    submission = f"cs-{uuid.uuid4().hex[:8]}"
+    result = job(ray_head, "submit", "--submission-id", submission, "--working-dir", str(REPO), "--",
+                 "python", "jobs/run_pipeline.py", config, "--run-dir", str(run_dir),
+                 "--set", "train.steps=4", "train.log_batches=false")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"run directory: {run_dir}" in result.stdout
+    assert "ray: joined" in result.stdout  # the job used the cluster it was submitted to
+    status = job(ray_head, "status", submission)
+    assert "SUCCEEDED" in status.stdout + status.stderr
+
+    run = RunDir(str(run_dir))
+    for stage in ("pairs", "embeddings", "kmeans/k=4", "shards/k=4", "train/clustered-seed0"):
+        assert run.exists(stage, "_DONE.json"), stage
+    assert run.read_json("train/clustered-seed0/_DONE.json")["stats"]["steps"] == 4
+    assert run.exists("eval/clustered-seed0.json") and run.exists("report/report.md")
+    assert "clustered-seed0" in run.read_bytes("report/report.md").decode()
+
+
+def test_bad_config_fails_the_job_with_the_key_named(ray_head, tmp_path):
+    result = job(ray_head, "submit", "--working-dir", str(REPO), "--", "python", "jobs/preprocess.py",
+                 "--run-dir", str(tmp_path / "run"), "--set", "cluster.k=0")
+    assert result.returncode != 0
+    assert "cluster.k must be greater than 0" in result.stdout + result.stderr
+
+
+def test_job_api_refuses_a_wrong_token(ray_head):
+    wrong = {**ray_head["env"], "RAY_AUTH_TOKEN": "not-the-token"}
+    result = job(ray_head, "list", env=wrong, timeout=120)
+    assert result.returncode != 0
+    assert result.stdout.count("submission_id") == 0
