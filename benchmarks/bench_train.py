@@ -187,6 +187,10 @@ def main() -> None:
             results["clusterscale_ray_step_s"] = ray_train_step_s(run, _cfg(args.global_batch_size, args.steps + 2,
                                                                             "train.log_every_steps=100"))
             results["step_time_ratio_vs_plain_torch"] = results["clusterscale_ray_step_s"] / results["plain_torch_step_s"]
+            results["step_time_ratio_measured_on"] = "clusterscale train (Ray Train, 2 DDP workers)"
+        else:
+            results["step_time_ratio_vs_plain_torch"] = results["core_step_ratio_vs_plain_torch"]
+            results["step_time_ratio_measured_on"] = "the step core in one process (--skip-ray)"
     results["memory_mib"] = memory_curve([int(s) for s in args.memory_sizes.split(",")], args.chunk, args.gpu)
     results["memory_measured_by"] = "torch.cuda.max_memory_allocated" if args.gpu else \
         "peak RSS (ru_maxrss) of a fresh process minus RSS after a warm-up step"
