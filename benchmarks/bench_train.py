@@ -193,7 +193,7 @@ def main() -> None:
             results["step_time_ratio_measured_on"] = "the step core in one process (--skip-ray)"
     results["memory_mib"] = memory_curve([int(s) for s in args.memory_sizes.split(",")], args.chunk, args.gpu)
     results["memory_measured_by"] = "torch.cuda.max_memory_allocated" if args.gpu else \
-        "peak RSS (ru_maxrss) of a fresh process minus RSS after a warm-up step"
+        "peak RSS (ru_maxrss) of a fresh process per mode (sizes ascending) minus the peak after a warm-up step"
     print(json.dumps(results, indent=2))
     if args.json_path:
         with open(args.json_path, "w") as f:
