@@ -9,8 +9,8 @@
    PyTorch loop (tokenize, forward, in-batch InfoNCE, backward, AdamW) on the same batches and model:
    step_time_ratio_vs_plain_torch = median step_s from metrics.jsonl / median plain step time.
 3. GradCache memory: peak memory of one step as the global batch grows 256 -> 4096, with and without
-   GradCache, each in a fresh subprocess. CPU: peak RSS (getrusage ru_maxrss) minus the RSS after a
-   warm-up step; GPU (--gpu): torch.cuda.max_memory_allocated.
+   GradCache (one fresh subprocess per mode, sizes ascending). CPU: peak RSS (getrusage ru_maxrss)
+   minus the peak after a warm-up step; GPU (--gpu): torch.cuda.max_memory_allocated.
 Model: a BERT from scratch (hidden 128, 2 layers: bert-tiny's shape), synthetic topical text.
 """
 from __future__ import annotations
@@ -112,8 +112,12 @@ def ray_train_step_s(run, cfg) -> float:
     return statistics.median(r["step_s"] for r in records[2:])
 
 
-def memory_point(global_batch_size: int, chunk: int, gpu: bool) -> float:
-    """Peak extra memory (MiB) of one training step, measured in this (fresh) process."""
+def memory_points(sizes: list[int], chunk: int, gpu: bool) -> list[float]:
+    """Peak extra memory (MiB) of one training step per global batch size, in this (fresh) process.
+
+    On CPU the peak RSS only grows, so sizes run in ascending order and each point is the peak so far
+    minus the RSS after a warm-up step: a flat curve means the larger batch needed no more memory.
+    """
     import resource
 
     from tests.conftest import make_pairs
@@ -126,29 +130,29 @@ def memory_point(global_batch_size: int, chunk: int, gpu: bool) -> float:
     model, tokenizer, pooling = build_student(cfg.train)
     model.to(device)
     settings = StepSettings.from_train_config(cfg.train, pooling, amp=gpu)
-    table = make_pairs(global_batch_size, seed=1)
+    table = make_pairs(max(sizes), seed=1)
     queries, passages = table.column("q").to_pylist(), table.column("p").to_pylist()
     contrastive_backward(model, tokenizer, queries[:32], passages[:32], settings, device)  # warm-up
-    if gpu:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    contrastive_backward(model, tokenizer, queries, passages, settings, device)
-    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return (peak - base) / 2 ** 20
+    base = torch.cuda.memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    points = []
+    for size in sorted(sizes):
+        model.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        contrastive_backward(model, tokenizer, queries[:size], passages[:size], settings, device)
+        peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        points.append((peak - base) / 2 ** 20)
+    return points
 
 
 def memory_curve(sizes: list[int], chunk: int, gpu: bool) -> dict:
-    curve: dict[str, dict[int, float]] = {"grad_cache": {}, "no_cache": {}}
+    curve: dict[str, dict[int, float]] = {}
     for mode, c in (("grad_cache", chunk), ("no_cache", 0)):
-        for size in sizes:
-            out = subprocess.run([sys.executable, __file__, "--memory-point", str(size), str(c)]
-                                 + (["--gpu"] if gpu else []), capture_output=True, text=True, check=True,
-                                 env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__)) or "."})
-            curve[mode][size] = round(float(out.stdout.strip().splitlines()[-1]), 1)
-            print(f"  memory {mode:10s} batch {size:5d}: {curve[mode][size]:8.1f} MiB", flush=True)
+        out = subprocess.run([sys.executable, __file__, "--memory-points", ",".join(map(str, sizes)), str(c)]
+                             + (["--gpu"] if gpu else []), capture_output=True, text=True, check=True)
+        values = json.loads(out.stdout.strip().splitlines()[-1])
+        curve[mode] = {size: round(v, 1) for size, v in zip(sorted(sizes), values)}
+        print(f"  memory {mode}: {curve[mode]} MiB", flush=True)
     return curve
 
 
@@ -162,11 +166,12 @@ def main() -> None:
     parser.add_argument("--skip-ray", action="store_true", help="Skip the Ray Train measurement.")
     parser.add_argument("--gpu", action="store_true", help="Memory curve on the GPU (torch.cuda peak memory).")
     parser.add_argument("--json", dest="json_path")
-    parser.add_argument("--memory-point", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-points", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.memory_point:
-        print(memory_point(*args.memory_point, gpu=args.gpu))
+    if args.memory_points:
+        sizes, chunk = args.memory_points
+        print(json.dumps(memory_points([int(x) for x in sizes.split(",")], int(chunk), args.gpu)))
         return
     from tests.train_data import make_sharded_run
 
@@ -182,9 +187,13 @@ def main() -> None:
             results["clusterscale_ray_step_s"] = ray_train_step_s(run, _cfg(args.global_batch_size, args.steps + 2,
                                                                             "train.log_every_steps=100"))
             results["step_time_ratio_vs_plain_torch"] = results["clusterscale_ray_step_s"] / results["plain_torch_step_s"]
+            results["step_time_ratio_measured_on"] = "clusterscale train (Ray Train, 2 DDP workers)"
+        else:
+            results["step_time_ratio_vs_plain_torch"] = results["core_step_ratio_vs_plain_torch"]
+            results["step_time_ratio_measured_on"] = "the step core in one process (--skip-ray)"
     results["memory_mib"] = memory_curve([int(s) for s in args.memory_sizes.split(",")], args.chunk, args.gpu)
     results["memory_measured_by"] = "torch.cuda.max_memory_allocated" if args.gpu else \
-        "peak RSS (ru_maxrss) of a fresh process minus RSS after a warm-up step"
+        "peak RSS (ru_maxrss) of a fresh process per mode (sizes ascending) minus the peak after a warm-up step"
     print(json.dumps(results, indent=2))
     if args.json_path:
         with open(args.json_path, "w") as f:
