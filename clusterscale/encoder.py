@@ -111,6 +111,12 @@ def check_encoder(model: str, trust_remote_code: bool = False) -> None:
     """Fail fast in the driver (clear message, no dead actors) when the encoder cannot load."""
     path = resolve_model_path(model)
     check_weights(path)
+    local = Path(path)
+    vocab_files = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+    if local.is_dir() and not any((local / name).exists() for name in vocab_files):
+        found = ", ".join(sorted(p.name for p in local.iterdir()))
+        raise EncoderLoadError(f"No usable tokenizer at {path!r}: none of {', '.join(vocab_files)} is there "
+                               f"(found: {found}). Save the tokenizer into the folder (tokenizer.save_pretrained).")
     load_tokenizer(path, trust_remote_code)
 
 

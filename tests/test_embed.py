@@ -112,3 +112,15 @@ def test_model_folder_without_weights_or_tokenizer(tiny_model, tmp_path):
         check_encoder(str(no_tokenizer))
     with pytest.raises(EncoderLoadError, match="does not exist"):
         check_encoder(str(tmp_path / "missing"))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_matches_cpu_fp32():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    texts = mixed_texts(64)
+    cpu = Encoder("bundled", max_length=64, device="cpu").encode(texts)
+    gpu = Encoder("bundled", max_length=64, device="cuda").encode(texts)
+    assert (cpu * gpu).sum(axis=1).min() >= 0.99  # bf16 autocast

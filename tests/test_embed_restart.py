@@ -103,14 +103,17 @@ def test_sigkill_of_the_driver_then_rerun(ingested, reference, tmp_path, ray_loc
     address = ray_local.get_runtime_context().gcs_address
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address}
     cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(ingested[0])]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)  # mid-run: at least one unit is complete, the marker is not written
-    proc.wait()
+    log = tmp_path / "driver.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the driver ended before it could be killed:\n{log.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)  # mid-run: at least one unit is complete, the marker is not written
+        proc.wait()
     survivors = len(run.files("embeddings"))
-    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json")
+    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json"), log.read_text()[-3000:]
 
     stats = run_embed(config_mod.load(None, overrides(ingested[0])), run)
     assert stats["units_skipped"] >= survivors and stats["rows"] == 600
