@@ -56,8 +56,8 @@ def training_curves(curves: dict[str, dict[str, list[dict]]], keys: tuple[str, .
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4), squeeze=False)
     for ax, key, ylabel in zip(axes[0], keys, ylabels):
-        for group, runs in sorted(curves.items()):
-            color = PALETTE.get(group)
+        for i, (group, runs) in enumerate(sorted(curves.items())):
+            color = PALETTE.get(group, f"C{i % 10}")  # one color per group for its seeds and its mean
             series = [np.array([r[key] for r in recs], dtype=float) for recs in runs.values()]
             for s in series:
                 ax.plot(s, color=color, alpha=0.25, linewidth=0.8)

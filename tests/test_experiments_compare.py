@@ -1,0 +1,88 @@
+"""`clusterscale compare` on tiny data: every arm trained on the same shards, evaluated, summarised with spread."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from clusterscale import cli
+from tests.conftest import make_pairs, tiny_overrides
+
+SAMPLERS = ("clustered", "random")
+SEEDS = 2
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, tiny_model, ray_local):
+    import pyarrow.parquet as pq
+
+    from clusterscale.rundir import RunDir
+
+    base = tmp_path_factory.mktemp("compare")
+    pq.write_table(make_pairs(240), base / "pairs.parquet")
+    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["train.steps=3", "train.log_batches=false"]
+    rc = cli.main(["compare", "--run-dir", str(base / "run"), "--samplers", ",".join(SAMPLERS),
+                   "--seeds", str(SEEDS), "--set", *overrides])
+    assert rc == 0
+    return RunDir(str(base / "run"))
+
+
+def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
+    run = compared
+    manifest_fp = run.read_json("shards/k=4/manifest.json")["fingerprint"]
+    for sampler in SAMPLERS:
+        for seed in range(SEEDS):
+            name = f"{sampler}-seed{seed}"
+            done = run.read_json(f"train/{name}/_DONE.json")
+            assert done["stats"]["steps"] == 3 and done["stats"]["sampler"] == sampler
+            assert done["config"]["train"]["seed"] == seed
+            lines = run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
+            assert len(lines) == 3
+            assert run.exists(f"eval/{name}.json")
+    assert run.read_json("shards/k=4/manifest.json")["fingerprint"] == manifest_fp
+    # Different seeds give different batch schedules, so different losses.
+    first = [json.loads(x)["loss"] for x in run.read_bytes("train/clustered-seed0/metrics.jsonl").decode().splitlines()]
+    second = [json.loads(x)["loss"] for x in run.read_bytes("train/clustered-seed1/metrics.jsonl").decode().splitlines()]
+    assert first != second
+
+
+def test_compare_json_mean_and_spread_match_the_eval_files(compared):
+    run = compared
+    summary = run.read_json("report/compare.json")
+    assert list(summary["arms"]) == list(SAMPLERS)
+    for sampler, arm in summary["arms"].items():
+        values = [run.read_json(f"eval/{sampler}-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+        stats = arm["metrics"]["ndcg_at_10"]
+        assert stats["values"] == pytest.approx(values)
+        assert stats["mean"] == pytest.approx(np.mean(values))
+        assert stats["std"] == pytest.approx(np.std(values, ddof=1))
+        assert stats["min"] == pytest.approx(min(values)) and stats["max"] == pytest.approx(max(values))
+    paired = summary["paired_vs_random"]["clustered"]
+    diffs = [run.read_json(f"eval/clustered-seed{s}.json")["metrics"]["ndcg_at_10"]
+             - run.read_json(f"eval/random-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+    assert paired["mean"] == pytest.approx(np.mean(diffs))
+    assert summary["frozen"] == run.read_json("eval/frozen.json")["metrics"]
+
+
+def test_costs_and_report_cover_every_arm(compared):
+    run = compared
+    costs = run.read_json("report/costs.json")
+    for sampler in SAMPLERS:
+        for seed in range(SEEDS):
+            assert f"train:{sampler}-seed{seed}" in costs and f"evaluate:{sampler}-seed{seed}" in costs
+    report = run.read_bytes("report/report.md").decode()
+    assert "## Compare: samplers over seeds" in report and "± " in report
+    assert "![compare](compare.png)" in report and run.exists("report/compare.png")
+    # The per-cluster breakdown includes every arm, not only the last one evaluated.
+    breakdown = run.read_json("eval/by_cluster/k=4.json")
+    models = {m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]}
+    assert models == {"frozen"} | {f"{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
+
+
+def test_unknown_sampler_fails_before_any_work(tmp_path, tiny_model, ray_local, capsys):
+    rc = cli.main(["compare", "--run-dir", str(tmp_path / "run"), "--samplers", "clustered,nonsense", "--seeds", "1",
+                   "--set", *tiny_overrides(tiny_model, str(tmp_path / "none.parquet"))])
+    assert rc == 2
+    assert "train.sampler" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

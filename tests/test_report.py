@@ -1,0 +1,94 @@
+"""The report renders from a real tiny run (clustered + random training): every figure a valid PNG, costs sane."""
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+
+from clusterscale import cli
+from tests.conftest import make_pairs, tiny_overrides
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory, tiny_model, ray_local):
+    import pyarrow.parquet as pq
+
+    from clusterscale.rundir import RunDir
+
+    base = tmp_path_factory.mktemp("report")
+    pq.write_table(make_pairs(240), base / "pairs.parquet")
+    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["train.log_batches=false",
+                                                                            "eval.extrapolate_to_rows=1000000"]
+    run_dir = str(base / "run")
+    assert cli.main(["run", "--run-dir", run_dir, "--set", *overrides]) == 0
+    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=random"]) == 0
+    assert cli.main(["report", "--run-dir", run_dir, "--set", *overrides]) == 0
+    return RunDir(run_dir)
+
+
+def test_every_linked_figure_is_a_valid_png(reported):
+    from PIL import Image
+
+    run = reported
+    report = run.read_bytes("report/report.md").decode()
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
+    assert {"cluster_sizes.png", "costs.png", "loss.png", "hardness.png"} <= set(linked)
+    on_disk = [f for f in run.listdir("report") if f.endswith(".png")]
+    assert sorted(on_disk) == sorted(set(linked))
+    for name in on_disk:
+        data = run.read_bytes(f"report/{name}")
+        assert data[:8] == PNG_MAGIC, name
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        assert image.size[0] > 100 and image.size[1] > 100, name
+
+
+def test_report_sections(reported):
+    report = reported.read_bytes("report/report.md").decode()
+    for heading in ("## Clusters (k=4", "Table 1 analogue", "## Cost: preprocessing vs training", "## Held-out retrieval",
+                    "NDCG@10 per cluster", "## Training dynamics"):
+        assert heading in report, heading
+    assert "Extrapolation (not a measurement) to 1,000,000 pairs" in report
+    assert "clustered-seed0" in report and "random-seed0" in report
+
+
+def test_cost_summary_is_consistent_with_costs_json(reported):
+    run = reported
+    costs, summary = run.read_json("report/costs.json"), run.read_json("report/cost_summary.json")
+    pre = sum(costs[s]["worker_s"] for s in ("ingest", "embed", "fit", "assign", "shard"))
+    assert summary["preprocess_worker_s"] == pytest.approx(pre)
+    assert summary["ratio_per_epoch"] == pytest.approx(pre / summary["train_epoch_worker_s"])
+    assert summary["ratio_total"] == pytest.approx(summary["ratio_per_epoch"] / summary["epochs"])
+    ext = summary["extrapolation"]
+    assert ext["preprocess"]["value"] == pytest.approx(pre * 1_000_000 / summary["rows"])
+    # FLOPs: 2 x params x tokens for the embed pass; training is 6 x params x tokens, so more per pair.
+    assert summary["flops"]["embed"] > 0 and summary["flops"]["train:clustered-seed0"] > 0
+
+
+def test_cluster_breakdown_partitions_the_heldout_queries(reported):
+    run = reported
+    breakdown = run.read_json("eval/by_cluster/k=4.json")
+    frozen = run.read_json("eval/frozen.json")
+    assert sum(row["queries"] for row in breakdown["clusters"].values()) == frozen["num_queries"]
+    clusters = run.read_json("eval/clusters/k=4.json")["cluster"]
+    per_query = np.array(frozen["per_query"]["ndcg_at_10"])
+    for c, row in breakdown["clusters"].items():
+        mask = np.array(clusters) == int(c)
+        assert row["queries"] == int(mask.sum())
+        assert row["ndcg_at_10"]["frozen"] == pytest.approx(per_query[mask].mean())
+    # The held-out passages are assigned exactly as the embed stage would: same encoder, same centroids.
+    from clusterscale.encoder import Encoder
+    from clusterscale.kmeans import load_centroids
+
+    cfg = run.read_json("embeddings/_DONE.json")["config"]["embed"]
+    held = frozen["per_query"]["pair_id"]
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(run.files("heldout"), format="parquet").to_table(columns=["pair_id", "passage"])
+    text = dict(zip(table.column("pair_id").to_pylist(), table.column("passage").to_pylist()))
+    vectors = Encoder(cfg["model"], pooling=cfg["pooling"], max_length=cfg["max_length"]).encode([text[i] for i in held])
+    assert np.argmax(vectors @ load_centroids(run, 4).T, axis=1).tolist() == clusters
