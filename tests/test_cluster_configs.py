@@ -16,9 +16,9 @@ YAMLS = sorted(CONFIGS.glob("*.yaml"))
 
 
 def ray_pin() -> str:
-    match = re.search(r'"ray\[[^\]]*\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
-    assert match, "pyproject.toml must pin ray exactly (ray[...]==X.Y.Z)"
-    return match.group(1)
+    pins = set(re.findall(r'"ray\[[^\]]*\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text()))
+    assert len(pins) == 1, f"pyproject.toml must pin ray exactly, and everywhere the same: {pins}"
+    return pins.pop()
 
 
 def documents(path: Path) -> list[dict]:
