@@ -90,7 +90,7 @@ def ray_head(tmp_path_factory):
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def job(ray_head, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def job(ray_head, *args: str, env: dict | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:
     return subprocess.run([RAY, "job", *args[:1], "--address", ray_head["address"], *args[1:]],
                           env=env or ray_head["env"], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
