@@ -16,9 +16,9 @@ YAMLS = sorted(CONFIGS.glob("*.yaml"))
 
 
 def ray_pin() -> str:
-    match = re.search(r'"ray\[[^\]]*\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text())
-    assert match, "pyproject.toml must pin ray exactly (ray[...]==X.Y.Z)"
-    return match.group(1)
+    pins = set(re.findall(r'"ray\[[^\]]*\]==([0-9.]+)"', (REPO / "pyproject.toml").read_text()))
+    assert len(pins) == 1, f"pyproject.toml must pin ray exactly, and everywhere the same: {pins}"
+    return pins.pop()
 
 
 def documents(path: Path) -> list[dict]:
@@ -111,9 +111,11 @@ def test_kuberay_clusters_have_gpu_group_token_auth_shared_runs_and_the_pinned_r
             gpu_groups.append(group)
     assert gpu_groups, f"{name}: a GPU worker group"
     pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
-    for pod in pods:  # every pod sees the same run directories
+    for pod in pods:  # every pod sees the same run directories; a token only ever comes from a Secret
         assert any(m["mountPath"] == "/mnt/runs" for m in pod["containers"][0]["volumeMounts"])
         assert any("persistentVolumeClaim" in v for v in pod["volumes"])
+        for env in (e for c in pod["containers"] for e in c.get("env", [])):
+            assert not (env["name"].startswith("RAY_AUTH_TOKEN") and "value" in env), f"{name}: literal token"
 
 
 def test_rayjob_runs_a_shipped_job_on_a_shipped_config():

@@ -73,6 +73,21 @@ def test_uri_query_and_environment_reach_the_same_store(s3_endpoint, monkeypatch
     assert root2 == root and fs2.get_file_info(f"{root2}/x.txt").size == 5
 
 
+def test_globs_in_a_uri_keep_its_query(s3_endpoint):
+    from clusterscale.config import DataConfig
+    from clusterscale.ingest import list_input_files
+
+    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "glob-bucket"))
+    fs.create_dir("glob-bucket/in")
+    for name in ("a.parquet", "b.parquet", "notes.txt"):
+        with fs.open_output_stream(f"glob-bucket/in/{name}") as out:
+            out.write(b"x")
+    _, files = list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in/*.parquet")))
+    assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet"]
+    _, files = list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in")))
+    assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet"]
+
+
 def test_run_dir_atomic_files_and_child_uris(s3_endpoint):
     run = RunDir(s3_uri(s3_endpoint, "rundir-bucket/runs/r1"))
     assert not run.is_local and run.root == "rundir-bucket/runs/r1"
