@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import ClusterConfig, Config
+from clusterscale.config import Config
 from clusterscale.embed import emb_matrix
 from clusterscale.ingest import hash_unit
 from clusterscale.kmeans_core import (ClusteringError, check_vectors, init_candidates, lloyd, lloyd_partials,
@@ -90,7 +90,7 @@ class SampleShard:
                 "nonfinite_rows": int((~np.isfinite(self.x).all(axis=1)).sum()) if self.x.size else 0}
 
     def init_candidates(self, k: int, seed: int):
-        return init_candidates(self.ids, self.x, k, seed) if len(self.ids) else (np.zeros(0), self.x[:0])
+        return init_candidates(self.ids, self.x, k, seed) if len(self.ids) else None
 
     def step(self, centroids: np.ndarray):
         if not len(self.ids):
@@ -112,7 +112,8 @@ def fit_resources(num_workers: int, units: int) -> tuple[int, int, dict]:
 
 def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tuple[np.ndarray, dict]:
     """Seeded init and niter Lloyd iterations over live SampleShard actors (driver side)."""
-    initial = pick_initial(ray.get([a.init_candidates.remote(k, seed) for a in actors]), k)
+    candidates = ray.get([a.init_candidates.remote(k, seed) for a in actors])
+    initial = pick_initial([c for c in candidates if c is not None], k)  # a worker may sample no rows
 
     def step(centroids: np.ndarray) -> list:
         ref = ray.put(centroids)  # one copy in the object store per iteration, not one per actor
@@ -126,7 +127,7 @@ def start_sample_shards(loads: list, threads: int, options: dict, use_gpu: bool 
     return [actor_cls.remote(load, threads, use_gpu) for load in loads]
 
 
-def check_sample(descriptions: list[dict], k: int, cfg: ClusterConfig) -> int:
+def check_sample(descriptions: list[dict], k: int) -> int:
     """Raise ClusteringError for mixed dimensions, NaN/inf vectors or a sample smaller than k."""
     dims = sorted({d for desc in descriptions for d in desc["dims"]})
     if len(dims) > 1 or any(len(desc["dims"]) > 1 for desc in descriptions):
@@ -168,8 +169,9 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
     actors = start_sample_shards(loads, threads, options, use_gpu="num_gpus" in options)
     try:
-        n_sample = check_sample(ray.get([a.describe.remote() for a in actors]), k, cfg.cluster)
-        dim = next(d for desc in ray.get([a.describe.remote() for a in actors]) for d in desc["dims"])
+        descriptions = ray.get([a.describe.remote() for a in actors])
+        n_sample = check_sample(descriptions, k)
+        dim = next(d for desc in descriptions for d in desc["dims"])
         load_s = time.time() - started
         centroids, stats = fit_on_actors(actors, k, cfg.cluster.niter, cfg.cluster.seed)
     finally:
