@@ -5,19 +5,18 @@ side that is clustered) and `truncated` (that text was cut at embed.max_length).
 embed.side=both, `emb` is the passage and `emb_query` / `truncated_query` are added.
 
 Work units are fixed row ranges of the pairs/ part files, listed once in embeddings/_units.json
-with the config fingerprint. A pool of Ray actors (one encoder replica each: one per GPU, or
-threads_per_actor CPUs each) embeds units; each unit's output is written to a temporary name and
-renamed, so a file present under its final name is complete and a rerun skips it. A killed actor is
-restarted by Ray and its unit redone into the same file name: no row is lost or duplicated.
+with the config fingerprint. Ray Data `map_batches` with a callable class over the
+unit list (an actor pool, one encoder replica per actor: one per GPU, or threads_per_actor CPUs
+each) embeds units; each unit's output is written to a temporary name and renamed, so a file
+present under its final name is complete and a rerun skips it. A killed actor is restarted by Ray
+Data and its unit redone into the same file name: no row is lost or duplicated.
 Run with `clusterscale embed [CONFIG] --run-dir R` (after `ingest`).
 """
 from __future__ import annotations
 
 import io
 import math
-import os
 import posixpath
-import threading
 import time
 
 import numpy as np
@@ -30,7 +29,6 @@ from clusterscale.encoder import Encoder, check_encoder
 from clusterscale.rundir import ConfigMismatchError, RunDir
 
 PLAN = "embeddings/_units.json"
-GPU_UNITS_IN_FLIGHT = 2  # per GPU actor: the next unit is read and tokenised while the GPU works
 
 
 class EmbeddingError(RuntimeError):
@@ -107,22 +105,15 @@ class EmbedWorker:
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
                                trust_remote_code=self.cfg.trust_remote_code, threads=threads,
                                max_tokens_per_batch=self.cfg.max_tokens_per_batch)
-        # Two units may be in flight on a GPU actor: one is tokenised while the other uses the model.
-        self.tokenizer_lock, self.device_lock = threading.Lock(), threading.Lock()
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def embed_unit(self, unit: dict) -> dict:
-        """Read, tokenise (outside the lock), encode, check, write. Returns the unit's counts."""
+        """Read, tokenise, encode, check, write. Returns the unit's counts."""
         started = time.time()
         with self.run.fs.open_input_file(self.run.path(unit["input"])) as f:
             table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
         sides = output_columns(self.cfg.side)
-        with self.tokenizer_lock:  # a fast tokenizer must not be used by two threads at once
-            tokens = [self.encoder.tokenize(table.column(text).to_pylist()) for text, _ in sides]
-        with self.device_lock:
-            vectors = [self.encoder.encode_tokens(t, self.cfg.batch_size) for t in tokens]
+        tokens = [self.encoder.tokenize(table.column(text).to_pylist()) for text, _ in sides]
+        vectors = [self.encoder.encode_tokens(t, self.cfg.batch_size) for t in tokens]
         for (text, _), v in zip(sides, vectors):
             check_finite(v, table.column("pair_id").to_numpy(), text, self.cfg.model)
         for (_, suffix), v, t in zip(sides, vectors, tokens):
@@ -149,45 +140,45 @@ def actor_pool_size(cfg: EmbedConfig) -> tuple[int, dict, int]:
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     if gpus:
-        return cfg.num_actors or gpus, {"num_gpus": 1, "num_cpus": 1, "max_concurrency": GPU_UNITS_IN_FLIGHT}, 1
+        return cfg.num_actors or gpus, {"num_gpus": 1, "num_cpus": 1}, 1
     cpus = max(1, int(resources.get("CPU", 1)))
     threads = min(cfg.threads_per_actor, cpus)
     return cfg.num_actors or max(1, cpus // threads), {"num_cpus": threads}, threads
 
 
-def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int,
-              progress_every_s: float = 10.0) -> tuple[list[dict], float]:
-    """Embed `todo` on a pool of actors, each kept busy; returns (per-unit results, actor seconds)."""
-    worker = ray.remote(max_restarts=3, max_task_retries=3)(EmbedWorker)
-    pool = [worker.options(**options).remote(run.uri, cfg.to_dict()["embed"], threads)
-            for _ in range(min(actors, len(todo)))]
-    started, depth = time.time(), options.get("max_concurrency", 1)
-    queue, in_flight, results, last_print = list(reversed(todo)), {}, [], time.time()
-    rows_total = sum(u["stop"] - u["start"] for u in todo)
+class EmbedUnits:
+    """Ray Data callable class: one EmbedWorker (encoder replica) per actor; each row is a work unit."""
+
+    def __init__(self, run_uri: str, embed: dict, threads: int):
+        self.worker = EmbedWorker(run_uri, embed, threads)
+
+    def __call__(self, units: pa.Table) -> pa.Table:
+        results = [self.worker.embed_unit(u) for u in units.to_pylist()]
+        return pa.Table.from_pylist(results, schema=pa.schema([("rows", pa.int64()), ("truncated", pa.int64()),
+                                                               ("busy_s", pa.float64())]))
+
+
+def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int
+              ) -> tuple[list[dict], float]:
+    """Embed `todo` with a Ray Data actor pool (one unit per task, Ray Data's retries and progress bars).
+
+    A unit's output name is fixed, so a task Ray retries after an actor death rewrites the same file:
+    no row is lost or duplicated. Returns (per-unit results, actor seconds)."""
+    started = time.time()
+    pool_size = min(actors, len(todo))
+    ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], threads),
+                        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool_size),
+                        max_task_retries=3, **options)
     try:
-        for actor in pool:
-            for _ in range(depth):
-                if queue:
-                    in_flight[actor.embed_unit.remote(queue[-1])] = actor
-                    queue.pop()
-        while in_flight:
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            actor = in_flight.pop(done[0])
-            try:
-                results.append(ray.get(done[0]))
-            except ray.exceptions.RayTaskError as exc:  # re-raise our own errors without Ray's wrapping
-                raise exc.cause if isinstance(exc.cause, EmbeddingError) else exc
-            if queue:
-                in_flight[actor.embed_unit.remote(queue.pop())] = actor
-            if time.time() - last_print > progress_every_s or not in_flight:
-                rows = sum(r["rows"] for r in results)
-                print(f"[embed] units {len(results)}/{len(todo)}, rows {rows}/{rows_total}, "
-                      f"{rows / max(1e-9, time.time() - started):.1f} rows/s", flush=True)
-                last_print = time.time()
-    finally:
-        for actor in pool:
-            ray.kill(actor)
-    return results, (time.time() - started) * len(pool)
+        results = ds.take_all()
+    except Exception as exc:  # surface our own error (NaN rows) without Ray Data's wrapping
+        marker = "EmbeddingError: "
+        text = str(exc)
+        if marker in text:
+            raise EmbeddingError(text.split(marker, 1)[1].splitlines()[0]) from exc
+        raise
+    return results, (time.time() - started) * pool_size
 
 
 def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:

@@ -110,7 +110,7 @@ def compare_arms(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
     span = max(values) - min(values)
     ax.set_ylim(max(0.0, min(values) - span - 0.01), min(1.0, max(values) + span + 0.01))
     ax.set_ylabel(f"held-out {metric}")
-    ax.set_title(f"Arms: mean ± std over seeds (dots: seeds)")
+    ax.set_title("Arms: mean ± std over seeds (dots: seeds)")
     return _png(fig)
 
 

@@ -8,7 +8,6 @@ exported encoder).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import shutil
