@@ -16,6 +16,7 @@ VERBS = {
     "fit": "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
     "assign": "Assign every embedded pair to its nearest centroid (Ray Data pass).",
     "shard": "Write one shuffled Parquet shard set per cluster and the manifest.",
+    "mine": "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
     "train": "Train the student with Ray Train DDP, every global batch from one cluster.",
     "evaluate": "Held-out retrieval metrics of the frozen encoder and the trained model.",
     "report": "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
@@ -25,6 +26,13 @@ VERBS = {
     "config": "Print every config key with its default and documentation.",
 }
 PIPELINE = ("ingest", "embed", "fit", "assign", "shard", "train", "evaluate", "report")
+
+
+def pipeline(cfg) -> tuple[str, ...]:
+    """The stages of `run`: mining joins them when training uses mined negatives."""
+    if not cfg.train.negatives_per_query:
+        return PIPELINE
+    return PIPELINE[:5] + ("mine",) + PIPELINE[5:]
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -74,8 +82,12 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
                        help="Also run MTEB retrieval tasks: MTEB task names (data from the HF hub) or "
                             "local:FOLDER (BEIR files corpus.jsonl, queries.jsonl, qrels/test.tsv).")
     elif verb == "compare":
-        p.add_argument("--samplers", default="clustered,random",
-                       help="Comma-separated train.sampler values, one arm each (default: clustered,random).")
+        p.add_argument("--samplers", "--arms", dest="samplers", default="clustered,random",
+                       help="Comma-separated arms: train.sampler values (clustered, random, random_clusters, source) "
+                            "or named arms (mined, clustered_mined, clp, moe, recluster; see README). "
+                            "Default: clustered,random.")
+        p.add_argument("--arm", dest="custom_arms", action="append", default=[], metavar="NAME:train.key=value,...",
+                       help="Define an extra arm by its train keys, e.g. --arm hard:train.negatives_per_query=4.")
         p.add_argument("--seeds", type=int, default=3, help="Seeds per arm: train.seed, +1, ... (default 3).")
     elif verb == "sweep":
         p.add_argument("--k", dest="k_values", required=True, help="Comma-separated cluster counts, e.g. 10,100,1000.")
@@ -90,7 +102,8 @@ def run_experiment(args, cfg) -> None:
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
-        summary = experiments.run_compare(cfg, RunDir(args.run_dir), samplers, args.seeds)
+        custom = dict(experiments.parse_arm(text) for text in args.custom_arms)
+        summary = experiments.run_compare(cfg, RunDir(args.run_dir), samplers, args.seeds, custom)
         for name, arm in summary["arms"].items():
             n = arm["metrics"]["ndcg_at_10"]
             print(f"{name}: NDCG@10 {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) over "
@@ -107,12 +120,13 @@ def stage_functions() -> dict[str, Callable]:
     from clusterscale.evaluate import run_evaluate
     from clusterscale.ingest import run_ingest
     from clusterscale.kmeans import run_assign, run_fit
+    from clusterscale.mine import run_mine
     from clusterscale.report import run_report
     from clusterscale.shards import run_shard
     from clusterscale.train.loop import run_train
 
     return {"ingest": run_ingest, "embed": run_embed, "fit": run_fit, "assign": run_assign,
-            "shard": run_shard, "train": run_train, "evaluate": run_evaluate, "report": run_report}
+            "shard": run_shard, "mine": run_mine, "train": run_train, "evaluate": run_evaluate, "report": run_report}
 
 
 def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
@@ -208,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done in {time.time() - started:.1f}s", flush=True)
             return 0
         run = RunDir(args.run_dir)
-        verbs = PIPELINE if args.verb == "run" else (args.verb,)
+        verbs = pipeline(cfg) if args.verb == "run" else (args.verb,)
         started = time.time()
         results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False))
         if args.verb == "evaluate" and args.mteb:

@@ -153,6 +153,31 @@ class TrainConfig:
                                    "GPU, or measure an fp32 matmul on CPU.", affects_output=False)
     tensorboard: bool = knob(False, "Also log the per-step metrics to train/<name>/tensorboard (needs the "
                                     "`tensorboard` package; local run directories only).", affects_output=False)
+    recluster_every: int = knob(0, "Re-cluster every N steps: export the current model, re-embed every training "
+                                   "pair with it, re-fit k-means, re-shard, and continue on the new shards "
+                                   "(train.sampler=clustered only). 0 = never (the paper's method).")
+
+
+@dataclass
+class MineConfig:
+    encoder: str = knob("frozen", "Encoder that retrieves negative candidates: 'frozen' reuses embeddings/ for the "
+                                  "passages (queries: their `emb_query` when embed.side=both, else embedded with "
+                                  "embed.model); 'train:<name>' uses that training run's exported model; or any "
+                                  "model id/folder. A non-frozen encoder re-embeds every training pair (the cost "
+                                  "is recorded as mine:embed).")
+    range_min: int = knob(0, "Keep candidates from this retrieval rank on (0 = the top hit). Raise it to skip "
+                             "the very top hits, which are the likeliest unlabeled positives.")
+    range_max: int = knob(30, "Retrieve this many candidates per query; ranks [range_min, range_max) are kept "
+                              "unless they are a positive of the query or a duplicate of its positive text.")
+    margin: float | None = knob(0.95, "False-negative guard: keep a candidate only if its score <= margin x the "
+                                      "positive's score (NV-Retriever's TopK-PercPos). null = off.")
+    index: str = knob("flat", "Passage index: 'flat' (exact inner product) or 'ivf' (approximate, for large N).",
+                      ("flat", "ivf"))
+    ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(N).")
+    ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.")
+    query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False)
+    num_actors: int = knob(0, "Mining actors (one passage index each); 0 = one per GPU, or one per CPU.",
+                           affects_output=False)
 
 
 @dataclass
@@ -182,6 +207,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mine: MineConfig = field(default_factory=MineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -202,7 +228,7 @@ class Config:
         return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"
 
 
-SECTIONS = ("data", "embed", "cluster", "shard", "train", "eval", "ray")
+SECTIONS = ("data", "embed", "cluster", "shard", "train", "mine", "eval", "ray")
 
 
 def output_keys(section_obj) -> dict:
@@ -321,6 +347,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval.k_values must be a non-empty list of positive integers, got {cfg.eval.k_values}.")
     if cfg.eval.num_distractors < 0:
         raise ConfigError(f"eval.num_distractors must be >= 0, got {cfg.eval.num_distractors}.")
+    if not 0 <= cfg.mine.range_min < cfg.mine.range_max:
+        raise ConfigError(f"mine.range_min ({cfg.mine.range_min}) must be >= 0 and below mine.range_max "
+                          f"({cfg.mine.range_max}).")
+    if cfg.mine.margin is not None and cfg.mine.margin <= 0:
+        raise ConfigError(f"mine.margin must be greater than 0 (or null = off), got {cfg.mine.margin}.")
+    for key in ("ivf_nlist", "num_actors"):
+        if getattr(cfg.mine, key) < 0:
+            raise ConfigError(f"mine.{key} must be >= 0 (0 = automatic), got {getattr(cfg.mine, key)}.")
+    _positive("mine.ivf_nprobe", cfg.mine.ivf_nprobe)
+    _positive("mine.query_batch_size", cfg.mine.query_batch_size)
+    if cfg.train.recluster_every < 0:
+        raise ConfigError(f"train.recluster_every must be >= 0 (0 = off), got {cfg.train.recluster_every}.")
+    if cfg.train.recluster_every and cfg.train.sampler != "clustered":
+        raise ConfigError(f"train.recluster_every needs train.sampler=clustered (got {cfg.train.sampler!r}): the "
+                          f"other samplers do not use the clusters.")
     if cfg.train.name and ("/" in cfg.train.name or cfg.train.name.startswith(".")):
         raise ConfigError(f"train.name must be a plain folder name, got {cfg.train.name!r}.")
 

@@ -75,7 +75,8 @@ def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
     return max(1, min(rows_per_part, math.ceil(n_rows / (4 * actors))))
 
 
-def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int) -> dict:
+def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int, pairs_run: RunDir | None = None
+                      ) -> dict:
     """The unit list of this embedding; an interrupted attempt's plan is reused (same fingerprint only)."""
     if run.exists(PLAN):
         plan = run.read_json(PLAN)
@@ -87,10 +88,11 @@ def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int) -
                 f"or delete embeddings/.")
         return plan
     run.begin("embeddings")  # leftovers of an older layout, never mixed with this plan
-    n_rows = run.done_stats("pairs")["pairs"]
+    pairs_run = pairs_run or run
+    n_rows = pairs_run.done_stats("pairs")["pairs"]
     rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
     plan = {"fingerprint": fingerprint, "rows_per_unit": rows_per_unit, "embed": cfg.to_dict()["embed"],
-            "units": plan_units(run, rows_per_unit)}
+            "units": plan_units(pairs_run, rows_per_unit)}
     run.write_json(PLAN, plan)
     return plan
 
@@ -99,9 +101,10 @@ def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int) -
 class EmbedWorker:
     """One encoder replica; embeds whole work units and writes each one atomically."""
 
-    def __init__(self, run_uri: str, embed: dict, threads: int):
+    def __init__(self, run_uri: str, embed: dict, threads: int, pairs_uri: str | None = None):
         self.cfg = EmbedConfig(**embed)
         self.run = RunDir(run_uri)
+        self.pairs_run = RunDir(pairs_uri) if pairs_uri else self.run
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
                                trust_remote_code=self.cfg.trust_remote_code, threads=threads,
                                max_tokens_per_batch=self.cfg.max_tokens_per_batch)
@@ -109,7 +112,7 @@ class EmbedWorker:
     def embed_unit(self, unit: dict) -> dict:
         """Read, tokenise, encode, check, write. Returns the unit's counts."""
         started = time.time()
-        with self.run.fs.open_input_file(self.run.path(unit["input"])) as f:
+        with self.pairs_run.fs.open_input_file(self.pairs_run.path(unit["input"])) as f:
             table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
         sides = output_columns(self.cfg.side)
         tokens = [self.encoder.tokenize(table.column(text).to_pylist()) for text, _ in sides]
@@ -149,8 +152,8 @@ def actor_pool_size(cfg: EmbedConfig) -> tuple[int, dict, int]:
 class EmbedUnits:
     """Ray Data callable class: one EmbedWorker (encoder replica) per actor; each row is a work unit."""
 
-    def __init__(self, run_uri: str, embed: dict, threads: int):
-        self.worker = EmbedWorker(run_uri, embed, threads)
+    def __init__(self, run_uri: str, embed: dict, threads: int, pairs_uri: str | None = None):
+        self.worker = EmbedWorker(run_uri, embed, threads, pairs_uri)
 
     def __call__(self, units: pa.Table) -> pa.Table:
         results = [self.worker.embed_unit(u) for u in units.to_pylist()]
@@ -158,8 +161,8 @@ class EmbedUnits:
                                                                ("busy_s", pa.float64())]))
 
 
-def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int
-              ) -> tuple[list[dict], float]:
+def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int,
+              pairs_run: RunDir | None = None) -> tuple[list[dict], float]:
     """Embed `todo` with a Ray Data actor pool (one unit per task, Ray Data's retries and progress bars).
 
     A unit's output name is fixed, so a task Ray retries after an actor death rewrites the same file:
@@ -167,7 +170,8 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: 
     started = time.time()
     pool_size = min(actors, len(todo))
     ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], threads),
+    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], threads,
+                                                            pairs_run.uri if pairs_run else None),
                         batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool_size),
                         max_task_retries=3, **options)
     try:
@@ -192,15 +196,19 @@ def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:
     return rows, truncated
 
 
-def run_embed(cfg: Config, run: RunDir) -> dict:
-    """Embed every pair not embedded yet, then mark the stage done. Returns the stage stats."""
+def run_embed(cfg: Config, run: RunDir, pairs_run: RunDir | None = None) -> dict:
+    """Embed every pair not embedded yet, then mark the stage done. Returns the stage stats.
+
+    pairs_run: read pairs/ from this run directory instead of `run` (re-embedding the same pairs with
+    another encoder into a child run directory: mining with a trained model, re-clustering)."""
     fingerprint = cfg.fingerprint(("data", "embed"))
-    run.require("pairs", "ingest", "Ingested pairs")
+    pairs_run = pairs_run or run
+    pairs_run.require("pairs", "ingest", "Ingested pairs")
     if run.is_done("embeddings", fingerprint):
         return run.done_stats("embeddings")
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
     actors, options, threads = actor_pool_size(cfg.embed)
-    plan = load_or_make_plan(run, fingerprint, cfg, actors)
+    plan = load_or_make_plan(run, fingerprint, cfg, actors, pairs_run)
     existing = set(run.listdir("embeddings"))
     done = [u for u in plan["units"] if posixpath.basename(u["output"]) in existing]
     todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
@@ -210,10 +218,10 @@ def run_embed(cfg: Config, run: RunDir) -> dict:
     if done:
         print(f"[embed] resuming: {len(done)}/{len(plan['units'])} units already complete", flush=True)
     started = time.time()
-    results, worker_s = run_units(run, cfg, todo, actors, options, threads) if todo else ([], 0.0)
+    results, worker_s = run_units(run, cfg, todo, actors, options, threads, pairs_run) if todo else ([], 0.0)
     rows_before, truncated_before = _count_done(run, done)
     rows = rows_before + sum(r["rows"] for r in results)
-    expected = run.done_stats("pairs")["pairs"]
+    expected = pairs_run.done_stats("pairs")["pairs"]
     if rows != expected:
         raise RuntimeError(f"embeddings/ holds {rows} rows but pairs/ has {expected}: delete embeddings/ and rerun.")
     wall = time.time() - started

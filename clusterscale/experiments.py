@@ -62,19 +62,73 @@ def _train_and_evaluate(cfg: Config, run: RunDir) -> dict:
 
 
 # --- compare ------------------------------------------------------------------------------------------
-def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int) -> dict:
-    """Train every (sampler, seed) arm on the same shards for the same steps; evaluate; mean and spread."""
+# Named arms beyond the samplers (issue: the seeds' other methods, side by side). Each is a set of train
+# keys over the user's config; `--arm NAME:train.key=value,...` defines more.
+ARMS: dict[str, dict] = {
+    "mined": {"sampler": "random", "negatives_per_query": 1},              # ANCE-style: what clustering replaces
+    "clustered_mined": {"sampler": "clustered", "negatives_per_query": 1},
+    "clp": {"sampler": "random", "negatives_per_query": 1, "loss": "clp"},  # CLP: mined negatives + penalty
+    "moe": {"sampler": "clustered", "moe_experts": 4, "moe_top_k": 2},
+    "recluster": {"sampler": "clustered", "recluster_every": "half"},       # once, halfway
+}
+
+
+def parse_arm(text: str) -> tuple[str, dict]:
+    """'NAME:train.key=value,train.key=value' -> (NAME, {key: value}) (train keys only)."""
+    from clusterscale.config import parse_override
+
+    name, sep, body = text.partition(":")
+    if not sep or not name or "/" in name:
+        raise ConfigError(f"--arm expects NAME:train.key=value[,train.key=value...], got {text!r}.")
+    keys = {}
+    for item in body.split(","):
+        section, key, value = parse_override(item)
+        if section != "train":
+            raise ConfigError(f"--arm {name}: only train.* keys may differ between arms (the shards are shared), "
+                              f"got {section}.{key}.")
+        keys[key] = value
+    return name, keys
+
+
+def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
+    from clusterscale.train.schedule import SAMPLERS
+
+    if name in custom:
+        return dict(custom[name])
+    if name in SAMPLERS:
+        return {"sampler": name}
+    if name not in ARMS:
+        raise ConfigError(f"Unknown compare arm {name!r}: use a sampler ({', '.join(SAMPLERS)}), a named arm "
+                          f"({', '.join(ARMS)}), or define it with --arm {name}:train.key=value,...")
+    keys = dict(ARMS[name])
+    if keys.get("recluster_every") == "half":
+        if not cfg.train.steps or cfg.train.steps < 2:
+            raise ConfigError("The recluster arm re-clusters halfway through train.steps: set train.steps (>= 2), or "
+                              "define the arm yourself with --arm NAME:train.recluster_every=N.")
+        keys["recluster_every"] = cfg.train.steps // 2
+    return keys
+
+
+def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None
+                ) -> dict:
+    """Train every (arm, seed) on the same shards for the same steps; evaluate; mean and spread per arm.
+
+    An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys)."""
     from clusterscale.cli import run_stages
     from clusterscale.report import run_report
 
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
     seed_list = [cfg.train.seed + i for i in range(seeds)]
+    custom_arms = custom_arms or {}
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
-    arms = {s: [variant(cfg, train={"sampler": s, "seed": seed, "name": f"{s}-seed{seed}"}) for seed in seed_list]
-            for s in samplers}
+    arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": f"{s}-seed{seed}"})
+                for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
     started = time.time()
+    mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
     run_stages(cfg, run, PREPROCESS)
+    if mining:  # one mining pass serves every arm with mined negatives (same mine config)
+        run_stages(mining[0], run, ("mine",), write_config=False)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
@@ -105,8 +159,12 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
                "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
                if any(records) else None,
                "neg_cos_mean": float(np.mean([r["neg_cos_mean"] for recs in records for r in recs])) if any(records) else None,
-               "train_worker_s": float(sum(run.done_stats(f"train/{n}").get("worker_s", 0) for n in names))}
+               "train_worker_s": float(sum(run.done_stats(f"train/{n}").get("worker_s", 0) for n in names)),
+               "train_keys": _differing_train_keys(cfg, arm_cfgs[0])}
         out["arms"][sampler] = arm
+    costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
+    out["preprocess_worker_s"] = {stage: costs[stage].get("worker_s", costs[stage].get("wall_s"))
+                                  for stage in (*PREPROCESS, "mine") if stage in costs}
     if "random" in arms:
         base = {a.train.seed: metrics["random"][a.train_name()]["ndcg_at_10"] for a in arms["random"]}
         for sampler, arm_cfgs in arms.items():
@@ -116,6 +174,11 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
             out.setdefault("paired_vs_random", {})[sampler] = spread(diffs) | {
                 "n": len(diffs), "wins": int(sum(d > 0 for d in diffs))}
     return out
+
+
+def _differing_train_keys(base: Config, arm: Config) -> dict:
+    ignore = {"seed", "name"}
+    return {k: v for k, v in arm.to_dict()["train"].items() if k not in ignore and base.to_dict()["train"][k] != v}
 
 
 # --- sweep --------------------------------------------------------------------------------------------

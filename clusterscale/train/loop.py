@@ -7,6 +7,7 @@ exported encoder).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -23,9 +24,13 @@ from clusterscale.train.checkpoint import check_cursor, load_state, save_state, 
 from clusterscale.train.data import ShardReader, checked_manifest, source_codes
 from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
 from clusterscale.train.model import build_student, matmul_params
+from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
-RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
+RAY_RUN_NAME = "ray-train"
+# Per-step figures that exist only with some options (mined negatives, CLP, MoE): means over ranks / sums.
+OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss")
+OPTIONAL_SUMS = ("mined_negatives", "clp_skipped", "negatives_padded")  # fixed: Ray Train resumes a run whose name and storage path it finds again
 
 
 def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
@@ -67,8 +72,11 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(config.get("threads_per_worker", 1))))
     run, name, num_steps = RunDir(config["run_uri"]), config["name"], config["num_steps"]
-    manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
-    sizes, codes, sources = _strata_inputs(run, manifest, tc.sampler)
+    # The shards of this segment: the run's own, or a re-clustering's child run directory.
+    shards_run = RunDir(config.get("shards_uri") or config["run_uri"])
+    segment, seg_start, seg_stop = config.get("segment", (0, 0, num_steps))
+    manifest = checked_manifest(shards_run, cfg.cluster.k, tc.global_batch_size)
+    sizes, codes, sources = _strata_inputs(shards_run, manifest, tc.sampler)
     device = rt_torch.get_device()
 
     model, tokenizer, pooling = build_student(tc)
@@ -79,6 +87,8 @@ def train_loop_per_worker(config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, tc, num_steps) / tc.lr)
     expected_cursor = {"num_steps": num_steps, "sampler": tc.sampler, "seed": tc.seed,
                        "cluster_weighting": tc.cluster_weighting, "global_batch_size": tc.global_batch_size}
+    if tc.recluster_every:
+        expected_cursor["recluster_every"] = tc.recluster_every
     start_step, checkpoint = 0, ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as local:
@@ -87,14 +97,22 @@ def train_loop_per_worker(config: dict) -> None:
         start_step = cursor["step"]
     elif config.get("resume"):
         raise RuntimeError(f"--resume: Ray Train found no checkpoint of train/{name}; start without --resume.")
-    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
+    stop_step = min(num_steps, tc.stop_after_steps or num_steps, seg_stop)
+    if not seg_start <= start_step <= stop_step:
+        raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, outside segment {segment} "
+                           f"(steps {seg_start}..{seg_stop}); delete train/{name}/ and start afresh.")
     resumed = start_step if checkpoint is not None else None
     metrics = JsonlLog(run, f"train/{name}/metrics.jsonl", resumed) if rank == 0 else None
     batches = JsonlLog(run, f"train/{name}/batches/rank-{rank}.jsonl", resumed) if tc.log_batches else None
     board = TensorBoardLog(run.path(f"train/{name}/tensorboard")) if tc.tensorboard and rank == 0 else None
     peak = peak_flops(device, tc.peak_tflops) if rank == 0 else None
     settings = StepSettings.from_train_config(tc, pooling, amp=device.type == "cuda")
-    reader = ShardReader(run, manifest)
+    reader = ShardReader(shards_run, manifest)
+    negatives = None
+    if tc.negatives_per_query:
+        from clusterscale.train.negatives import MinedNegatives
+
+        negatives = MinedNegatives(run, manifest, shards_run, tc.negatives_per_query, tc.seed)
     if start_step:
         print(f"[train] rank {rank}: resuming at step {start_step}/{num_steps}", flush=True)
     t_last, started = time.time(), time.time()
@@ -119,9 +137,11 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report({"step": step, "train_s": time.time() - started}, checkpoint=attached)
         shutil.rmtree(directory, ignore_errors=True)
 
-    epoch = start_step // max(1, schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes))
-    for gb in schedule.iterate(sizes, tc.global_batch_size, tc.sampler, tc.seed, stop_step, start_step,
-                               tc.cluster_weighting, codes):
+    epoch = (start_step - seg_start) // max(1, schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler,
+                                                                          codes))
+    for local in schedule.iterate(sizes, tc.global_batch_size, tc.sampler, segment_seed(tc.seed, segment),
+                                  stop_step - seg_start, start_step - seg_start, tc.cluster_weighting, codes):
+        gb = dataclasses.replace(local, step=local.step + seg_start)
         if config.get("fail_at_step") == gb.step and checkpoint is None and rank == 0:
             raise RuntimeError(f"injected failure at step {gb.step} (test hook)")
         t0, epoch = time.time(), gb.epoch
@@ -130,32 +150,42 @@ def train_loop_per_worker(config: dict) -> None:
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        loss, stats = contrastive_backward(model, tokenizer, queries, passages, settings, device)
+        neg_passages = neg_queries = None
+        if negatives is not None:
+            neg_passages, neg_queries, padded = negatives.for_rows(table.column("pair_id").to_numpy(), gb.step)
+        loss, stats = contrastive_backward(model, tokenizer, queries, passages, settings, device,
+                                           negatives=neg_passages, negative_queries=neg_queries)
+        if negatives is not None:
+            stats["negatives_padded"] = torch.tensor(float(padded))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        # Global means of the logged figures (every rank's queries) and token sums: one small all-reduce.
-        values = torch.stack([loss.float(), stats["pos_cos"].float(), stats["neg_cos_mean"].float(),
-                              stats["neg_cos_max"].float(), stats["masked_false_negatives"].float(),
-                              torch.tensor(float(stats["tokens"]), device=loss.device)])
+        # Global means of the logged figures (every rank's queries) and global sums of the counts: one small
+        # all-reduce. Which optional figures exist depends only on the config, so all ranks agree.
+        means = ["pos_cos", "neg_cos_mean", "neg_cos_max"] + [k for k in OPTIONAL_MEANS if k in stats]
+        sums = ["masked_false_negatives", "tokens"] + [k for k in OPTIONAL_SUMS if k in stats]
+        values = torch.stack([loss.detach().float()] + [torch.as_tensor(stats[k], dtype=torch.float32).to(loss.device)
+                                                        for k in means + sums])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(values)
-            values[:4] /= world
+            values[:1 + len(means)] /= world
         values = values.tolist()
+        figures = dict(zip(means + sums, values[1:]))
         step_s = time.time() - t0
         if batches is not None:
             batches.append({"step": gb.step, "epoch": gb.epoch, "shard": gb.shard, "group": gb.group,
                             "pair_ids": table.column("pair_id").to_pylist()})
         if rank == 0:
             cluster, cluster_name = _group_label(gb, manifest, tc.sampler, sources)
-            flops = stats["flops_per_param_token"] * flops_params * values[5]
+            flops = stats["flops_per_param_token"] * flops_params * figures["tokens"]
             record = {"step": gb.step, "epoch": gb.epoch, "cluster": cluster, "cluster_name": cluster_name,
-                      "loss": values[0], "lr": lr, "grad_norm": float(grad_norm), "pos_cos": values[1],
-                      "neg_cos_mean": values[2], "neg_cos_max": values[3],
-                      "masked_false_negatives": int(values[4]), "pairs_per_s": tc.global_batch_size / step_s,
-                      "step_s": step_s, "tokens": int(values[5]), "tflops_per_s": flops / step_s / 1e12,
-                      "mfu": flops / step_s / (peak * world) if peak else None}
+                      "loss": values[0], "lr": lr, "grad_norm": float(grad_norm),
+                      **{k: (int(v) if k in sums else v) for k, v in figures.items()},
+                      "pairs_per_s": tc.global_batch_size / step_s, "step_s": step_s,
+                      "tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / (peak * world) if peak else None}
+            if tc.recluster_every:
+                record["segment"] = segment
             metrics.append(record)
             if board is not None:
                 board.log(record)
@@ -164,7 +194,7 @@ def train_loop_per_worker(config: dict) -> None:
                 elapsed, t_last = time.time() - t_last, time.time()
                 mfu = f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
                 print(f"[train] step {gb.step + 1}/{num_steps} epoch {gb.epoch} loss {values[0]:.4f} lr {lr:.2e} "
-                      f"neg_cos {values[2]:.3f} {tc.log_every_steps * tc.global_batch_size / max(elapsed, 1e-9):.1f} "
+                      f"neg_cos {figures['neg_cos_mean']:.3f} {tc.log_every_steps * tc.global_batch_size / max(elapsed, 1e-9):.1f} "
                       f"pairs/s{mfu}", flush=True)
         if not math.isfinite(values[0]):
             raise FloatingPointError(f"Loss became {values[0]} at step {gb.step}: lower train.lr or raise "
@@ -174,80 +204,127 @@ def train_loop_per_worker(config: dict) -> None:
             save(done, gb.epoch, final=False)
     if board is not None:
         board.close()
-    save(stop_step, epoch, final=stop_step == num_steps)
+    # The model is exported at the end, and at a segment's end for the re-clustering that follows.
+    save(stop_step, epoch, final=stop_step in (num_steps, seg_stop))
 
 
 def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int | None = None) -> dict:
     """Train train/<name>/; `resume` continues from its latest checkpoint. fail_at_step: a test hook that
     makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    import ray
-
     tc, name = cfg.train, cfg.train_name()
     out = f"train/{name}"
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train"))
+    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train")
+                                  + (("mine",) if tc.negatives_per_query else ()))
     manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
     if run.is_done(out, fingerprint):
         return run.done_stats(out)
     if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
+    if tc.negatives_per_query:
+        _check_negatives(cfg, run)
     sizes, codes, _ = _strata_inputs(run, manifest, tc.sampler)
     num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps, codes)
     if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes) == 0:
         raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
                           f"{tc.global_batch_size} pairs: lower train.global_batch_size.")
     unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting, codes)
-    storage = run.path(out, "ray")
     if resume:
         if not run.exists(out, "ray", RAY_RUN_NAME):
             raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
     else:
         run.begin(out)  # a fresh run must not pick up an older run's checkpoints (same Ray run name)
     started = time.time()
+    print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler} "
+          f"({tc.cluster_weighting}), {tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs "
+          f"unused per epoch (remainders < one global batch)", flush=True)
+    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
+    segments = segment_bounds(num_steps, tc.recluster_every)
+    shards_uri, recluster_s, result = run.uri, 0.0, None
+    for segment, (seg_start, seg_stop) in enumerate(segments):
+        if seg_start >= stop_step:
+            break
+        if segment > 0:
+            from clusterscale.train.recluster import recluster
+
+            t0 = time.time()
+            child, _ = recluster(cfg, run, name, segment, _local_dir(run, f"{segment_dir(name, segment)}/encoder"))
+            shards_uri, recluster_s = child.uri, recluster_s + time.time() - t0
+        if run.exists(segment_dir(name, segment), "_TRAINED.json"):
+            continue  # finished by an earlier attempt (--resume)
+        result = _fit(cfg, run, name, num_steps, (segment, seg_start, seg_stop), shards_uri,
+                      resume or segment > 0, fail_at_step)
+        if len(segments) > 1 and seg_stop < num_steps and seg_stop <= stop_step:
+            _export_model(run, result.checkpoint, f"{segment_dir(name, segment + 1)}/encoder")
+            run.write_json(f"{segment_dir(name, segment)}/_TRAINED.json", {"steps": [seg_start, seg_stop]})
+    wall = time.time() - started
+    stats = {"name": name, "steps": num_steps, "global_batch_size": tc.global_batch_size, "sampler": tc.sampler,
+             "cluster_weighting": tc.cluster_weighting, "unused_pairs_per_epoch": unused, "wall_s": round(wall, 3),
+             "worker_s": round((wall - recluster_s) * tc.num_workers, 3), "device": "gpu" if tc.use_gpu else "cpu",
+             "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
+    if tc.negatives_per_query:
+        stats["mined_negatives_per_query"] = tc.negatives_per_query
+    if len(segments) > 1:
+        stats |= {"segments": len(segments), "recluster_s": round(recluster_s, 3)}
+    if stop_step < num_steps:
+        print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
+              f"`clusterscale train --resume` and the same config.", flush=True)
+        return stats | {"stopped_at_step": stop_step}
+    _export_model(run, result.checkpoint, f"{out}/model")
+    run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
+    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}", flush=True)
+    return stats
+
+
+def _check_negatives(cfg: Config, run: RunDir) -> None:
+    from clusterscale.mine import OUT
+
+    if not run.is_done(OUT, cfg.fingerprint(("data", "embed", "mine"))):  # raises when mined with another config
+        raise StageMissingError(f"train.negatives_per_query={cfg.train.negatives_per_query} needs mined negatives in "
+                                f"{run.path(OUT)}: run `clusterscale mine` with this config first.")
+
+
+def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str,
+         resume: bool, fail_at_step: int | None):
+    """One Ray Train run over the steps of one segment (all steps when re-clustering is off)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    import ray
+
+    tc = cfg.train
     cpus = ray.cluster_resources().get("CPU", 1)
     threads = 1 if tc.use_gpu else max(1, int(cpus // tc.num_workers))
     resources = {"GPU": 1, "CPU": 1} if tc.use_gpu else {"CPU": min(threads, cpus / tc.num_workers)}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "run_uri": run.uri, "num_steps": num_steps, "name": name,
-                           "threads_per_worker": threads, "resume": resume, "fail_at_step": fail_at_step},
+                           "threads_per_worker": threads, "resume": resume, "fail_at_step": fail_at_step,
+                           "segment": segment, "shards_uri": shards_uri},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=storage,
+        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(f"train/{name}", "ray"),
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
-    print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler} "
-          f"({tc.cluster_weighting}), {tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs "
-          f"unused per epoch (remainders < one global batch)", flush=True)
     result = trainer.fit()
     if result.error:
         raise result.error
-    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
-    wall = time.time() - started
-    stats = {"name": name, "steps": num_steps, "global_batch_size": tc.global_batch_size, "sampler": tc.sampler,
-             "cluster_weighting": tc.cluster_weighting, "unused_pairs_per_epoch": unused, "wall_s": round(wall, 3),
-             "worker_s": round(wall * tc.num_workers, 3), "device": "gpu" if tc.use_gpu else "cpu",
-             "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
-    if stop_step < num_steps:
-        print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
-              f"`clusterscale train --resume` and the same config.", flush=True)
-        return stats | {"stopped_at_step": stop_step}
-    _export_model(run, result.checkpoint, out)
-    run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
-    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}", flush=True)
-    return stats
+    return result
 
 
-def _export_model(run: RunDir, checkpoint, out: str) -> None:
+def _local_dir(run: RunDir, rel: str) -> str:
+    from clusterscale.rundir import local_copy
+
+    return run.path(rel) if run.is_local else local_copy(run.uri_of(rel))
+
+
+def _export_model(run: RunDir, checkpoint, target: str) -> None:
     with checkpoint.as_directory() as local:
         src = os.path.join(local, "model")
         for root, _, files in os.walk(src):
             for fname in files:
                 rel = os.path.relpath(os.path.join(root, fname), src)
                 with open(os.path.join(root, fname), "rb") as f:
-                    run.write_bytes(f"{out}/model/{rel}", f.read())
+                    run.write_bytes(f"{target}/{rel}", f.read())
 
 
 def local_model_dir(run: RunDir, name: str) -> str:

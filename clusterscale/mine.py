@@ -1,0 +1,289 @@
+"""Mine: hard negatives for every training query from the training passages (the ANCE step), a Ray Data pass.
+
+Run with `clusterscale mine [CONFIG] --run-dir R` (after `embed`). The passage vectors come from
+embeddings/ (mine.encoder=frozen) or from a re-embedding of every training pair with another encoder
+(a training run's exported model, `train:<name>`, or any model) into the child run directory
+mine_encoder/. One Ray Data actor pool holds a faiss inner-product index over all training passages
+(flat, or IVF for large N); each task mines one embeddings file and writes negatives/<file>.parquet
+atomically, so a rerun skips finished files. Per query it keeps retrieval ranks [range_min,
+range_max) that are not a positive of the query (a pair with the same query text) and not a
+duplicate of its positive passage text, and, with mine.margin, only candidates scoring <= margin x
+the positive's score. Output columns: pair_id, neg_pair_ids list<int64>, neg_scores list<float32>
+(best first), pos_score.
+"""
+from __future__ import annotations
+
+import io
+import math
+import posixpath
+import time
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from clusterscale.config import Config, ConfigError, MineConfig
+from clusterscale.embed import emb_matrix
+from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError
+
+OUT = "negatives"
+PLAN = f"{OUT}/_plan.json"
+ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
+DROP_REASONS = ("positive", "duplicate", "margin")
+
+
+def text_hashes(texts: list[str]) -> np.ndarray:
+    """int64 keys of texts (equal texts -> equal keys), the same keys training uses for masking."""
+    from clusterscale.train.model import text_keys
+
+    return text_keys(texts).numpy()
+
+
+# --- which vectors ----------------------------------------------------------------------------------------
+def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
+    """None for the frozen encoder, else a local model folder or hub id to re-embed with."""
+    encoder = cfg.mine.encoder
+    if encoder == "frozen":
+        if cfg.embed.side == "query":
+            raise ConfigError("mine.encoder=frozen needs passage vectors in embeddings/, but embed.side=query: "
+                              "use embed.side=passage or both (new --run-dir), or set mine.encoder to a model.")
+        return None
+    if encoder.startswith("train:"):
+        from clusterscale.train.loop import local_model_dir
+
+        name = encoder.split(":", 1)[1]
+        if not run.exists(f"train/{name}/model"):
+            raise StageMissingError(f"mine.encoder={encoder}: no exported model at {run.path(f'train/{name}/model')}; "
+                                    f"run `clusterscale train --set train.name={name}` first.")
+        return local_model_dir(run, name)
+    return encoder
+
+
+def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:
+    """(the run directory whose embeddings/ is mined, the cost of making it: {} when reused)."""
+    run.require("embeddings", "embed", "Embeddings")
+    if encoder is None:
+        return run, {}
+    from clusterscale.embed import run_embed
+    from clusterscale.experiments import variant
+
+    child = RunDir(run.child_uri(ENCODER_RUN))
+    child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
+    print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
+    return child, run_embed(child_cfg, child, pairs_run=run)
+
+
+def load_passages(source: RunDir) -> dict:
+    """Every training pair's passage vector and text keys, sorted by pair_id (the index's row order)."""
+    tables = []
+    for path in source.files("embeddings"):
+        with source.fs.open_input_file(path) as f:
+            tables.append(pq.read_table(f, columns=["pair_id", "query", "passage", "emb"]))
+    table = pa.concat_tables(tables)
+    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
+    table = table.take(pa.array(order))
+    return {"pair_id": table.column("pair_id").to_numpy(),
+            "emb": np.ascontiguousarray(emb_matrix(table.column("emb"))),
+            "passage_key": text_hashes(table.column("passage").to_pylist()),
+            "query_key": text_hashes(table.column("query").to_pylist())}
+
+
+def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
+    n, d = emb.shape
+    if mc.index == "flat":
+        index = faiss.IndexFlatIP(d)
+    else:
+        nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = 1234  # the coarse quantizer's k-means: fixed so mining is reproducible
+        index.train(emb)
+        index.nprobe = min(mc.ivf_nprobe, nlist)
+    index.add(emb)
+    return index
+
+
+# --- the per-query rule -------------------------------------------------------------------------------------
+def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray, pos_scores: np.ndarray,
+                      passage_key: np.ndarray, query_key: np.ndarray, mc: MineConfig
+                      ) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """Kept candidate rows and scores per query (best first), and drop counts per reason.
+
+    scores, rows: (b, K) search results (row -1 = no hit); own_rows: (b,) each query's own pair row."""
+    b, depth = rows.shape
+    valid = (rows >= 0) & (np.arange(depth)[None, :] >= mc.range_min)
+    safe = np.where(rows >= 0, rows, 0)
+    positive = valid & (query_key[safe] == query_key[own_rows][:, None])          # incl. the pair itself
+    duplicate = valid & ~positive & (passage_key[safe] == passage_key[own_rows][:, None])
+    margin = np.zeros_like(valid)
+    if mc.margin is not None:
+        margin = valid & ~positive & ~duplicate & (scores > mc.margin * pos_scores[:, None])
+    keep = valid & ~positive & ~duplicate & ~margin
+    drops = {"positive": int(positive.sum()), "duplicate": int(duplicate.sum()), "margin": int(margin.sum())}
+    return [rows[i][keep[i]] for i in range(b)], [scores[i][keep[i]] for i in range(b)], drops
+
+
+class MineUnits:
+    """Ray Data callable class: one passage index per actor; each input row is one embeddings file to mine."""
+
+    def __init__(self, run_uri: str, source_uri: str, cfg: dict, passages_ref: list):
+        from clusterscale.config import from_dict
+
+        self.cfg = from_dict(cfg)
+        self.run, self.source = RunDir(run_uri), RunDir(source_uri)
+        self.passages = ray.get(passages_ref[0])
+        self.index = build_index(self.passages["emb"], self.cfg.mine)
+        self.encoder = None
+
+    def query_vectors(self, table: pa.Table) -> np.ndarray:
+        if "emb_query" in table.column_names:
+            return emb_matrix(table.column("emb_query"))
+        if self.encoder is None:  # frozen encoder, passages-only embeddings: embed the queries here
+            from clusterscale.encoder import Encoder
+
+            ec = self.cfg.embed
+            self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
+                                   trust_remote_code=ec.trust_remote_code,
+                                   max_tokens_per_batch=ec.max_tokens_per_batch)
+        return self.encoder.encode(table.column("query").to_pylist(), self.cfg.embed.batch_size)
+
+    def mine_file(self, unit: dict) -> dict:
+        started, mc, p = time.time(), self.cfg.mine, self.passages
+        columns = ["pair_id", "query"] + (["emb_query"] if "emb_query" in self._schema(unit) else [])
+        with self.source.fs.open_input_file(self.source.path(unit["input"])) as f:
+            table = pq.read_table(f, columns=columns)
+        q = np.ascontiguousarray(self.query_vectors(table), dtype=np.float32)
+        pair_ids = table.column("pair_id").to_numpy()
+        own_rows = np.searchsorted(p["pair_id"], pair_ids)
+        pos_scores = np.einsum("ij,ij->i", q, p["emb"][own_rows])
+        neg_ids, neg_scores, drops = [], [], dict.fromkeys(DROP_REASONS, 0)
+        for start in range(0, len(q), mc.query_batch_size):
+            sl = slice(start, start + mc.query_batch_size)
+            scores, rows = self.index.search(q[sl], mc.range_max)
+            kept_rows, kept_scores, d = filter_candidates(scores, rows, own_rows[sl], pos_scores[sl],
+                                                          p["passage_key"], p["query_key"], mc)
+            neg_ids += [p["pair_id"][r] for r in kept_rows]
+            neg_scores += [s.astype(np.float32) for s in kept_scores]
+            drops = {k: drops[k] + d[k] for k in drops}
+        out = pa.table({"pair_id": pa.array(pair_ids, pa.int64()),
+                        "neg_pair_ids": pa.array([x.tolist() for x in neg_ids], pa.list_(pa.int64())),
+                        "neg_scores": pa.array([x.tolist() for x in neg_scores], pa.list_(pa.float32())),
+                        "pos_score": pa.array(pos_scores.astype(np.float32))})
+        sink = io.BytesIO()
+        pq.write_table(out, sink)
+        self.run.write_bytes(unit["output"], sink.getvalue())
+        counts = [len(x) for x in neg_ids]
+        return {"rows": len(pair_ids), "negatives": int(sum(counts)), "without_negatives": int(sum(c == 0 for c in counts)),
+                "queries_embedded": 0 if "emb_query" in columns else len(pair_ids), "busy_s": time.time() - started,
+                **{f"dropped_{k}": v for k, v in drops.items()}}
+
+    def _schema(self, unit: dict) -> list[str]:
+        with self.source.fs.open_input_file(self.source.path(unit["input"])) as f:
+            return pq.read_schema(f).names
+
+    def __call__(self, units: pa.Table) -> pa.Table:
+        return pa.Table.from_pylist([self.mine_file(u) for u in units.to_pylist()])
+
+
+# --- the stage ---------------------------------------------------------------------------------------------
+def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> dict:
+    """One unit per embeddings file; an interrupted attempt's plan is reused (same fingerprint only)."""
+    if run.exists(PLAN):
+        plan = run.read_json(PLAN)
+        if plan["fingerprint"] != fingerprint:
+            raise ConfigMismatchError(
+                f"{run.path(OUT)} holds an interrupted mining made with a different config (its mine config is in "
+                f"{PLAN}). Rerun with that config to finish it, use a new --run-dir, or delete {OUT}/.")
+        return plan
+    run.begin(OUT)
+    units = [{"input": posixpath.relpath(path, source.root),
+              "output": f"{OUT}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
+    plan = {"fingerprint": fingerprint, "mine": cfg.to_dict()["mine"], "units": units}
+    run.write_json(PLAN, plan)
+    return plan
+
+
+def pool_size(mc: MineConfig, units: int) -> tuple[int, dict]:
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
+    size = mc.num_actors or (gpus or cpus)
+    return max(1, min(size, units)), ({"num_gpus": 1} if gpus else {"num_cpus": 1})
+
+
+def run_mine(cfg: Config, run: RunDir) -> dict:
+    """Mine negatives for every training query not mined yet, then mark negatives/ done."""
+    fingerprint = cfg.fingerprint(("data", "embed", "mine"))
+    if run.is_done(OUT, fingerprint):
+        return run.done_stats(OUT)
+    started = time.time()
+    encoder = resolve_encoder(cfg, run)
+    source, embed_cost = vectors_run(cfg, run, encoder)
+    plan = plan_units(run, source, fingerprint, cfg)
+    existing = set(run.listdir(OUT))
+    for name in existing:  # temp files of writes cut short by a kill
+        if name.startswith(".tmp-"):
+            run.remove(OUT, name)
+    todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
+    passages = load_passages(source)
+    if len(passages["pair_id"]) <= cfg.mine.range_min:
+        raise ConfigError(f"mine.range_min={cfg.mine.range_min} is not below the number of training passages "
+                          f"({len(passages['pair_id'])}): lower it.")
+    results, worker_s = [], 0.0
+    if todo:
+        actors, options = pool_size(cfg.mine, len(todo))
+        t0 = time.time()
+        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+        ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)]),
+                            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors),
+                            max_task_retries=3, **options)
+        results = ds.take_all()
+        worker_s = (time.time() - t0) * actors
+    stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
+                         encoder)
+    run.mark_done(OUT, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
+    print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
+          f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
+          f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
+          flush=True)
+    return stats
+
+
+def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,
+                 embed_cost: dict, encoder: str | None) -> dict:
+    totals = {k: sum(r[k] for r in results) for k in ("rows", "negatives", "without_negatives", "queries_embedded",
+                                                      *[f"dropped_{d}" for d in DROP_REASONS])}
+    if len(results) < len(plan["units"]):  # files finished by an earlier attempt: count their rows
+        table = pa.concat_tables([pq.read_table(run.fs.open_input_file(run.path(u["output"])),
+                                                columns=["neg_pair_ids"]) for u in plan["units"]])
+        counts = pc_list_lengths(table.column("neg_pair_ids"))
+        totals["rows"], totals["negatives"] = len(counts), int(counts.sum())
+        totals["without_negatives"] = int((counts == 0).sum())
+    if totals["rows"] != n_passages:
+        raise RuntimeError(f"negatives/ covers {totals['rows']} queries but there are {n_passages} training pairs: "
+                           f"delete negatives/ and rerun `clusterscale mine`.")
+    embedded = totals.pop("queries_embedded") + int(embed_cost.get("rows_embedded", 0)) * (2 if encoder else 1)
+    return totals | {"negatives_per_query": round(totals["negatives"] / max(1, totals["rows"]), 3),
+                     "passages": n_passages, "encoder": encoder or "frozen", "texts_embedded": embedded,
+                     "embed_worker_s": float(embed_cost.get("worker_s", 0.0)), "wall_s": round(wall, 3),
+                     "worker_s": round(worker_s + float(embed_cost.get("worker_s", 0.0)), 3),
+                     "rows_per_s": round(totals["rows"] / wall, 2) if wall > 0 else 0.0}
+
+
+def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return np.asarray(pc.list_value_length(column).fill_null(0))
+
+
+# --- reading negatives at training time --------------------------------------------------------------------
+def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(sorted pair_ids, their negative pair_id arrays, best first) from negatives/."""
+    run.require(OUT, "mine", "Mined negatives")
+    table = pa.concat_tables([pq.read_table(run.fs.open_input_file(path), columns=["pair_id", "neg_pair_ids"])
+                              for path in run.files(OUT)])
+    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
+    table = table.take(pa.array(order))
+    lists = table.column("neg_pair_ids").combine_chunks()
+    offsets, values = np.asarray(lists.offsets), np.asarray(lists.values)
+    return table.column("pair_id").to_numpy(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]

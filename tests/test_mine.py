@@ -1,0 +1,205 @@
+"""`clusterscale mine`: hard negatives equal brute-force search, never a positive or its duplicate, resumable."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import cli
+from clusterscale import config as config_mod
+from clusterscale.config import ConfigError, MineConfig
+from clusterscale.mine import filter_candidates, load_negatives
+from clusterscale.rundir import ConfigMismatchError, RunDir
+from tests.conftest import make_pairs, tiny_overrides
+
+
+def brute_force(q, p, own_rows, pk, qk, mc: MineConfig) -> list[list[int]]:
+    """The rule written out per query with a full sort (the reference for the faiss pass)."""
+    out = []
+    for i in range(len(q)):
+        scores = p @ q[i]
+        order = np.argsort(-scores, kind="stable")[:mc.range_max]
+        pos = float(p[own_rows[i]] @ q[i])
+        kept = []
+        for rank, j in enumerate(order):
+            if rank < mc.range_min or qk[j] == qk[own_rows[i]] or pk[j] == pk[own_rows[i]]:
+                continue
+            if mc.margin is not None and scores[j] > mc.margin * pos:
+                continue
+            kept.append(int(j))
+        out.append(kept)
+    return out
+
+
+def test_filter_matches_per_query_rule():
+    rng = np.random.default_rng(0)
+    n, d = 60, 8
+    p = rng.normal(size=(n, d)).astype(np.float32)
+    p /= np.linalg.norm(p, axis=1, keepdims=True)
+    q = p + 0.3 * rng.normal(size=p.shape).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    pk, qk = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) + 1000
+    pk[5] = pk[4]           # row 5 duplicates row 4's passage text
+    qk[11] = qk[10]         # rows 10 and 11 share a query: each one's passage is the other's positive
+    for mc in (MineConfig(range_min=0, range_max=10, margin=None), MineConfig(range_min=2, range_max=15, margin=0.95)):
+        scores = q @ p.T
+        rows = np.argsort(-scores, axis=1, kind="stable")[:, :mc.range_max]
+        top = np.take_along_axis(scores, rows, 1)
+        own = np.arange(n)
+        pos = (q * p).sum(1)
+        kept, kept_scores, drops = filter_candidates(top, rows, own, pos, pk, qk, mc)
+        assert [k.tolist() for k in kept] == brute_force(q, p, own, pk, qk, mc)
+        assert all(np.all(np.diff(s) <= 1e-6) for s in kept_scores)  # best first
+        assert 5 not in kept[4] and 4 not in kept[5] and 11 not in kept[10] and 10 not in kept[11]
+        assert drops["positive"] > 0
+        assert drops["duplicate"] >= 1
+
+
+def test_mine_config_errors():
+    with pytest.raises(ConfigError, match="mine.range_min"):
+        config_mod.load(None, ["mine.range_min=5", "mine.range_max=5"])
+    with pytest.raises(ConfigError, match="mine.margin"):
+        config_mod.load(None, ["mine.margin=0"])
+    with pytest.raises(ConfigError, match="mine.index"):
+        config_mod.load(None, ["mine.index=hnsw"])
+
+
+@pytest.fixture(scope="module")
+def mined_run(tmp_path_factory, tiny_model, ray_local):
+    base = tmp_path_factory.mktemp("mine")
+    table = make_pairs(160, seed=3).to_pylist()
+    for i in range(0, 60, 3):
+        table[i + 1]["p"] = table[i]["p"]   # duplicate passages (different pairs)
+        table[i + 2]["q"] = table[i]["q"]   # queries with two positives
+    pq.write_table(pa.Table.from_pylist(table), base / "pairs.parquet")
+    run_dir = base / "run"
+    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["mine.range_max=12", "mine.margin=null",
+                                                                           "data.rows_per_part=50"]
+    assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    assert cli.main(["embed", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    return run_dir, overrides
+
+
+def _embedded(run: RunDir) -> pa.Table:
+    table = pa.concat_tables([pq.read_table(f) for f in run.files("embeddings")])
+    return table.take(pa.array(np.argsort(table.column("pair_id").to_numpy(), kind="stable")))
+
+
+def test_mine_equals_brute_force_and_skips_positives(mined_run, tiny_model):
+    from clusterscale.embed import emb_matrix
+    from clusterscale.encoder import Encoder
+    from clusterscale.mine import text_hashes
+
+    run_dir, overrides = mined_run
+    run = RunDir(str(run_dir))
+    cfg = config_mod.load(None, overrides)
+    table = _embedded(run)
+    ids = table.column("pair_id").to_numpy()
+    p = emb_matrix(table.column("emb"))
+    q = Encoder(tiny_model, max_length=cfg.embed.max_length).encode(table.column("query").to_pylist())
+    pk, qk = text_hashes(table.column("passage").to_pylist()), text_hashes(table.column("query").to_pylist())
+    expected = brute_force(q, p, np.arange(len(ids)), pk, qk, cfg.mine)
+    pair_ids, negatives = load_negatives(run)
+    assert pair_ids.tolist() == ids.tolist()  # every training query mined exactly once
+    texts = dict(zip(ids.tolist(), zip(table.column("query").to_pylist(), table.column("passage").to_pylist())))
+    exact = 0
+    for i, negs in enumerate(negatives):
+        query, passage = texts[int(ids[i])]
+        assert all(texts[int(n)][0] != query and texts[int(n)][1] != passage for n in negs)
+        exact += negs.tolist() == ids[expected[i]].tolist()
+        assert abs(len(negs) - len(expected[i])) <= 1
+    # Ties between equal vectors may order differently; everything else must be identical.
+    assert exact >= len(ids) - 4
+    stats = run.done_stats("negatives")
+    assert stats["rows"] == len(ids) and stats["dropped_duplicate"] >= 1 and stats["dropped_positive"] >= 1
+
+
+def test_mine_resumes_and_refuses_other_config(mined_run, capsys):
+    run_dir, overrides = mined_run
+    run = RunDir(str(run_dir))
+    before = load_negatives(run)
+    first = sorted(run.listdir("negatives"))
+    victim = next(f for f in first if f.endswith(".parquet"))
+    run.remove("negatives", victim)
+    run.remove("negatives", "_DONE.json")
+    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    after = load_negatives(run)
+    assert before[0].tolist() == after[0].tolist()
+    assert all(a.tolist() == b.tolist() for a, b in zip(before[1], after[1]))
+    capsys.readouterr()
+    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides, "mine.range_max=20"]) != 0
+    assert "negatives" in capsys.readouterr().err
+
+
+# --- training with mined negatives (+ CLP) and with re-clustering, on the mined run ------------------------------
+def _jsonl(run: RunDir, rel: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def sharded_mined_run(mined_run):
+    run_dir, overrides = mined_run
+    for verb in ("fit", "assign", "shard"):
+        assert cli.main([verb, "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    return run_dir, overrides
+
+
+def test_train_with_mined_negatives_and_clp(sharded_mined_run):
+    from clusterscale.train.negatives import MinedNegatives
+
+    run_dir, overrides = sharded_mined_run
+    run = RunDir(str(run_dir))
+    extra = ["train.negatives_per_query=2", "train.loss=clp", "train.steps=3", "train.name=clp"]
+    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
+    metrics = _jsonl(run, "train/clp/metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m["mined_negatives"] == 16 * 2
+        assert 0.0 <= m["clp_penalty"] <= 2.0 and np.isfinite(m["loss"])
+    assert run.exists("train/clp/model/model.safetensors")
+    # The draw is a pure function of (seed, step, pair_id) and never the pair itself.
+    manifest = run.read_json("shards/k=4/manifest.json")
+    negatives = MinedNegatives(run, manifest, run, 2, seed=0)
+    ids = np.array(sorted(negatives.text_ids)[:8])
+    first, again = negatives.for_rows(ids, 5), negatives.for_rows(ids, 5)
+    assert first == again and len(first[0]) == len(first[1]) == 16
+    own = dict(zip(negatives.text_ids.tolist(), negatives.passages.to_pylist()))
+    assert all(p != own[int(i)] for i, p in zip(np.repeat(ids, 2), first[0]))
+
+
+def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
+    run_dir, overrides = sharded_mined_run
+    capsys.readouterr()
+    rc = cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, "train.negatives_per_query=1",
+                   "train.name=other", "mine.range_max=7"])
+    assert rc != 0 and "negatives" in capsys.readouterr().err
+
+
+def test_recluster_during_training(sharded_mined_run):
+    from clusterscale.shards import load_manifest
+
+    run_dir, overrides = sharded_mined_run
+    run = RunDir(str(run_dir))
+    extra = ["train.recluster_every=2", "train.steps=4", "train.name=recl"]
+    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
+    metrics = _jsonl(run, "train/recl/metrics.jsonl")
+    assert [(m["step"], m["segment"]) for m in metrics] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    child = RunDir(run.child_uri("train/recl/recluster/seg-1"))
+    manifest = load_manifest(child, 4)
+    cluster_of = {}
+    for c in manifest["clusters"]:
+        for f in c["files"]:
+            for pid in pq.read_table(child.path(f), columns=["pair_id"]).column(0).to_pylist():
+                cluster_of[pid] = c["cluster"]
+    batches = [_jsonl(run, f"train/recl/batches/rank-{r}.jsonl") for r in (0, 1)]
+    for b0, b1 in zip(*batches):
+        if b0["step"] >= 2:  # segment 1 batches come from one cluster of the re-clustered shards
+            assert len({cluster_of[p] for p in b0["pair_ids"] + b1["pair_ids"]}) == 1
+    assert sorted(cluster_of) == sorted(load_negatives(run)[0].tolist())  # every training pair re-sharded
+    costs = run.read_json("report/costs.json")
+    assert {"recluster:recl:seg-1:embed", "recluster:recl:seg-1:shard"} <= set(costs)
+    assert run.done_stats("train/recl")["segments"] == 2
