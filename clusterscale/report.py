@@ -133,6 +133,16 @@ def compare_table(compare: dict) -> str:
         lines.append(f"| {name} | {len(arm['seeds'])} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
                      f"{m['mean']:.4f} ± {m['std']:.4f} | {_fmt(arm.get('final_loss_mean'))} | "
                      f"{_fmt(arm.get('neg_cos_mean'))} | {arm.get('train_worker_s', 0):.0f} |")
+    keys = {name: arm.get("train_keys") for name, arm in compare["arms"].items() if arm.get("train_keys")}
+    if keys:
+        lines.append("\nArms differ from the config in: " + "; ".join(
+            f"{name}: " + ", ".join(f"train.{k}={v}" for k, v in kv.items()) for name, kv in keys.items()) + ".")
+    pre = compare.get("preprocess_worker_s") or {}
+    if "mine" in pre:
+        clustering = sum(pre.get(s, 0) or 0 for s in ("fit", "assign", "shard"))
+        lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering (fit + assign + "
+                     f"shard) {clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
+                     f"also embed M more passages per query in every step (their train worker-s above).")
     for name, d in compare.get("paired_vs_random", {}).items():
         lines.append(f"\n{name} - random, paired by seed: NDCG@10 {d['mean']:+.4f} ± {d['std']:.4f} "
                      f"(min {d['min']:+.4f}, max {d['max']:+.4f}; {d['wins']}/{d['n']} seeds better).")

@@ -65,11 +65,12 @@ def run_job(description: str, body: Callable, argv: list[str] | None = None,
     return 0
 
 
-def stages_job(description: str, verbs: tuple[str, ...], argv: list[str] | None = None) -> int:
-    """A job that runs `verbs` in order with the CLI's own stage runner."""
+def stages_job(description: str, verbs: tuple[str, ...] | Callable, argv: list[str] | None = None) -> int:
+    """A job that runs `verbs` (or verbs(cfg)) in order with the CLI's own stage runner."""
     def body(cfg, run, args):
-        results = cli.run_stages(cfg, run, verbs)
-        if "evaluate" in verbs or "report" in verbs:
+        stages = verbs(cfg) if callable(verbs) else verbs
+        results = cli.run_stages(cfg, run, stages)
+        if "evaluate" in stages or "report" in stages:
             print(cli.summary(cfg, run, results), flush=True)
 
     return run_job(description, body, argv)

@@ -1,4 +1,4 @@
-"""Ray job: the whole pipeline (ingest, embed, fit, assign, shard, train, evaluate, report).
+"""Ray job: the whole pipeline (ingest, embed, fit, assign, shard, [mine,] train, evaluate, report).
 
     ray job submit --working-dir . -- python jobs/run_pipeline.py CONFIG --run-dir URI [--set KEY=VALUE ...]
 """
@@ -6,7 +6,7 @@ import sys
 
 from _job import stages_job
 
-from clusterscale.cli import PIPELINE
+from clusterscale.cli import pipeline
 
 if __name__ == "__main__":
-    sys.exit(stages_job(__doc__, PIPELINE))
+    sys.exit(stages_job(__doc__, pipeline))

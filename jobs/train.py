@@ -1,4 +1,5 @@
 """Ray job: train on the shards of a preprocessed run (Ray Train DDP, every global batch from one cluster).
+Mines hard negatives first when train.negatives_per_query is set (reusing negatives/ when already mined).
 
     ray job submit --working-dir . -- python jobs/train.py CONFIG --run-dir URI [--set train.sampler=random ...]
 """
@@ -7,4 +8,4 @@ import sys
 from _job import stages_job
 
 if __name__ == "__main__":
-    sys.exit(stages_job(__doc__, ("train",)))
+    sys.exit(stages_job(__doc__, lambda cfg: ("mine", "train") if cfg.train.negatives_per_query else ("train",)))
