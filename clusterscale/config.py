@@ -118,6 +118,14 @@ class TrainConfig:
     use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
     temperature: float = knob(0.05, "InfoNCE temperature tau (paper: 0.02 from scratch).")
     symmetric: bool = knob(False, "Add the passage->query InfoNCE term (mean of both directions).")
+    negatives_per_query: int = knob(0, "Mined hard negatives added per query to the in-batch candidates "
+                                       "(every rank's, masked like in-batch false negatives); 0 = off. Needs "
+                                       "the output of `clusterscale mine`; costs M more passage embeddings "
+                                       "per query.")
+    loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
+                                "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
+                                "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
+    clp_lambda: float = knob(0.1, "Weight of the CLP penalty, in [0, 1) (paper: 0.1); used with loss=clp.")
     grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
                                     "activation memory no longer grows with the batch; 0 = off. Same "
                                     "gradients, ~1/3 more compute.", affects_output=False)
@@ -341,6 +349,14 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.train, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(cfg.train, key)}.")
     _positive("train.stop_after_steps", cfg.train.stop_after_steps, allow_none=True)
+    if cfg.train.negatives_per_query < 0:
+        raise ConfigError(f"train.negatives_per_query must be >= 0 (0 = no mined negatives), "
+                          f"got {cfg.train.negatives_per_query}.")
+    if not 0.0 <= cfg.train.clp_lambda < 1.0:
+        raise ConfigError(f"train.clp_lambda must be in [0, 1), got {cfg.train.clp_lambda}.")
+    if cfg.train.loss == "clp" and cfg.train.negatives_per_query < 1:
+        raise ConfigError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 (e.g. 4) and "
+                          "run `clusterscale mine` before training.")
     if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
         raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
     if not cfg.eval.k_values or any(not isinstance(k, int) or k <= 0 for k in cfg.eval.k_values):

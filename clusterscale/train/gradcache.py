@@ -15,8 +15,10 @@ from typing import Callable
 
 import torch
 
-ChunkForward = Callable[[slice], tuple[torch.Tensor, torch.Tensor]]
-LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+# forward_chunk(rows) -> embeddings of this rank's rows `rows`: (queries, passages) and optionally more
+# tensors (mined negatives and their own queries); each may have its own number of rows per chunk.
+ChunkForward = Callable[[slice], tuple[torch.Tensor, ...]]
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
 
 class RngState:
@@ -41,31 +43,34 @@ def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: 
                         loss_fn: LossFn, device: torch.device) -> tuple[torch.Tensor, dict]:
     """Accumulate d(loss)/d(params) into .grad; returns (detached loss, loss stats).
 
-    forward_chunk(rows) -> (query embeddings, passage embeddings) of this rank's rows `rows`;
-    loss_fn(q, p) -> (loss, stats) over this rank's full (n, d) embeddings. Every rank must use the
-    same n and chunk so that the collectives inside loss_fn and DDP line up.
+    forward_chunk(rows) -> a tuple of embedding tensors of this rank's rows `rows` (queries, passages,
+    and whatever else the loss needs, each tensor with any number of rows per chunk); loss_fn(*tensors)
+    -> (loss, stats) over each tensor's chunks concatenated in order. Every rank must use the same n
+    and chunk so that the collectives inside loss_fn and DDP line up.
     """
     slices = chunk_slices(n, chunk)
-    states, qs, ps = [], [], []
+    states, chunks = [], []
     with torch.no_grad():
         for rows in slices:
             states.append(RngState(device))
-            q, p = forward_chunk(rows)
-            qs.append(q.float())
-            ps.append(p.float())
-    q_all = torch.cat(qs).requires_grad_(True)
-    p_all = torch.cat(ps).requires_grad_(True)
-    loss, stats = loss_fn(q_all, p_all)
+            chunks.append([x.float() for x in forward_chunk(rows)])
+    full = [torch.cat(parts).requires_grad_(True) for parts in zip(*chunks)]
+    loss, stats = loss_fn(*full)
     loss.backward()
-    grad_q, grad_p = q_all.grad, p_all.grad
+    grads = [x.grad for x in full]  # None for a tensor the loss did not use
+    starts = [0] * len(full)
     after = RngState(device)
     for i, rows in enumerate(slices):
         last = i == len(slices) - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             states[i].restore()
-            q, p = forward_chunk(rows)
-            surrogate = (q.float() * grad_q[rows]).sum() + (p.float() * grad_p[rows]).sum()
+            surrogate = 0.0
+            for k, x in enumerate(forward_chunk(rows)):
+                stop = starts[k] + x.shape[0]
+                if grads[k] is not None:
+                    surrogate = surrogate + (x.float() * grads[k][starts[k]:stop]).sum()
+                starts[k] = stop
             surrogate.backward()
     after.restore()  # leave the RNG where the uncached step would: after one forward of every chunk
     return loss.detach(), stats

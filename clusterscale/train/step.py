@@ -1,8 +1,9 @@
 """One contrastive gradient step on this rank's slice of a global batch (plain torch; Ray only wraps it).
 
-`contrastive_backward` embeds the queries and passages, computes InfoNCE against every rank's
-passages and accumulates the parameter gradients, directly or with GradCache. The caller owns the
-optimizer; tests call this function on a 2-rank gloo group and compare with one process.
+`contrastive_backward` embeds the queries, passages and optional mined negatives, computes InfoNCE
+against every rank's passages and negatives (plus the CLP penalty with `loss="clp"`) and accumulates
+the parameter gradients, directly or with GradCache. The caller owns the optimizer; tests call this
+function on a 2-rank gloo group and compare with one process.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from clusterscale.train.gradcache import grad_cache_backward
-from clusterscale.train.loss import info_nce
+from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
 from clusterscale.train.model import embed, text_keys
 
 
@@ -26,11 +27,13 @@ class StepSettings:
     symmetric: bool = False
     grad_cache_chunk: int = 0      # 0 = embed the whole slice with autograd in one pass
     amp: bool = False              # bf16 autocast (GPU)
+    loss: str = "infonce"          # "clp": (1 - clp_lambda) * InfoNCE + clp_lambda * CLP penalty
+    clp_lambda: float = 0.1
 
     @classmethod
     def from_train_config(cls, tc, pooling: str, amp: bool) -> "StepSettings":
         return cls(tc.temperature, tc.query_max_length, tc.passage_max_length, pooling, tc.symmetric,
-                   tc.grad_cache_chunk, amp)
+                   tc.grad_cache_chunk, amp, loss=tc.loss, clp_lambda=tc.clp_lambda)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -39,35 +42,102 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], passages: list[str],
-                         settings: StepSettings, device: torch.device) -> tuple[torch.Tensor, dict]:
-    """Accumulate the gradient of the global-batch InfoNCE into .grad; returns (loss, stats).
+def negative_query_keys(negative_queries: list[str | None] | None, num_negatives: int) -> torch.Tensor:
+    """Keys of the mined negatives' own queries; NO_QUERY_KEY where the text is missing."""
+    texts = negative_queries if negative_queries is not None else [None] * num_negatives
+    keys = text_keys([t or "" for t in texts])
+    keys[torch.tensor([not t for t in texts], dtype=torch.bool)] = NO_QUERY_KEY
+    return keys
 
-    stats: pos_cos, neg_cos_mean, neg_cos_max, masked_false_negatives (tensors); tokens (int, padded
-    tokens of this rank's texts) and flops_per_param_token (6, or 8 with GradCache's extra forward).
+
+def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list | None,
+                     settings: StepSettings) -> int:
+    """M, the mined negatives per query (0 = none); errors name the setting to fix."""
+    if settings.loss not in ("infonce", "clp"):
+        raise ValueError(f"train.loss must be 'infonce' or 'clp', got {settings.loss!r}.")
+    if not negatives:
+        if settings.loss == "clp":
+            raise ValueError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 and run "
+                             "`clusterscale mine` first.")
+        return 0
+    if len(negatives) % n:
+        raise ValueError(f"contrastive_backward: {len(negatives)} negatives for {n} queries; pass M per query "
+                         f"(train.negatives_per_query), grouped by query.")
+    if negative_queries is not None and len(negative_queries) != len(negatives):
+        raise ValueError(f"contrastive_backward: {len(negative_queries)} negative_queries for {len(negatives)} "
+                         f"negatives; pass one (or None) per negative.")
+    if settings.loss == "clp" and negative_queries is None:
+        raise ValueError("train.loss=clp needs negative_queries: the query of each mined negative's own pair.")
+    return len(negatives) // n
+
+
+def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], passages: list[str],
+                         settings: StepSettings, device: torch.device, negatives: list[str] | None = None,
+                         negative_queries: list[str | None] | None = None) -> tuple[torch.Tensor, dict]:
+    """Accumulate the gradient of the global-batch loss into .grad; returns (loss, stats).
+
+    negatives: optional b*M mined negative passages, M per query, grouped by query (every rank the
+    same M); negative_queries: the query text of each negative's own pair, or None where unknown
+    (masks a negative that shares the anchor's query; q* of the CLP penalty).
+    stats: pos_cos, neg_cos_mean, neg_cos_max, masked_false_negatives, mined_neg_cos_mean,
+    masked_mined_negatives, clp_penalty (tensors; clp_penalty is the global mean, 0 without CLP);
+    mined_negatives, clp_skipped (ints: this rank's negatives, and those without a usable q*);
+    tokens (int, padded tokens of this rank's texts) and flops_per_param_token (6, or 8 with
+    GradCache's extra forward). The returned loss is this rank's share: its mean over ranks is the
+    global loss.
     """
+    n = len(queries)
+    m = _check_negatives(n, negatives, negative_queries, settings)
+    clp = settings.loss == "clp"
     counters: dict = {"tokens": 0}
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
+    neg_keys = neg_query_keys = usable = None
+    if m:
+        neg_keys = text_keys(negatives).to(device)
+        neg_query_keys = negative_query_keys(negative_queries, len(negatives)).to(device)
+        usable = clp_usable(neg_query_keys, query_keys)
+    usable_rows = usable.nonzero().flatten().tolist() if clp else []
 
-    def forward(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_texts(texts: list[str], max_length: int) -> torch.Tensor:
+        return embed(model, tokenizer, texts, max_length, settings.pooling, device, counters)
+
+    def forward(rows: slice) -> tuple[torch.Tensor, ...]:
+        """Embeddings of queries `rows`: (q, p), then their negatives, then those negatives' own queries."""
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if settings.amp else contextlib.nullcontext()
         with autocast:
-            q = embed(model, tokenizer, queries[rows], settings.query_max_length, settings.pooling, device, counters)
-            p = embed(model, tokenizer, passages[rows], settings.passage_max_length, settings.pooling, device,
-                      counters)
-        return q.float(), p.float()
+            q = embed_texts(queries[rows], settings.query_max_length)
+            p = embed_texts(passages[rows], settings.passage_max_length)
+            out = [q, p]
+            if m:
+                out.append(embed_texts(negatives[rows.start * m:rows.stop * m], settings.passage_max_length))
+            if clp:
+                own = [negative_queries[j] for j in usable_rows if rows.start * m <= j < rows.stop * m]
+                out.append(embed_texts(own, settings.query_max_length) if own else q.new_zeros((0, q.shape[1])))
+        return tuple(x.float() for x in out)
 
-    def loss_fn(q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return info_nce(q, p, settings.temperature, query_keys, passage_keys, settings.symmetric)
+    def loss_fn(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
+                own_queries: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        loss, stats = info_nce(q, p, settings.temperature, query_keys, passage_keys, settings.symmetric,
+                               neg, neg_keys, neg_query_keys)
+        if clp:
+            term, clp_stats = clp_penalty(neg[usable], own_queries)
+            loss = (1.0 - settings.clp_lambda) * loss + settings.clp_lambda * term
+            stats.update(clp_stats)
+        return loss, stats
 
-    n = len(queries)
     if settings.grad_cache_chunk and settings.grad_cache_chunk < n:
         loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device)
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"] // 2, 8  # one extra forward
     else:
-        q, p = forward(slice(0, n))
-        loss, stats = loss_fn(q, p)
+        loss, stats = loss_fn(*forward(slice(0, n)))
         loss.backward()
         loss = loss.detach()
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"], 6  # forward 2 + backward 4
+    zero = loss.new_zeros(())
+    stats.setdefault("mined_neg_cos_mean", zero)
+    stats.setdefault("masked_mined_negatives", zero)
+    stats.setdefault("clp_penalty", zero)
+    stats.pop("clp_negatives", None)
+    stats["mined_negatives"] = m * n
+    stats["clp_skipped"] = m * n - len(usable_rows) if clp else 0
     return loss, stats
