@@ -38,12 +38,13 @@ def chunk_slices(n: int, chunk: int) -> list[slice]:
 
 
 def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: int, chunk: int,
-                        loss_fn: LossFn, device: torch.device) -> tuple[torch.Tensor, dict]:
+                        loss_fn: LossFn, device: torch.device, moe_aux=None) -> tuple[torch.Tensor, dict]:
     """Accumulate d(loss)/d(params) into .grad; returns (detached loss, loss stats).
 
     forward_chunk(rows) -> (query embeddings, passage embeddings) of this rank's rows `rows`;
     loss_fn(q, p) -> (loss, stats) over this rank's full (n, d) embeddings. Every rank must use the
-    same n and chunk so that the collectives inside loss_fn and DDP line up.
+    same n and chunk so that the collectives inside loss_fn and DDP line up. moe_aux (a
+    train.moe.MoeChunkAux) adds each chunk's share of the MoE load-balancing loss to its surrogate.
     """
     slices = chunk_slices(n, chunk)
     states, qs, ps = [], [], []
@@ -53,6 +54,8 @@ def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: 
             q, p = forward_chunk(rows)
             qs.append(q.float())
             ps.append(p.float())
+            if moe_aux is not None:
+                moe_aux.observe()
     q_all = torch.cat(qs).requires_grad_(True)
     p_all = torch.cat(ps).requires_grad_(True)
     loss, stats = loss_fn(q_all, p_all)
@@ -66,6 +69,8 @@ def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: 
             states[i].restore()
             q, p = forward_chunk(rows)
             surrogate = (q.float() * grad_q[rows]).sum() + (p.float() * grad_p[rows]).sum()
+            if moe_aux is not None:
+                surrogate = surrogate + moe_aux.chunk_loss()
             surrogate.backward()
     after.restore()  # leave the RNG where the uncached step would: after one forward of every chunk
     return loss.detach(), stats

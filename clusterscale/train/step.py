@@ -15,6 +15,7 @@ import torch
 from clusterscale.train.gradcache import grad_cache_backward
 from clusterscale.train.loss import info_nce
 from clusterscale.train.model import embed, text_keys
+from clusterscale.train.moe import MoeChunkAux, moe_aux_loss
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,12 @@ class StepSettings:
     symmetric: bool = False
     grad_cache_chunk: int = 0      # 0 = embed the whole slice with autograd in one pass
     amp: bool = False              # bf16 autocast (GPU)
+    moe_aux_loss_weight: float = 0.0  # weight of the MoE load-balancing loss (train.moe_aux_loss_weight)
 
     @classmethod
     def from_train_config(cls, tc, pooling: str, amp: bool) -> "StepSettings":
         return cls(tc.temperature, tc.query_max_length, tc.passage_max_length, pooling, tc.symmetric,
-                   tc.grad_cache_chunk, amp)
+                   tc.grad_cache_chunk, amp, moe_aux_loss_weight=tc.moe_aux_loss_weight)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -47,6 +49,7 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     tokens of this rank's texts) and flops_per_param_token (6, or 8 with GradCache's extra forward).
     """
     counters: dict = {"tokens": 0}
+    moe_aux_loss(model)  # drop MoE routing records left by any earlier forward
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
 
     def forward(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +65,16 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
 
     n = len(queries)
     if settings.grad_cache_chunk and settings.grad_cache_chunk < n:
-        loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device)
+        moe_aux = MoeChunkAux(model, settings.moe_aux_loss_weight)
+        loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device, moe_aux)
+        stats["moe_aux_loss"] = moe_aux.value
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"] // 2, 8  # one extra forward
     else:
         q, p = forward(slice(0, n))
         loss, stats = loss_fn(q, p)
-        loss.backward()
+        aux = moe_aux_loss(model)  # None without experts; read even at weight 0 so records never pile up
+        (loss if aux is None else loss + settings.moe_aux_loss_weight * aux).backward()
+        stats["moe_aux_loss"] = 0.0 if aux is None else float(aux.detach())
         loss = loss.detach()
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"], 6  # forward 2 + backward 4
     return loss, stats
