@@ -165,6 +165,16 @@ class TrainConfig:
                                    "pair with it, re-fit k-means, re-shard, and continue on the new shards "
                                    "(train.sampler=clustered only). 0 = never (the paper's method).")
 
+    moe_experts: int = knob(0, "Mixture of experts: replace every layer's intermediate (FFN expansion) "
+                               "Linear with this many routed copies of it plus a linear gate (the CLP "
+                               "paper's MoE adapter); 0 = off, else >= 2.")
+    moe_top_k: int = knob(2, "Experts per token (1..moe_experts); their gate probabilities (softmax over "
+                             "all experts) are renormalised to weights that sum to 1.")
+    moe_aux_loss_weight: float = knob(0.01, "Weight of the Switch-Transformer load-balancing loss (about 1.0 "
+                                            "per layer and forward pass when balanced) added to InfoNCE.")
+    moe_train_only_intermediate: bool = knob(False, "Train only the intermediate projections (the experts and "
+                                                    "gates under MoE, the dense ones otherwise); freeze the rest.")
+
 
 @dataclass
 class MineConfig:
@@ -357,6 +367,7 @@ def validate(cfg: Config) -> None:
     if cfg.train.loss == "clp" and cfg.train.negatives_per_query < 1:
         raise ConfigError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 (e.g. 4) and "
                           "run `clusterscale mine` before training.")
+    _validate_moe(cfg.train)
     if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
         raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
     if not cfg.eval.k_values or any(not isinstance(k, int) or k <= 0 for k in cfg.eval.k_values):
@@ -380,6 +391,15 @@ def validate(cfg: Config) -> None:
                           f"other samplers do not use the clusters.")
     if cfg.train.name and ("/" in cfg.train.name or cfg.train.name.startswith(".")):
         raise ConfigError(f"train.name must be a plain folder name, got {cfg.train.name!r}.")
+
+
+def _validate_moe(tc: TrainConfig) -> None:
+    if tc.moe_experts < 0 or tc.moe_experts == 1:
+        raise ConfigError(f"train.moe_experts must be 0 (off) or >= 2, got {tc.moe_experts}.")
+    if tc.moe_experts and not 1 <= tc.moe_top_k <= tc.moe_experts:
+        raise ConfigError(f"train.moe_top_k must be in [1, train.moe_experts={tc.moe_experts}], got {tc.moe_top_k}.")
+    if tc.moe_aux_loss_weight < 0:
+        raise ConfigError(f"train.moe_aux_loss_weight must be >= 0, got {tc.moe_aux_loss_weight}.")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

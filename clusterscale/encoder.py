@@ -82,8 +82,13 @@ def load_model(model_path: str, trust_remote_code: bool = False,
     from transformers import AutoModel
 
     check_weights(model_path)
+    config = _read_model_file(model_path, "config.json") or {}
     kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code)
     try:
+        if "clusterscale_moe" in config:  # a clusterscale MoE export: rebuilt by our own code, not the folder's
+            from clusterscale.train.moe_hf import load_moe_model
+
+            return load_moe_model(model_path, config, attn_implementation)
         if attn_implementation:
             try:
                 return AutoModel.from_pretrained(model_path, attn_implementation=attn_implementation, **kwargs)
@@ -229,6 +234,12 @@ def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    from clusterscale.train.moe import moe_layers
+
+    if moe_layers(model):  # record the expert shape so that loaders rebuild it (train.moe_experts)
+        from clusterscale.train.moe_hf import mark_moe_export
+
+        mark_moe_export(model, str(out))
     tokenizer.save_pretrained(out)
     dim = int(model.config.hidden_size)
     (out / "1_Pooling").mkdir(exist_ok=True)

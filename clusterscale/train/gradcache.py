@@ -40,13 +40,14 @@ def chunk_slices(n: int, chunk: int) -> list[slice]:
 
 
 def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: int, chunk: int,
-                        loss_fn: LossFn, device: torch.device) -> tuple[torch.Tensor, dict]:
+                        loss_fn: LossFn, device: torch.device, moe_aux=None) -> tuple[torch.Tensor, dict]:
     """Accumulate d(loss)/d(params) into .grad; returns (detached loss, loss stats).
 
     forward_chunk(rows) -> a tuple of embedding tensors of this rank's rows `rows` (queries, passages,
     and whatever else the loss needs, each tensor with any number of rows per chunk); loss_fn(*tensors)
     -> (loss, stats) over each tensor's chunks concatenated in order. Every rank must use the same n
-    and chunk so that the collectives inside loss_fn and DDP line up.
+    and chunk so that the collectives inside loss_fn and DDP line up. moe_aux (a
+    train.moe.MoeChunkAux) adds each chunk's share of the MoE load-balancing loss to its surrogate.
     """
     slices = chunk_slices(n, chunk)
     states, chunks = [], []
@@ -54,6 +55,8 @@ def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: 
         for rows in slices:
             states.append(RngState(device))
             chunks.append([x.float() for x in forward_chunk(rows)])
+            if moe_aux is not None:
+                moe_aux.observe()
     full = [torch.cat(parts).requires_grad_(True) for parts in zip(*chunks)]
     loss, stats = loss_fn(*full)
     loss.backward()
@@ -71,6 +74,8 @@ def grad_cache_backward(model: torch.nn.Module, forward_chunk: ChunkForward, n: 
                 if grads[k] is not None:
                     surrogate = surrogate + (x.float() * grads[k][starts[k]:stop]).sum()
                 starts[k] = stop
+            if moe_aux is not None:
+                surrogate = surrogate + moe_aux.chunk_loss()
             surrogate.backward()
     after.restore()  # leave the RNG where the uncached step would: after one forward of every chunk
     return loss.detach(), stats

@@ -25,12 +25,13 @@ from clusterscale.train.data import ShardReader, checked_manifest, source_codes
 from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
+from clusterscale.train.moe import moe_layers
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
-RAY_RUN_NAME = "ray-train"
+RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
 # Per-step figures that exist only with some options (mined negatives, CLP, MoE): means over ranks / sums.
 OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss")
-OPTIONAL_SUMS = ("mined_negatives", "clp_skipped", "negatives_padded")  # fixed: Ray Train resumes a run whose name and storage path it finds again
+OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded")
 
 
 def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
@@ -81,7 +82,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     model, tokenizer, pooling = build_student(tc)
     flops_params = matmul_params(model)
-    model = rt_torch.prepare_model(model)
+    ddp_kwargs = {"find_unused_parameters": True} if moe_layers(model) else None  # an expert may get no tokens
+    model = rt_torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                                   weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, tc, num_steps) / tc.lr)

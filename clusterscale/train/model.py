@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from clusterscale.config import TrainConfig
 from clusterscale.encoder import BUNDLED, detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
+from clusterscale.train.moe import add_moe, freeze_all_but_intermediate, moe_layers
 
 
 def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
@@ -32,7 +33,20 @@ def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
     for name, param in model.named_parameters():
         if name.startswith("pooler."):
             param.requires_grad_(False)
+    apply_moe_options(model, cfg)
     return model, tokenizer, pooling
+
+
+def apply_moe_options(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """train.moe_experts / moe_top_k / moe_train_only_intermediate on a freshly built student."""
+    existing = moe_layers(model)  # init from an MoE export: keep its experts
+    if cfg.moe_experts and not existing:
+        add_moe(model, cfg.moe_experts, cfg.moe_top_k, seed=cfg.seed)
+    elif cfg.moe_experts and (existing[0].num_experts, existing[0].top_k) != (cfg.moe_experts, cfg.moe_top_k):
+        raise ValueError(f"train.init is an MoE model with {existing[0].num_experts} experts, top_k "
+                         f"{existing[0].top_k}; set train.moe_experts/moe_top_k to those (or 0 to keep them).")
+    if cfg.moe_train_only_intermediate:
+        freeze_all_but_intermediate(model)
 
 
 def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device,

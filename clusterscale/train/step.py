@@ -16,6 +16,7 @@ import torch
 from clusterscale.train.gradcache import grad_cache_backward
 from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
 from clusterscale.train.model import embed, text_keys
+from clusterscale.train.moe import MoeChunkAux, moe_aux_loss
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,13 @@ class StepSettings:
     amp: bool = False              # bf16 autocast (GPU)
     loss: str = "infonce"          # "clp": (1 - clp_lambda) * InfoNCE + clp_lambda * CLP penalty
     clp_lambda: float = 0.1
+    moe_aux_loss_weight: float = 0.0  # weight of the MoE load-balancing loss (train.moe_aux_loss_weight)
 
     @classmethod
     def from_train_config(cls, tc, pooling: str, amp: bool) -> "StepSettings":
         return cls(tc.temperature, tc.query_max_length, tc.passage_max_length, pooling, tc.symmetric,
-                   tc.grad_cache_chunk, amp, loss=tc.loss, clp_lambda=tc.clp_lambda)
+                   tc.grad_cache_chunk, amp, loss=tc.loss, clp_lambda=tc.clp_lambda,
+                   moe_aux_loss_weight=tc.moe_aux_loss_weight)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -90,6 +93,7 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     m = _check_negatives(n, negatives, negative_queries, settings)
     clp = settings.loss == "clp"
     counters: dict = {"tokens": 0}
+    moe_aux_loss(model)  # drop MoE routing records left by any earlier forward
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
     neg_keys = neg_query_keys = usable = None
     if m:
@@ -126,11 +130,15 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
         return loss, stats
 
     if settings.grad_cache_chunk and settings.grad_cache_chunk < n:
-        loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device)
+        moe_aux = MoeChunkAux(model, settings.moe_aux_loss_weight)
+        loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device, moe_aux)
+        stats["moe_aux_loss"] = moe_aux.value
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"] // 2, 8  # one extra forward
     else:
         loss, stats = loss_fn(*forward(slice(0, n)))
-        loss.backward()
+        aux = moe_aux_loss(model)  # None without experts; read even at weight 0 so records never pile up
+        (loss if aux is None else loss + settings.moe_aux_loss_weight * aux).backward()
+        stats["moe_aux_loss"] = 0.0 if aux is None else float(aux.detach())
         loss = loss.detach()
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"], 6  # forward 2 + backward 4
     zero = loss.new_zeros(())
