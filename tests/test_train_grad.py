@@ -84,11 +84,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_two_ranks(worker, path: str, out, cases) -> dict:
+    """Run worker(rank, 2, port, path, out) on a 2-rank gloo group; load the {case}.pt files rank 0 saved."""
+    mp.spawn(worker, args=(2, _free_port(), path, str(out)), nprocs=2, join=True)
+    return {case: torch.load(out / f"{case}.pt", weights_only=True) for case in cases}
+
+
 @pytest.fixture(scope="module")
 def ddp_results(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_model, str(out)), nprocs=2, join=True)
-    return {case: torch.load(out / f"{case}.pt", weights_only=True) for case in CASES}
+    return spawn_two_ranks(_ddp_worker, tiny_model, tmp_path_factory.mktemp("ddp"), CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,11 +5,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
-from tests.test_train_grad import N, _free_port, _grads, _model, _rel, _settings, _texts
+from tests.test_train_grad import N, _grads, _model, _rel, _settings, _texts, spawn_two_ranks
 
 M = 2  # mined negatives per query
 
@@ -81,9 +80,7 @@ def _ddp_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> No
 
 @pytest.fixture(scope="module")
 def ddp_results(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp-clp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_model, str(out)), nprocs=2, join=True)
-    return {case: torch.load(out / f"{case}.pt", weights_only=True) for case in CASES}
+    return spawn_two_ranks(_ddp_worker, tiny_model, tmp_path_factory.mktemp("ddp-clp"), CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -173,3 +170,18 @@ def test_bad_negatives_name_the_fix(tiny_model):
         contrastive_backward(model, tokenizer, queries, passages, _settings(), cpu, negatives[:-1])
     with pytest.raises(ValueError, match="needs negative_queries"):
         contrastive_backward(model, tokenizer, queries, passages, _settings(loss="clp"), cpu, negatives)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gradcache_with_clp_on_gpu_in_bf16(tiny_model):
+    queries, passages = _texts()
+    negatives, negative_queries = _negatives()
+    device, grads = torch.device("cuda"), {}
+    for chunk in (0, 4):
+        model, tokenizer = _model(tiny_model, dropout=False)
+        model.to(device)
+        settings = _settings(loss="clp", grad_cache_chunk=chunk, amp=True)
+        contrastive_backward(model, tokenizer, queries, passages, settings, device, negatives, negative_queries)
+        grads[chunk] = _grads(model).float().cpu()
+    assert _rel(grads[4], grads[0]) < 2e-2  # bf16 autocast: both paths round differently
