@@ -17,8 +17,9 @@ class MoeLinear(nn.Module):
 
     Gate probabilities are a softmax over ALL expert logits, taken before the top-k selection; the
     selected probabilities are renormalised to weights that sum to 1, so identical experts reproduce
-    the dense layer. With top_k=1 the normaliser carries no gradient, so the gate still learns. Each forward of a training graph records routing
-    statistics for the load-balancing loss (read and cleared by `moe_aux_loss`).
+    the dense layer. With top_k=1 the normaliser carries no gradient, so the gate still learns. Each
+    forward (except no-grad inference in eval mode) records routing statistics for the load-balancing
+    loss, read and cleared by `moe_aux_loss`.
     """
 
     def __init__(self, dense: nn.Linear, num_experts: int, top_k: int, generator: torch.Generator | None = None):
