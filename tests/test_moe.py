@@ -147,6 +147,9 @@ def test_export_round_trip_gives_identical_embeddings(tiny_model, tmp_path):
     batch = _batch(tokenizer)
     with torch.no_grad():
         assert torch.equal(remote(**batch).last_hidden_state, model(**batch).last_hidden_state)
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    st = sentence_transformers.SentenceTransformer(str(out), trust_remote_code=True, device="cpu")
+    assert abs(st.encode(texts) - expected).max() < 1e-6
 
 
 def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
