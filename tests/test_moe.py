@@ -92,6 +92,20 @@ def test_aux_loss_equals_hand_computation():
     assert float(moe_aux_loss(layer).detach()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_routing_records_skip_inference_and_stay_bounded():
+    from clusterscale.train.moe import MAX_RECORDS
+
+    layer = MoeLinear(torch.nn.Linear(4, 4), num_experts=2, top_k=1).eval()
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        layer(x)
+    assert not layer.records  # Encoder / sentence-transformers inference keeps nothing
+    with torch.no_grad():  # GradCache's first pass needs them
+        for _ in range(MAX_RECORDS + 3):
+            layer(x)
+    assert len(layer.records) == MAX_RECORDS
+
+
 def _grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
                       for p in model.parameters() if p.requires_grad])
