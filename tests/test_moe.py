@@ -92,6 +92,20 @@ def test_aux_loss_equals_hand_computation():
     assert float(moe_aux_loss(layer).detach()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_routing_records_skip_inference_and_stay_bounded():
+    from clusterscale.train.moe import MAX_RECORDS
+
+    layer = MoeLinear(torch.nn.Linear(4, 4), num_experts=2, top_k=1).eval()
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        layer(x)
+    assert not layer.records  # Encoder / sentence-transformers inference keeps nothing
+    with torch.no_grad():  # GradCache's first pass needs them
+        for _ in range(MAX_RECORDS + 3):
+            layer(x)
+    assert len(layer.records) == MAX_RECORDS
+
+
 def _grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
                       for p in model.parameters() if p.requires_grad])
@@ -147,6 +161,9 @@ def test_export_round_trip_gives_identical_embeddings(tiny_model, tmp_path):
     batch = _batch(tokenizer)
     with torch.no_grad():
         assert torch.equal(remote(**batch).last_hidden_state, model(**batch).last_hidden_state)
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    st = sentence_transformers.SentenceTransformer(str(out), trust_remote_code=True, device="cpu")
+    assert abs(st.encode(texts) - expected).max() < 1e-6
 
 
 def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
@@ -167,6 +184,15 @@ def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
     assert len(moe_layers(again)) == 2
     with pytest.raises(ValueError, match="train.moe_experts"):
         build_student(TrainConfig(init=str(tmp_path / "m"), moe_experts=4))
+
+
+def test_matmul_params_count_the_experts_a_token_uses(tiny_model):
+    from clusterscale.train.model import matmul_params
+
+    dense = matmul_params(load_model(tiny_model))
+    moe = _moe_model(tiny_model, 4, 2, perturb=False)
+    per_layer = 32 * 64 + 64  # one intermediate Linear
+    assert matmul_params(moe) == dense + 2 * (per_layer + 32 * 4)  # 2 of 4 experts run, plus the gate
 
 
 def test_add_moe_names_a_model_without_intermediate_layers():
@@ -190,3 +216,28 @@ def test_config_errors_name_the_key(values, key):
 def test_freeze_without_intermediate_layers_is_an_error():
     with pytest.raises(ValueError, match="intermediate"):
         freeze_all_but_intermediate(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_on_gpu_in_bf16(tiny_model):
+    device = torch.device("cuda")
+    tokenizer = load_tokenizer(tiny_model)
+    batch = _batch(tokenizer).to(device)
+    dense = load_model(tiny_model).eval().to(device)
+    moe = _moe_model(tiny_model, 4, 2, perturb=False).to(device)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected, got = dense(**batch).last_hidden_state, moe(**batch).last_hidden_state
+    assert got.dtype == expected.dtype
+    assert torch.allclose(got.float(), expected.float(), atol=5e-2)  # bf16 rounding
+    grads = {}
+    for chunk in (0, 4):
+        model = _moe_model(tiny_model).to(device)
+        table = make_pairs(12, seed=3)
+        settings = StepSettings(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
+                                grad_cache_chunk=chunk, amp=True, moe_aux_loss_weight=0.5)
+        contrastive_backward(model, tokenizer, table.column("q").to_pylist(), table.column("p").to_pylist(),
+                             settings, device)
+        grads[chunk] = _grads(model).float().cpu()
+    assert torch.isfinite(grads[0]).all()
+    assert float((grads[4] - grads[0]).norm() / grads[0].norm()) < 5e-2  # bf16 autocast in both paths

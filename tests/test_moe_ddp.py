@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from clusterscale.train.model import embed
 from clusterscale.train.moe import add_moe, moe_aux_loss, moe_layers
 from clusterscale.train.step import StepSettings, contrastive_backward
 from tests.conftest import make_pairs
+from tests.test_train_grad import _free_port
 
 N, AUX_WEIGHT, IDLE_EXPERT = 12, 0.5, 3
 CASES = {"plain": 0, "gradcache": 4}
@@ -80,12 +80,6 @@ def _reference(path: str) -> tuple[torch.Tensor, bool]:
         (AUX_WEIGHT / 2 * moe_aux_loss(model)).backward()  # DDP averages the two ranks' gradients
     idle = all(p.grad is None for layer in moe_layers(model) for p in layer.experts[IDLE_EXPERT].parameters())
     return _grads(model), idle
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

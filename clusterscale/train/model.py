@@ -71,6 +71,10 @@ def default_tokenizer_path() -> str:
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Trainable parameters that take part in matmuls (embedding tables excluded), for FLOP estimates."""
+    """Trainable parameters that take part in a token's matmuls (embedding tables excluded), for FLOP estimates."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return int(sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in embeddings))
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in embeddings)
+    # a token passes through top_k of the E experts of an MoE layer, not all of them
+    idle = sum((1 - layer.top_k / layer.num_experts) * p.numel()
+               for layer in moe_layers(model) for p in layer.experts.parameters() if p.requires_grad)
+    return int(total - idle)

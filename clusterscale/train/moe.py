@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 INTERMEDIATE_SUFFIX = "intermediate.dense"  # BERT-family name of the FFN expansion projection
+# Routing records kept per layer until read: a step reads ~2 (query and passage forward); the cap only
+# bounds memory for callers that never read them (e.g. a no-grad evaluation loop outside inference mode).
+MAX_RECORDS = 256
 
 
 class MoeLinear(nn.Module):
@@ -17,8 +20,9 @@ class MoeLinear(nn.Module):
 
     Gate probabilities are a softmax over ALL expert logits, taken before the top-k selection; the
     selected probabilities are renormalised to weights that sum to 1, so identical experts reproduce
-    the dense layer. With top_k=1 the normaliser carries no gradient, so the gate still learns. Each forward of a training graph records routing
-    statistics for the load-balancing loss (read and cleared by `moe_aux_loss`).
+    the dense layer. With top_k=1 the normaliser carries no gradient, so the gate still learns. Each
+    forward outside torch.inference_mode records routing statistics for the load-balancing loss (also
+    under no_grad: GradCache's first pass needs the routing counts), read and cleared by `moe_aux_loss`.
     """
 
     def __init__(self, dense: nn.Linear, num_experts: int, top_k: int, generator: torch.Generator | None = None):
@@ -40,6 +44,7 @@ class MoeLinear(nn.Module):
         with torch.no_grad():  # small random logits break the tie between identical experts
             noise = torch.randn(self.gate.weight.shape, generator=generator) * 0.02
             self.gate.weight.copy_(noise.to(self.gate.weight))
+        self.train(dense.training)
         self.token_mask: torch.Tensor | None = None  # (batch, seq) attention mask set by add_moe's hook
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot counts (E,), prob sums (E,))
 
@@ -63,8 +68,8 @@ class MoeLinear(nn.Module):
             out.index_add_(0, rows, y.float() * weights[rows, slot].unsqueeze(-1))
         if out is None:  # no tokens at all
             out, dtype = flat.new_zeros(0, self.out_features, dtype=torch.float32), x.dtype
-        if self.training or torch.is_grad_enabled():  # not during inference: nothing would read them
-            self.records.append(self._routing_stats(probs, top_i, x.shape[:-1]))
+        if not torch.is_inference_mode_enabled():  # inference (Encoder, sentence-transformers) never reads them
+            self.records = self.records[-(MAX_RECORDS - 1):] + [self._routing_stats(probs, top_i, x.shape[:-1])]
         return out.to(dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _routing_stats(self, probs: torch.Tensor, top_i: torch.Tensor, lead_shape: torch.Size):
