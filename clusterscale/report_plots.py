@@ -131,6 +131,9 @@ def sweep_curves(sweep: dict) -> bytes | None:
             ys = [value(p) for p in sel]
             ax.plot([p["k"] for p in sel], [np.nan if y is None else y for y in ys], marker="o", label=f"N={limit}")
         ax.set_xscale("log")
+        ks = sorted({p["k"] for p in points})
+        ax.set_xticks(ks, [str(k) for k in ks])  # the swept values, not 10^x ticks
+        ax.minorticks_off()
         ax.set_xlabel("k")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
