@@ -25,7 +25,17 @@ def init_ray(cfg: RayConfig) -> None:
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
                       dashboard_host="127.0.0.1")
-    ray.init(**kwargs)
+    for attempt in range(3 if address is None else 1):
+        try:
+            ray.init(**kwargs)
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            # Ray waits a fixed 30 s for a local raylet; on an overloaded machine that is not enough.
+            if address is not None or "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            print(f"[ray] the local Ray node did not start within Ray's 30 s (machine busy?); retrying "
+                  f"({attempt + 2}/3)", flush=True)
+            ray.shutdown()
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = True
     ctx.verbose_stats_logs = False
