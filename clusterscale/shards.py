@@ -150,6 +150,13 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
+    moved_rows = int(sum(counts[int(c)] for c in plan["moved"]))
+    if moved_rows > n_total / 2:
+        print(f"[shard] warning: {moved_rows} of {n_total} rows ({moved_rows / n_total:.0%}) were in clusters smaller "
+              f"than one global batch ({cfg.train.global_batch_size}) and went to "
+              f"{'the pool' if plan['pool_id'] is not None else 'the nearest large cluster'}: the shards no longer "
+              f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
+              f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
     return stats
 
 
