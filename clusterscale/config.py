@@ -164,7 +164,6 @@ class TrainConfig:
     recluster_every: int = knob(0, "Re-cluster every N steps: export the current model, re-embed every training "
                                    "pair with it, re-fit k-means, re-shard, and continue on the new shards "
                                    "(train.sampler=clustered only). 0 = never (the paper's method).")
-
     moe_experts: int = knob(0, "Mixture of experts: replace every layer's intermediate (FFN expansion) "
                                "Linear with this many routed copies of it plus a linear gate (the CLP "
                                "paper's MoE adapter); 0 = off, else >= 2.")
