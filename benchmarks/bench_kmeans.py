@@ -98,7 +98,7 @@ def scaling(args) -> list[dict]:
     import ray
 
     from clusterscale import config as config_mod
-    from clusterscale.kmeans import run_assign, run_fit
+    from clusterscale.kmeans import ClusteringError, run_assign, run_fit
     from clusterscale.rundir import RunDir
     from clusterscale.shards import run_shard
     from clusterscale.synthetic import write_embeddings_stage
@@ -118,7 +118,11 @@ def scaling(args) -> list[dict]:
                 row = {"n": n, "k": k, "dim": args.dim, "niter": args.niter}
                 for stage, fn in (("fit", run_fit), ("assign", run_assign), ("shard", run_shard)):
                     started = time.perf_counter()
-                    stats = fn(cfg, run)
+                    try:
+                        stats = fn(cfg, run)
+                    except ClusteringError as exc:  # e.g. every cluster smaller than one batch: a row, not a crash
+                        row[f"{stage}_error"] = str(exc)
+                        break
                     row[f"{stage}_s"] = round(time.perf_counter() - started, 2)
                     if stage == "shard":
                         row["shards"], row["files"] = stats["shards"], stats["files"]
