@@ -25,7 +25,6 @@ from clusterscale.train.data import ShardReader, checked_manifest, source_codes
 from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
-from clusterscale.train.moe import moe_layers
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
@@ -82,8 +81,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     model, tokenizer, pooling = build_student(tc)
     flops_params = matmul_params(model)
-    ddp_kwargs = {"find_unused_parameters": True} if moe_layers(model) else None  # an expert may get no tokens
-    model = rt_torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs)
+    model = rt_torch.prepare_model(model)  # MoE: idle experts stay in the graph (moe.py), no unused parameters
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                                   weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, tc, num_steps) / tc.lr)

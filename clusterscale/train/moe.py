@@ -56,11 +56,13 @@ class MoeLinear(nn.Module):
         # top_k=1: p / p would be a constant 1 and starve the gate; p / stop_grad(p) is still exactly 1
         # (the dense output) but passes the Switch-Transformer gradient d(log p) to the gate.
         weights = top_p / (norm.detach() if self.top_k == 1 else norm)
-        out, dtype = None, None
+        out, dtype, idle = None, None, []
         for e, expert in enumerate(self.experts):
             rows, slot = (top_i == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
-                continue  # unused this batch: DDP needs find_unused_parameters=True
+                if torch.is_grad_enabled():  # keep it in the graph (zero gradient): see `idle` below
+                    idle += [p.sum() for p in expert.parameters() if p.requires_grad]
+                continue
             y = expert(flat.index_select(0, rows))
             if out is None:
                 dtype = y.dtype
@@ -68,6 +70,11 @@ class MoeLinear(nn.Module):
             out.index_add_(0, rows, y.float() * weights[rows, slot].unsqueeze(-1))
         if out is None:  # no tokens at all
             out, dtype = flat.new_zeros(0, self.out_features, dtype=torch.float32), x.dtype
+        if idle:
+            # A step calls the model several times (queries, passages, negatives) before one backward. An expert
+            # idle in one call but not another would make DDP's find_unused_parameters mark it ready twice, so
+            # every expert takes part in every call's graph instead, with an exact zero contribution.
+            out = out + 0.0 * torch.stack(idle).sum()
         if not torch.is_inference_mode_enabled():  # inference (Encoder, sentence-transformers) never reads them
             self.records = self.records[-(MAX_RECORDS - 1):] + [self._routing_stats(probs, top_i, x.shape[:-1])]
         return out.to(dtype).reshape(*x.shape[:-1], self.out_features)
