@@ -105,7 +105,7 @@ def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
         if not cfg.train.steps or cfg.train.steps < 2:
             raise ConfigError("The recluster arm re-clusters halfway through train.steps: set train.steps (>= 2), or "
                               "define the arm yourself with --arm NAME:train.recluster_every=N.")
-        keys["recluster_every"] = cfg.train.steps // 2
+        keys["recluster_every"] = (cfg.train.steps + 1) // 2  # two segments, also for odd step counts
     return keys
 
 

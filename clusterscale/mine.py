@@ -51,14 +51,22 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
                               "use embed.side=passage or both (new --run-dir), or set mine.encoder to a model.")
         return None
     if encoder.startswith("train:"):
-        from clusterscale.train.loop import local_model_dir
-
         name = encoder.split(":", 1)[1]
         if not run.exists(f"train/{name}/model"):
             raise StageMissingError(f"mine.encoder={encoder}: no exported model at {run.path(f'train/{name}/model')}; "
                                     f"run `clusterscale train --set train.name={name}` first.")
-        return local_model_dir(run, name)
+        return run.child_uri(f"train/{name}/model")  # every node can read it (object stores: copied per node)
     return encoder
+
+
+def mine_fingerprint(cfg: Config, run: RunDir) -> str:
+    """The fingerprint of negatives/: the mine config, and the training run when mining with its model."""
+    extra = None
+    if cfg.mine.encoder.startswith("train:"):
+        name = cfg.mine.encoder.split(":", 1)[1]
+        done = f"train/{name}/_DONE.json"
+        extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
+    return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
 
 
 def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:
@@ -127,9 +135,13 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
 class MineUnits:
     """Ray Data callable class: one passage index per actor; each input row is one embeddings file to mine."""
 
-    def __init__(self, run_uri: str, source_uri: str, cfg: dict, passages_ref: list):
+    def __init__(self, run_uri: str, source_uri: str, cfg: dict, passages_ref: list, threads: int):
+        import torch
+
         from clusterscale.config import from_dict
 
+        faiss.omp_set_num_threads(threads)
+        torch.set_num_threads(threads)
         self.cfg = from_dict(cfg)
         self.run, self.source = RunDir(run_uri), RunDir(source_uri)
         self.passages = ray.get(passages_ref[0])
@@ -204,16 +216,21 @@ def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> di
     return plan
 
 
-def pool_size(mc: MineConfig, units: int) -> tuple[int, dict]:
+def pool_size(mc: MineConfig, units: int) -> tuple[int, dict, int]:
+    """(actors, ray options, threads per actor). Every actor holds a full index (N x d x 4 bytes), so on CPU
+    a few actors with several faiss/torch threads each, not one per core."""
     resources = ray.cluster_resources()
     gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
-    size = mc.num_actors or (gpus or cpus)
-    return max(1, min(size, units)), ({"num_gpus": 1} if gpus else {"num_cpus": 1})
+    if gpus:
+        return max(1, min(mc.num_actors or gpus, units)), {"num_gpus": 1}, 1
+    size = max(1, min(mc.num_actors or max(1, cpus // 8), units))
+    threads = max(1, cpus // size)
+    return size, {"num_cpus": threads}, threads
 
 
 def run_mine(cfg: Config, run: RunDir) -> dict:
     """Mine negatives for every training query not mined yet, then mark negatives/ done."""
-    fingerprint = cfg.fingerprint(("data", "embed", "mine"))
+    fingerprint = mine_fingerprint(cfg, run)
     if run.is_done(OUT, fingerprint):
         return run.done_stats(OUT)
     started = time.time()
@@ -231,10 +248,11 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
                           f"({len(passages['pair_id'])}): lower it.")
     results, worker_s = [], 0.0
     if todo:
-        actors, options = pool_size(cfg.mine, len(todo))
+        actors, options, threads = pool_size(cfg.mine, len(todo))
         t0 = time.time()
         ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-        ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)]),
+        ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)],
+                                                            threads),
                             batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors),
                             max_task_retries=3, **options)
         results = ds.take_all()
@@ -253,6 +271,7 @@ def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, 
                  embed_cost: dict, encoder: str | None) -> dict:
     totals = {k: sum(r[k] for r in results) for k in ("rows", "negatives", "without_negatives", "queries_embedded",
                                                       *[f"dropped_{d}" for d in DROP_REASONS])}
+    totals["drop_counts_cover_files"] = len(results)  # the dropped_* of files mined by an earlier attempt are not kept
     if len(results) < len(plan["units"]):  # files finished by an earlier attempt: count their rows
         table = pa.concat_tables([pq.read_table(run.fs.open_input_file(run.path(u["output"])),
                                                 columns=["neg_pair_ids"]) for u in plan["units"]])

@@ -96,11 +96,17 @@ def train_loop_per_worker(config: dict) -> None:
         check_cursor(cursor, expected_cursor)
         start_step = cursor["step"]
     elif config.get("resume"):
+        if segment > 0:
+            raise RuntimeError(f"train/{name}: segment {segment} (re-clustering) found no checkpoint of the previous "
+                               f"segment in train/{name}/ray; delete train/{name}/ and start afresh.")
         raise RuntimeError(f"--resume: Ray Train found no checkpoint of train/{name}; start without --resume.")
     stop_step = min(num_steps, tc.stop_after_steps or num_steps, seg_stop)
-    if not seg_start <= start_step <= stop_step:
-        raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, outside segment {segment} "
-                           f"(steps {seg_start}..{seg_stop}); delete train/{name}/ and start afresh.")
+    if start_step > stop_step:
+        raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, past this run's stop at step "
+                           f"{stop_step} (train.stop_after_steps lowered?): raise it, or delete train/{name}/.")
+    if start_step < seg_start:
+        raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, before segment {segment} (steps "
+                           f"{seg_start}..{seg_stop}); delete train/{name}/ and start afresh.")
     resumed = start_step if checkpoint is not None else None
     metrics = JsonlLog(run, f"train/{name}/metrics.jsonl", resumed) if rank == 0 else None
     batches = JsonlLog(run, f"train/{name}/batches/rank-{rank}.jsonl", resumed) if tc.log_batches else None
@@ -213,8 +219,13 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
     makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
     tc, name = cfg.train, cfg.train_name()
     out = f"train/{name}"
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train")
-                                  + (("mine",) if tc.negatives_per_query else ()))
+    negatives_fingerprint = None
+    if tc.negatives_per_query:
+        from clusterscale.mine import mine_fingerprint
+
+        negatives_fingerprint = mine_fingerprint(cfg, run)
+    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train"),
+                                  extra={"negatives": negatives_fingerprint} if negatives_fingerprint else None)
     manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
     if run.is_done(out, fingerprint):
         return run.done_stats(out)
@@ -244,14 +255,15 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
     for segment, (seg_start, seg_stop) in enumerate(segments):
         if seg_start >= stop_step:
             break
+        if run.exists(segment_dir(name, segment), "_TRAINED.json"):
+            continue  # finished by an earlier attempt (--resume)
         if segment > 0:
             from clusterscale.train.recluster import recluster
 
             t0 = time.time()
-            child, _ = recluster(cfg, run, name, segment, _local_dir(run, f"{segment_dir(name, segment)}/encoder"))
+            # A URI (or local path) every node can read: embed actors copy an object-store model locally.
+            child, _ = recluster(cfg, run, name, segment, run.child_uri(segment_dir(name, segment), "encoder"))
             shards_uri, recluster_s = child.uri, recluster_s + time.time() - t0
-        if run.exists(segment_dir(name, segment), "_TRAINED.json"):
-            continue  # finished by an earlier attempt (--resume)
         result = _fit(cfg, run, name, num_steps, (segment, seg_start, seg_stop), shards_uri,
                       resume or segment > 0, fail_at_step)
         if len(segments) > 1 and seg_stop < num_steps and seg_stop <= stop_step:
@@ -277,9 +289,9 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
 
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:
-    from clusterscale.mine import OUT
+    from clusterscale.mine import OUT, mine_fingerprint
 
-    if not run.is_done(OUT, cfg.fingerprint(("data", "embed", "mine"))):  # raises when mined with another config
+    if not run.is_done(OUT, mine_fingerprint(cfg, run)):  # raises when mined with another config
         raise StageMissingError(f"train.negatives_per_query={cfg.train.negatives_per_query} needs mined negatives in "
                                 f"{run.path(OUT)}: run `clusterscale mine` with this config first.")
 
@@ -309,12 +321,6 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     if result.error:
         raise result.error
     return result
-
-
-def _local_dir(run: RunDir, rel: str) -> str:
-    from clusterscale.rundir import local_copy
-
-    return run.path(rel) if run.is_local else local_copy(run.uri_of(rel))
 
 
 def _export_model(run: RunDir, checkpoint, target: str) -> None:

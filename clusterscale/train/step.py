@@ -114,9 +114,9 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
             out = [q, p]
             if m:
                 out.append(embed_texts(negatives[rows.start * m:rows.stop * m], settings.passage_max_length))
-            if clp:
-                own = [negative_queries[j] for j in usable_rows if rows.start * m <= j < rows.stop * m]
-                out.append(embed_texts(own, settings.query_max_length) if own else q.new_zeros((0, q.shape[1])))
+            if clp:  # every negative's own query, usable or not: the same forward calls on every rank and chunk
+                own = [t or "" for t in negative_queries[rows.start * m:rows.stop * m]]
+                out.append(embed_texts(own, settings.query_max_length))
         return tuple(x.float() for x in out)
 
     def loss_fn(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
@@ -124,7 +124,7 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
         loss, stats = info_nce(q, p, settings.temperature, query_keys, passage_keys, settings.symmetric,
                                neg, neg_keys, neg_query_keys)
         if clp:
-            term, clp_stats = clp_penalty(neg[usable], own_queries)
+            term, clp_stats = clp_penalty(neg[usable], own_queries[usable])
             loss = (1.0 - settings.clp_lambda) * loss + settings.clp_lambda * term
             stats.update(clp_stats)
         return loss, stats
