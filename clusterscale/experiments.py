@@ -67,7 +67,7 @@ def _train_and_evaluate(cfg: Config, run: RunDir) -> dict:
 ARMS: dict[str, dict] = {
     "mined": {"sampler": "random", "negatives_per_query": 1},              # ANCE-style: what clustering replaces
     "clustered_mined": {"sampler": "clustered", "negatives_per_query": 1},
-    "clp": {"sampler": "random", "negatives_per_query": 1, "loss": "clp"},  # CLP: mined negatives + penalty
+    "clp": {"sampler": "clustered", "negatives_per_query": 1, "loss": "clp"},  # clustered + mined + CLP penalty
     "moe": {"sampler": "clustered", "moe_experts": 4, "moe_top_k": 2},
     "recluster": {"sampler": "clustered", "recluster_every": "half"},       # once, halfway
 }
