@@ -144,11 +144,11 @@ def test_gradcache_replays_dropout_masks_of_negatives(tiny_model):
             parts[0].append(embed(model, tokenizer, queries[start:start + 4], 16, "mean", "cpu"))
             parts[1].append(embed(model, tokenizer, passages[start:start + 4], 32, "mean", "cpu"))
             parts[2].append(embed(model, tokenizer, negatives[neg_rows.start:neg_rows.stop], 32, "mean", "cpu"))
-            own = [negative_queries[j] for j in neg_rows if usable[j]]
+            own = [negative_queries[j] or "" for j in neg_rows]  # all of them, usable or not (same forward calls)
             parts[3].append(embed(model, tokenizer, own, 16, "mean", "cpu"))
         q, p, neg, own_q = (torch.cat(x) for x in parts)
         nce, _ = info_nce(q, p, 0.05, qk, text_keys(passages), False, neg, text_keys(negatives), nqk)
-        term, _ = clp_penalty(neg[usable], own_q)
+        term, _ = clp_penalty(neg[usable], own_q[usable])
         (0.9 * nce + 0.1 * term).backward()
         return _grads(model)
 
