@@ -98,7 +98,7 @@ def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
     if name in SAMPLERS:
         return {"sampler": name}
     if name not in ARMS:
-        raise ConfigError(f"Unknown compare arm {name!r}: use a sampler ({', '.join(SAMPLERS)}), a named arm "
+        raise ConfigError(f"Unknown compare arm {name!r}: use a train.sampler value ({', '.join(SAMPLERS)}), a named arm "
                           f"({', '.join(ARMS)}), or define it with --arm {name}:train.key=value,...")
     keys = dict(ARMS[name])
     if keys.get("recluster_every") == "half":

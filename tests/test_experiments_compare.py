@@ -86,3 +86,20 @@ def test_unknown_sampler_fails_before_any_work(tmp_path, tiny_model, ray_local, 
     assert rc == 2
     assert "train.sampler" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_named_and_custom_arms_resolve_to_train_keys():
+    from clusterscale import config as config_mod
+    from clusterscale.config import ConfigError
+    from clusterscale.experiments import arm_keys, parse_arm
+
+    cfg = config_mod.load(None, ["train.steps=5"])
+    assert arm_keys("random", cfg, {}) == {"sampler": "random"}
+    assert arm_keys("clp", cfg, {}) == {"sampler": "clustered", "negatives_per_query": 1, "loss": "clp"}
+    assert arm_keys("recluster", cfg, {})["recluster_every"] == 3  # two segments: 3 + 2 steps
+    name, keys = parse_arm("hard:train.negatives_per_query=4,train.sampler=random")
+    assert (name, keys) == ("hard", {"negatives_per_query": 4, "sampler": "random"})
+    with pytest.raises(ConfigError, match="only train"):
+        parse_arm("bad:cluster.k=4")
+    with pytest.raises(ConfigError, match="train.recluster_every"):
+        arm_keys("recluster", config_mod.load(None, ["train.steps=null"]), {})
