@@ -10,6 +10,8 @@ Compare mode, on the same fp16-rounded clustered unit vectors, k, niter and seed
   ray_w1/2  the Ray fit (fit_on_actors) over 1 / 2 SampleShard actors holding the rows in memory,
             threads split between actors. Timed: seeded init + niter Lloyd iterations; NOT timed: Ray
             startup, actor startup and loading the rows (the stage reports those as load_s).
+Every round runs all four methods one after another (this VM's speed drifts from minute to minute);
+each time reported is the best of --repeats rounds, and every round's time is in the JSON (*_all_s).
 objective = sum over rows of the cosine to the nearest final centroid (higher is better), computed
 the same way for every method; objective_ratio = faiss / clusterscale (goal <= 1.01).
 time_ratio_w1 / _w2 = ray_w1 / faiss and ray_w2 / faiss seconds (goal for w1 <= 1.25).
@@ -24,8 +26,14 @@ import sys
 import tempfile
 import time
 
-import faiss
-import numpy as np
+# The same OpenMP wait policy for faiss.Kmeans and the core in this process as the fit actors get
+# (clusterscale.session.faiss_runtime_env), set before faiss loads OpenMP. --omp-default leaves this
+# process at libgomp's default instead: faiss.Kmeans as a user would run it, against clusterscale as shipped.
+if "--omp-default" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,27 +75,40 @@ def compare(args) -> dict:
     cpus = os.cpu_count() or 1
     faiss.omp_set_num_threads(cpus)
     result = {"n": args.n, "k": args.k, "dim": args.dim, "niter": args.niter, "seed": args.seed, "cpus": cpus,
-              "device": "gpu" if args.gpu else "cpu"}
+              "device": "gpu" if args.gpu else "cpu",
+              "omp_wait_policy_driver": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp default)")}
     result["repeats"] = args.repeats  # every time below is the best of `repeats` runs (the box is shared)
-    result["faiss_s"] = result["core_s"] = float("inf")
-    for _ in range(args.repeats):  # alternate the two, so that load changes hit both
-        started = time.perf_counter()
-        km = faiss.Kmeans(args.dim, args.k, niter=args.niter, seed=args.seed, spherical=True, gpu=args.gpu,
-                          max_points_per_centroid=args.n, verbose=False)
-        km.train(x)
-        result["faiss_s"] = min(result["faiss_s"], time.perf_counter() - started)
-        started = time.perf_counter()
-        core, _ = fit_spherical_kmeans(x, args.k, args.niter, args.seed, use_gpu=args.gpu)
-        result["core_s"] = min(result["core_s"], time.perf_counter() - started)
-    objectives = {"faiss": objective(x, km.centroids), "core": objective(x, core)}
-    if not args.gpu:  # the Ray fit on a GPU box runs through `clusterscale fit`, not here
+    methods = ["faiss", "core"] + ([] if args.gpu else ["ray_w1", "ray_w2"])  # on a GPU box: `clusterscale fit`
+    seconds = {m: [] for m in methods}
+    centroids = {}
+    if not args.gpu:
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR")
-        for w in (1, 2):
-            runs = [ray_fit(x, args.k, args.niter, args.seed, w, cpus) for _ in range(args.repeats)]
-            centroids, result[f"ray_w{w}_s"] = runs[0][0], min(seconds for _, seconds in runs)
-            objectives[f"ray_w{w}"] = objective(x, centroids)
-            result[f"ray_w{w}_equals_core"] = bool(np.array_equal(centroids, core))
+        time.sleep(10)  # let Ray's pre-started idle workers finish importing before anything is timed
+    for _ in range(args.repeats):  # every round runs every method, so that load changes hit all of them
+        for method in methods:
+            if method == "faiss":
+                started = time.perf_counter()
+                km = faiss.Kmeans(args.dim, args.k, niter=args.niter, seed=args.seed, spherical=True, gpu=args.gpu,
+                                  max_points_per_centroid=args.n, verbose=False)
+                km.train(x)
+                seconds[method].append(time.perf_counter() - started)
+                centroids[method] = km.centroids
+            elif method == "core":
+                started = time.perf_counter()
+                centroids[method], _ = fit_spherical_kmeans(x, args.k, args.niter, args.seed, use_gpu=args.gpu)
+                seconds[method].append(time.perf_counter() - started)
+            else:
+                centroids[method], took = ray_fit(x, args.k, args.niter, args.seed, int(method[-1]), cpus)
+                seconds[method].append(took)
+    if not args.gpu:
         ray.shutdown()
+    for method in methods:
+        result[f"{method}_s"] = min(seconds[method])
+        result[f"{method}_all_s"] = [round(s, 3) for s in seconds[method]]
+    for w in (1, 2):
+        if f"ray_w{w}" in centroids:
+            result[f"ray_w{w}_equals_core"] = bool(np.array_equal(centroids[f"ray_w{w}"], centroids["core"]))
+    objectives = {m: objective(x, c) for m, c in centroids.items()}
     result["objective"] = objectives
     result["objective_ratio"] = objectives["faiss"] / objectives["core"]
     result["time_ratio_core"] = result["core_s"] / result["faiss_s"]
@@ -152,6 +173,8 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[10, 100, 1_000, 10_000])
     p.add_argument("--batch", type=int, default=64, help="train.global_batch_size (small-cluster threshold)")
     p.add_argument("--gpu", action="store_true", help="faiss GPU index in faiss and in the core (needs faiss-gpu)")
+    p.add_argument("--omp-default", action="store_true", help="run faiss.Kmeans and the core at libgomp's default "
+                   "wait policy (the fit actors keep clusterscale's PASSIVE)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.scaling:

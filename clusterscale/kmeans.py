@@ -20,9 +20,10 @@ import ray
 from clusterscale.config import Config
 from clusterscale.embed import emb_matrix
 from clusterscale.ingest import hash_unit
-from clusterscale.kmeans_core import (ClusteringError, check_vectors, init_candidates, lloyd, lloyd_partials,
-                                      pick_initial)
+from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
+                                      lloyd_partials, pick_initial)
 from clusterscale.rundir import RunDir
+from clusterscale.session import faiss_runtime_env
 
 __all__ = ["ClusteringError", "check_vectors", "kmeans_dir", "assign_dir", "run_fit", "run_assign",
            "load_centroids", "AssignBatches"]
@@ -79,11 +80,15 @@ class SampleShard:
     """One worker of the fit: holds its slice of the fit sample in memory for all iterations."""
 
     def __init__(self, load, threads: int, use_gpu: bool = False):
+        import torch
+
         faiss.omp_set_num_threads(threads)
+        torch.set_num_threads(threads)  # the float64 sums (kmeans_core.LloydWorker)
         self.use_gpu = use_gpu
         self.ids, chunks = load()
         self.dims = sorted({c.shape[1] for c in chunks})
         self.x = np.concatenate(chunks) if len(self.dims) == 1 else np.zeros((0, 0), np.float32)
+        self.worker = LloydWorker(self.x, use_gpu) if len(self.dims) == 1 else None
 
     def describe(self) -> dict:
         return {"rows": len(self.ids), "dims": self.dims,
@@ -95,7 +100,7 @@ class SampleShard:
     def step(self, centroids: np.ndarray):
         if not len(self.ids):
             return lloyd_partials(np.zeros((0, centroids.shape[1]), np.float32), centroids)
-        return lloyd_partials(self.x, centroids, self.use_gpu)
+        return self.worker.step(centroids)
 
 
 def fit_resources(num_workers: int, units: int) -> tuple[int, int, dict]:
@@ -123,7 +128,7 @@ def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tupl
 
 
 def start_sample_shards(loads: list, threads: int, options: dict, use_gpu: bool = False) -> list:
-    actor_cls = ray.remote(SampleShard).options(**options)
+    actor_cls = ray.remote(SampleShard).options(**({"runtime_env": faiss_runtime_env()} | options))
     return [actor_cls.remote(load, threads, use_gpu) for load in loads]
 
 
@@ -252,7 +257,7 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
     gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
     on_gpu = gpus > 0 and hasattr(faiss, "StandardGpuResources")
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
-    remote_args = {"num_gpus": 1} if on_gpu else {"num_cpus": 0.5}
+    remote_args = {"num_gpus": 1} if on_gpu else {"num_cpus": 0.5, "runtime_env": faiss_runtime_env()}
     ds = ray.data.read_parquet(run.files("embeddings"), filesystem=run.fs)
     ds = ds.map_batches(AssignBatches, fn_constructor_args=(index,), batch_size=65_536, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=gpus if on_gpu else cpus),

@@ -1,6 +1,6 @@
 """Spherical k-means compute core: one Lloyd step on an array, the reduction, the update. No Ray here.
 
-The Ray layer (clusterscale/kmeans.py) runs `lloyd_partials` in W actors and `lloyd` on the driver;
+The Ray layer (clusterscale/kmeans.py) runs a `LloydWorker` in each of W actors and `lloyd` on the driver;
 `fit_spherical_kmeans` runs the same loop in one process (tests, benchmarks, a bare GPU box).
 
 Determinism: per-centroid sums are float64. The fit reads fp16 embeddings, and every fp16 value is an
@@ -9,20 +9,22 @@ and therefore independent of how rows are split over workers: W=1 and W=2 give i
 """
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import faiss
 import numpy as np
-import scipy.sparse as sp
+import torch
 
 from clusterscale.ingest import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
 SPLIT_EPS = 1.0 / 1024.0
 INIT_SALT = 0x1417  # the init keys must not correlate with the fit-sample keys (salt = seed)
-SUM_BLOCK_ROWS = 2048
+SUM_BLOCK_VALUES = 1 << 19  # rows per block of the float64 sums: about 4 MiB of float64, cache-sized
 
 
 class ClusteringError(ValueError):
@@ -59,8 +61,14 @@ def make_ip_index(d: int, use_gpu: bool = False) -> faiss.Index:
         if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
             raise ClusteringError("A GPU index was requested but this faiss has no GPU support: "
                                   "`pip install faiss-gpu-cu12` (or run on CPU).")
-        index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+        index = faiss.index_cpu_to_gpu(_gpu_resources(), 0, index)
     return index
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_resources():
+    """One faiss GPU context per process (making one per Lloyd step would allocate scratch memory each time)."""
+    return faiss.StandardGpuResources()
 
 
 def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -71,19 +79,60 @@ def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False
     return sims[:, 0], labels[:, 0]
 
 
+def fp16_exact(x: np.ndarray) -> bool:
+    """True when every value is an fp16 value in [-1, 1]: then float64 sums of up to 2**29 rows are exact."""
+    return bool(x.size == 0 or (np.abs(x).max() <= 1.0 and np.array_equal(x.astype(np.float16).astype(x.dtype), x)))
+
+
+def _as_tensor(x: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only x (e.g. from Ray's object store) is only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(x)
+
+
+class LloydWorker:
+    """One worker's rows for every iteration: nearest centroids, then per-centroid float64 sums.
+
+    The first step sums every row; later steps only move the rows whose nearest centroid changed
+    (add to the new sum, subtract from the old), which after a few iterations is a small fraction.
+    For fp16 input in [-1, 1] (what the fit reads) every float64 sum is exact, so the incremental sums
+    equal a full recomputation bit for bit, whatever the split over workers; for other input every
+    step recomputes the sums in full.
+    """
+
+    def __init__(self, x: np.ndarray, use_gpu: bool = False):
+        self.x = np.ascontiguousarray(x, dtype=np.float32)
+        self.rows = _as_tensor(self.x)
+        self.use_gpu = use_gpu
+        self.incremental = fp16_exact(self.x)
+        self.labels: np.ndarray | None = None
+        self.sums: torch.Tensor | None = None
+
+    def step(self, centroids: np.ndarray) -> Partials:
+        """Assignment half of one Lloyd step: per-centroid sums, counts and objective of this worker's rows."""
+        k, d = centroids.shape[0], self.x.shape[1]
+        sims, labels = nearest_centroid(self.x, centroids, self.use_gpu)
+        if self.incremental and self.labels is not None and tuple(self.sums.shape) == (k, d):
+            moved = np.flatnonzero(labels != self.labels)
+            if len(moved):
+                moved_rows = self.rows[torch.from_numpy(moved)].double()
+                self.sums.index_add_(0, torch.from_numpy(labels[moved]), moved_rows)
+                self.sums.index_add_(0, torch.from_numpy(self.labels[moved]), moved_rows, alpha=-1.0)
+        else:
+            # Row blocks keep the float64 copy in cache: ~3x faster than a sparse one-hot product.
+            self.sums = torch.zeros((k, d), dtype=torch.float64)
+            ids = torch.from_numpy(labels)
+            block = max(1024, SUM_BLOCK_VALUES // max(1, d))
+            for start in range(0, len(labels), block):
+                self.sums.index_add_(0, ids[start:start + block], self.rows[start:start + block].double())
+        self.labels = labels
+        counts = np.bincount(labels, minlength=k).astype(np.int64)
+        return Partials(self.sums.numpy().copy(), counts, float(sims.astype(np.float64).sum()))
+
+
 def lloyd_partials(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False) -> Partials:
-    """Assignment half of one Lloyd step on x (rows L2-normalised): per-centroid sums, counts, objective."""
-    k = centroids.shape[0]
-    sims, labels = nearest_centroid(x, centroids, use_gpu)
-    # A sparse one-hot (k x rows) product sums rows per centroid in float64 (~5x faster than np.add.at), in
-    # row blocks so the float64 copy stays in cache (2-3x faster than one pass over all rows, same sums).
-    sums = np.zeros((k, x.shape[1]), dtype=np.float64)
-    for start in range(0, len(labels), SUM_BLOCK_ROWS):
-        block = labels[start:start + SUM_BLOCK_ROWS]
-        onehot = sp.csr_matrix((np.ones(len(block)), (block, np.arange(len(block)))), shape=(k, len(block)))
-        sums += onehot @ x[start:start + len(block)].astype(np.float64)
-    counts = np.bincount(labels, minlength=k).astype(np.int64)
-    return Partials(sums, counts, float(sims.astype(np.float64).sum()))
+    """One stateless Lloyd assignment step on x (rows L2-normalised): per-centroid sums, counts, objective."""
+    return LloydWorker(x, use_gpu).step(centroids)
 
 
 def reduce_partials(parts: list[Partials]) -> Partials:
@@ -179,4 +228,5 @@ def fit_spherical_kmeans(x: np.ndarray, k: int, niter: int, seed: int, ids: np.n
                               f"or embed more pairs.")
     ids = np.arange(len(x), dtype=np.int64) if ids is None else ids
     initial = pick_initial([init_candidates(ids, x, k, seed)], k)
-    return lloyd(lambda c: [lloyd_partials(x, c, use_gpu)], initial, niter)
+    worker = LloydWorker(x, use_gpu)
+    return lloyd(lambda c: [worker.step(c)], initial, niter)

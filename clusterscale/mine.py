@@ -27,6 +27,7 @@ import ray
 from clusterscale.config import Config, ConfigError, MineConfig
 from clusterscale.embed import emb_matrix
 from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError
+from clusterscale.session import faiss_runtime_env
 
 OUT = "negatives"
 PLAN = f"{OUT}/_plan.json"
@@ -225,7 +226,7 @@ def pool_size(mc: MineConfig, units: int) -> tuple[int, dict, int]:
         return max(1, min(mc.num_actors or gpus, units)), {"num_gpus": 1}, 1
     size = max(1, min(mc.num_actors or max(1, cpus // 8), units))
     threads = max(1, cpus // size)
-    return size, {"num_cpus": threads}, threads
+    return size, {"num_cpus": threads, "runtime_env": faiss_runtime_env()}, threads
 
 
 def run_mine(cfg: Config, run: RunDir) -> dict:

@@ -42,8 +42,11 @@ def make_pairs(n: int, seed: int = 0) -> pa.Table:
 def ray_local():
     import ray
 
+    from clusterscale.config import RayConfig
+    from clusterscale.session import init_ray
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        init_ray(RayConfig(num_cpus=2, include_dashboard=False))  # the CLI's own local start
     yield ray
     ray.shutdown()
 

@@ -7,8 +7,8 @@ import pytest
 
 from clusterscale import config as config_mod
 from clusterscale.kmeans import assign_dir, kmeans_dir, load_centroids, run_assign, run_fit
-from clusterscale.kmeans_core import (Partials, fit_spherical_kmeans, lloyd_partials, nearest_centroid,
-                                      update_centroids)
+from clusterscale.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
+                                      nearest_centroid, update_centroids)
 from clusterscale.rundir import RunDir
 from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
 
@@ -27,6 +27,25 @@ def test_lloyd_partials_match_naive_numpy():
     np.testing.assert_allclose(p.sums, expected, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(p.counts, np.bincount(labels, minlength=7))
     assert p.objective == pytest.approx(sims.max(axis=1).sum(), rel=1e-5)
+
+
+def test_incremental_sums_equal_a_full_recount_on_fp16_rows():
+    x, _ = clustered_unit_vectors(3000, 16, 8, seed=2)  # fp16-valued, like the fit's input
+    worker = LloydWorker(x)
+    assert worker.incremental
+    centroids, moved = x[:10] / np.linalg.norm(x[:10], axis=1, keepdims=True), []
+    for _ in range(5):
+        previous = worker.labels
+        p = worker.step(centroids)
+        full = lloyd_partials(x, centroids)  # a fresh worker sums every row
+        np.testing.assert_array_equal(p.sums, full.sums)
+        np.testing.assert_array_equal(p.counts, full.counts)
+        if previous is not None:
+            moved.append(int((worker.labels != previous).sum()))
+        centroids, _ = update_centroids(p)
+    assert max(moved) > 0  # the incremental path did move rows
+    rng = np.random.default_rng(0)
+    assert not LloydWorker(rng.standard_normal((50, 16)).astype(np.float32)).incremental  # not fp16: full sums
 
 
 def test_empty_cluster_takes_half_of_the_largest():
