@@ -132,16 +132,18 @@ def train_loop_per_worker(config: dict) -> None:
         """All ranks call report (a barrier); rank 0 attaches the checkpoint."""
         flush_logs()
         directory, attached = tempfile.mkdtemp(prefix="clusterscale-ckpt-"), None
-        if rank == 0:
-            save_state(directory, model, optimizer, scheduler, {**expected_cursor, "step": step, "epoch": epoch})
-            if final:
-                from clusterscale.encoder import save_sentence_transformers_dir
+        try:  # Ray Train copies the checkpoint into storage; the local copy goes even if that fails
+            if rank == 0:
+                save_state(directory, model, optimizer, scheduler, {**expected_cursor, "step": step, "epoch": epoch})
+                if final:
+                    from clusterscale.encoder import save_sentence_transformers_dir
 
-                save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"), pooling,
-                                               tc.passage_max_length)
-            attached = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report({"step": step, "train_s": time.time() - started}, checkpoint=attached)
-        shutil.rmtree(directory, ignore_errors=True)
+                    save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"),
+                                                   pooling, tc.passage_max_length)
+                attached = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report({"step": step, "train_s": time.time() - started}, checkpoint=attached)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     epoch = (start_step - seg_start) // max(1, schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler,
                                                                           codes))
