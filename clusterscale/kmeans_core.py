@@ -79,9 +79,13 @@ def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False
     return sims[:, 0], labels[:, 0]
 
 
-def fp16_exact(x: np.ndarray) -> bool:
+def fp16_exact(x: np.ndarray, block_rows: int = 65_536) -> bool:
     """True when every value is an fp16 value in [-1, 1]: then float64 sums of up to 2**29 rows are exact."""
-    return bool(x.size == 0 or (np.abs(x).max() <= 1.0 and np.array_equal(x.astype(np.float16).astype(x.dtype), x)))
+    for start in range(0, len(x), block_rows):  # in blocks: the fp16 round trip copies its input
+        block = x[start:start + block_rows]
+        if not (np.abs(block).max() <= 1.0 and np.array_equal(block.astype(np.float16).astype(block.dtype), block)):
+            return False
+    return True
 
 
 def _as_tensor(x: np.ndarray) -> torch.Tensor:
@@ -112,17 +116,22 @@ class LloydWorker:
         """Assignment half of one Lloyd step: per-centroid sums, counts and objective of this worker's rows."""
         k, d = centroids.shape[0], self.x.shape[1]
         sims, labels = nearest_centroid(self.x, centroids, self.use_gpu)
+        block = max(1024, SUM_BLOCK_VALUES // max(1, d))  # rows per float64 block: cache-sized, bounded memory
+        moved = None
         if self.incremental and self.labels is not None and tuple(self.sums.shape) == (k, d):
             moved = np.flatnonzero(labels != self.labels)
-            if len(moved):
-                moved_rows = self.rows[torch.from_numpy(moved)].double()
-                self.sums.index_add_(0, torch.from_numpy(labels[moved]), moved_rows)
-                self.sums.index_add_(0, torch.from_numpy(self.labels[moved]), moved_rows, alpha=-1.0)
+            if 2 * len(moved) > len(labels):
+                moved = None  # most rows moved: a full recount is cheaper
+        if moved is not None:
+            for start in range(0, len(moved), block):
+                part = moved[start:start + block]
+                rows = self.rows[torch.from_numpy(part)].double()
+                self.sums.index_add_(0, torch.from_numpy(labels[part]), rows)
+                self.sums.index_add_(0, torch.from_numpy(self.labels[part]), rows, alpha=-1.0)
         else:
             # Row blocks keep the float64 copy in cache: ~3x faster than a sparse one-hot product.
             self.sums = torch.zeros((k, d), dtype=torch.float64)
             ids = torch.from_numpy(labels)
-            block = max(1024, SUM_BLOCK_VALUES // max(1, d))
             for start in range(0, len(labels), block):
                 self.sums.index_add_(0, ids[start:start + block], self.rows[start:start + block].double())
         self.labels = labels

@@ -43,7 +43,7 @@ def test_incremental_sums_equal_a_full_recount_on_fp16_rows():
         if previous is not None:
             moved.append(int((worker.labels != previous).sum()))
         centroids, _ = update_centroids(p)
-    assert max(moved) > 0  # the incremental path did move rows
+    assert any(0 < m <= len(x) // 2 for m in moved)  # the incremental path ran and moved rows
     rng = np.random.default_rng(0)
     assert not LloydWorker(rng.standard_normal((50, 16)).astype(np.float32)).incremental  # not fp16: full sums
 
