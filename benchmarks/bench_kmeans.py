@@ -115,6 +115,9 @@ def compare(args) -> dict:
     for w in (1, 2):
         if f"ray_w{w}_s" in result:
             result[f"time_ratio_w{w}"] = result[f"ray_w{w}_s"] / result["faiss_s"]
+            # The same ratio paired within each round, median over rounds: less sensitive to one lucky run.
+            result[f"time_ratio_w{w}_paired_median"] = float(np.median(
+                np.array(seconds[f"ray_w{w}"]) / np.array(seconds["faiss"])))
     return result
 
 

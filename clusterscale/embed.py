@@ -27,26 +27,13 @@ import ray
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.encoder import Encoder, check_encoder
 from clusterscale.rundir import ConfigMismatchError, RunDir
+from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
 
 
 class EmbeddingError(RuntimeError):
     """The encoder produced unusable vectors; the message names the rows."""
-
-
-def emb_array(vectors: np.ndarray) -> pa.FixedSizeListArray:
-    """(n, d) float -> fixed_size_list<float16>[d]."""
-    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float16).reshape(-1))
-    return pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
-
-
-def emb_matrix(column: pa.ChunkedArray | pa.Array, dtype=np.float32) -> np.ndarray:
-    """fixed_size_list<float>[d] column -> (n, d) array without a Python loop."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    d = column.type.list_size
-    return column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, d)
 
 
 def output_columns(side: str) -> list[tuple[str, str]]:

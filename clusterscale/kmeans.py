@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.embed import emb_matrix
 from clusterscale.ingest import hash_unit
 from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.rundir import RunDir
 from clusterscale.session import faiss_runtime_env
+from clusterscale.vectors import emb_matrix
 
 __all__ = ["ClusteringError", "check_vectors", "kmeans_dir", "assign_dir", "run_fit", "run_assign",
            "load_centroids", "AssignBatches"]
@@ -80,10 +80,7 @@ class SampleShard:
     """One worker of the fit: holds its slice of the fit sample in memory for all iterations."""
 
     def __init__(self, load, threads: int, use_gpu: bool = False):
-        import torch
-
         faiss.omp_set_num_threads(threads)
-        torch.set_num_threads(threads)  # the float64 sums (kmeans_core.LloydWorker)
         self.use_gpu = use_gpu
         self.ids, chunks = load()
         self.dims = sorted({c.shape[1] for c in chunks})

@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, ConfigError, MineConfig
-from clusterscale.embed import emb_matrix
 from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError
 from clusterscale.session import faiss_runtime_env
+from clusterscale.vectors import emb_matrix
 
 OUT = "negatives"
 PLAN = f"{OUT}/_plan.json"

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.embed import emb_matrix
 from clusterscale.kmeans import ClusteringError, assign_dir, load_centroids
 from clusterscale.rundir import RunDir
+from clusterscale.vectors import emb_matrix
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.embed import emb_array
+from clusterscale.vectors import emb_array
 from clusterscale.rundir import RunDir
 
 

@@ -1,0 +1,20 @@
+"""The embeddings column <-> numpy, without torch or transformers: imported by every k-means, shard and mine
+worker process, where importing the encoder stack would add seconds of start-up per actor."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+
+def emb_array(vectors: np.ndarray) -> pa.FixedSizeListArray:
+    """(n, d) float -> fixed_size_list<float16>[d]."""
+    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float16).reshape(-1))
+    return pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
+
+
+def emb_matrix(column: pa.ChunkedArray | pa.Array, dtype=np.float32) -> np.ndarray:
+    """fixed_size_list<float>[d] column -> (n, d) array without a Python loop."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    d = column.type.list_size
+    return column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(-1, d)
