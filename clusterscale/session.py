@@ -53,7 +53,7 @@ def faiss_runtime_env() -> dict:
     """Ray runtime_env for actors that run faiss on CPU: OpenMP threads sleep between parallel regions.
 
     faiss-cpu's OpenMP threads otherwise spin after each search and compete with its OpenBLAS calls and
-    the torch sums: faiss.Kmeans on 2 cores ran 1.4x faster with OMP_WAIT_POLICY=PASSIVE (see
+    the rest of the step: faiss.Kmeans on 2 cores ran 1.4x faster with OMP_WAIT_POLICY=PASSIVE (see
     benchmarks/RESULTS.md); torch embedding speed is unchanged by it. A value the user exported wins.
     Empty for a local Ray that init_ray started (its workers inherit the variable; a runtime_env would cost
     each actor ~2 s of worker start-up); on a cluster Ray merges these env_vars with the job's own.
