@@ -36,16 +36,9 @@ def pipeline(cfg) -> tuple[str, ...]:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from clusterscale.embed import EmbeddingError
-    from clusterscale.encoder import EncoderLoadError
-    from clusterscale.ingest import IngestError
-    from clusterscale.kmeans import ClusteringError
-    from clusterscale.mteb_eval import MTEBError
-    from clusterscale.rundir import ConfigMismatchError, StageMissingError
-    from clusterscale.train.data import TrainDataError
+    from clusterscale.errors import UserError
 
-    return (config_mod.ConfigError, StageMissingError, ConfigMismatchError, IngestError, ClusteringError,
-            EncoderLoadError, EmbeddingError, TrainDataError, MTEBError)
+    return (UserError,)
 
 
 def build_parser() -> argparse.ArgumentParser:

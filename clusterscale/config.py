@@ -11,8 +11,10 @@ from typing import Any
 
 import yaml
 
+from clusterscale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and what is allowed."""
 
 

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, EmbedConfig
+from clusterscale.errors import UserError
 from clusterscale.encoder import Encoder, check_encoder
 from clusterscale.rundir import ConfigMismatchError, RunDir
 from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
@@ -32,7 +33,7 @@ from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matri
 PLAN = "embeddings/_units.json"
 
 
-class EmbeddingError(RuntimeError):
+class EmbeddingError(UserError, RuntimeError):
     """The encoder produced unusable vectors; the message names the rows."""
 
 

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from clusterscale.errors import UserError
+
 BUNDLED = "bundled"
 
 
-class EncoderLoadError(RuntimeError):
+class EncoderLoadError(UserError, RuntimeError):
     """A model or tokenizer cannot be loaded; the message says what was missing."""
 
 

@@ -23,6 +23,7 @@ import ray
 
 from clusterscale.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_path
 from clusterscale.config import Config, DataConfig
+from clusterscale.errors import UserError
 from clusterscale.rundir import RunDir, resolve_filesystem
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
@@ -37,7 +38,7 @@ QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()),
 _CONTROL = {c: " " for c in list(range(0, 9)) + [11, 12] + list(range(14, 32)) + list(range(127, 160))}
 
 
-class IngestError(ValueError):
+class IngestError(UserError, ValueError):
     """The input cannot be read as pairs; the message says what was found and what to do."""
 
 

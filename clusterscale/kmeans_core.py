@@ -18,6 +18,7 @@ import faiss
 import numpy as np
 import scipy.sparse as sp
 
+from clusterscale.errors import UserError
 from clusterscale.ingest import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
@@ -26,7 +27,7 @@ INIT_SALT = 0x1417  # the init keys must not correlate with the fit-sample keys 
 SUM_BLOCK_VALUES = 1 << 19  # values per block of the float64 sums: 4 MiB of float64, cache-sized
 
 
-class ClusteringError(ValueError):
+class ClusteringError(UserError, ValueError):
     """k-means cannot run on this input; the message names the cause and the fix."""
 
 

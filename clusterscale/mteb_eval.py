@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from clusterscale.config import Config
+from clusterscale.errors import UserError
 from clusterscale.rundir import RunDir
 
 LOCAL_PREFIX = "local:"
 KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "main_score")
 
 
-class MTEBError(RuntimeError):
+class MTEBError(UserError, RuntimeError):
     """An MTEB task cannot be built or run; the message says why and what to do."""
 
 

@@ -17,17 +17,18 @@ import uuid
 from typing import Any
 
 import pyarrow.fs as pafs
+from clusterscale.errors import UserError
 
 from clusterscale.config import Config, to_yaml
 
 DONE = "_DONE.json"
 
 
-class StageMissingError(RuntimeError):
+class StageMissingError(UserError, RuntimeError):
     """An input of a stage is missing; the message names the verb to run first."""
 
 
-class ConfigMismatchError(RuntimeError):
+class ConfigMismatchError(UserError, RuntimeError):
     """Outputs exist that were made with a different config."""
 
 

@@ -7,11 +7,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from clusterscale.errors import UserError
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.shards import load_manifest, shards_dir
 
 
-class TrainDataError(ValueError):
+class TrainDataError(UserError, ValueError):
     """The shards cannot feed this training config; the message says why and what to do."""
 
 
