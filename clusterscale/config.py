@@ -36,17 +36,27 @@ class DataConfig:
                      "Input pairs: a file, folder or glob, local or a pyarrow filesystem URI (s3://, gs://, "
                      "hdfs://, file://). 'builtin:docstrings' = the bundled real dataset (summary line -> body "
                      "of the docstrings of installed Python packages, source = package).")
-    format: str = knob("auto", "Input format; 'auto' infers it from the file suffix.",
-                       ("auto", "parquet", "jsonl", "csv"))
+    format: str = knob("auto", "Input format; 'auto' infers it from the file suffix (.parquet/.pq; .jsonl/"
+                               ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; .gz for JSONL "
+                               "and CSV; .arrow = Arrow IPC, as in a Hugging Face save_to_disk folder).",
+                       ("auto", "parquet", "jsonl", "csv", "arrow"))
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text.")
     source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
     limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.")
-    heldout_fraction: float = knob(0.05, "Fraction of pairs held out for evaluation, chosen by a hash of "
-                                         "pair_id before clustering.")
+    heldout_fraction: float = knob(0.05, "Fraction of queries held out for evaluation, chosen by a hash of "
+                                         "the normalised query text (case-folded, spaces collapsed) before "
+                                         "clustering: all pairs of one query fall on one side, so no held-out "
+                                         "query, and no pair identical to a held-out pair, is trained on.")
     max_text_chars: int = knob(100_000, "Hard cap on a text's length in characters; longer rows are "
                                         "quarantined (reason over_long_*).")
     rows_per_part: int = knob(200_000, "Rows per output Parquet part of pairs/ (the embed stage's work unit).")
+    bad_files: str = knob("error", "An input file that cannot be read at all (corrupt, truncated or 0-byte "
+                                   "Parquet/Arrow, a CSV without a header line, an invalid JSON array, a broken "
+                                   "gzip): 'error' stops ingest with a message naming the file; 'quarantine' "
+                                   "skips the whole file and lists it with its error in "
+                                   "quarantine/bad_files.json and the ingest stats. Bad rows inside a readable "
+                                   "file are always quarantined row by row.", ("error", "quarantine"))
 
 
 @dataclass

@@ -1,49 +1,42 @@
-"""Ingest: read user pairs (Parquet/JSONL/CSV, local or object store), validate, normalise, split.
+"""Ingest: read user pairs (Parquet/JSONL/JSON/CSV/Arrow, local or object store), validate, normalise, split.
 
 One Ray task per input file. Every input row ends in exactly one of pairs/, heldout/ or
-quarantine/ (with a reason). pair_id = (file index << 40) | row index in the file: stable, unique
+quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped
+whole and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in the file: stable, unique
 and independent of how the work is split. Run with `clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
 
-import fnmatch
+import hashlib
 import io
 import json
-import posixpath
 import time
 import unicodedata
 from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_path
+from clusterscale.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.config import Config, DataConfig
-from clusterscale.errors import UserError
-from clusterscale.rundir import RunDir, resolve_filesystem
+from clusterscale.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
+                                      iter_records, list_input_files)
+from clusterscale.rundir import RunDir
 
-ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
-SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                  ".json": "jsonl", ".csv": "csv", ".jsonl.gz": "jsonl", ".csv.gz": "csv"}
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])
 QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()), ("query", pa.string()),
                                ("passage", pa.string()), ("source", pa.string()), ("input_file", pa.string()),
                                ("input_row", pa.int64())])
+BAD_FILES = "quarantine/bad_files.json"
 # C0/C1 control characters except tab and newline; they break tokenizers and terminals.
 _CONTROL = {c: " " for c in list(range(0, 9)) + [11, 12] + list(range(14, 32)) + list(range(127, 160))}
 
 
-class IngestError(UserError, ValueError):
-    """The input cannot be read as pairs; the message says what was found and what to do."""
-
-
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """A fixed 64-bit mix of int64 ids: the stable hash behind the held-out split and fit samples."""
+    """A fixed 64-bit mix of int64 ids: the stable hash behind fit samples and evaluation picks."""
     z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -57,8 +50,17 @@ def hash_unit(pair_ids: np.ndarray, salt: int = 0) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def is_heldout(pair_ids: np.ndarray, fraction: float) -> np.ndarray:
-    return hash_unit(pair_ids, salt=0x5EED) < fraction
+def heldout_key(query: str) -> str:
+    """What the held-out split hashes: the normalised query, case-folded, runs of spaces as one."""
+    return " ".join(query.casefold().split())
+
+
+def is_heldout(query: str, fraction: float) -> bool:
+    """Whether a pair with this (normalised) query is held out. Every pair of one query falls on one
+    side, so no held-out query is trained on, and a training pair identical to a held-out pair (same
+    query and passage) cannot exist: it would have the same query. Per row, so it scales out."""
+    digest = hashlib.blake2b(heldout_key(query).encode(), digest_size=8, person=b"heldout").digest()
+    return int.from_bytes(digest, "little") / float(1 << 64) < fraction
 
 
 def normalise_text(value) -> tuple[str | None, str | None]:
@@ -66,181 +68,132 @@ def normalise_text(value) -> tuple[str | None, str | None]:
     if value is None:
         return None, "null"
     if isinstance(value, bytes):
-        value = value.decode("utf-8", errors="replace")
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "invalid_utf8"
     if not isinstance(value, str):
         return None, f"not_string:{type(value).__name__}"
+    if not is_encodable(value):
+        return None, "lone_surrogate"
     text = unicodedata.normalize("NFC", value.translate(_CONTROL)).strip()
     if not text:
         return None, "empty"
     return text, None
 
 
-def infer_format(path: str, declared: str) -> str:
-    if declared != "auto":
-        return declared
-    lower = path.lower()
-    for suffix in sorted(SUFFIX_FORMATS, key=len, reverse=True):
-        if lower.endswith(suffix):
-            return SUFFIX_FORMATS[suffix]
-    raise IngestError(f"Cannot infer the format of {path!r} from its suffix; set data.format to "
-                      f"parquet, jsonl or csv.")
+class _PartWriter:
+    """Rows of one input file buffered per output folder, written as fixed-size parts named by the
+    file's index: a rerun of the file overwrites the same names, so nothing is duplicated."""
+
+    def __init__(self, run: RunDir, file_index: int, rows_per_part: int):
+        self.run, self.file_index, self.rows_per_part = run, file_index, rows_per_part
+        self.buffers: dict[str, list[dict]] = {"pairs": [], "heldout": [], "quarantine": []}
+        self.parts = dict.fromkeys(self.buffers, 0)
+
+    def add(self, kind: str, row: dict) -> None:
+        self.buffers[kind].append(row)
+
+    def flush(self, final: bool = False) -> None:
+        for kind, rows in self.buffers.items():
+            while len(rows) >= self.rows_per_part or (final and rows):
+                chunk, rows = rows[:self.rows_per_part], rows[self.rows_per_part:]
+                sink = io.BytesIO()
+                schema = QUARANTINE_SCHEMA if kind == "quarantine" else PAIR_SCHEMA
+                pq.write_table(pa.Table.from_pylist(chunk, schema=schema), sink)
+                self.run.write_bytes(self._name(kind, self.parts[kind]), sink.getvalue())
+                self.parts[kind] += 1
+            self.buffers[kind] = rows
+
+    def discard(self) -> None:
+        """Remove what this file wrote so far: a file quarantined whole leaves no rows behind."""
+        for kind, written in self.parts.items():
+            for part in range(written):
+                self.run.fs.delete_file(self.run.path(self._name(kind, part)))
+        self.buffers = {kind: [] for kind in self.buffers}
+        self.parts = dict.fromkeys(self.buffers, 0)
+
+    def _name(self, kind: str, part: int) -> str:
+        return f"{kind}/part-{self.file_index:05d}-{part:05d}.parquet"
 
 
-def list_input_files(data: DataConfig) -> tuple[pafs.FileSystem, list[str]]:
-    """The input files of data.path (file, folder or glob), sorted: their order defines pair_ids."""
-    path = builtin_docstrings_path() if data.path == BUILTIN_DOCSTRINGS else data.path
-    if not path:
-        raise IngestError("data.path is empty: set it to a file, folder or glob of pairs.")
-    # In a URI '?' starts the query (s3://b/p?endpoint_override=...), so it is a wildcard only in local paths.
-    location, sep, query = path.partition("?") if "://" in path else (path, "", "")
-    has_glob = any(ch in location for ch in ("*[" if sep or "://" in path else "*?["))
-    fs, base = resolve_filesystem(location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query if has_glob else path)
-    if has_glob:
-        _, pattern = resolve_filesystem(path)
-        root = base.rstrip("/")
-        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-        files = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)]
-    else:
-        info = fs.get_file_info(base)
-        if info.type == pafs.FileType.NotFound:
-            raise IngestError(f"data.path {path!r} does not exist.")
-        if info.type == pafs.FileType.File:
-            files = [base]
-        else:
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-            files = [i.path for i in infos if i.type == pafs.FileType.File
-                     and not posixpath.basename(i.path).startswith((".", "_"))
-                     and any(i.path.lower().endswith(s) for s in SUFFIX_FORMATS)]
-    if not files:
-        raise IngestError(f"No input files found at data.path {path!r} (looked for "
-                          f"{', '.join(sorted(set(SUFFIX_FORMATS)))}).")
-    if len(files) >= 1 << (63 - ROW_BITS):
-        raise IngestError(f"{len(files)} input files is more than pair_ids can number; merge them.")
-    return fs, sorted(files)
+def ingest_file(run_uri: str, file_index: int, fs, path: str, data_dict: dict, row_budget: int | None) -> dict:
+    """Process one input file; write its pairs/heldout/quarantine parts. Returns its counts.
 
-
-def _iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], data: DataConfig):
-    """Yield lists of row dicts (only the wanted columns) from one file, streaming."""
-    if fmt == "parquet":
-        pf = pq.ParquetFile(fs.open_input_file(path))
-        _check_columns(pf.schema_arrow.names, path, data)
-        for batch in pf.iter_batches(batch_size=16_384, columns=columns):
-            yield batch.to_pylist()
-    elif fmt == "csv":
-        stream = fs.open_input_stream(path, compression="detect")
-        reader = pacsv.open_csv(stream, convert_options=pacsv.ConvertOptions(
-            column_types={c: pa.string() for c in columns}, strings_can_be_null=True))
-        _check_columns(reader.schema.names, path, data)
-        for batch in reader:
-            yield batch.select(columns).to_pylist()
-    else:  # jsonl: parsed line by line so one bad line is quarantined, not fatal
-        stream = fs.open_input_stream(path, compression="detect")
-        text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
-        rows, checked = [], False
-        for line in text:
-            line = line.strip()
-            if not line:
-                rows.append({"__reason__": "blank_line"})
-            else:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    obj = {"__reason__": "invalid_json", "__raw__": line[:1000]}
-                if not isinstance(obj, dict):
-                    obj = {"__reason__": "not_an_object", "__raw__": line[:1000]}
-                elif not checked and "__reason__" not in obj:
-                    _check_columns(list(obj), path, data)
-                    checked = True
-                rows.append(obj)
-            if len(rows) == 16_384:
-                yield rows
-                rows = []
-        if rows:
-            yield rows
-
-
-def _check_columns(found: list[str], path: str, data: DataConfig) -> None:
-    wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
-    if data.source_column:
-        wanted["data.source_column"] = data.source_column
-    missing = [f"{key}={col!r}" for key, col in wanted.items() if col not in found]
-    if missing:
-        raise IngestError(f"{path}: column(s) {', '.join(missing)} not found. Columns found: "
-                          f"{', '.join(map(repr, found))}. Set the data.*_column keys to match "
-                          f"(e.g. --set data.query_column=question data.passage_column=answer).")
-
-
-def ingest_file(run_uri: str, file_index: int, fs: pafs.FileSystem, path: str, data_dict: dict,
-                row_budget: int | None) -> dict:
-    """Process one input file; write its pairs/heldout/quarantine parts. Returns its counts."""
+    A file that cannot be read is an IngestError naming it (data.bad_files=error), or is skipped
+    whole and reported under "bad_file" (data.bad_files=quarantine)."""
     data = DataConfig(**data_dict)
     run = RunDir(run_uri)
     fmt = infer_format(path, data.format)
-    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
-    buffers = {"pairs": [], "heldout": [], "quarantine": []}
-    parts = {"pairs": 0, "heldout": 0, "quarantine": 0}
-    counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
-
-    def flush(kind: str, final: bool = False) -> None:
-        rows = buffers[kind]
-        while len(rows) >= data.rows_per_part or (final and rows):
-            chunk, rows = rows[:data.rows_per_part], rows[data.rows_per_part:]
-            schema = QUARANTINE_SCHEMA if kind == "quarantine" else PAIR_SCHEMA
-            sink = io.BytesIO()
-            pq.write_table(pa.Table.from_pylist(chunk, schema=schema), sink)
-            run.write_bytes(f"{kind}/part-{file_index:05d}-{parts[kind]:05d}.parquet", sink.getvalue())
-            parts[kind] += 1
-        buffers[kind] = rows
-
-    row_index = 0
-    for records in _iter_records(fs, path, fmt, columns, data):
-        if row_budget is not None:
-            records = records[:max(0, row_budget - row_index)]
-        if not records:
-            break
-        ids = (np.int64(file_index) << np.int64(ROW_BITS)) + np.arange(row_index, row_index + len(records),
-                                                                       dtype=np.int64)
-        held = is_heldout(ids, data.heldout_fraction)
-        for pid, heldout, rec in zip(ids.tolist(), held.tolist(), records):
-            reason = rec.get("__reason__")
-            raw_q, raw_p = rec.get(data.query_column), rec.get(data.passage_column)
-            raw_s = rec.get(data.source_column) if data.source_column else None
-            query = passage = None
-            if reason is None:
-                query, why_q = normalise_text(raw_q)
-                passage, why_p = normalise_text(raw_p)
-                reason = (f"query_{why_q}" if why_q else f"passage_{why_p}" if why_p else None)
-            if reason is None and max(len(query), len(passage)) > data.max_text_chars:
-                reason = "over_long_query" if len(query) > data.max_text_chars else "over_long_passage"
-            source = None if raw_s is None else str(raw_s)
-            if reason is not None:
-                buffers["quarantine"].append({
-                    "pair_id": pid, "reason": reason, "query": _repr(raw_q, rec), "passage": _repr(raw_p),
-                    "source": source, "input_file": path, "input_row": pid & ((1 << ROW_BITS) - 1)})
-                counts["reasons"][reason.split(":")[0]] = counts["reasons"].get(reason.split(":")[0], 0) + 1
-                kind = "quarantine"
-            else:
-                kind = "heldout" if heldout else "pairs"
-                buffers[kind].append({"pair_id": pid, "query": query, "passage": passage, "source": source})
-            counts[kind] += 1
-        row_index += len(records)
-        for kind in buffers:
-            flush(kind)
-    for kind in buffers:
-        flush(kind, final=True)
-    counts["rows_in"] = row_index
+    writer = _PartWriter(run, file_index, data.rows_per_part)
+    try:
+        counts = _route_file(fs, path, fmt, file_index, data, writer, row_budget)
+    except UNREADABLE as err:
+        found = f"{type(err).__name__}: {err}"
+        if data.bad_files == "error":
+            raise IngestError(f"{path}: cannot be read as {fmt} ({found}). Repair or remove the file, or set "
+                              f"data.bad_files=quarantine to skip unreadable files (they are listed in "
+                              f"{BAD_FILES}).") from None
+        writer.discard()
+        counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}, "bad_file": found}
     run.write_json(f"pairs/_units/{file_index:05d}.json", {"path": path, **counts})
     return counts
 
 
+def _route_file(fs, path: str, fmt: str, file_index: int, data: DataConfig, writer: _PartWriter,
+                row_budget: int | None) -> dict:
+    """Send every record of one file to pairs, heldout or quarantine; returns the counts."""
+    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
+    counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
+    row_index = 0
+    for records in iter_records(fs, path, fmt, columns, data):
+        if row_budget is not None:
+            records = records[:max(0, row_budget - row_index)]
+        if not records:
+            break
+        for row, rec in enumerate(records, start=row_index):
+            kind, out = _route_record(rec, (file_index << ROW_BITS) | row, data)
+            if kind == "quarantine":
+                out.update(input_file=path, input_row=row)
+                reason = out["reason"].split(":")[0]
+                counts["reasons"][reason] = counts["reasons"].get(reason, 0) + 1
+            writer.add(kind, out)
+            counts[kind] += 1
+        row_index += len(records)
+        writer.flush()
+    writer.flush(final=True)
+    counts["rows_in"] = row_index
+    return counts
+
+
+def _route_record(rec: dict, pair_id: int, data: DataConfig) -> tuple[str, dict]:
+    """(output folder, row) of one input record."""
+    reason = rec.get("__reason__")
+    raw_q, raw_p = rec.get(data.query_column), rec.get(data.passage_column)
+    raw_s = rec.get(data.source_column) if data.source_column else None
+    source = _repr(raw_s)
+    query = passage = None
+    if reason is None:
+        query, why_q = normalise_text(raw_q)
+        passage, why_p = normalise_text(raw_p)
+        reason = f"query_{why_q}" if why_q else f"passage_{why_p}" if why_p else None
+    if reason is None and max(len(query), len(passage)) > data.max_text_chars:
+        reason = "over_long_query" if len(query) > data.max_text_chars else "over_long_passage"
+    if reason is not None:
+        return "quarantine", {"pair_id": pair_id, "reason": reason, "query": _repr(raw_q, rec),
+                              "passage": _repr(raw_p), "source": source}
+    kind = "heldout" if is_heldout(query, data.heldout_fraction) else "pairs"
+    return kind, {"pair_id": pair_id, "query": query, "passage": passage, "source": source}
+
+
 def _repr(value, rec: dict | None = None) -> str | None:
-    """The rejected value kept as text (JSON for non-strings), so nothing is lost."""
+    """The rejected value kept as writable text (JSON for non-strings, escapes for bad bytes), so nothing is lost."""
     if value is None and rec is not None and "__raw__" in rec:
-        return rec["__raw__"]
+        return escaped(rec["__raw__"])
     if value is None or isinstance(value, str):
-        return value
+        return value if value is None else escaped(value)
     if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
+        return value.decode("utf-8", errors="backslashreplace")
     try:
         return json.dumps(value, default=str)
     except (TypeError, ValueError):
@@ -284,15 +237,13 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
             _, pending = ray.wait(pending, num_returns=1)
             print(f"[ingest] files done: {len(files) - len(pending)}/{len(files)}", flush=True)
         results = ray.get(refs)
-    stats = {"input_files": len(results), "rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
-    for r in results:
-        for key in ("rows_in", "pairs", "heldout", "quarantine"):
-            stats[key] += r[key]
-        for reason, n in r["reasons"].items():
-            stats["reasons"][reason] = stats["reasons"].get(reason, 0) + n
+    stats = _total(results, files)
+    if stats["bad_files"]:
+        run.write_json(BAD_FILES, stats["bad_files"])
     if stats["pairs"] == 0:
         raise IngestError(f"No valid pairs in {data.path}: {stats['rows_in']} rows read, "
-                          f"{stats['quarantine']} quarantined ({stats['reasons']}); see {run.path('quarantine')}.")
+                          f"{stats['quarantine']} quarantined ({stats['reasons']}), {len(stats['bad_files'])} "
+                          f"unreadable file(s) skipped; see {run.path('quarantine')}.")
     stats["wall_s"] = round(time.time() - started, 3)
     stats["worker_s"] = stats["wall_s"]
     for kind in ("heldout", "quarantine"):
@@ -300,4 +251,21 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
     run.mark_done("pairs", fingerprint, stats, {"data": asdict(data)})
     print(f"[ingest] rows in {stats['rows_in']}: pairs {stats['pairs']}, held out {stats['heldout']}, "
           f"quarantined {stats['quarantine']} {stats['reasons'] or ''}", flush=True)
+    if stats["bad_files"]:
+        print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
+              f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
+    return stats
+
+
+def _total(results: list[dict], files: list[str]) -> dict:
+    """The stage stats: the per-file counts summed, and the files skipped as unreadable with their errors."""
+    stats = {"input_files": len(results), "rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {},
+             "bad_files": []}
+    for path, r in zip(files, results):
+        for key in ("rows_in", "pairs", "heldout", "quarantine"):
+            stats[key] += r[key]
+        for reason, n in r["reasons"].items():
+            stats["reasons"][reason] = stats["reasons"].get(reason, 0) + n
+        if "bad_file" in r:
+            stats["bad_files"].append({"path": path, "error": r["bad_file"]})
     return stats

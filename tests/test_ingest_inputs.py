@@ -1,0 +1,236 @@
+"""Ingest on hostile and unusual input: bad records, unreadable files, HF save_to_disk folders, JSON
+arrays, hidden files, and the held-out split by query. Every test checks that rows are conserved."""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import unicodedata
+from dataclasses import asdict
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import cli, config
+from clusterscale.ingest import IngestError, heldout_key, ingest_file, list_input_files
+from clusterscale.input_files import _json_array_items
+from clusterscale.rundir import RunDir
+
+KINDS = ("pairs", "heldout", "quarantine")
+
+
+def _ingest(tmp_path, data_path, *extra) -> tuple[dict, list[dict]]:
+    """Every input file through ingest_file (the Ray task's body, run here without Ray)."""
+    cfg = config.load(None, [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p",
+                             "data.heldout_fraction=0.3", *extra])
+    run = RunDir(str(tmp_path / "run"))
+    fs, files = list_input_files(cfg.data)
+    counts = [ingest_file(run.uri, i, fs, f, asdict(cfg.data), None) for i, f in enumerate(files)]
+    return _conserved(run, counts), counts
+
+
+def _conserved(run: RunDir, counts: list[dict]) -> dict:
+    """The output rows per folder, after checking rows_in == pairs + heldout + quarantine, ids unique."""
+    tables = {k: pads.dataset(run.files(k), format="parquet").to_table().to_pylist() if run.files(k) else []
+              for k in KINDS}
+    rows_in = sum(c["rows_in"] for c in counts)
+    assert rows_in == sum(len(rows) for rows in tables.values())
+    for kind in KINDS:
+        assert sum(c[kind] for c in counts) == len(tables[kind])
+    ids = [r["pair_id"] for rows in tables.values() for r in rows]
+    assert len(ids) == len(set(ids))
+    return tables
+
+
+def _by_reason(quarantine: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for row in quarantine:
+        out.setdefault(row["reason"], []).append(row)
+    return out
+
+
+def test_jsonl_lone_surrogate_and_invalid_utf8_are_quarantined_with_raw_text(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    lines = [json.dumps({"q": f"query {i}", "p": f"passage {i}"}).encode() for i in range(20)]
+    lines += [b'{"q": "bad \\ud800 half", "p": "fine"}', b'{"q": "caf\xe9", "p": "latin-1 byte"}',
+              b'{"q": "ok", "p": "tail \\udcff"}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    tables, _ = _ingest(tmp_path, path)
+    assert len(tables["pairs"]) + len(tables["heldout"]) == 20
+    bad = _by_reason(tables["quarantine"])
+    assert set(bad) == {"query_lone_surrogate", "invalid_utf8", "passage_lone_surrogate"}
+    assert bad["query_lone_surrogate"][0]["query"] == "bad \\ud800 half"  # kept, escaped, not U+FFFD
+    assert bad["query_lone_surrogate"][0]["passage"] == "fine"
+    assert bad["invalid_utf8"][0]["query"] == '{"q": "caf\\xe9", "p": "latin-1 byte"}'
+    assert bad["passage_lone_surrogate"][0]["passage"] == "tail \\udcff"
+    assert all("\ufffd" not in (r["query"] or "") for r in tables["quarantine"])
+
+
+def test_csv_ragged_rows_invalid_utf8_and_null_words(tmp_path):
+    path = tmp_path / "pairs.csv"
+    path.write_bytes(b"q,p,extra\nq0,p0,x\nthree,cells,x,too many\nNA,null,x\nNaN,N/A,x\n"
+                     b"one cell\ncaf\xe9,p5,x\n,p6,x\n\"quoted, comma\",p7,x\n")
+    tables, counts = _ingest(tmp_path, path)
+    kept = {r["query"]: r["passage"] for r in tables["pairs"] + tables["heldout"]}
+    assert kept == {"q0": "p0", "NA": "null", "NaN": "N/A", "quoted, comma": "p7"}  # the words are text
+    bad = _by_reason(tables["quarantine"])
+    assert [r["query"] for r in bad["csv_cells:4_of_3"]] == ["three,cells,x,too many"]
+    assert [r["query"] for r in bad["csv_cells:1_of_3"]] == ["one cell"]
+    assert [r["query"] for r in bad["query_invalid_utf8"]] == ["caf\\xe9"]
+    assert [r["passage"] for r in bad["query_null"]] == ["p6"]
+    assert counts[0]["rows_in"] == 8
+
+
+def _parquet_bytes(rows: int, row_group_size: int) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"q": [f"query {i}" for i in range(rows)], "p": [f"passage {i}" for i in range(rows)]}),
+                   sink, row_group_size=row_group_size, compression="none")
+    return sink.getvalue()
+
+
+def _corrupt_late_row_group(data: bytes) -> bytes:
+    """The last row group's pages overwritten: the file opens and yields rows, then fails."""
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata
+    start = meta.row_group(meta.num_row_groups - 1).column(0).data_page_offset
+    return data[:start] + b"\xff" * 64 + data[start + 64:]
+
+
+BAD_FILES = {
+    "empty.parquet": b"",
+    "truncated.parquet": _parquet_bytes(100, 50)[:300],
+    "late_corrupt.parquet": _corrupt_late_row_group(_parquet_bytes(40_000, 10_000)),
+    "empty.csv": b"",
+    "truncated.jsonl.gz": gzip.compress(b'{"q": "a", "p": "b"}\n' * 2000)[:-10],
+    "broken_array.json": b'[{"q": "a", "p": "b"}, {"q": ',
+    "empty.arrow": b"",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_unreadable_file_is_an_error_naming_it_or_quarantined_whole(tmp_path, name):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"q": ["a", "b"], "p": ["c", "d"]}), folder / "a_good.parquet")
+    (folder / name).write_bytes(BAD_FILES[name])
+    with pytest.raises(IngestError) as err:
+        _ingest(tmp_path / "strict", folder, "data.rows_per_part=1000")
+    assert str(folder / name) in str(err.value) and "data.bad_files=quarantine" in str(err.value)
+
+    tables, counts = _ingest(tmp_path / "lenient", folder, "data.rows_per_part=1000", "data.bad_files=quarantine")
+    assert counts[0]["rows_in"] == 2 and "bad_file" not in counts[0]
+    assert counts[1]["rows_in"] == 0 and counts[1]["bad_file"]
+    # the rows a bad file yielded before it failed (late_corrupt: 16,384, in 16 parts) left with it
+    assert len(tables["pairs"]) + len(tables["heldout"]) == 2
+
+
+def test_glob_and_folder_skip_hidden_files(tmp_path):
+    folder = tmp_path / "in"
+    (folder / "_temporary").mkdir(parents=True)
+    for name in ("a.jsonl", "_SUCCESS.jsonl", ".b.jsonl.crc.jsonl", "_temporary/c.jsonl"):
+        (folder / name).write_text('{"q": "x", "p": "y"}\n')
+    for data_path in (folder, f"{folder}/*.jsonl", f"{folder}/*jsonl"):  # fnmatch: * crosses folders
+        _, files = list_input_files(config.load(None, [f"data.path={data_path}"]).data)
+        assert files == [str(folder / "a.jsonl")]
+
+
+def _hf_save_to_disk(folder, table: pa.Table) -> None:
+    """What datasets' Dataset.save_to_disk writes (built by hand: datasets is not a dependency)."""
+    folder.mkdir(parents=True)
+    with pa.ipc.new_stream(folder / "data-00000-of-00001.arrow", table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=7):
+            writer.write_batch(batch)
+    (folder / "dataset_info.json").write_text(json.dumps(
+        {"citation": "", "description": "", "features": {c: {"dtype": "string", "_type": "Value"}
+                                                           for c in table.column_names}}, indent=2))
+    (folder / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "abc", "_format_columns": None,
+         "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": "train"}, indent=2))
+    # a map() cache next to the data: not part of the saved dataset
+    with pa.ipc.new_stream(folder / "cache-0123.arrow", table.schema) as writer:
+        writer.write_table(table)
+
+
+def test_hf_save_to_disk_folder_reads_its_arrow_data_only(tmp_path):
+    table = pa.table({"q": [f"question {i}" for i in range(30)], "p": [f"answer {i}" for i in range(30)]})
+    _hf_save_to_disk(tmp_path / "ds", table)
+    tables, counts = _ingest(tmp_path, tmp_path / "ds")
+    assert [c["rows_in"] for c in counts] == [30] and not tables["quarantine"]
+    assert sorted(r["query"] for r in tables["pairs"] + tables["heldout"]) == sorted(table.column("q").to_pylist())
+
+
+def test_hf_dataset_dict_folder_names_its_splits(tmp_path):
+    table = pa.table({"q": ["a"], "p": ["b"]})
+    for split in ("train", "test"):
+        _hf_save_to_disk(tmp_path / "dd" / split, table)
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(IngestError, match=r"DatasetDict folder with the splits 'train', 'test'.*dd/train"):
+        _ingest(tmp_path, tmp_path / "dd")
+
+
+def test_bare_arrow_file_in_file_format(tmp_path):
+    table = pa.table({"q": [f"q{i}" for i in range(20)], "p": [f"p{i}" for i in range(20)]})
+    with pa.ipc.new_file(tmp_path / "pairs.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=6)
+    tables, counts = _ingest(tmp_path, tmp_path / "pairs.arrow")
+    assert counts[0]["rows_in"] == 20 and len(tables["pairs"]) + len(tables["heldout"]) == 20
+
+
+def test_json_file_holding_an_array(tmp_path):
+    rows = [{"q": f"query {i}", "p": f"passage {i}"} for i in range(25)]
+    (tmp_path / "pairs.json").write_text(json.dumps(rows[:10] + [7, None] + rows[10:], indent=2))
+    tables, counts = _ingest(tmp_path, tmp_path / "pairs.json")
+    assert counts[0]["rows_in"] == 27 and len(tables["pairs"]) + len(tables["heldout"]) == 25
+    assert sorted((r["reason"], r["query"]) for r in tables["quarantine"]) == [("not_an_object", "7"),
+                                                                               ("not_an_object", "null")]
+
+
+def test_json_array_parser_is_independent_of_chunk_size():
+    text = '[ {"q": "a", "p": [1, 2]}, 12345, "str\\u00e9", null , {"x": {"y": 1.5e3}} ]\n'
+    whole = list(_json_array_items(io.StringIO(text)))
+    assert [v for v, _ in whole] == [{"q": "a", "p": [1, 2]}, 12345, "str\u00e9", None, {"x": {"y": 1500.0}}]
+    for chunk_chars in range(1, 12):
+        assert list(_json_array_items(io.StringIO(text), chunk_chars=chunk_chars)) == whole
+
+
+def test_heldout_split_keeps_each_query_on_one_side(tmp_path):
+    """Variants of one query (case, spacing, NFD) and duplicate pairs across files all land on one side,
+    so no training pair is identical to a held-out pair."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rows = []
+    for i in range(120):
+        base = f"Which café is number {i}"
+        variants = [base, f"  which   CAFÉ is number {i} ", unicodedata.normalize("NFD", base.upper())]
+        rows += [{"q": v, "p": f"passage {i}-{j}"} for j, v in enumerate(variants)] + [{"q": base, "p": "same"}]
+    for name in ("a.jsonl", "b.jsonl"):  # every pair twice, in two files
+        (folder / name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    tables, _ = _ingest(tmp_path, folder)
+    side: dict[str, set[str]] = {}
+    for kind in ("pairs", "heldout"):
+        for r in tables[kind]:
+            side.setdefault(heldout_key(r["query"]), set()).add(kind)
+    assert len(side) == 120 and all(len(s) == 1 for s in side.values())
+    assert 10 < sum(s == {"heldout"} for s in side.values()) < 60  # about heldout_fraction=0.3 of the queries
+    train = {(r["query"], r["passage"]) for r in tables["pairs"]}
+    assert not train & {(r["query"], r["passage"]) for r in tables["heldout"]}
+
+
+def test_cli_bad_file_exits_2_naming_it_then_quarantine_lists_it(tmp_path, ray_local, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"q": [f"q{i}" for i in range(30)], "p": [f"p{i}" for i in range(30)]}),
+                   folder / "good.parquet")
+    (folder / "zero.parquet").write_bytes(b"")
+    common = ["--set", f"data.path={folder}", "data.query_column=q", "data.passage_column=p"]
+    assert cli.main(["ingest", "--run-dir", str(tmp_path / "strict"), *common]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(folder / "zero.parquet") in err and "data.bad_files=quarantine" in err
+
+    run = RunDir(str(tmp_path / "lenient"))
+    assert cli.main(["ingest", "--run-dir", run.uri, *common, "data.bad_files=quarantine"]) == 0
+    stats = run.done_stats("pairs")
+    assert stats["rows_in"] == 30 == stats["pairs"] + stats["heldout"] + stats["quarantine"]
+    assert [b["path"] for b in run.read_json("quarantine/bad_files.json")] == [str(folder / "zero.parquet")]
+    assert stats["bad_files"][0]["error"].startswith("ArrowInvalid: Parquet file size is 0 bytes")
