@@ -2,8 +2,8 @@
 
 One Ray task per input file. Every input row ends in exactly one of pairs/, heldout/ or
 quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped
-whole and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in the file: stable, unique
-and independent of how the work is split. Run with `clusterscale ingest [CONFIG] --run-dir R`.
+whole and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row
+index in the file: stable, unique and independent of how the work is split. Run with `clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
@@ -117,7 +118,8 @@ class _PartWriter:
         return f"{kind}/part-{self.file_index:05d}-{part:05d}.parquet"
 
 
-def ingest_file(run_uri: str, file_index: int, fs, path: str, data_dict: dict, row_budget: int | None) -> dict:
+def ingest_file(run_uri: str, file_index: int, fs: pafs.FileSystem, path: str, data_dict: dict,
+                row_budget: int | None) -> dict:
     """Process one input file; write its pairs/heldout/quarantine parts. Returns its counts.
 
     A file that cannot be read is an IngestError naming it (data.bad_files=error), or is skipped
@@ -140,8 +142,8 @@ def ingest_file(run_uri: str, file_index: int, fs, path: str, data_dict: dict, r
     return counts
 
 
-def _route_file(fs, path: str, fmt: str, file_index: int, data: DataConfig, writer: _PartWriter,
-                row_budget: int | None) -> dict:
+def _route_file(fs: pafs.FileSystem, path: str, fmt: str, file_index: int, data: DataConfig,
+                writer: _PartWriter, row_budget: int | None) -> dict:
     """Send every record of one file to pairs, heldout or quarantine; returns the counts."""
     columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}

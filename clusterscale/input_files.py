@@ -83,7 +83,8 @@ def list_input_files(data: DataConfig) -> tuple[pafs.FileSystem, list[str]]:
             files = _hf_data_files(fs, files)
     if not files:
         raise IngestError(f"No input files found at data.path {path!r} (looked for "
-                          f"{', '.join(sorted(set(SUFFIX_FORMATS)))}).")
+                          f"{', '.join(sorted(set(SUFFIX_FORMATS)))}; files and folders named _* or .* are "
+                          f"skipped).")
     if len(files) >= 1 << (63 - ROW_BITS):
         raise IngestError(f"{len(files)} input files is more than pair_ids can number; merge them.")
     return fs, sorted(files)
