@@ -190,10 +190,10 @@ def _route_record(rec: dict, pair_id: int, data: DataConfig) -> tuple[str, dict]
 
 def _repr(value, rec: dict | None = None) -> str | None:
     """The rejected value kept as writable text (JSON for non-strings, escapes for bad bytes), so nothing is lost."""
-    if value is None and rec is not None and "__raw__" in rec:
-        return escaped(rec["__raw__"])
-    if value is None or isinstance(value, str):
-        return value if value is None else escaped(value)
+    if value is None:
+        return escaped(rec["__raw__"]) if rec is not None and "__raw__" in rec else None
+    if isinstance(value, str):
+        return escaped(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="backslashreplace")
     try:
