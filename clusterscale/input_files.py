@@ -95,8 +95,7 @@ def _refuse_dataset_dict(fs: pafs.FileSystem, base: str, path: str) -> None:
     marker = posixpath.join(base, HF_DATASET_DICT)
     if fs.get_file_info(marker).type != pafs.FileType.File:
         return
-    with fs.open_input_stream(marker) as f:
-        splits = json.loads(f.read()).get("splits", [])
+    splits = _read_hf_json(fs, marker).get("splits", [])
     raise IngestError(f"data.path {path!r} is a Hugging Face DatasetDict folder with the splits "
                       f"{', '.join(map(repr, splits))}; point data.path at one split's folder, e.g. "
                       f"{posixpath.join(path, splits[0] if splits else 'train')}.")
@@ -111,11 +110,19 @@ def _hf_data_files(fs: pafs.FileSystem, files: list[str]) -> list[str]:
         arrows = {f for f in files if posixpath.dirname(f) == folder and f.endswith(".arrow")}
         if not arrows:
             continue
-        with fs.open_input_stream(state) as f:
-            listed = {posixpath.join(folder, d["filename"]) for d in json.loads(f.read()).get("_data_files", [])}
+        listed = {posixpath.join(folder, d["filename"]) for d in _read_hf_json(fs, state).get("_data_files", [])}
         keep -= {posixpath.join(folder, name) for name in HF_SIDECARS}
         keep -= (arrows - listed) if listed else set()
     return [f for f in files if f in keep]
+
+
+def _read_hf_json(fs: pafs.FileSystem, path: str) -> dict:
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read())
+    except (OSError, ValueError) as err:
+        raise IngestError(f"{path}: this Hugging Face dataset metadata file cannot be read ({err}); save the "
+                          f"dataset again with save_to_disk, or point data.path at its .arrow files.") from None
 
 
 def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], data: DataConfig
