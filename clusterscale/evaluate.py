@@ -18,7 +18,7 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.encoder import Encoder
-from clusterscale.ingest import hash_unit
+from clusterscale.ingest import hash_unit, heldout_key
 from clusterscale.rundir import RunDir
 
 EVAL_SALT = 0xE7A1
@@ -69,25 +69,36 @@ def _read(run: RunDir, folder: str, columns: list[str]) -> pa.Table:
 
 
 def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
-    """Queries, a deduplicated passage pool, and per query the pool indices whose text is its passage."""
+    """Queries, a deduplicated passage pool, and per query the pool indices of all its passages.
+
+    The held-out split keeps every pair of a query on one side, so a held-out query can come with
+    several passages: it is scored once, and each of its passages counts as relevant (grouped by the
+    key the split hashes). A query stands for its group by its first pair (pair_id, passage, source)."""
     held = _read(run, "heldout", ["pair_id", "query", "passage", "source"])
     if held.num_rows == 0:
         raise ValueError("No held-out pairs: set data.heldout_fraction > 0 and rerun `clusterscale ingest` "
                          "in a new --run-dir.")
-    order = np.argsort(hash_unit(held.column("pair_id").to_numpy(), salt=EVAL_SALT))[:max_queries]
-    held = held.take(pa.array(np.sort(order)))
+    groups: dict[str, list[int]] = {}
+    for row, query in enumerate(held.column("query").to_pylist()):
+        groups.setdefault(heldout_key(query), []).append(row)
+    members = list(groups.values())
+    firsts = held.column("pair_id").to_numpy()[[rows[0] for rows in members]]
+    chosen = np.sort(np.argsort(hash_unit(firsts, salt=EVAL_SALT))[:max_queries])
+    members = [members[g] for g in chosen]
+    held_passages = held.column("passage").to_pylist()
     train = _read(run, "pairs", ["pair_id", "passage"])
     pick = np.sort(np.argsort(hash_unit(train.column("pair_id").to_numpy(), salt=EVAL_SALT))[:num_distractors])
     pool_texts: list[str] = []
     index_of: dict[str, int] = {}
-    for text in held.column("passage").to_pylist() + train.take(pa.array(pick)).column("passage").to_pylist():
+    relevant = [held_passages[row] for rows in members for row in rows]
+    for text in relevant + train.take(pa.array(pick)).column("passage").to_pylist():
         if text not in index_of:
             index_of[text] = len(pool_texts)
             pool_texts.append(text)
-    qrels = [{index_of[t]} for t in held.column("passage").to_pylist()]
-    return {"query_ids": held.column("pair_id").to_pylist(), "queries": held.column("query").to_pylist(),
-            "passages": held.column("passage").to_pylist(), "sources": held.column("source").to_pylist(),
-            "pool": pool_texts, "qrels": qrels}
+    reps = held.take(pa.array([rows[0] for rows in members], pa.int64()))
+    return {"query_ids": reps.column("pair_id").to_pylist(), "queries": reps.column("query").to_pylist(),
+            "passages": reps.column("passage").to_pylist(), "sources": reps.column("source").to_pylist(),
+            "pool": pool_texts, "qrels": [{index_of[held_passages[row]] for row in rows} for rows in members]}
 
 
 @ray.remote(max_retries=1)

@@ -107,3 +107,26 @@ def test_ties_are_not_broken_in_favour_of_low_pool_indices():
     pool = np.tile(np.array([[1.0, 0.0]], dtype=np.float32), (20, 1))
     ranked = search(np.array([[1.0, 0.0]], dtype=np.float32), pool, depth=20)[0]
     assert sorted(ranked) == list(range(20)) and ranked != list(range(20))
+
+
+def test_eval_set_groups_a_heldout_query_with_all_its_passages(tmp_path):
+    """The split keeps a query's pairs together: one scored query, every one of its passages relevant."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from clusterscale.evaluate import build_eval_set
+    from clusterscale.rundir import RunDir
+
+    (tmp_path / "heldout").mkdir()
+    (tmp_path / "pairs").mkdir()
+    pq.write_table(pa.table({"pair_id": pa.array([10, 11, 12, 13], pa.int64()),
+                             "query": ["What is a star", "what is  a STAR", "bake bread", "what is a star"],
+                             "passage": ["a ball of gas", "a luminous body", "flour and water", "a ball of gas"],
+                             "source": ["a", "a", "b", "a"]}), tmp_path / "heldout" / "part-0.parquet")
+    pq.write_table(pa.table({"pair_id": pa.array([1, 2], pa.int64()), "passage": ["a goal in football", "stocks"]}),
+                   tmp_path / "pairs" / "part-0.parquet")
+    es = build_eval_set(RunDir(str(tmp_path)), max_queries=10, num_distractors=10)
+    assert sorted(es["query_ids"]) == [10, 12]  # three spellings of one query are one query
+    star = es["query_ids"].index(10)
+    assert {es["pool"][i] for i in es["qrels"][star]} == {"a ball of gas", "a luminous body"}
+    assert len(es["pool"]) == 5 and len(set(es["pool"])) == 5  # passages once each, distractors included
