@@ -1,9 +1,11 @@
 """Connecting to Ray: a local instance (dashboard off or on loopback) or the cluster a job was submitted to."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 
 import ray
 
@@ -20,6 +22,27 @@ def cluster_address(cfg: RayConfig) -> str | None:
     return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
+@contextlib.contextmanager
+def _loopback_node_ip() -> Iterator[None]:
+    """While a local Ray starts, make its node IP 127.0.0.1, so that its servers listen on loopback only.
+
+    gcs_server, raylet, the agents and every worker bind to all interfaces (0.0.0.0/::) unless the node IP
+    is a loopback address, and ray.init rewrites `_node_ip_address="127.0.0.1"` to the machine's routable
+    IP unless Ray runs in its single-machine mode (what it does on macOS/Windows). That mode is a constant
+    read once at import, from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; it is switched on only around ray.init,
+    so a later `ray start --address` in this process tree still works. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
+    keeps Ray's own choice (all interfaces).
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR) == "1"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Start or join Ray once per process. Jobs submitted with `ray job submit` join via RAY_ADDRESS."""
     if ray.is_initialized():
@@ -30,10 +53,11 @@ def init_ray(cfg: RayConfig) -> None:
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
-                      dashboard_host="127.0.0.1")
+                      dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     for attempt in range(3 if address is None else 1):
         try:
-            ray.init(**kwargs)
+            with _loopback_node_ip() if address is None else contextlib.nullcontext():
+                ray.init(**kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
             # Ray waits a fixed 30 s for a local raylet; on an overloaded machine that is not enough.
