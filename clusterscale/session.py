@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -52,6 +53,8 @@ def init_ray(cfg: RayConfig) -> None:
     kwargs = dict(address=address, logging_level=logging.WARNING, log_to_driver=True)
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
+        # Ray Train sends each print of a rank both to stdout and to its root logger: every line twice.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     for attempt in range(3 if address is None else 1):
@@ -68,9 +71,19 @@ def init_ray(cfg: RayConfig) -> None:
             ray.shutdown()
     global _local_workers_inherit_env
     _local_workers_inherit_env = address is None
+    ray_data_progress(sys.stdout.isatty())
+
+
+def ray_data_progress(on_terminal: bool) -> None:
+    """Ray Data's bars on a terminal; elsewhere the stages' own progress lines (clusterscale.progress).
+
+    Off a terminal Ray Data logs an 8-line status block every 10 s instead of bars; its one-time notice
+    that bars are off and its per-dataset plan lines are dropped too (the full logs keep them)."""
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = True
+    ctx.enable_progress_bars = on_terminal
+    ctx.print_on_execution_start = on_terminal
     ctx.verbose_stats_logs = False
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.INFO if on_terminal else logging.ERROR)
 
 
 def faiss_runtime_env() -> dict:
