@@ -1,4 +1,4 @@
-"""What a user sees: the driver's one-line progress off a terminal, and `clusterscale --version`."""
+"""What a user sees: one-line progress off a terminal, the `reused` line of a done stage, `--version`."""
 from __future__ import annotations
 
 import io
@@ -53,3 +53,15 @@ def test_version_prints_the_installed_version(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"clusterscale {importlib.metadata.version('clusterscale')}"
+
+
+def test_a_done_stage_says_reused_with_its_time(tmp_path, capsys):
+    from clusterscale.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    assert not run.is_done("embeddings", "abc")
+    run.mark_done("embeddings", "abc", {"rows": 3})
+    capsys.readouterr()
+    assert run.is_done("embeddings", "abc")
+    finished_at = run.read_json("embeddings/_DONE.json")["finished_at"]
+    assert capsys.readouterr().out == f"[embeddings] reused (done at {finished_at})\n"
