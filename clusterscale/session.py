@@ -83,7 +83,7 @@ def ray_data_progress(on_terminal: bool) -> None:
     ctx.enable_progress_bars = on_terminal
     ctx.print_on_execution_start = on_terminal
     ctx.verbose_stats_logs = False
-    logging.getLogger("ray.data._internal.progress").setLevel(logging.INFO if on_terminal else logging.ERROR)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.NOTSET if on_terminal else logging.ERROR)
 
 
 def faiss_runtime_env() -> dict:
