@@ -65,3 +65,15 @@ def test_a_done_stage_says_reused_with_its_time(tmp_path, capsys):
     assert run.is_done("embeddings", "abc")
     finished_at = run.read_json("embeddings/_DONE.json")["finished_at"]
     assert capsys.readouterr().out == f"[embeddings] reused (done at {finished_at})\n"
+
+
+def test_ray_data_bars_only_on_a_terminal():
+    import ray
+
+    from clusterscale.session import ray_data_progress
+
+    ctx = ray.data.DataContext.get_current()
+    ray_data_progress(on_terminal=True)
+    assert ctx.enable_progress_bars and ctx.print_on_execution_start
+    ray_data_progress(on_terminal=False)  # what init_ray sets under pytest (stdout captured, not a TTY)
+    assert not ctx.enable_progress_bars and not ctx.print_on_execution_start
