@@ -29,10 +29,10 @@ def _loopback_node_ip() -> Iterator[None]:
 
     gcs_server, raylet, the agents and every worker bind to all interfaces (0.0.0.0/::) unless the node IP
     is a loopback address, and ray.init rewrites `_node_ip_address="127.0.0.1"` to the machine's routable
-    IP unless Ray runs in its single-machine mode (what it does on macOS/Windows). That mode is a constant
-    read once at import, from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; it is switched on only around ray.init,
-    so a later `ray start --address` in this process tree still works. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
-    keeps Ray's own choice (all interfaces).
+    IP unless Ray runs in its single-machine mode (its default on macOS/Windows). That mode is a constant
+    read once at import from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; it is set here in this process only, and
+    only around ray.init, so nothing else (a later join of a cluster, child processes) sees it.
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 keeps Ray's own choice (all interfaces).
     """
     from ray._private import ray_constants
 
