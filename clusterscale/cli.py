@@ -41,10 +41,22 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (UserError,)
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("clusterscale")
+    except PackageNotFoundError:  # run from a source tree that was never pip-installed
+        from clusterscale import __version__
+
+        return f"{__version__} (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterscale", description=(
         "Embed, cluster and shard (query, passage) pairs, then train an embedding model with every global "
         "batch drawn from one cluster. Stages read and write one run directory."))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb, text in VERBS.items():
         p = sub.add_parser(verb, help=text, description=text,

@@ -27,6 +27,7 @@ import ray
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.encoder import Encoder, check_encoder
+from clusterscale.progress import ProgressLine
 from clusterscale.rundir import ConfigMismatchError, RunDir
 from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
@@ -151,7 +152,7 @@ class EmbedUnits:
 
 def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int,
               pairs_run: RunDir | None = None) -> tuple[list[dict], float]:
-    """Embed `todo` with a Ray Data actor pool (one unit per task, Ray Data's retries and progress bars).
+    """Embed `todo` with a Ray Data actor pool (one unit per task; Ray Data restarts a dead actor and retries).
 
     A unit's output name is fixed, so a task Ray retries after an actor death rewrites the same file:
     no row is lost or duplicated. Returns (per-unit results, actor seconds)."""
@@ -161,9 +162,13 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: 
     ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], threads,
                                                             pairs_run.uri if pairs_run else None),
                         batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool_size),
-                        max_task_retries=3, **options)
+                        **options)
+    progress = ProgressLine("embed", sum(u["stop"] - u["start"] for u in todo))
+    results = []
     try:
-        results = ds.take_all()
+        for result in ds.iter_rows():
+            results.append(result)
+            progress.advance(result["rows"])
     except Exception as exc:  # surface our own error (NaN rows) without Ray Data's wrapping
         marker = "EmbeddingError: "
         text = str(exc)

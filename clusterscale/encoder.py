@@ -82,7 +82,9 @@ def load_model(model_path: str, trust_remote_code: bool = False,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """AutoModel from safetensors; `attn_implementation` ('sdpa') is a wish, dropped if the model lacks it."""
     from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per actor and rank; workers stay quiet
     check_weights(model_path)
     config = _read_model_file(model_path, "config.json") or {}
     kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code)

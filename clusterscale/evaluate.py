@@ -19,6 +19,7 @@ import ray
 from clusterscale.config import Config
 from clusterscale.encoder import Encoder
 from clusterscale.ingest import hash_unit, heldout_key
+from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
 
 EVAL_SALT = 0xE7A1
@@ -101,22 +102,37 @@ def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
             "pool": pool_texts, "qrels": [{index_of[held_passages[row]] for row in rows} for rows in members]}
 
 
-@ray.remote(max_retries=1)
-def _encode_remote(model: str, pooling: str, query_max_length: int, passage_max_length: int,
-                   queries: list[str], passages: list[str], batch_size: int, threads: int):
-    q_enc = Encoder(model, pooling=pooling, max_length=query_max_length, threads=threads)
-    q = q_enc.encode(queries, batch_size)
-    q_enc.max_length = passage_max_length
-    return q, q_enc.encode(passages, batch_size)
+class EvalEncoder:
+    """One encoder replica (a Ray actor) that the driver feeds in chunks, so it can report progress."""
+
+    def __init__(self, model: str, pooling: str, threads: int):
+        self.encoder = Encoder(model, pooling=pooling, threads=threads)
+
+    def encode(self, texts: list[str], max_length: int, batch_size: int) -> np.ndarray:
+        self.encoder.max_length = max_length
+        return self.encoder.encode(texts, batch_size)
 
 
-def encode_in_task(model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
-                   passages: list[str], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Embed queries and passages (at their own max lengths) in one Ray task, on a GPU when there is one."""
+def encode_on_actor(model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
+                   passages: list[str], batch_size: int, chunk_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Embed queries and passages (at their own max lengths) on one Ray actor, on a GPU when there is one."""
     gpus = ray.cluster_resources().get("GPU", 0)
     threads = 1 if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)))
-    task = _encode_remote.options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads)
-    return ray.get(task.remote(model, pooling, *max_lengths, queries, passages, batch_size, threads))
+    actor = ray.remote(EvalEncoder).options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads,
+                                            max_restarts=1, max_task_retries=1).remote(model, pooling, threads)
+    progress = ProgressLine("evaluate", len(queries) + len(passages), unit="texts")
+    out = []
+    try:
+        for texts, max_length in ((queries, max_lengths[0]), (passages, max_lengths[1])):
+            chunks = []
+            for start in range(0, max(1, len(texts)), chunk_size):  # one call for no texts: a (0, d) array
+                chunk = texts[start:start + chunk_size]
+                chunks.append(ray.get(actor.encode.remote(chunk, max_length, batch_size)))
+                progress.advance(len(chunk))
+            out.append(np.concatenate(chunks))
+    finally:
+        ray.kill(actor)
+    return out[0], out[1]
 
 
 def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
@@ -140,14 +156,14 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]
 
 def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling: str, eval_set: dict,
                    fingerprint: str) -> dict:
-    """Embed the eval set with `model` (as a Ray task, on a GPU when there is one), search, score, save.
+    """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
     rel = f"eval/{eval_name}.json"
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
-    q, p = encode_in_task(model, pooling, (cfg.train.query_max_length, cfg.train.passage_max_length),
+    q, p = encode_on_actor(model, pooling, (cfg.train.query_max_length, cfg.train.passage_max_length),
                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth)
@@ -186,7 +202,7 @@ def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | No
         if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
             return cached["cluster"]
     texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
-    vectors, _ = encode_in_task(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
+    vectors, _ = encode_on_actor(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
                                 cfg.eval.batch_size)
     clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
     run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})

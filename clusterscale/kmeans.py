@@ -21,6 +21,7 @@ from clusterscale.config import Config
 from clusterscale.ingest import hash_unit
 from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
+from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
 from clusterscale.session import faiss_runtime_env
 from clusterscale.vectors import emb_matrix
@@ -239,6 +240,26 @@ class AssignBatches:
             "cos", pa.array(sims[:, 0].astype(np.float32)))
 
 
+class AssignAndWrite(AssignBatches):
+    """AssignBatches that writes each assigned batch to `out_dir` itself and returns only its row count.
+
+    The file is named by the batch's first pair_id and size, so a task Ray retries after an actor death
+    rewrites the same file (atomically): no row is duplicated."""
+
+    def __init__(self, index: bytes, run_uri: str, out_dir: str):
+        super().__init__(index)
+        self.run, self.out_dir = RunDir(run_uri), out_dir
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if batch.num_rows == 0:
+            return pa.table({"rows": [0]})
+        sink = io.BytesIO()
+        pq.write_table(super().__call__(batch), sink)
+        first = batch.column("pair_id")[0].as_py()
+        self.run.write_bytes(f"{self.out_dir}/part-{first}-{batch.num_rows}.parquet", sink.getvalue())
+        return pa.table({"rows": [batch.num_rows]})
+
+
 def run_assign(cfg: Config, run: RunDir) -> dict:
     k = cfg.cluster.k
     fingerprint = cfg.fingerprint(("data", "embed", "cluster"))
@@ -256,10 +277,16 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
     remote_args = {"num_gpus": 1} if on_gpu else {"num_cpus": 0.5, "runtime_env": faiss_runtime_env()}
     ds = ray.data.read_parquet(run.files("embeddings"), filesystem=run.fs)
-    ds = ds.map_batches(AssignBatches, fn_constructor_args=(index,), batch_size=65_536, batch_format="pyarrow",
+    ds = ds.map_batches(AssignAndWrite, fn_constructor_args=(index, run.uri, out), batch_size=65_536,
+                        batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=gpus if on_gpu else cpus),
                         **remote_args)
-    ds.write_parquet(run.path(out), filesystem=run.fs)
+    progress, written = ProgressLine("assign", n_rows), 0
+    for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total
+        written += result["rows"]
+        progress.advance(result["rows"])
+    if written != n_rows:
+        raise RuntimeError(f"assign wrote {written} rows but embeddings/ holds {n_rows}: rerun `clusterscale assign`.")
     wall = time.time() - started
     stats = {"k": k, "rows": n_rows, "index": cfg.cluster.assign_index, "wall_s": round(wall, 3),
              "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3)}

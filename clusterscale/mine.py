@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, ConfigError, MineConfig
+from clusterscale.progress import ProgressLine
 from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError
 from clusterscale.session import faiss_runtime_env
 from clusterscale.vectors import emb_matrix
@@ -217,6 +218,11 @@ def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> di
     return plan
 
 
+def _file_rows(run: RunDir, rel: str) -> int:
+    with run.fs.open_input_file(run.path(rel)) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
 def pool_size(mc: MineConfig, units: int) -> tuple[int, dict, int]:
     """(actors, ray options, threads per actor). Every actor holds a full index (N x d x 4 bytes), so on CPU
     a few actors with several faiss/torch threads each, not one per core."""
@@ -255,8 +261,11 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
         ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)],
                                                             threads),
                             batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors),
-                            max_task_retries=3, **options)
-        results = ds.take_all()
+                            **options)
+        progress = ProgressLine("mine", sum(_file_rows(source, u["input"]) for u in todo))
+        for result in ds.iter_rows():
+            results.append(result)
+            progress.advance(result["rows"])
         worker_s = (time.time() - t0) * actors
     stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
                          encoder)

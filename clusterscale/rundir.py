@@ -161,6 +161,7 @@ class RunDir:
                 f"{self.path(stage_dir)} was made with a different config (fingerprint "
                 f"{done.get('fingerprint')}, now {fingerprint}; its config is in {DONE} there). "
                 f"Outputs are never mixed: use a new --run-dir, or delete {stage_dir}/ and what depends on it.")
+        print(f"[{stage_dir}] reused (done at {done.get('finished_at')})", flush=True)
         return True
 
     def begin(self, stage_dir: str) -> None:

@@ -1,9 +1,12 @@
 """Connecting to Ray: a local instance (dashboard off or on loopback) or the cluster a job was submitted to."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import uuid
+from collections.abc import Iterator
 
 import ray
 
@@ -20,6 +23,27 @@ def cluster_address(cfg: RayConfig) -> str | None:
     return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
+@contextlib.contextmanager
+def _loopback_node_ip() -> Iterator[None]:
+    """While a local Ray starts, make its node IP 127.0.0.1, so that its servers listen on loopback only.
+
+    gcs_server, raylet, the agents and every worker bind to all interfaces (0.0.0.0/::) unless the node IP
+    is a loopback address, and ray.init rewrites `_node_ip_address="127.0.0.1"` to the machine's routable
+    IP unless Ray runs in its single-machine mode (its default on macOS/Windows). That mode is a constant
+    read once at import from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER; it is set here in this process only, and
+    only around ray.init, so nothing else (a later join of a cluster, child processes) sees it.
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 keeps Ray's own choice (all interfaces).
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR) == "1"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Start or join Ray once per process. Jobs submitted with `ray job submit` join via RAY_ADDRESS."""
     if ray.is_initialized():
@@ -29,11 +53,14 @@ def init_ray(cfg: RayConfig) -> None:
     kwargs = dict(address=address, logging_level=logging.WARNING, log_to_driver=True)
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
+        # Ray Train sends each print of a rank both to stdout and to its root logger: every line twice.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
-                      dashboard_host="127.0.0.1")
+                      dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     for attempt in range(3 if address is None else 1):
         try:
-            ray.init(**kwargs)
+            with _loopback_node_ip() if address is None else contextlib.nullcontext():
+                ray.init(**kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
             # Ray waits a fixed 30 s for a local raylet; on an overloaded machine that is not enough.
@@ -44,9 +71,19 @@ def init_ray(cfg: RayConfig) -> None:
             ray.shutdown()
     global _local_workers_inherit_env
     _local_workers_inherit_env = address is None
+    ray_data_progress(sys.stdout.isatty())
+
+
+def ray_data_progress(on_terminal: bool) -> None:
+    """Ray Data's bars on a terminal; elsewhere the stages' own progress lines (clusterscale.progress).
+
+    Off a terminal Ray Data logs an 8-line status block every 10 s instead of bars; its one-time notice
+    that bars are off and its per-dataset plan lines are dropped too (the full logs keep them)."""
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = True
+    ctx.enable_progress_bars = on_terminal
+    ctx.print_on_execution_start = on_terminal
     ctx.verbose_stats_logs = False
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.NOTSET if on_terminal else logging.ERROR)
 
 
 def faiss_runtime_env() -> dict:

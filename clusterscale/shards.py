@@ -17,6 +17,7 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.kmeans import ClusteringError, assign_dir, load_centroids
+from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
 from clusterscale.vectors import emb_matrix
 
@@ -124,7 +125,11 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
         WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, cfg.shard.target_rows_per_file,
                                                 cfg.shard.num_samples, plan["pool_id"]),
         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.5)
-    rows = sorted(written.take_all(), key=lambda r: r["shard"])
+    progress, rows = ProgressLine("shard", int(counts.sum())), []
+    for r in written.iter_rows():
+        rows.append(r)
+        progress.advance(r["rows"])
+    rows.sort(key=lambda r: r["shard"])
     clusters, total_sum, n_total = [], None, 0
     for r in rows:
         vec = np.asarray(r["vector_sum"], dtype=np.float64)

@@ -142,6 +142,31 @@ def test_mine_resumes_and_refuses_other_config(mined_run, capsys):
     assert "negatives" in capsys.readouterr().err
 
 
+def test_redo_raises_no_ray_deprecation_and_done_stages_say_reused(mined_run, capsys):
+    """Our map_batches calls (embed, mine) pass no deprecated `ray_remote_args`; a finished stage says reused."""
+    import warnings
+
+    from ray.util.annotations import RayDeprecationWarning
+
+    run_dir, overrides = mined_run
+    run = RunDir(str(run_dir))
+    n_pairs = run.done_stats("pairs")["pairs"]
+    for folder in ("embeddings", "negatives"):  # one lost output file each: the stage redoes that unit
+        run.remove(folder, next(f for f in run.listdir(folder) if f.endswith(".parquet")))
+        run.remove(folder, "_DONE.json")
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for verb in ("embed", "mine"):
+            assert cli.main([verb, "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    assert not [w for w in caught if issubclass(w.category, RayDeprecationWarning)], [str(w.message) for w in caught]
+    assert run.done_stats("embeddings")["rows"] == n_pairs and len(load_negatives(run)[0]) == n_pairs
+    capsys.readouterr()
+    assert cli.main(["embed", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    finished_at = run.read_json("embeddings/_DONE.json")["finished_at"]
+    assert f"[embeddings] reused (done at {finished_at})" in capsys.readouterr().out
+
+
 # --- training with mined negatives (+ CLP) and with re-clustering, on the mined run ------------------------------
 def _jsonl(run: RunDir, rel: str) -> list[dict]:
     import json

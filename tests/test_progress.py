@@ -1,0 +1,79 @@
+"""What a user sees: one-line progress off a terminal, the `reused` line of a done stage, `--version`."""
+from __future__ import annotations
+
+import io
+
+from clusterscale.progress import ProgressLine, format_duration, format_progress
+
+
+def test_format_progress_line():
+    assert format_progress("embed", 1200, 3781, 30.0) == "[embed] 1,200/3,781 rows (32%), 40.0 rows/s, ETA 1m05s"
+    assert format_progress("assign", 0, 10, 0.0) == "[assign] 0/10 rows (0%), 0.0 rows/s, ETA ?"
+    assert [format_duration(s) for s in (4.4, 65, 3725)] == ["4s", "1m05s", "1h02m"]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_line_prints_one_line_per_interval_and_none_at_the_end():
+    stream, clock = io.StringIO(), Clock()  # StringIO is not a TTY, like a log file
+    progress = ProgressLine("mine", 100, interval_s=10, stream=stream, clock=clock)
+    for t, rows in [(1, 10), (11, 10), (12, 10), (25, 30), (40, 40)]:
+        clock.now = t
+        progress.advance(rows)
+    assert stream.getvalue().splitlines() == ["[mine] 20/100 rows (20%), 1.8 rows/s, ETA 44s",
+                                              "[mine] 60/100 rows (60%), 2.4 rows/s, ETA 17s"]
+
+
+def test_progress_line_is_silent_on_a_terminal():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream, clock = Terminal(), Clock()
+    progress = ProgressLine("embed", 100, interval_s=1, stream=stream, clock=clock)
+    clock.now = 5
+    progress.advance(50)
+    assert stream.getvalue() == ""
+
+
+def test_version_prints_the_installed_version(capsys):
+    import importlib.metadata
+
+    import pytest
+
+    from clusterscale import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"clusterscale {importlib.metadata.version('clusterscale')}"
+
+
+def test_a_done_stage_says_reused_with_its_time(tmp_path, capsys):
+    from clusterscale.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    assert not run.is_done("embeddings", "abc")
+    run.mark_done("embeddings", "abc", {"rows": 3})
+    capsys.readouterr()
+    assert run.is_done("embeddings", "abc")
+    finished_at = run.read_json("embeddings/_DONE.json")["finished_at"]
+    assert capsys.readouterr().out == f"[embeddings] reused (done at {finished_at})\n"
+
+
+def test_ray_data_bars_only_on_a_terminal():
+    import ray
+
+    from clusterscale.session import ray_data_progress
+
+    ctx = ray.data.DataContext.get_current()
+    ray_data_progress(on_terminal=True)
+    assert ctx.enable_progress_bars and ctx.print_on_execution_start
+    ray_data_progress(on_terminal=False)  # what init_ray sets under pytest (stdout captured, not a TTY)
+    assert not ctx.enable_progress_bars and not ctx.print_on_execution_start

@@ -1,0 +1,43 @@
+"""A local Ray started by clusterscale listens on loopback only."""
+from __future__ import annotations
+
+import ipaddress
+
+
+def listening_addresses(root_pid: int) -> list[tuple[str, str, int]]:
+    """(process name, ip, port) of every listening inet socket in the process tree under root_pid."""
+    import psutil  # vendored by ray; importable once ray is imported
+
+    root = psutil.Process(root_pid)
+    found = []
+    for proc in [root] + root.children(recursive=True):
+        try:
+            conns = proc.net_connections(kind="inet")
+            name = proc.name()
+        except psutil.Error:  # a worker that exited meanwhile
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return (mapped or address).is_loopback
+
+
+def test_is_loopback():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.0.2.2")
+
+
+def test_local_ray_listens_on_loopback_only(ray_local):
+    """gcs_server, raylet, the agents and the workers of init_ray's local Ray bind 127.0.0.1 (or ::1) only."""
+    import os
+
+    ray = ray_local
+    assert ray.get(ray.remote(ray.util.get_node_ip_address).remote()) == "127.0.0.1"
+    listeners = listening_addresses(os.getpid())
+    assert len({name for name, _, _ in listeners}) >= 3, listeners  # the driver, gcs_server, raylet at least
+    exposed = [entry for entry in listeners if not is_loopback(entry[1])]
+    assert not exposed, f"listening beyond loopback: {exposed}"
