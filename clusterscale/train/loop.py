@@ -21,7 +21,7 @@ from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
-from clusterscale.train.data import ShardReader, checked_manifest, source_codes
+from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
@@ -40,15 +40,6 @@ def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
     span = max(1, num_steps - 1 - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.lr + (cfg.final_lr - cfg.lr) * frac
-
-
-def _strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int], object, list[str] | None]:
-    """(shard sizes, source codes or None, source names or None)."""
-    sizes = [c["rows"] for c in manifest["clusters"]]
-    if sampler != "source":
-        return sizes, None, None
-    codes, names = source_codes(run, manifest)
-    return sizes, codes, names
 
 
 def _group_label(gb: schedule.GlobalBatch, manifest: dict, sampler: str, sources: list[str] | None):
@@ -76,7 +67,7 @@ def train_loop_per_worker(config: dict) -> None:
     shards_run = RunDir(config.get("shards_uri") or config["run_uri"])
     segment, seg_start, seg_stop = config.get("segment", (0, 0, num_steps))
     manifest = checked_manifest(shards_run, cfg.cluster.k, tc.global_batch_size)
-    sizes, codes, sources = _strata_inputs(shards_run, manifest, tc.sampler)
+    sizes, codes, sources = strata_inputs(shards_run, manifest, tc.sampler)
     device = rt_torch.get_device()
 
     model, tokenizer, pooling = build_student(tc)
@@ -236,7 +227,7 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.negatives_per_query:
         _check_negatives(cfg, run)
-    sizes, codes, _ = _strata_inputs(run, manifest, tc.sampler)
+    sizes, codes, _ = strata_inputs(run, manifest, tc.sampler)
     num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps, codes)
     if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes) == 0:
         raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
