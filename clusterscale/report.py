@@ -112,10 +112,10 @@ def eval_rows(run: RunDir) -> list[dict]:
     return [run.read_json(f"eval/{f}") for f in run.listdir("eval") if f.endswith(".json")]
 
 
-def _mean_se(values: list[float]) -> tuple[float, float | None]:
-    """Mean and its standard error (None from a single value)."""
+def _standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean (None from a single value)."""
     arr = np.asarray(values, dtype=float)
-    return float(arr.mean()), (float(arr.std(ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None)
+    return float(arr.std(ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None
 
 
 def _small(n: int, minimum: int = MIN_SAMPLE) -> str:
@@ -148,7 +148,7 @@ def eval_table(run: RunDir) -> str | None:
     for r in sorted(rows, key=lambda r: (r["name"] != "frozen", r["name"])):
         n = r.get("num_queries", 0)
         small |= n < MIN_SAMPLE
-        se = _mean_se(r["per_query"]["ndcg_at_10"])[1] if r.get("per_query") else None
+        se = _standard_error(r["per_query"]["ndcg_at_10"]) if r.get("per_query") else None
         m = mteb.get(r["name"])
         lines.append(f"| {r['name']} | {n}{_small(n)} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys) +
                      f" | {_fmt(se, 4)} | {'' if m is None else f'{m[0]:.4f} ({m[1]})'} |")
@@ -169,7 +169,7 @@ def by_cluster_table(breakdown: dict) -> str:
                      " | ".join(_fmt(row["ndcg_at_10"].get(m), 4) for m in models) + " |")
     if small:
         lines.append(f"\n\\* fewer than {MIN_SAMPLE} held-out queries in this cluster: its NDCG@10 is a tiny sample "
-                     "(one query scores 0 or 1 at a single relevant passage), not a per-cluster quality.")
+                     "(with one query it is that query's single score), not a measure of the cluster.")
     return "\n".join(lines)
 
 
@@ -190,7 +190,8 @@ def compare_table(compare: dict) -> str:
              "neg cos mean | train worker-s |", "|---|---|---|---|---|---|---|"]
     for name, arm in compare["arms"].items():
         n, m = arm["metrics"]["ndcg_at_10"], arm["metrics"]["mrr_at_10"]
-        lines.append(f"| {name} | {len(arm['seeds'])}{_small(len(arm['seeds']), MIN_SEEDS)} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
+        seeds = f"{len(arm['seeds'])}{_small(len(arm['seeds']), MIN_SEEDS)}"
+        lines.append(f"| {name} | {seeds} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
                      f"{m['mean']:.4f} ± {m['std']:.4f} | {_fmt(arm.get('final_loss_mean'))} | "
                      f"{_fmt(arm.get('neg_cos_mean'))} | {arm.get('train_worker_s', 0):.0f} |")
     if any(len(arm["seeds"]) < MIN_SEEDS for arm in compare["arms"].values()):
