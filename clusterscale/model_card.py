@@ -20,6 +20,13 @@ def _base_model(cfg: Config) -> str:
     return f"`{tc.init}`"
 
 
+def _exported_pooling(run: RunDir, name: str) -> str:
+    """The pooling the export uses (train.pooling may say 'auto')."""
+    pooling = run.read_json(f"train/{name}/model/1_Pooling/config.json") \
+        if run.exists(f"train/{name}/model/1_Pooling/config.json") else {}
+    return "CLS" if pooling.get("pooling_mode_cls_token") else "mean" if pooling.get("pooling_mode_mean_tokens") else "?"
+
+
 def _hub_base_model(init: str) -> list[str]:
     """The card's `base_model:` line: the hub only accepts a model id there, not a local folder or a URI."""
     from clusterscale.encoder import BUNDLED  # here: the card's importers (mteb_eval) stay free of torch
@@ -65,7 +72,8 @@ def model_card(cfg: Config, run: RunDir, name: str) -> str:
         f"| sampler | {tc.sampler} ({tc.cluster_weighting}) |",
         f"| steps | {steps} x {tc.global_batch_size} pairs, lr {tc.lr:g} -> {tc.final_lr:g}, "
         f"{tc.warmup_steps} warm-up steps, temperature {tc.temperature:g} |",
-        f"| pooling, lengths | {tc.pooling}, query {tc.query_max_length} / passage {tc.passage_max_length} tokens |",
+        f"| pooling, lengths | {_exported_pooling(run, name)}, query {tc.query_max_length} / passage "
+        f"{tc.passage_max_length} tokens |",
         f"| seed | {tc.seed} |", "",
         "## Held-out retrieval", "", *_metrics_lines(run, name), "",
         "## Use", "", "```python", "from sentence_transformers import SentenceTransformer", "",

@@ -108,9 +108,12 @@ def cost_breakdown(rows: list[tuple[str, float, str]], summary: dict | None = No
     ax.set_title("Cost per stage")
     if compared:
         ax = axes[0][1]
-        labels = ["preprocessing", "training,\none epoch", f"training,\n{summary['epochs']} epoch(s)"]
-        values = [summary["preprocess_worker_s"], summary["train_epoch_worker_s"], summary["train_total_worker_s"]]
-        bars = ax.bar(labels, values, color=[colors["preprocess"], colors["train"], colors["train"]])
+        labels = ["preprocessing", "training,\none epoch"]
+        values = [summary["preprocess_worker_s"], summary["train_epoch_worker_s"]]
+        if summary["epochs"] > 1:
+            labels.append(f"training,\n{summary['epochs']} epochs")
+            values.append(summary["train_total_worker_s"])
+        bars = ax.bar(labels, values, color=[colors["preprocess"]] + [colors["train"]] * (len(values) - 1))
         ax.bar_label(bars, [f"{v:.0f}" for v in values], fontsize=8)
         ax.set_ylabel("worker-seconds")
         ratio = summary.get("ratio_per_epoch")
