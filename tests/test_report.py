@@ -28,7 +28,9 @@ def reported(tmp_path_factory, tiny_model, ray_local):
     assert cli.main(["run", "--run-dir", run_dir, "--set", *overrides]) == 0
     assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=random"]) == 0
     # data.source_column=src (tiny_overrides): the source sampler's run must reach the cost summary too.
-    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=source"]) == 0
+    # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.
+    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=source",
+                     "train.log_every_steps=2"]) == 0
     assert cli.main(["report", "--run-dir", run_dir, "--set", *overrides]) == 0
     return RunDir(run_dir)
 

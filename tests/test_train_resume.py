@@ -60,7 +60,9 @@ def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, u
 
 
 def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninterrupted):
-    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1")
+    # Metrics-only reports (every step) between the checkpoints must not disturb the restart.
+    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1",
+               "train.log_every_steps=1")
     run_train(cfg, sharded, fail_at_step=3)
     _assert_same_run(sharded, "failed", uninterrupted)
 
