@@ -167,6 +167,10 @@ class TrainConfig:
     stop_after_steps: int | None = knob(None, "Stop (with a checkpoint) after this many steps without changing "
                                               "the LR schedule; continue with `clusterscale train --resume`.",
                                         affects_output=False)
+    keep_checkpoint: bool = knob(False, "Keep the Ray Train checkpoints (train/<name>/ray: weights, optimizer "
+                                        "and scheduler state) after the final export; false = delete them once "
+                                        "model/ is written (an unfinished run always keeps them for --resume).",
+                                 affects_output=False)
     max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
                                 "continuing from the latest checkpoint.", affects_output=False)
     peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "

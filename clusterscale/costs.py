@@ -108,21 +108,37 @@ def estimate_flops(cfg: Config, run: RunDir, costs: dict) -> dict[str, float]:
 
 def extrapolate(points: list[tuple[float, float]], target: float) -> dict:
     """Cost at `target` rows from measured (rows, cost) points: proportional from one point, a least-squares
-    line a + b*rows from two or more (intercept = fixed cost such as startup and the sample-capped fit)."""
+    line a + b*rows from two or more (intercept = fixed cost such as startup and the sample-capped fit).
+
+    A fit the numbers cannot carry is flagged in `warning` (value None when refused): a per-row cost b <= 0
+    (start-up noise decides the slope) is refused; a fixed cost a larger than the per-row part b x rows at
+    every measured point, or a single point (its start-up is scaled up with the rows), is kept but flagged."""
     points = sorted(points)
     if len(points) == 1 or len({n for n, _ in points}) == 1:
         n, c = points[-1]
-        return {"value": c * target / n, "method": "proportional to rows", "points": points}
-    slope, intercept = np.polyfit([n for n, _ in points], [c for _, c in points], 1)
-    value = max(0.0, float(intercept + slope * target))
-    return {"value": value, "method": f"least-squares line a + b*rows (a={intercept:.3g} s, b={slope:.3g} s/row)",
-            "points": points}
+        return {"value": c * target / n, "method": "proportional to rows", "points": points,
+                "warning": f"one measured size ({int(n)} rows): its fixed start-up cost is scaled up with the rows "
+                           f"too, so this is an upper bound; measure a second, larger size (`clusterscale sweep`)"}
+    slope, intercept = (float(v) for v in np.polyfit([n for n, _ in points], [c for _, c in points], 1))
+    method = f"least-squares line a + b*rows (a={intercept:.3g} s, b={slope:.3g} s/row)"
+    if slope <= 0:
+        return {"value": None, "method": method, "points": points,
+                "warning": f"refused: the fitted per-row cost b={slope:.3g} s/row is not positive, so the measured "
+                           f"sizes differ by less than their start-up noise; measure sizes further apart"}
+    out = {"value": intercept + slope * target, "method": method, "points": points}
+    largest = points[-1][0]
+    if intercept > slope * largest:
+        out["warning"] = (f"start-up dominated: the fixed cost a={intercept:.3g} s exceeds the per-row part "
+                          f"b x rows ({slope * largest:.3g} s) even at the largest measured size ({int(largest)} "
+                          f"rows), so b, and the value, rest on noise; measure larger sizes")
+    return out
 
 
 def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | None:
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
     from clusterscale.shards import shards_dir
     from clusterscale.train import schedule
+    from clusterscale.train.data import strata_inputs
 
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     if not (record.get("steps") and run.exists(f"train/{name}/metrics.jsonl")
@@ -131,9 +147,9 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     steps = [json.loads(line)["step_s"] for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
              if line.strip()]
     manifest = run.read_json(f"{shards_dir(cfg.cluster.k)}/manifest.json")
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    sizes, codes, _ = strata_inputs(run, manifest, record.get("sampler", cfg.train.sampler))
     gbs = record.get("global_batch_size", cfg.train.global_batch_size)
-    batches = schedule.batches_per_epoch(sizes, gbs, record.get("sampler", cfg.train.sampler))
+    batches = schedule.batches_per_epoch(sizes, gbs, record.get("sampler", cfg.train.sampler), codes)
     workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.num_workers
     overhead = max(0.0, record["wall_s"] - sum(steps))
     epoch_wall = overhead + batches * float(np.mean(steps))
@@ -181,6 +197,6 @@ def summarize(cfg: Config, run: RunDir, costs: dict, train_names: list[str] | No
                 (p["train_rows"], p["train_epoch_worker_s"]) for p in extra_points or [] if p.get("train_epoch_worker_s")]
             ext = out["extrapolation"]
             ext["train_epoch"] = extrapolate(tpoints, target * out["train_rows"] / rows)
-            ext["ratio_per_epoch"] = ext["preprocess"]["value"] / ext["train_epoch"]["value"] \
-                if ext["train_epoch"]["value"] else None
+            pre_v, train_v = ext["preprocess"]["value"], ext["train_epoch"]["value"]
+            ext["ratio_per_epoch"] = pre_v / train_v if pre_v is not None and train_v else None
     return out

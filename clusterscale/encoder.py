@@ -257,3 +257,21 @@ def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str,
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}], indent=2))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_length,
                                                                 "do_lower_case": False}))
+    # What SentenceTransformer.save writes next to modules.json: the versions it was saved with and the
+    # similarity the vectors are meant for (they are L2-normalised, so cosine).
+    (out / "config_sentence_transformers.json").write_text(json.dumps({
+        "__version__": _library_versions(), "prompts": {}, "default_prompt_name": None,
+        "similarity_fn_name": "cosine", "model_type": "SentenceTransformer"}, indent=2))
+
+
+def _library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, dist in (("sentence_transformers", "sentence-transformers"), ("transformers", "transformers"),
+                       ("pytorch", "torch")):
+        try:
+            out[name] = version(dist)
+        except PackageNotFoundError:  # sentence-transformers is optional; the folder is still loadable by it
+            continue
+    return out

@@ -19,6 +19,7 @@ import ray
 from clusterscale.config import Config
 from clusterscale.encoder import Encoder
 from clusterscale.ingest import hash_unit, heldout_key
+from clusterscale.model_card import write_model_card
 from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
 
@@ -243,6 +244,7 @@ def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict
         # A URI, not a driver-local copy: the encoding task may run on another node.
         results[name] = evaluate_model(cfg, run, name, run.child_uri(f"train/{name}/model"), "auto", eval_set,
                                        cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
+        write_model_card(cfg, run, name)  # the card now carries the held-out metrics
     by_cluster = cluster_breakdown(cfg, run, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]

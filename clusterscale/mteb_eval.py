@@ -18,6 +18,7 @@ from typing import Any
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
+from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir
 
 LOCAL_PREFIX = "local:"
@@ -197,4 +198,6 @@ def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
         run.write_json(f"eval/mteb/{model_name}.json", results[model_name])
         for task, scores in tasks.items():
             print(f"[mteb] {model_name} {task}: NDCG@10 {scores.get('ndcg_at_10', float('nan')):.4f}", flush=True)
+    if name in results:
+        write_model_card(cfg, run, name)
     return results

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
+
 from clusterscale import report_plots
 from clusterscale.config import Config
 from clusterscale.costs import PREPROCESS_STAGES, device_seconds_label, stage_of, summarize
@@ -16,6 +18,9 @@ from clusterscale.rundir import RunDir
 from clusterscale.shards import shards_dir
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
+# Fewer held-out queries (per model or per cluster) or seeds than this and a figure is marked as a tiny sample.
+MIN_SAMPLE = 30
+MIN_SEEDS = 3
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -77,15 +82,29 @@ def cost_summary_text(summary: dict) -> list[str]:
                      f"{_fmt(summary['ratio_total'], 2)} in total**.")
     ext = summary.get("extrapolation")
     if ext:
-        pre = ext["preprocess"]
-        pts = ", ".join(f"({int(n)} rows, {c:.1f} s)" for n, c in pre["points"])
-        text = (f"Extrapolation (not a measurement) to {ext['target_rows']:,} pairs, {pre['method']} from the measured "
-                f"points {pts}: preprocessing ~{pre['value']:.3g} worker-s")
-        if "train_epoch" in ext:
-            text += (f", training ~{ext['train_epoch']['value']:.3g} worker-s per epoch, ratio "
-                     f"~{_fmt(ext['ratio_per_epoch'], 2)} per epoch")
-        lines.append(text + ". Same hardware and settings assumed; the fit's sample is capped at "
-                     "max_points_per_centroid x k, so it grows with k rather than with N.")
+        lines += extrapolation_text(ext)
+    return lines
+
+
+def _estimate(part: dict, what: str) -> str:
+    return f"{what} not extrapolated" if part["value"] is None else f"{what} ~{part['value']:.3g} worker-s"
+
+
+def extrapolation_text(ext: dict) -> list[str]:
+    """The extrapolation line, with every flagged fit spelled out under it (never a bare number from a bad fit)."""
+    pre = ext["preprocess"]
+    pts = ", ".join(f"({int(n)} rows, {c:.1f} s)" for n, c in pre["points"])
+    text = (f"Extrapolation (not a measurement) to {ext['target_rows']:,} pairs, {pre['method']} from the measured "
+            f"points {pts}: {_estimate(pre, 'preprocessing')}")
+    if "train_epoch" in ext:
+        ratio = ext["ratio_per_epoch"]
+        text += (f", {_estimate(ext['train_epoch'], 'training')} per epoch, ratio "
+                 f"{'n/a' if ratio is None else f'~{ratio:.3g}'} per epoch")
+    lines = [text + ". Same hardware and settings assumed; the fit's sample is capped at max_points_per_centroid x "
+             "k, so it grows with k rather than with N."]
+    for label, part in (("preprocessing", pre), ("training", ext.get("train_epoch"))):
+        if part and part.get("warning"):
+            lines.append(f"**Unreliable {label} extrapolation**: {part['warning']}.")
     return lines
 
 
@@ -93,14 +112,49 @@ def eval_rows(run: RunDir) -> list[dict]:
     return [run.read_json(f"eval/{f}") for f in run.listdir("eval") if f.endswith(".json")]
 
 
-def eval_table(run: RunDir) -> str:
-    rows = eval_rows(run)
+def _standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean (None from a single value)."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.std(ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None
+
+
+def _small(n: int, minimum: int = MIN_SAMPLE) -> str:
+    """A marker on figures measured on fewer than `minimum` queries or seeds (explained under each table)."""
+    return " *" if n < minimum else ""
+
+
+def mteb_means(run: RunDir) -> dict[str, tuple[float, int]]:
+    """{model name: (mean NDCG@10 over its MTEB tasks, task count)} from eval/mteb/ (`evaluate --mteb`)."""
+    out = {}
+    for f in run.listdir("eval/mteb"):
+        if f.endswith(".json"):
+            r = run.read_json(f"eval/mteb/{f}")
+            scores = [t["ndcg_at_10"] for t in r["tasks"].values() if t.get("ndcg_at_10") is not None]
+            if scores:
+                out[r["model_name"]] = (float(np.mean(scores)), len(scores))
+    return out
+
+
+def eval_table(run: RunDir) -> str | None:
+    """Held-out metrics per model with the query count and NDCG@10's standard error, plus the MTEB mean where
+    `evaluate --mteb` ran; None when nothing was evaluated."""
+    rows, mteb = eval_rows(run), mteb_means(run)
     if not rows:
-        return "No evaluation yet: run `clusterscale evaluate`."
+        return None
     keys = list(rows[0]["metrics"])
-    lines = ["| model | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines = ["| model | queries | " + " | ".join(keys) + " | NDCG@10 s.e. | MTEB NDCG@10 (tasks) |",
+             "|---|---|" + "---|" * len(keys) + "---|---|"]
+    small = False
     for r in sorted(rows, key=lambda r: (r["name"] != "frozen", r["name"])):
-        lines.append(f"| {r['name']} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys) + " |")
+        n = r.get("num_queries", 0)
+        small |= n < MIN_SAMPLE
+        se = _standard_error(r["per_query"]["ndcg_at_10"]) if r.get("per_query") else None
+        m = mteb.get(r["name"])
+        lines.append(f"| {r['name']} | {n}{_small(n)} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys) +
+                     f" | {_fmt(se, 4)} | {'' if m is None else f'{m[0]:.4f} ({m[1]})'} |")
+    if small:
+        lines.append(f"\n\\* fewer than {MIN_SAMPLE} held-out queries: differences below a few standard errors "
+                     "are noise; raise data.heldout_fraction or eval.max_queries.")
     return "\n".join(lines)
 
 
@@ -108,8 +162,14 @@ def by_cluster_table(breakdown: dict) -> str:
     models = sorted({m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]},
                     key=lambda m: (m != "frozen", m))
     lines = ["| centroid | held-out queries | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    small = False
     for c, row in sorted(breakdown["clusters"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"| {c} | {row['queries']} | " + " | ".join(_fmt(row["ndcg_at_10"].get(m), 4) for m in models) + " |")
+        small |= row["queries"] < MIN_SAMPLE
+        lines.append(f"| {c} | {row['queries']}{_small(row['queries'])} | " +
+                     " | ".join(_fmt(row["ndcg_at_10"].get(m), 4) for m in models) + " |")
+    if small:
+        lines.append(f"\n\\* fewer than {MIN_SAMPLE} held-out queries in this cluster: its NDCG@10 is a tiny sample "
+                     "(with one query it is that query's single score), not a measure of the cluster.")
     return "\n".join(lines)
 
 
@@ -119,7 +179,7 @@ def mteb_table(run: RunDir) -> str | None:
         return None
     tasks = sorted({t for r in results for t in r["tasks"]})
     lines = ["| model | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
-    for r in results:
+    for r in sorted(results, key=lambda r: (r["model_name"] != "frozen", r["model_name"])):
         lines.append(f"| {r['model_name']} | " + " | ".join(_fmt(r["tasks"].get(t, {}).get("ndcg_at_10"), 4)
                                                           for t in tasks) + " |")
     return "NDCG@10 per task (mteb " + results[0].get("mteb_version", "?") + "):\n\n" + "\n".join(lines)
@@ -130,9 +190,13 @@ def compare_table(compare: dict) -> str:
              "neg cos mean | train worker-s |", "|---|---|---|---|---|---|---|"]
     for name, arm in compare["arms"].items():
         n, m = arm["metrics"]["ndcg_at_10"], arm["metrics"]["mrr_at_10"]
-        lines.append(f"| {name} | {len(arm['seeds'])} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
+        seeds = f"{len(arm['seeds'])}{_small(len(arm['seeds']), MIN_SEEDS)}"
+        lines.append(f"| {name} | {seeds} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
                      f"{m['mean']:.4f} ± {m['std']:.4f} | {_fmt(arm.get('final_loss_mean'))} | "
                      f"{_fmt(arm.get('neg_cos_mean'))} | {arm.get('train_worker_s', 0):.0f} |")
+    if any(len(arm["seeds"]) < MIN_SEEDS for arm in compare["arms"].values()):
+        lines.append(f"\n\\* fewer than {MIN_SEEDS} seeds: the std and min..max are not a spread to trust; "
+                     "run more seeds (`clusterscale compare --seeds`).")
     keys = {name: arm.get("train_keys") for name, arm in compare["arms"].items() if arm.get("train_keys")}
     if keys:
         lines.append("\nArms differ from the config in: " + "; ".join(
@@ -208,8 +272,13 @@ def run_report(cfg: Config, run: RunDir) -> str:
                   "FLOPs are estimates on non-padding tokens (embedding 2 x params x tokens, training 6 x params "
                   "x tokens; token counts from a sample of pairs). worker-s = workers x wall seconds (GPU-s on GPUs).", ""]
         _figure(run, parts, "costs.png", report_plots.cost_breakdown(
-            [(key, rec.get("worker_s", 0.0), stage_kind(key)) for key, rec in costs.items()]), "cost per stage")
-    parts += ["## Held-out retrieval", eval_table(run), ""]
+            [(key, rec.get("worker_s", 0.0), stage_kind(key)) for key, rec in costs.items()], summary),
+            "cost per stage; preprocessing vs training")
+    evaluated = eval_table(run)
+    if evaluated:
+        parts += ["## Held-out retrieval", evaluated, ""]
+    elif not (run.exists("report/compare.json") or run.exists("report/sweep.json")):
+        parts += ["## Held-out retrieval", "No evaluation yet: run `clusterscale evaluate`.", ""]
     if run.exists(f"eval/by_cluster/k={k}.json"):
         parts += [f"NDCG@10 per cluster (each held-out pair assigned to its nearest centroid at k={k} by its frozen "
                   "embedding):", "", by_cluster_table(run.read_json(f"eval/by_cluster/k={k}.json")), ""]

@@ -34,15 +34,29 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def cluster_sizes(manifest: dict) -> bytes:
+    """One bar per shard, largest first (a histogram of k values says little); log scale once sizes span 100x
+    or k is large, so small shards stay visible next to the global-batch line."""
     plt = _pyplot()
-    rows = np.array([c["rows"] for c in manifest["clusters"]])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.hist(rows, bins=min(30, max(5, len(rows))), color="tab:gray", edgecolor="black")
-    ax.axvline(manifest["global_batch_size"], color="tab:red", linestyle="--", label="one global batch")
-    ax.set_xlabel("rows per shard")
-    ax.set_ylabel("shards")
+    clusters = sorted(manifest["clusters"], key=lambda c: -c["rows"])
+    rows = np.array([c["rows"] for c in clusters])
+    fig, ax = plt.subplots(figsize=(max(6.0, min(12.0, 0.3 * len(rows))), 3.5))
+    ax.bar(np.arange(len(rows)), rows, width=0.8 if len(rows) <= 200 else 1.0, color="tab:gray")
+    ax.axhline(manifest["global_batch_size"], color="tab:red", linestyle="--",
+               label=f"one global batch ({manifest['global_batch_size']})")
+    if len(rows) <= 30:  # named ticks while they fit; rank on the axis beyond
+        ax.set_xticks(np.arange(len(rows)), [str(c["name"]) for c in clusters], rotation=90 if len(rows) > 12 else 0)
+        ax.set_xlabel("shard (largest first)")
+    else:
+        ax.set_xlabel("shard rank (largest first)")
+    if len(rows) > 50 or rows.max() > 100 * max(1, rows.min()):
+        ax.set_yscale("log")
+    else:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # row counts: no fractional ticks
+    ax.set_ylabel("rows")
     ax.set_title(f"Cluster sizes, k={manifest['k']} ({len(rows)} shards)")
-    ax.legend()
+    ax.legend(fontsize=8)
     return _png(fig)
 
 
@@ -73,44 +87,65 @@ def training_curves(curves: dict[str, dict[str, list[dict]]], keys: tuple[str, .
     return _png(fig)
 
 
-def cost_breakdown(rows: list[tuple[str, float, str]]) -> bytes | None:
-    """rows: (stage key, worker-seconds, kind: preprocess|train|evaluate|other)."""
+def cost_breakdown(rows: list[tuple[str, float, str]], summary: dict | None = None) -> bytes | None:
+    """Left: worker-seconds per stage key, coloured by kind (preprocess|train|evaluate|other). Right, when the
+    summary has a training epoch: preprocessing against one training epoch and the whole run (the key message)."""
     if not rows:
         return None
     plt = _pyplot()
     colors = {"preprocess": "tab:orange", "train": "tab:purple", "evaluate": "tab:cyan", "other": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
-    names = [r[0] for r in rows]
-    ax.barh(names, [r[1] for r in rows], color=[colors[r[2]] for r in rows])
+    compared = bool(summary and summary.get("train_epoch_worker_s"))
+    fig, axes = plt.subplots(1, 2 if compared else 1, figsize=(12 if compared else 7, 0.35 * len(rows) + 1.8),
+                             squeeze=False, width_ratios=[3, 2] if compared else None)
+    ax = axes[0][0]
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[colors[r[2]] for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("worker-seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=8, loc="lower right")
+    kinds = [k for k in colors if any(r[2] == k for r in rows)]
+    # Below the axes, so it never covers a bar.
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds], kinds, fontsize=8,
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / (len(rows) + 3)), ncol=len(kinds), frameon=False)
     ax.set_title("Cost per stage")
+    if compared:
+        ax = axes[0][1]
+        labels = ["preprocessing", "training,\none epoch"]
+        values = [summary["preprocess_worker_s"], summary["train_epoch_worker_s"]]
+        if summary["epochs"] > 1:
+            labels.append(f"training,\n{summary['epochs']} epochs")
+            values.append(summary["train_total_worker_s"])
+        bars = ax.bar(labels, values, color=[colors["preprocess"]] + [colors["train"]] * (len(values) - 1))
+        ax.bar_label(bars, [f"{v:.0f}" for v in values], fontsize=8)
+        ax.set_ylabel("worker-seconds")
+        ratio = summary.get("ratio_per_epoch")
+        ax.set_title("Preprocessing vs training" + (f" (ratio {ratio:.2g} per epoch)" if ratio else ""))
     return _png(fig)
 
 
 def compare_arms(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
+    """Every seed as a dot, the mean as a bar with ± std, on the metric's whole 0..1 axis (a cut axis makes a
+    +0.01 difference look large); the mean and its spread are written above each arm."""
     arms = compare.get("arms", {})
     if not arms:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(arms) + 2), 4))
     names = list(arms)
     for i, name in enumerate(names):
         stats = arms[name]["metrics"][metric]
-        ax.bar(i, stats["mean"], yerr=stats["std"], color=PALETTE.get(name, "tab:gray"), alpha=0.6, capsize=6)
-        ax.scatter([i] * len(stats["values"]), stats["values"], color="black", zorder=3, s=12)
+        ax.errorbar(i, stats["mean"], yerr=stats["std"], fmt="_", markersize=28, capsize=8, color="black", zorder=3)
+        ax.scatter(i + np.linspace(-0.12, 0.12, len(stats["values"])), stats["values"], s=18, zorder=4,
+                   color=PALETTE.get(name, "tab:gray"))
+        ax.annotate(f"{stats['mean']:.3f} ± {stats['std']:.3f}\n(n={len(stats['values'])})", (i, 1.0),
+                    xytext=(0, -4), textcoords="offset points", ha="center", va="top", fontsize=8)
     frozen = compare.get("frozen", {}).get(metric)
     if frozen is not None:
-        ax.axhline(frozen, color="black", linestyle=":", label="frozen encoder")
-        ax.legend(fontsize=8)
+        ax.axhline(frozen, color="black", linestyle=":", label=f"frozen encoder ({frozen:.3f})")
+        ax.legend(fontsize=8, loc="lower right")
     ax.set_xticks(range(len(names)), names)
-    values = [v for a in arms.values() for v in a["metrics"][metric]["values"]] + ([frozen] if frozen else [])
-    span = max(values) - min(values)
-    ax.set_ylim(max(0.0, min(values) - span - 0.01), min(1.0, max(values) + span + 0.01))
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_ylim(0.0, 1.0)
     ax.set_ylabel(f"held-out {metric}")
-    ax.set_title("Arms: mean ± std over seeds (dots: seeds)")
+    ax.set_title("Arms: dots = seeds, bar = mean ± std")
     return _png(fig)
 
 
@@ -119,22 +154,28 @@ def sweep_curves(sweep: dict) -> bytes | None:
     if not points:
         return None
     plt = _pyplot()
-    panels = [("stage seconds (fit+assign+shard)", lambda p: p["fit_s"] + p["assign_s"] + p["shard_s"]),
-              ("mean intra-cluster cosine", lambda p: p["mean_intra_cosine"]),
-              ("shard size max/min", lambda p: p["max_rows"] / max(1, p["min_rows"]))]
+    panels = [("Clustering cost", "seconds (fit + assign + shard)", lambda p: p["fit_s"] + p["assign_s"] + p["shard_s"]),
+              ("Cluster tightness", "mean intra-cluster cosine", lambda p: p["mean_intra_cosine"]),
+              ("Cluster balance", "largest / smallest shard (rows)", lambda p: p["max_rows"] / max(1, p["min_rows"]))]
     if any(p.get("ndcg_at_10") is not None for p in points):
-        panels.append(("held-out NDCG@10", lambda p: p.get("ndcg_at_10")))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (label, value) in zip(axes[0], panels):
-        for limit in sorted({p["rows"] for p in points}):
+        panels.append(("Held-out retrieval", "NDCG@10", lambda p: p.get("ndcg_at_10")))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False)
+    for ax, (title, ylabel, value) in zip(axes[0], panels):
+        for i, limit in enumerate(sorted({p["rows"] for p in points})):
             sel = sorted((p for p in points if p["rows"] == limit), key=lambda p: p["k"])
             ys = [value(p) for p in sel]
-            ax.plot([p["k"] for p in sel], [np.nan if y is None else y for y in ys], marker="o", label=f"N={limit}")
+            ax.plot([p["k"] for p in sel], [np.nan if y is None else y for y in ys], marker="o", color=f"C{i}",
+                    label=f"N={limit}")
+            frozen = [p["frozen_ndcg_at_10"] for p in sel if p.get("frozen_ndcg_at_10") is not None]
+            if ylabel == "NDCG@10" and frozen:  # the untrained encoder: the bar a trained model must clear
+                ax.axhline(frozen[0], color=f"C{i}", linestyle=":", label=f"frozen, N={limit}")
         ax.set_xscale("log")
         ks = sorted({p["k"] for p in points})
         ax.set_xticks(ks, [str(k) for k in ks])  # the swept values, not 10^x ticks
         ax.minorticks_off()
         ax.set_xlabel("k")
-        ax.set_title(label, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
+    fig.tight_layout()  # room for every panel's y label
     return _png(fig)

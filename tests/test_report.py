@@ -1,4 +1,5 @@
-"""The report renders from a real tiny run (clustered + random training): every figure a valid PNG, costs sane."""
+"""The report renders from a real tiny run (clustered, random and source-stratified training): every figure a
+valid PNG, costs sane; the exported model is a complete sentence-transformers folder with a model card."""
 from __future__ import annotations
 
 import io
@@ -26,6 +27,10 @@ def reported(tmp_path_factory, tiny_model, ray_local):
     run_dir = str(base / "run")
     assert cli.main(["run", "--run-dir", run_dir, "--set", *overrides]) == 0
     assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=random"]) == 0
+    # data.source_column=src (tiny_overrides): the source sampler's run must reach the cost summary too.
+    # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.
+    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=source",
+                     "train.log_every_steps=2"]) == 0
     assert cli.main(["report", "--run-dir", run_dir, "--set", *overrides]) == 0
     return RunDir(run_dir)
 
@@ -92,3 +97,24 @@ def test_cluster_breakdown_partitions_the_heldout_queries(reported):
     text = dict(zip(table.column("pair_id").to_pylist(), table.column("passage").to_pylist()))
     vectors = Encoder(cfg["model"], pooling=cfg["pooling"], max_length=cfg["max_length"]).encode([text[i] for i in held])
     assert np.argmax(vectors @ load_centroids(run, 4).T, axis=1).tolist() == clusters
+
+
+def test_source_sampler_run_is_in_the_cost_summary(reported):
+    summary = reported.read_json("report/cost_summary.json")
+    assert "train:source-seed0" in reported.read_json("report/costs.json")
+    assert {"clustered-seed0", "random-seed0", "source-seed0"} <= set(summary["train_runs"])
+    assert summary["train_epoch_worker_s"] > 0
+
+
+def test_exported_model_is_complete_and_its_checkpoints_are_gone(reported):
+    import json
+
+    run = reported
+    model = "train/clustered-seed0/model"
+    assert json.loads(run.read_bytes(f"{model}/sentence_bert_config.json"))["max_seq_length"] == 32  # passage length
+    assert run.exists(f"{model}/config_sentence_transformers.json")
+    card = run.read_bytes(f"{model}/README.md").decode()
+    assert "k=4" in card and "| sampler | clustered" in card and "| steps | 6 x 16 pairs" in card
+    assert "| this model |" in card  # `run` evaluated it after the export
+    for name in ("clustered-seed0", "random-seed0", "source-seed0"):
+        assert run.exists(f"train/{name}/model/model.safetensors") and not run.exists(f"train/{name}/ray")

@@ -47,18 +47,22 @@ def _assert_same_run(run, name, uninterrupted):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])  # same weights, optimizer state, dropout
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
     assert run.exists(f"train/{name}/model/model.safetensors") and run.exists(f"train/{name}/_DONE.json")
+    assert not run.exists(f"train/{name}/ray")  # train.keep_checkpoint=false: deleted after the final export
 
 
 def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
     stats = run_train(_cfg(tiny_model, "resumed", "train.stop_after_steps=3"), sharded)
     assert stats["stopped_at_step"] == 3 and not sharded.exists("train/resumed/_DONE.json")
+    assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
     assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 3
     run_train(_cfg(tiny_model, "resumed"), sharded, resume=True)
     _assert_same_run(sharded, "resumed", uninterrupted)
 
 
 def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninterrupted):
-    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1")
+    # Metrics-only reports (every step) between the checkpoints must not disturb the restart.
+    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1",
+               "train.log_every_steps=1")
     run_train(cfg, sharded, fail_at_step=3)
     _assert_same_run(sharded, "failed", uninterrupted)
 

@@ -57,6 +57,18 @@ def source_codes(run: RunDir, manifest: dict) -> tuple[np.ndarray, list[str]]:
     return codes.astype(np.int64), [str(n) for n in names]
 
 
+def strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int], np.ndarray | None, list[str] | None]:
+    """What the batch schedule of `sampler` needs: (shard sizes, source code per row or None, source names or None).
+
+    Every caller of schedule.* (the training loop, the cost model) goes through here, so the source sampler
+    never sees sizes without codes."""
+    sizes = [c["rows"] for c in manifest["clusters"]]
+    if sampler != "source":
+        return sizes, None, None
+    codes, names = source_codes(run, manifest)
+    return sizes, codes, names
+
+
 class ShardReader:
     """Reads rows of a shard by index; keeps the last few shards in memory."""
 

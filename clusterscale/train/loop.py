@@ -18,10 +18,11 @@ import time
 import torch
 
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
+from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
-from clusterscale.train.data import ShardReader, checked_manifest, source_codes
+from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
@@ -40,15 +41,6 @@ def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
     span = max(1, num_steps - 1 - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.lr + (cfg.final_lr - cfg.lr) * frac
-
-
-def _strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int], object, list[str] | None]:
-    """(shard sizes, source codes or None, source names or None)."""
-    sizes = [c["rows"] for c in manifest["clusters"]]
-    if sampler != "source":
-        return sizes, None, None
-    codes, names = source_codes(run, manifest)
-    return sizes, codes, names
 
 
 def _group_label(gb: schedule.GlobalBatch, manifest: dict, sampler: str, sources: list[str] | None):
@@ -76,7 +68,7 @@ def train_loop_per_worker(config: dict) -> None:
     shards_run = RunDir(config.get("shards_uri") or config["run_uri"])
     segment, seg_start, seg_stop = config.get("segment", (0, 0, num_steps))
     manifest = checked_manifest(shards_run, cfg.cluster.k, tc.global_batch_size)
-    sizes, codes, sources = _strata_inputs(shards_run, manifest, tc.sampler)
+    sizes, codes, sources = strata_inputs(shards_run, manifest, tc.sampler)
     device = rt_torch.get_device()
 
     model, tokenizer, pooling = build_student(tc)
@@ -128,6 +120,8 @@ def train_loop_per_worker(config: dict) -> None:
             if log is not None:
                 log.flush()
 
+    progress: dict = {}  # the latest logged figures, identical on every rank (all-reduced)
+
     def save(step: int, epoch: int, final: bool) -> None:
         """All ranks call report (a barrier); rank 0 attaches the checkpoint."""
         flush_logs()
@@ -141,7 +135,7 @@ def train_loop_per_worker(config: dict) -> None:
                     save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"),
                                                    pooling, tc.passage_max_length)
                 attached = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report({"step": step, "train_s": time.time() - started}, checkpoint=attached)
+            ray.train.report({**progress, "step": step, "train_s": time.time() - started}, checkpoint=attached)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -208,8 +202,12 @@ def train_loop_per_worker(config: dict) -> None:
             raise FloatingPointError(f"Loss became {values[0]} at step {gb.step}: lower train.lr or raise "
                                      f"train.temperature.")
         done = gb.step + 1
+        progress = {"epoch": gb.epoch, "loss": values[0], "lr": lr, **figures}
         if tc.checkpoint_every_steps and done % tc.checkpoint_every_steps == 0 and done < stop_step:
             save(done, gb.epoch, final=False)
+        elif done % tc.log_every_steps == 0 and done < stop_step:
+            # Metrics reach Ray's dashboard and Result.metrics every logging step, not only with checkpoints.
+            ray.train.report({**progress, "step": done, "train_s": time.time() - started})
     if board is not None:
         board.close()
     # The model is exported at the end, and at a segment's end for the re-clustering that follows.
@@ -236,13 +234,19 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.negatives_per_query:
         _check_negatives(cfg, run)
-    sizes, codes, _ = _strata_inputs(run, manifest, tc.sampler)
+    sizes, codes, _ = strata_inputs(run, manifest, tc.sampler)
     num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps, codes)
     if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes) == 0:
         raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
                           f"{tc.global_batch_size} pairs: lower train.global_batch_size.")
     unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting, codes)
+    for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
+        print(f"[train] warning: {warning}", flush=True)
     if resume:
+        if not run.exists(out, "ray", RAY_RUN_NAME) and run.exists(out, "_DONE.json"):
+            raise StageMissingError(f"--resume: {out} finished earlier with another config and its checkpoints were "
+                                    f"deleted after the export (train.keep_checkpoint=false): start without --resume "
+                                    f"(it trains afresh), and set train.keep_checkpoint=true to keep them next time.")
         if not run.exists(out, "ray", RAY_RUN_NAME):
             raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
     else:
@@ -286,8 +290,25 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
         return stats | {"stopped_at_step": stop_step}
     _export_model(run, result.checkpoint, f"{out}/model")
     run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
-    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}", flush=True)
+    write_model_card(cfg, run, name)
+    if not tc.keep_checkpoint:  # only now: until the export is complete, --resume needs the checkpoint
+        run.remove(out, "ray")
+    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}"
+          f"{'' if tc.keep_checkpoint else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
     return stats
+
+
+def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_pairs: int) -> list[str]:
+    """Settings that waste data or never leave warm-up, said before any compute is spent."""
+    warnings = []
+    if total_pairs and unused_pairs >= 0.1 * total_pairs:
+        warnings.append(f"{unused_pairs} of {total_pairs} pairs ({unused_pairs / total_pairs:.0%}) are unused per "
+                        f"epoch (each stratum's remainder below one global batch of {tc.global_batch_size}): lower "
+                        f"train.global_batch_size (or cluster.k) so that fewer pairs are left over.")
+    if tc.warmup_steps >= num_steps:
+        warnings.append(f"train.warmup_steps={tc.warmup_steps} >= the {num_steps} steps of this run: the learning "
+                        f"rate never reaches train.lr={tc.lr:g}; lower train.warmup_steps.")
+    return warnings
 
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:

@@ -1,0 +1,87 @@
+"""The model card (README.md) of an exported model, train/<name>/model/README.md: what it was trained from and
+on, how, and its held-out metrics once known. Written at export by `clusterscale train`; `clusterscale
+evaluate` (held-out and --mteb) rewrites it with the metrics it measured.
+"""
+from __future__ import annotations
+
+import os
+
+from clusterscale.config import Config
+from clusterscale.rundir import RunDir
+
+BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what train.init=bundled is a copy of
+
+
+def _base_model(cfg: Config) -> str:
+    tc = cfg.train
+    if tc.init == "scratch":
+        return (f"none: BERT from scratch ({tc.scratch_num_layers} layers, hidden {tc.scratch_hidden_size}), "
+                f"tokenizer `{tc.tokenizer}`")
+    return f"`{tc.init}`"
+
+
+def _exported_pooling(run: RunDir, name: str) -> str:
+    """The pooling the export uses (train.pooling may say 'auto')."""
+    pooling = run.read_json(f"train/{name}/model/1_Pooling/config.json") \
+        if run.exists(f"train/{name}/model/1_Pooling/config.json") else {}
+    return "CLS" if pooling.get("pooling_mode_cls_token") else "mean" if pooling.get("pooling_mode_mean_tokens") else "?"
+
+
+def _hub_base_model(init: str) -> list[str]:
+    """The card's `base_model:` line: the hub only accepts a model id there, not a local folder or a URI."""
+    from clusterscale.encoder import BUNDLED  # here: the card's importers (mteb_eval) stay free of torch
+
+    hub_id = BUNDLED_HUB_ID if init == BUNDLED else init
+    if init == "scratch" or "://" in hub_id or os.path.exists(os.path.expanduser(hub_id)):
+        return []
+    return [f"base_model: {hub_id}"]
+
+
+def _metrics_lines(run: RunDir, name: str) -> list[str]:
+    rows = [(label, run.read_json(rel)) for label, rel in (("this model", f"eval/{name}.json"),
+                                                          ("frozen encoder (reference)", "eval/frozen.json"))
+            if run.exists(rel)]
+    lines = []
+    if rows:
+        keys = list(rows[0][1]["metrics"])
+        lines += ["| model | queries | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        lines += [f"| {label} | {r.get('num_queries', '')} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys)
+                  + " |" for label, r in rows]
+    if run.exists(f"eval/mteb/{name}.json"):
+        tasks = run.read_json(f"eval/mteb/{name}.json")["tasks"]
+        lines += ["", "MTEB retrieval, NDCG@10: " + ", ".join(
+            f"{task} {scores['ndcg_at_10']:.4f}" for task, scores in sorted(tasks.items()) if "ndcg_at_10" in scores)]
+    return lines or ["Not evaluated yet: `clusterscale evaluate` (same config and --run-dir) adds the held-out "
+                     "metrics here."]
+
+
+def model_card(cfg: Config, run: RunDir, name: str) -> str:
+    tc, stats = cfg.train, run.done_stats(f"train/{name}") if run.exists(f"train/{name}", "_DONE.json") else {}
+    pairs = run.done_stats("pairs").get("pairs") if run.exists("pairs", "_DONE.json") else None
+    steps = stats.get("steps", tc.steps)
+    return "\n".join([
+        "---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
+        "tags: [sentence-transformers, feature-extraction, clusterscale]", *_hub_base_model(tc.init), "---",
+        f"# {name}", "",
+        "A text-embedding model trained with clusterscale: contrastive (InfoNCE, in-batch negatives) training "
+        "where every global batch is drawn from one stratum of the data.", "",
+        "| | |", "|---|---|",
+        f"| base model | {_base_model(cfg)} |",
+        f"| data | `{cfg.data.path}`: {pairs if pairs is not None else '?'} training pairs |",
+        f"| clusters | k={cfg.cluster.k} (spherical k-means over `{cfg.embed.model}` embeddings) |",
+        f"| sampler | {tc.sampler} ({tc.cluster_weighting}) |",
+        f"| steps | {steps} x {tc.global_batch_size} pairs, lr {tc.lr:g} -> {tc.final_lr:g}, "
+        f"{tc.warmup_steps} warm-up steps, temperature {tc.temperature:g} |",
+        f"| pooling, lengths | {_exported_pooling(run, name)}, query {tc.query_max_length} / passage "
+        f"{tc.passage_max_length} tokens |",
+        f"| seed | {tc.seed} |", "",
+        "## Held-out retrieval", "", *_metrics_lines(run, name), "",
+        "## Use", "", "```python", "from sentence_transformers import SentenceTransformer", "",
+        "model = SentenceTransformer(\"PATH/TO/THIS/FOLDER\")",
+        "vectors = model.encode([\"a query\", \"a passage\"])  # L2-normalised: cosine = dot product", "```", ""])
+
+
+def write_model_card(cfg: Config, run: RunDir, name: str) -> None:
+    """(Re)write train/<name>/model/README.md; a no-op when the model was not exported."""
+    if run.exists(f"train/{name}/model", "config.json"):
+        run.write_text(f"train/{name}/model/README.md", model_card(cfg, run, name))

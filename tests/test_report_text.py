@@ -1,0 +1,75 @@
+"""The report's text never prints a figure it cannot stand behind: refused or flagged extrapolations, tiny
+samples marked, MTEB folded into the held-out table, no 'No evaluation yet' above a sweep's NDCG (no Ray)."""
+from __future__ import annotations
+
+import pytest
+
+from clusterscale import config, report
+from clusterscale.costs import extrapolate
+from clusterscale.rundir import RunDir
+
+
+def test_negative_slope_is_refused_not_printed_as_zero():
+    ext = extrapolate([(1000, 50.0), (4000, 40.0)], 100_000_000)
+    assert ext["value"] is None and ext["warning"].startswith("refused: the fitted per-row cost")
+    text = "\n".join(report.extrapolation_text({"target_rows": 100_000_000, "preprocess": ext,
+                                                "train_epoch": extrapolate([(1000, 5.0), (4000, 20.0)], 1e8),
+                                                "ratio_per_epoch": None}))
+    assert "preprocessing not extrapolated" in text and "ratio n/a per epoch" in text
+    assert "~0 worker-s" not in text and "ratio ~0" not in text
+    assert "**Unreliable preprocessing extrapolation**: refused" in text
+
+
+def test_start_up_dominated_fit_is_flagged_and_a_clean_fit_is_not():
+    dominated = extrapolate([(1000, 30.0), (2000, 31.0)], 1e6)  # a=29 s, b x 2000 rows = 2 s
+    assert dominated["value"] == pytest.approx(29.0 + 0.001 * 1e6)
+    assert dominated["warning"].startswith("start-up dominated: the fixed cost a=29 s")
+    clean = extrapolate([(1000, 11.0), (4000, 41.0)], 1e6)  # a=1 s, b=0.01 s/row
+    assert clean["value"] == pytest.approx(1.0 + 0.01 * 1e6) and "warning" not in clean
+    single = extrapolate([(1000, 10.0)], 1e6)
+    assert single["value"] == pytest.approx(10_000.0) and "upper bound" in single["warning"]
+
+
+def _eval(run: RunDir, name: str, scores: list[float]) -> None:
+    run.write_json(f"eval/{name}.json", {"name": name, "metrics": {"ndcg_at_10": sum(scores) / len(scores)},
+                                         "num_queries": len(scores),
+                                         "per_query": {"pair_id": list(range(len(scores))), "ndcg_at_10": scores}})
+
+
+def test_eval_table_marks_tiny_samples_and_folds_in_mteb(tmp_path):
+    run = RunDir(str(tmp_path))
+    assert report.eval_table(run) is None
+    _eval(run, "frozen", [1.0, 0.0, 0.5])
+    _eval(run, "clustered-seed0", [1.0, 1.0, 0.5])
+    run.write_json("eval/mteb/clustered-seed0.json", {"model_name": "clustered-seed0", "mteb_version": "2",
+                                                      "tasks": {"A": {"ndcg_at_10": 0.4}, "B": {"ndcg_at_10": 0.6}}})
+    table = report.eval_table(run)
+    frozen, trained = (line for line in table.splitlines() if line.startswith(("| frozen", "| clustered")))
+    assert frozen.startswith("| frozen | 3 * | 0.5000 | 0.2887 |")  # s.e. = std(ddof=1) / sqrt(3)
+    assert trained.endswith("| 0.5000 (2) |")  # MTEB mean NDCG@10 over its 2 tasks
+    assert "fewer than 30 held-out queries" in table
+
+
+def test_per_cluster_ndcg_from_one_query_is_marked():
+    table = report.by_cluster_table({"clusters": {"0": {"queries": 1, "ndcg_at_10": {"frozen": 1.0}},
+                                                  "1": {"queries": 40, "ndcg_at_10": {"frozen": 0.5}}}})
+    assert "| 0 | 1 * | 1.0000 |" in table and "| 1 | 40 | 0.5000 |" in table
+    assert "tiny sample" in table
+
+
+def test_compare_with_one_seed_is_marked():
+    stats = {"mean": 0.5, "std": 0.0, "min": 0.5, "max": 0.5, "values": [0.5]}
+    table = report.compare_table({"arms": {"clustered": {"seeds": [0], "metrics": {"ndcg_at_10": stats,
+                                                                                   "mrr_at_10": stats}}}})
+    assert "| clustered | 1 * |" in table and "fewer than 3 seeds" in table
+
+
+def test_sweep_report_does_not_claim_no_evaluation(tmp_path):
+    run = RunDir(str(tmp_path))
+    run.write_json("report/sweep.json", {"description": "k in [2]", "points": [
+        {"rows": 100, "k": 2, "shards": 2, "min_rows": 40, "max_rows": 60, "mean_intra_cosine": 0.3,
+         "min_intra_cosine": 0.2, "max_intra_cosine": 0.4, "fit_s": 1.0, "assign_s": 1.0, "shard_s": 1.0,
+         "ndcg_at_10": 0.7, "frozen_ndcg_at_10": 0.6}]})
+    text = open(report.run_report(config.load(None, []), run)).read()
+    assert "No evaluation yet" not in text and "| 100 | 2 | 2 |" in text
+    assert "sweep.png" in text
