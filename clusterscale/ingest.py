@@ -24,6 +24,7 @@ import ray
 from clusterscale.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_path
 from clusterscale.config import Config, DataConfig
 from clusterscale.errors import UserError
+from clusterscale.redact import redact_uri
 from clusterscale.rundir import RunDir, resolve_filesystem
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
@@ -268,7 +269,7 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
     for kind in ("pairs", "heldout", "quarantine"):  # partial output of an interrupted attempt
         run.begin(kind)
     task = ray.remote(num_cpus=1, max_retries=2)(ingest_file)
-    print(f"[ingest] {len(files)} input file(s) from {data.path}", flush=True)
+    print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}", flush=True)
     results: list[dict] = []
     if data.limit is not None:  # row budget flows in file order, so files are done one by one
         remaining = data.limit
