@@ -45,7 +45,7 @@ def storage_error(exc: OSError) -> StorageError | None:
     if exc.errno not in STORAGE_ADVICE:
         return None
     # pyarrow puts the path into strerror and leaves filename empty; Python's own OSError sets filename.
-    where = f"{exc.filename}" if exc.filename else (exc.strerror or str(exc))
+    where = str(exc.filename) if exc.filename else (exc.strerror or str(exc))
     found = StorageError(f"{os.strerror(exc.errno)} ({where}): {STORAGE_ADVICE[exc.errno]}.")
     found.errno = exc.errno
     return found
@@ -61,7 +61,7 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         failures = getattr(current, "worker_failures", None)  # ray.train.WorkerGroupError: {rank: exception}
-        nested = [current.__dict__.get("cause"), getattr(current, "controller_failure", None),
+        nested = [getattr(current, "__dict__", {}).get("cause"), getattr(current, "controller_failure", None),
                   *(failures.values() if isinstance(failures, dict) else ()), current.__cause__, current.__context__]
         queue.extend(e for e in nested if isinstance(e, BaseException))
 
@@ -86,6 +86,12 @@ def _from_traceback_text(text: str) -> Exception | None:
     return None
 
 
+def _is_out_of_disk(exc: BaseException) -> bool:
+    from ray.exceptions import OutOfDiskError  # only reached once Ray has raised something
+
+    return isinstance(exc, OutOfDiskError)
+
+
 def _is_ray_wrapper(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("ray.")
 
@@ -99,8 +105,12 @@ def user_error(exc: BaseException) -> Exception | None:
         if isinstance(current, UserError) and not _is_ray_wrapper(current):
             return current
     for current in chain:
-        if isinstance(current, OSError) and not _is_ray_wrapper(current) and storage_error(current):
-            return storage_error(current)
+        if isinstance(current, OSError) and not _is_ray_wrapper(current) and (found := storage_error(current)):
+            return found
+        if _is_out_of_disk(current):
+            return StorageError("A Ray node's local disk is over its capacity threshold (95% by default), so Ray can "
+                                "no longer spill objects: free space on it (`df`; Ray's temp dir is /tmp/ray by "
+                                "default) and rerun; completed stages are kept.")
     for current in chain:
         if _is_ray_wrapper(current):
             found = _from_traceback_text(str(current))

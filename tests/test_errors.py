@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from ray.exceptions import ActorDiedError, RayTaskError, UserCodeException
+from ray.exceptions import ActorDiedError, OutOfDiskError, RayTaskError, UserCodeException
 from ray.train import WorkerGroupError
 
 from clusterscale import cli
@@ -52,6 +52,7 @@ def test_storage_faults_name_the_path_also_inside_ray(code, advice):
         assert message and "/runs/a/pairs/part-0.parquet" in message and advice in message, message
     assert user_message(OSError(errno.ENOSPC, "No space left on device", "/runs/b/x")).startswith(
         "No space left on device (/runs/b/x): free space")
+    assert "free space on it" in user_message(ray_task_error(OutOfDiskError("object store full"), "tb"))
     assert user_message(RuntimeError("a bug")) is None and user_message(OSError(errno.EIO, "io")) is None
 
 
