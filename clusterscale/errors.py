@@ -61,7 +61,7 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         failures = getattr(current, "worker_failures", None)  # ray.train.WorkerGroupError: {rank: exception}
-        nested = [getattr(current, "__dict__", {}).get("cause"), getattr(current, "controller_failure", None),
+        nested = [getattr(current, "cause", None), getattr(current, "controller_failure", None),
                   *(failures.values() if isinstance(failures, dict) else ()), current.__cause__, current.__context__]
         queue.extend(e for e in nested if isinstance(e, BaseException))
 
