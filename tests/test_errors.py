@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -112,3 +113,26 @@ def test_inspect_a_config_yaml_without_cluster_k(tmp_path, capsys, config_text):
     fake_shards(tmp_path / "run", yaml.safe_dump({"cluster": {"k": 2}}))
     assert cli.main(["inspect", str(tmp_path / "run")]) == 0
 
+
+
+def test_job_prints_one_paragraph_for_a_ray_wrapped_fault_and_redacts_tracebacks(tmp_path, monkeypatch, capsys,
+                                                                                   no_ray):
+    import clusterscale.session
+
+    monkeypatch.setattr(clusterscale.session, "check_run_dir_shared", lambda run: None)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "jobs"))
+    from _job import run_job
+
+    def user_fault(cfg, run, args):
+        raise WorkerGroupError("[Rank 0 Error Snippet]: ...", {0: ConfigError("train.lr is too high: lower it.")})
+
+    assert run_job("test", user_fault, ["--run-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == f"error: train.lr is too high: lower it.\nrun directory: {tmp_path / 'r'}\n"
+
+    def bug(cfg, run, args):
+        raise RuntimeError("cannot reach s3://KEY:SECRET@bucket/x?session_token=TOKEN")
+
+    assert run_job("test", bug, ["--run-dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "s3://***@bucket/x?session_token=***" in err
+    assert "SECRET" not in err and "TOKEN" not in err
