@@ -425,7 +425,7 @@ class _StrictLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"found the alias *{bounded_repr(event.anchor)}: "
+            raise yaml.composer.ComposerError(None, None, f"found the alias *{event.anchor[:60]}: "
                                               "aliases and anchors are not allowed in a config; write the "
                                               "value out", event.start_mark)
         return super().compose_node(parent, index)
