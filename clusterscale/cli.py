@@ -8,6 +8,8 @@ import time
 from typing import Callable
 
 from clusterscale import config as config_mod
+from clusterscale.errors import bounded_repr, user_message
+from clusterscale.redact import redact_uri
 
 VERBS = {
     "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
@@ -33,12 +35,6 @@ def pipeline(cfg) -> tuple[str, ...]:
     if not cfg.train.negatives_per_query:
         return PIPELINE
     return PIPELINE[:5] + ("mine",) + PIPELINE[5:]
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from clusterscale.errors import UserError
-
-    return (UserError,)
 
 
 def package_version() -> str:
@@ -117,7 +113,7 @@ def run_experiment(args, cfg) -> None:
         limits = experiments.parse_list(args.limits, "--limit", int) if args.limits else None
         sweep = experiments.run_sweep(cfg, args.run_dir, experiments.parse_list(args.k_values, "--k", int), limits,
                                       args.preprocess_only)
-        print(f"sweep: {len(sweep['points'])} points; table in {args.run_dir}/report/report.md")
+        print(f"sweep: {len(sweep['points'])} points; table in {redact_uri(args.run_dir)}/report/report.md")
 
 
 def stage_functions() -> dict[str, Callable]:
@@ -179,20 +175,34 @@ def summary(cfg, run, results: dict) -> str:
     return "\n".join(lines)
 
 
+def saved_k(run) -> int:
+    """cluster.k of RUN/config.yaml (a hand-edited or truncated one included)."""
+    where = run.path("config.yaml")
+    saved = config_mod.parse_yaml(run.read_bytes("config.yaml"), where)
+    cluster = saved.get("cluster") if isinstance(saved, dict) else None
+    k = cluster.get("k") if isinstance(cluster, dict) else None
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise config_mod.ConfigError(f"{where} has no integer cluster.k (found {bounded_repr(cluster)} under "
+                                     f"`cluster`): pass --k K to choose the clustering to show.")
+    return k
+
+
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
     import json
-
-    import yaml
 
     from clusterscale.rundir import RunDir
     from clusterscale.shards import cluster_table, format_cluster_table, load_manifest, shards_dir
 
     run = RunDir(run_dir)
+    json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
+    if json_folder and not os.path.isdir(json_folder):
+        raise config_mod.ConfigError(f"--json {json_path}: the folder {json_folder} does not exist; create it or "
+                                     f"pass a path in an existing folder.")
     if k is None:
         if not run.exists("config.yaml"):
             raise config_mod.ConfigError(f"{run_dir} has no config.yaml: pass --k or check the run directory.")
-        k = yaml.safe_load(run.read_bytes("config.yaml"))["cluster"]["k"]
+        k = saved_k(run)
     table = cluster_table(load_manifest(run, k))
     print(format_cluster_table(table))
     if json_path:
@@ -207,7 +217,6 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    errors = _user_errors()
     try:
         if args.verb == "config":
             print(config_mod.describe())
@@ -237,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             run_mteb(cfg, run, parse_list(args.mteb, "--mteb"))
         if args.verb in ("run", "evaluate", "report"):
             print(summary(cfg, run, results))
-        print(f"done in {time.time() - started:.1f}s; run directory: {run.uri}", flush=True)
+        print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(run.uri)}", flush=True)
         return 0
-    except errors as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - user faults become one paragraph; bugs keep their traceback
+        message = user_message(exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -5,13 +5,15 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from clusterscale.errors import UserError
+from clusterscale.errors import UserError, bounded_repr
+from clusterscale.redact import redact_values
 
 
 class ConfigError(UserError, ValueError):
@@ -252,7 +254,8 @@ class Config:
         payload = {name: output_keys(getattr(self, name)) for name in sections}
         if extra:
             payload["extra"] = extra
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+        # Credentials in a URI do not change what a stage outputs: rotating a key keeps completed work.
+        return hashlib.sha256(json.dumps(redact_values(payload), sort_keys=True).encode()).hexdigest()[:16]
 
     def hash(self) -> str:
         return self.fingerprint(SECTIONS)
@@ -274,14 +277,16 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{key} must not be null (default: {default!r}).")
+        raise ConfigError(f"{key} must not be null (default: {bounded_repr(default)}).")
     kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}.")
+            raise ConfigError(f"{key} must be true or false, got {bounded_repr(value)}.")
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}.")
+            raise ConfigError(f"{key} must be an integer, got {bounded_repr(value)}.")
+        if abs(value) >= 2**63:  # counts and seeds reach numpy/torch as int64
+            raise ConfigError(f"{key} is out of range (|value| < 2**63), got {bounded_repr(value)}.")
     elif kind is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
@@ -289,18 +294,25 @@ def _check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}.")
+            raise ConfigError(f"{key} must be a number, got {bounded_repr(value)}.")
         value = float(value)
+        if not math.isfinite(value):  # NaN passes every range check below and fails only at step 0
+            raise ConfigError(f"{key} must be a finite number, got {value}; the default is {default}.")
     elif kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}.")
+            raise ConfigError(f"{key} must be a string, got {bounded_repr(value)}.")
     elif kind is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}.")
+            raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
     choices = f.metadata["choices"]
     if choices and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}.")
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {bounded_repr(value)}.")
     return value
+
+
+def _key_text(key: Any) -> str:
+    """A key as the user wrote it, bounded (a key can be any YAML value)."""
+    return key if isinstance(key, str) and len(key) <= 60 else bounded_repr(key)
 
 
 def from_dict(raw: dict | None) -> Config:
@@ -313,16 +325,17 @@ def from_dict(raw: dict | None) -> Config:
         if section == "config_hash":  # present in a RUN/config.yaml fed back in
             continue
         if section not in SECTIONS:
-            raise ConfigError(f"Unknown config section {section!r}; allowed sections: {', '.join(SECTIONS)}.")
+            raise ConfigError(f"Unknown config section {bounded_repr(section)}; allowed sections: "
+                              f"{', '.join(SECTIONS)}.")
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise ConfigError(f"Config section {section!r} must be a mapping of keys, got {values!r}.")
+            raise ConfigError(f"Config section {section!r} must be a mapping of keys, got {bounded_repr(values)}.")
         obj = getattr(cfg, section)
         known = {f.name: f for f in fields(obj)}
         for key, value in values.items():
             if key not in known:
-                raise ConfigError(f"Unknown config key {section}.{key}; allowed keys in {section}: "
+                raise ConfigError(f"Unknown config key {section}.{_key_text(key)}; allowed keys in {section}: "
                                   f"{', '.join(sorted(known))}.")
             setattr(obj, key, _check_type(f"{section}.{key}", known[key], value))
     validate(cfg)
@@ -333,7 +346,7 @@ def _positive(key: str, value: float | int | None, allow_none: bool = False) -> 
     if value is None and allow_none:
         return
     if value is None or value <= 0:
-        raise ConfigError(f"{key} must be greater than 0, got {value!r}.")
+        raise ConfigError(f"{key} must be greater than 0, got {bounded_repr(value)}.")
 
 
 def validate(cfg: Config) -> None:
@@ -385,8 +398,10 @@ def validate(cfg: Config) -> None:
     _validate_moe(cfg.train)
     if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
         raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
-    if not cfg.eval.k_values or any(not isinstance(k, int) or k <= 0 for k in cfg.eval.k_values):
-        raise ConfigError(f"eval.k_values must be a non-empty list of positive integers, got {cfg.eval.k_values}.")
+    if not cfg.eval.k_values or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0
+                                    for k in cfg.eval.k_values):
+        raise ConfigError(f"eval.k_values must be a non-empty list of positive integers, "
+                          f"got {bounded_repr(cfg.eval.k_values)}.")
     if cfg.eval.num_distractors < 0:
         raise ConfigError(f"eval.num_distractors must be >= 0, got {cfg.eval.num_distractors}.")
     if not 0 <= cfg.mine.range_min < cfg.mine.range_max:
@@ -405,7 +420,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.recluster_every needs train.sampler=clustered (got {cfg.train.sampler!r}): the "
                           f"other samplers do not use the clusters.")
     if cfg.train.name and ("/" in cfg.train.name or cfg.train.name.startswith(".")):
-        raise ConfigError(f"train.name must be a plain folder name, got {cfg.train.name!r}.")
+        raise ConfigError(f"train.name must be a plain folder name, got {bounded_repr(cfg.train.name)}.")
 
 
 def _validate_moe(tc: TrainConfig) -> None:
@@ -417,16 +432,53 @@ def _validate_moe(tc: TrainConfig) -> None:
         raise ConfigError(f"train.moe_aux_loss_weight must be >= 0, got {tc.moe_aux_loss_weight}.")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader without aliases (a 1 KB file of nested aliases expands to gigabytes) or duplicate keys
+    (the later one would silently win)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"found the alias *{event.anchor[:60]}: "
+                                              "aliases and anchors are not allowed in a config; write the "
+                                              "value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = (key_node.tag, key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found the duplicate key {bounded_repr(key_node.value)}: keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(data: bytes | str, source: str) -> Any:
+    """YAML of a config file or a --set value (`source` names it in errors): UTF-8, no aliases, no duplicate keys."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source} is not UTF-8 text (byte {exc.start} is {data[exc.start:exc.start + 1]!r}): "
+                              f"save it as UTF-8.") from None
+    try:
+        return yaml.load(data, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer beyond Python's 4300 digits
+        raise ConfigError(f"{source} cannot be read as a config: {bounded_repr(str(exc))}.") from None
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'section.key=value' -> (section, key, YAML-parsed value)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError(f"--set expects section.key=value, got {text!r} (e.g. --set cluster.k=16).")
+        raise ConfigError(f"--set expects section.key=value, got {bounded_repr(text)} (e.g. --set cluster.k=16).")
     lhs, rhs = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
-    try:
-        value = yaml.safe_load(rhs) if rhs.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {lhs}: cannot parse value {rhs!r}: {exc}") from exc
+    value = parse_yaml(rhs, f"--set {_key_text(lhs)}") if rhs.strip() else ""
     return section, key, value
 
 
@@ -438,9 +490,10 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         if not p.exists():
             raise ConfigError(f"Config file {p} does not exist.")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"Config file {p} is not valid YAML: {exc}") from exc
+            data = p.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"Config file {p} cannot be read ({exc.strerror}): pass a readable YAML file.") from None
+        raw = parse_yaml(data, f"Config file {p}") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"Config file {p} must hold a mapping of sections, got {type(raw).__name__}.")
     parsed = [parse_override(text) for text in overrides or []]
@@ -451,7 +504,7 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         if raw[section] is None:
             raw[section] = {}
         if not isinstance(raw[section], dict):
-            raise ConfigError(f"Config section {section!r} must be a mapping.")
+            raise ConfigError(f"Config section {bounded_repr(section)} must be a mapping.")
         raw[section][key] = value
     return from_dict(raw)
 
@@ -466,7 +519,8 @@ def _path_after(parsed: list[tuple[str, str, Any]]) -> Any:
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump({"config_hash": cfg.hash(), **cfg.to_dict()}, sort_keys=False)
+    """The resolved config as stored in RUN/config.yaml: credentials in URIs redacted."""
+    return yaml.safe_dump(redact_values({"config_hash": cfg.hash(), **cfg.to_dict()}), sort_keys=False)
 
 
 def describe() -> str:

@@ -24,6 +24,7 @@ from clusterscale.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.config import Config, DataConfig
 from clusterscale.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
+from clusterscale.redact import redact_uri
 from clusterscale.rundir import RunDir
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
@@ -223,7 +224,7 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
     for kind in ("pairs", "heldout", "quarantine"):  # partial output of an interrupted attempt
         run.begin(kind)
     task = ray.remote(num_cpus=1, max_retries=2)(ingest_file)
-    print(f"[ingest] {len(files)} input file(s) from {data.path}", flush=True)
+    print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}", flush=True)
     results: list[dict] = []
     if data.limit is not None:  # row budget flows in file order, so files are done one by one
         remaining = data.limit

@@ -20,6 +20,7 @@ import pyarrow.fs as pafs
 from clusterscale.errors import UserError
 
 from clusterscale.config import Config, to_yaml
+from clusterscale.redact import redact_uri, redact_values
 
 DONE = "_DONE.json"
 
@@ -141,13 +142,15 @@ class RunDir:
             return f.read()
 
     def write_json(self, rel: str, obj: Any) -> None:
-        self.write_bytes(rel, json.dumps(obj, indent=2, sort_keys=False, default=_json_default).encode())
+        """Stored JSON (markers, costs, reports) never holds credentials; the run keeps real URIs in memory."""
+        self.write_bytes(rel, json.dumps(redact_values(obj), indent=2, sort_keys=False,
+                                         default=_json_default).encode())
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
 
     def write_text(self, rel: str, text: str) -> None:
-        self.write_bytes(rel, text.encode())
+        self.write_bytes(rel, redact_uri(text).encode())
 
     # stage markers -----------------------------------------------------------------------------
     def is_done(self, stage_dir: str, fingerprint: str) -> bool:

@@ -20,6 +20,8 @@ if REPO not in sys.path:
 
 from clusterscale import cli  # noqa: E402
 from clusterscale import config as config_mod  # noqa: E402
+from clusterscale.errors import user_message  # noqa: E402
+from clusterscale.redact import redact_uri  # noqa: E402
 
 PREPROCESS = ("ingest", "embed", "fit", "assign", "shard")
 
@@ -43,22 +45,23 @@ def run_job(description: str, body: Callable, argv: list[str] | None = None,
 
     args = (parser or build_parser(description)).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_uri = args.run_dir
+    run_uri = redact_uri(args.run_dir)
     try:
         cfg = config_mod.load(args.config, args.overrides)  # validated before any cluster time is spent
         run = RunDir(args.run_dir)
-        run_uri = run.uri
-        print(f"run directory: {run.uri}", flush=True)
+        run_uri = redact_uri(run.uri)
+        print(f"run directory: {run_uri}", flush=True)
         init_ray(cfg.ray)
         print(f"ray: {'joined ' + cluster_address(cfg.ray) if cluster_address(cfg.ray) else 'local instance'}",
               flush=True)
         check_run_dir_shared(run)
         body(cfg, run, args)
-    except cli._user_errors() as exc:
-        print(f"error: {exc}\nrun directory: {run_uri}", file=sys.stderr, flush=True)
-        return 2
-    except Exception:  # noqa: BLE001 - a job must end with a status, never hang on an exception
-        traceback.print_exc()
+    except Exception as exc:  # noqa: BLE001 - a job must end with a status, never hang on an exception
+        message = user_message(exc)
+        if message is not None:
+            print(f"error: {message}\nrun directory: {run_uri}", file=sys.stderr, flush=True)
+            return 2
+        print(redact_uri(traceback.format_exc()), file=sys.stderr, end="", flush=True)
         print(f"failed; run directory: {run_uri}", file=sys.stderr, flush=True)
         return 1
     print(f"done; run directory: {run_uri}", flush=True)

@@ -62,3 +62,83 @@ def test_describe_documents_every_key():
     for section in config.SECTIONS:
         for key in config.output_keys(getattr(config.Config(), section)):
             assert f"  {key}:" in text
+
+
+def float_keys() -> list[str]:
+    """Every float knob of every section, found from the dataclasses (so a new one is covered too)."""
+    keys = []
+    for section in config.SECTIONS:
+        obj = getattr(config.Config(), section)
+        keys += [f"{section}.{f.name}" for f in config.fields(obj) if isinstance(getattr(obj, f.name), float)]
+    return keys
+
+
+@pytest.mark.parametrize("bad", [".nan", ".inf", "-.inf", "nan", "1e999"])
+def test_every_float_knob_rejects_nan_and_inf(bad):
+    assert {"train.temperature", "train.lr", "mine.margin"} <= set(float_keys())
+    for key in float_keys():
+        with pytest.raises(ConfigError) as err:
+            config.load(None, [f"{key}={bad}"])
+        assert f"{key} must be a finite number" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["cluster.k", "train.steps", "data.limit"])
+def test_true_is_not_an_integer(key):
+    with pytest.raises(ConfigError, match=f"{key} must be an integer, got True"):
+        config.load(None, [f"{key}=true"])
+    with pytest.raises(ConfigError, match="eval.k_values must be a non-empty list of positive integers"):
+        config.load(None, ["eval.k_values=[1, true]"])
+
+
+def billion_laughs(levels: int, width: int) -> str:
+    """A config whose data.source_column is a list of nested aliases: width^levels leaves in a few hundred bytes."""
+    items = ["&a0 lol"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return f"data:\n  source_column: [{', '.join(items)}]\n"
+
+
+def test_yaml_aliases_are_refused_and_messages_stay_small(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(billion_laughs(6, 10))  # 10^6 leaves: its repr alone is ~7 MB (a real bomb has 10^9)
+    assert path.stat().st_size < 1024
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    message = str(err.value)
+    assert len(message) < 2000 and str(path) in message and "aliases and anchors are not allowed" in message
+
+
+def test_bounded_repr_never_expands_shared_structure():
+    from clusterscale.errors import bounded_repr
+
+    value: list = ["lol"]
+    for _ in range(30):  # 10^30 leaves by reference
+        value = [value] * 10
+    assert len(bounded_repr(value)) < 200 and len(bounded_repr("x" * 10**6)) < 100
+
+
+def test_duplicate_keys_are_an_error(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("cluster:\n  k: 4\n  k: 16\n")
+    with pytest.raises(ConfigError, match=r"(?s)dup.yaml is not valid YAML.*duplicate key 'k'"):
+        config.load(path)
+    path.write_text("cluster: {k: 4}\ncluster: {niter: 3}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'cluster'"):
+        config.load(path)
+    with pytest.raises(ConfigError, match=r"(?s)--set eval.k_values is not valid YAML.*duplicate key 'a'"):
+        config.load(None, ["eval.k_values={a: 1, a: 2}"])
+
+
+def test_non_utf8_config_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    assert f"Config file {path} is not UTF-8 text" in str(err.value) and "save it as UTF-8" in str(err.value)
+
+
+def test_set_values_follow_the_file_rules(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match="train.lr must be a finite number"):
+        config.load(path)
+    with pytest.raises(ConfigError, match="aliases and anchors are not allowed"):
+        config.load(None, ["eval.k_values=[&x 1, *x]"])
