@@ -10,16 +10,14 @@ import sys
 from _job import PREPROCESS, build_parser, run_job
 
 from clusterscale import cli
-from clusterscale import config as config_mod
+from clusterscale.experiments import variant
 
 
 def sweep(cfg, run, args) -> None:
     rows = []
     for k in args.k:
-        overrides = [*args.overrides, f"cluster.k={k}"]
-        if args.train:  # one training run per k, named so that runs of different k never collide
-            overrides.append(f"train.name={cfg.train_name()}-k{k}")
-        cfg_k = config_mod.load(args.config, overrides)
+        # One training run per k, named so that runs of different k never collide (nor with the main run's).
+        cfg_k = variant(cfg, cluster={"k": k}, train={"name": f"{cfg.train_name()}-k{k}"} if args.train else {})
         verbs = PREPROCESS + (("train", "evaluate") if args.train else ())
         print(f"== k={k} ==", flush=True)
         results = cli.run_stages(cfg_k, run, verbs)
