@@ -147,14 +147,12 @@ def stage_output(cfg, verb: str) -> str:
 
 def open_run(run_dir: str, config_path: str | None, overrides: list[str]):
     """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
-    default (or the config file); --set applies on top. Local paths come back absolute."""
-    import yaml
-
+    default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
+    relative to this working directory reaches a Ray worker."""
     from clusterscale.rundir import RunDir
 
     run = RunDir(run_dir)
-    existing = yaml.safe_load(run.read_bytes("config.yaml")) if run.exists("config.yaml") else None
-    return config_mod.load(config_path, overrides, run_config=existing), run
+    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
 
 
 def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
@@ -163,15 +161,15 @@ def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_con
     returns {verb: result}. `resume`: train only.
 
     cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
-    write_config writes RUN/config.yaml when the run has none (or when replacing): an existing run's config is
-    never rewritten otherwise; False keeps it as it is (experiments run variants of one config).
+    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
+    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants of one config).
     replace: "" refuses outputs made with another config; "changed" replaces them (and what was made from
     them); "always" also replaces outputs made with this config. command: the user's command line, for the
     advice of a refusal."""
     from clusterscale.session import init_ray
 
     init_ray(cfg.ray)
-    if write_config and (replace or not run.exists("config.yaml")):
+    if write_config and (replace or run.config_in_force() is None):
         run.write_config(cfg)
     functions, results = stage_functions(), {}
     for verb in verbs:

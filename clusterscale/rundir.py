@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Iterator
 
 import pyarrow.fs as pafs
+import yaml
 from clusterscale.errors import UserError
 
 from clusterscale.config import Config, to_yaml
@@ -225,6 +226,13 @@ class RunDir:
 
     def write_config(self, cfg: Config) -> None:
         self.write_text("config.yaml", to_yaml(cfg))
+
+    def config_in_force(self) -> dict | None:
+        """RUN/config.yaml once a stage completed with it; None for a new run, or for one whose first attempt
+        completed nothing (so a first command that failed, e.g. on a wrong column, can be corrected)."""
+        if not self.exists("config.yaml") or not any(self.exists(d, DONE) for d in ("pairs", "embeddings")):
+            return None
+        return yaml.safe_load(self.read_bytes("config.yaml"))
 
     # locks -------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -20,7 +20,7 @@ def sweep(cfg, run, args) -> None:
         cfg_k = variant(cfg, cluster={"k": k}, train={"name": f"{cfg.train_name()}-k{k}"} if args.train else {})
         verbs = PREPROCESS + (("train", "evaluate") if args.train else ())
         print(f"== k={k} ==", flush=True)
-        results = cli.run_stages(cfg_k, run, verbs)
+        results = cli.run_stages(cfg_k, run, verbs, replace="changed" if args.replace else "")
         shard = results["shard"]
         rows.append(f"k={k}: {shard['shards']} shards, rows per shard {shard['min_rows']}..{shard['max_rows']}, "
                     f"fit objective {results['fit']['objective']:.1f}"

@@ -49,8 +49,9 @@ def no_ray(monkeypatch):
 
 @pytest.fixture
 def existing_run(tmp_path) -> RunDir:
-    run = RunDir(str(tmp_path / "run"))
-    run.write_config(config_mod.load(None, BASE))
+    run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, BASE)
+    run.write_config(cfg)
+    run.mark_done("pairs", cfg.fingerprint(("data",)), {"rows_in": 10})
     return run
 
 
@@ -95,6 +96,15 @@ def test_config_file_must_agree_with_the_run(existing_run, no_ray, tmp_path, cap
     err = capsys.readouterr().err
     assert "cluster.niter (run: 10" in err and "data.path (run: '/data/pairs.parquet'" in err
     assert len(no_ray) == 1
+
+
+def test_a_first_attempt_that_completed_nothing_can_be_corrected(tmp_path, no_ray):
+    run = RunDir(str(tmp_path / "run"))
+    run.write_config(config_mod.load(None, [*BASE, "data.query_column=typo"]))
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(yaml.safe_dump({"data": {"path": "/data/pairs.parquet", "query_column": "q"}}))
+    assert cli.main(["fit", str(fixed), "--run-dir", run.uri]) == 0
+    assert yaml.safe_load(run.read_bytes("config.yaml"))["data"]["query_column"] == "q"
 
 
 def test_refusal_names_changed_keys_and_replace_goes_on(existing_run, no_ray, capsys):
