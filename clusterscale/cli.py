@@ -71,13 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", "ingest", "embed", "fit", "assign", "shard", "mine", "train")
+REPLACEABLE = ("run", "ingest", "embed", "fit", "assign", "shard", "mine", "train", "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replace", action="store_true",
-                   help="Remove this stage's output (for `run`: every output made with a different config) and "
-                        "every output made from it, then rerun. Without it such a rerun is refused.")
+                   help="Remove this stage's output (for run, compare and sweep: every output made with a different "
+                        "config) and every output made from it, then rerun. Without it such a rerun is refused.")
 
 
 def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
@@ -101,13 +101,13 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--preprocess-only", action="store_true", help="Only fit/assign/shard per k; no training.")
 
 
-def run_experiment(args, cfg, run) -> None:
+def run_experiment(args, cfg, run, stage_options: dict) -> None:
     from clusterscale import experiments
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
         custom = dict(experiments.parse_arm(text) for text in args.custom_arms)
-        summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom)
+        summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom, stage_options)
         for name, arm in summary["arms"].items():
             n = arm["metrics"]["ndcg_at_10"]
             print(f"{name}: NDCG@10 {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) over "
@@ -115,7 +115,7 @@ def run_experiment(args, cfg, run) -> None:
     else:
         limits = experiments.parse_list(args.limits, "--limit", int) if args.limits else None
         sweep = experiments.run_sweep(cfg, run.uri, experiments.parse_list(args.k_values, "--k", int), limits,
-                                      args.preprocess_only)
+                                      args.preprocess_only, stage_options)
         print(f"sweep: {len(sweep['points'])} points; table in {run.path('report/report.md')}")
 
 
@@ -162,7 +162,7 @@ def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_con
 
     cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
     write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
-    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants of one config).
+    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
     replace: "" refuses outputs made with another config; "changed" replaces them (and what was made from
     them); "always" also replaces outputs made with this config. command: the user's command line, for the
     advice of a refusal."""
@@ -273,16 +273,19 @@ def main(argv: list[str] | None = None) -> int:
             inspect_run(run_dir, args.k, args.json_path)
             return 0
         cfg, run = open_run(args.run_dir, args.config, args.overrides)
+        # A stage verb's --replace redoes that stage; run, compare and sweep replace what another config made.
+        replace = ("always" if args.verb in PIPELINE + ("mine",) else "changed") if getattr(args, "replace", False) \
+            else ""
+        stage_options = {"replace": replace,
+                         "command": shlex.join(["clusterscale", *(sys.argv[1:] if argv is None else argv)])}
         if args.verb in ("compare", "sweep"):
             started = time.time()
-            run_experiment(args, cfg, run)
+            run_experiment(args, cfg, run, stage_options)
             print(f"done in {time.time() - started:.1f}s", flush=True)
             return 0
         verbs = pipeline(cfg) if args.verb == "run" else (args.verb,)
         started = time.time()
-        replace = ("changed" if args.verb == "run" else "always") if getattr(args, "replace", False) else ""
-        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), replace=replace,
-                             command=shlex.join(["clusterscale", *(sys.argv[1:] if argv is None else argv)]))
+        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
             from clusterscale.experiments import parse_list
             from clusterscale.mteb_eval import run_mteb

@@ -65,11 +65,11 @@ def _metrics_records(run: RunDir, name: str) -> list[dict]:
     return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
 
 
-def _train_and_evaluate(cfg: Config, run: RunDir) -> dict:
+def _train_and_evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
     from clusterscale.cli import run_stages
 
     name = cfg.train_name()
-    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False,
+    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False, **stage_options,
                          cost_keys={"evaluate": f"evaluate:{name}"})
     return results["evaluate"]["results"]
 
@@ -122,11 +122,12 @@ def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
     return keys
 
 
-def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None
-                ) -> dict:
+def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None,
+                stage_options: dict | None = None) -> dict:
     """Train every (arm, seed) on the same shards for the same steps; evaluate; mean and spread per arm.
 
-    An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys)."""
+    An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys).
+    stage_options: keyword arguments of every run_stages call (replace, command)."""
     from clusterscale.cli import run_stages
     from clusterscale.report import run_report
 
@@ -140,15 +141,16 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
     started = time.time()
     mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
-    run_stages(cfg, run, PREPROCESS)
+    stage_options = stage_options or {}
+    run_stages(cfg, run, PREPROCESS, **stage_options)
     if mining:  # one mining pass serves every arm with mined negatives (same mine config)
-        run_stages(mining[0], run, ("mine",), write_config=False)
+        run_stages(mining[0], run, ("mine",), write_config=False, **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
         for arm_cfg in arm_cfgs:
             print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
-            results = _train_and_evaluate(arm_cfg, run)
+            results = _train_and_evaluate(arm_cfg, run, stage_options)
             frozen = results["frozen"]["metrics"]
             metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
     summary = summarize_compare(cfg, run, arms, metrics, frozen)
@@ -212,13 +214,17 @@ def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
 
 
-def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool) -> dict:
-    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k."""
+def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool,
+              stage_options: dict | None = None) -> dict:
+    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k.
+
+    stage_options: keyword arguments of every run_stages call (replace, command), as for compare."""
     from clusterscale.cli import run_stages
     from clusterscale.costs import summarize
     from clusterscale.kmeans import ClusteringError
     from clusterscale.report import run_report
 
+    stage_options = stage_options or {}
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
@@ -228,14 +234,14 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     points, cost_points = [], []
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
-        run_stages(base, run, ("ingest", "embed"))  # config.yaml of a new run; an existing run's stays
+        run_stages(base, run, ("ingest", "embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
                                                                           base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
             try:
-                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False,
+                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False, **stage_options,
                            cost_keys={s: f"{s}:k={k}" for s in ("fit", "assign", "shard")})
             except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
                 points.append({"rows": rows, "k": k, "error": str(exc)})
@@ -243,7 +249,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             costs = run.read_json("report/costs.json")
             point = sweep_point(run, costs, k, rows)
             if not preprocess_only:
-                results = _train_and_evaluate(kcfg, run)
+                results = _train_and_evaluate(kcfg, run, stage_options)
                 point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
                 point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
                 point["train_worker_s"] = run.done_stats(f"train/{kcfg.train_name()}").get("worker_s")
