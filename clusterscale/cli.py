@@ -288,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
             from clusterscale.experiments import parse_list
-            from clusterscale.mteb_eval import run_mteb
+            from clusterscale.mteb_eval import LOCAL_PREFIX, run_mteb
 
-            run_mteb(cfg, run, parse_list(args.mteb, "--mteb"))
+            # local:FOLDER is read by a Ray task, which runs in another working directory.
+            specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
+                     for s in parse_list(args.mteb, "--mteb")]
+            run_mteb(cfg, run, specs)
         if args.verb in ("run", "evaluate", "report"):
             print(summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {run.uri}", flush=True)

@@ -51,7 +51,7 @@ def no_ray(monkeypatch):
 def existing_run(tmp_path) -> RunDir:
     run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, BASE)
     run.write_config(cfg)
-    run.mark_done("pairs", cfg.fingerprint(("data",)), {"rows_in": 10})
+    run.mark_done("pairs", cfg.fingerprint(("data",)), {"rows_in": 10, "quarantine": 0, "heldout": 1})
     return run
 
 
@@ -74,6 +74,16 @@ def test_inspect_json_path_is_absolute(tmp_path, monkeypatch):
     monkeypatch.setattr("clusterscale.shards.format_cluster_table", lambda table: "table")
     cli.inspect_run(str(tmp_path), 4, "out/../table.json")
     assert json.loads((tmp_path / "table.json").read_text()) == [{"cluster": 0}]
+
+
+def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
+    monkeypatch.setattr(cli, "stage_functions", lambda: {"evaluate": lambda cfg, run: {"stats": {}, "results": {}}})
+    monkeypatch.setattr("clusterscale.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
+    assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
+    assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
 
 
 def test_stage_verb_starts_from_the_runs_config(existing_run, no_ray):
