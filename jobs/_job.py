@@ -32,7 +32,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                                                          "or a folder on storage shared by every node.")
     parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                         help="Override config keys, e.g. --set cluster.k=16 train.num_workers=8.")
-    cli.add_replace_argument(parser)
+    parser.add_argument("--replace", action="store_true",
+                        help="Replace every output made with a different config, and every output made from it, "
+                             "instead of refusing (see README, Reruns).")
     return parser
 
 

@@ -21,14 +21,15 @@ from clusterscale.experiments import run_compare
 from clusterscale.kmeans import kmeans_dir
 from clusterscale.rundir import RunDir, StageLockedError
 from clusterscale.shards import shards_dir
+from tests.test_jobs_local import run_job
 
 BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "train.steps=3"]
 
 
-def fake_fit(calls: list):
-    """A fit with the real marker protocol: reuse when done, refuse another config, write rows then mark."""
+def fake_fit(calls: list, verb: str = "fit"):
+    """A stage with the real marker protocol: reuse when done, refuse another config, write rows then mark."""
     def fit(cfg, run):
-        out, fingerprint = kmeans_dir(cfg.cluster.k), cfg.fingerprint(("data", "embed", "cluster"))
+        out, fingerprint = cli.stage_output(cfg, verb), cfg.fingerprint(("data", "embed", "cluster"))
         if run.is_done(out, fingerprint):
             return run.done_stats(out)
         run.begin(out)
@@ -204,3 +205,16 @@ def test_arm_names_never_replace_the_main_training(tmp_path):
     cfg = config_mod.load(None, [*BASE, "train.name=compare-random-seed0"])
     with pytest.raises(ConfigError, match="also the name of an experiment arm"):
         run_compare(cfg, RunDir(str(tmp_path / "run")), ["random"], 1)
+
+
+def test_job_with_relative_run_dir_refuses_then_replaces(existing_run, no_ray, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(existing_run.root.rsplit("/", 1)[0])
+    monkeypatch.setattr(session, "check_run_dir_shared", lambda run: None)
+    monkeypatch.setattr(cli, "stage_functions", lambda: {"train": fake_fit(no_ray, "train")})
+    assert run_job(monkeypatch, "train", "--run-dir", "run") == 0
+    assert no_ray[0].data.path == "/data/pairs.parquet" and existing_run.exists("train/clustered-seed0/_DONE.json")
+    assert run_job(monkeypatch, "train", "--run-dir", "run", "--set", "cluster.niter=3") == 2
+    err = capsys.readouterr().err
+    assert "cluster.niter 10 -> 3" in err and "jobs/train.py --run-dir run --set cluster.niter=3 --replace" in err
+    assert run_job(monkeypatch, "train", "--run-dir", "run", "--set", "cluster.niter=3", "--replace") == 0
+    assert existing_run.read_json("train/clustered-seed0/_DONE.json")["covers"]["cluster"]["niter"] == 3
