@@ -432,7 +432,17 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None,
 
     run_config: the RUN/config.yaml of an existing run; it replaces the default, and a file at `path` must agree
     with it on every output-affecting key the file sets. Local paths come back absolute (see absolute_paths)."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"Config file {p} does not exist.")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"Config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"Config file {p} must hold a mapping of sections, got {type(raw).__name__}.")
     parsed = [parse_override(text) for text in overrides or []]
     if run_config is not None:
         if path is not None:
@@ -448,18 +458,6 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"Config section {section!r} must be a mapping.")
         raw[section][key] = value
     return absolute_paths(from_dict(raw))
-
-
-def _read_yaml(p: Path) -> dict:
-    if not p.exists():
-        raise ConfigError(f"Config file {p} does not exist.")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"Config file {p} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"Config file {p} must hold a mapping of sections, got {type(raw).__name__}.")
-    return raw
 
 
 def _merged(base: dict, top: dict) -> dict:
