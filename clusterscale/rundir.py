@@ -278,13 +278,18 @@ class RunDir:
         """Write `me` at `rel` unless a lock is there; True when `me` holds it."""
         self.makedirs(posixpath.dirname(rel))
         if self.is_local:
+            # Written whole under a temporary name, then linked: the link is atomic and fails when a lock exists,
+            # so no reader ever sees a lock without its holder.
+            staged = f"{self.path(rel)}.{me['id']}"
+            with open(staged, "w") as f:
+                json.dump(me, f)
             try:
-                fd = os.open(self.path(rel), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.link(staged, self.path(rel))
+                return True
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            return True
+            finally:
+                os.remove(staged)
         if self.exists(rel):
             return False
         self.write_json(rel, me)
@@ -294,7 +299,7 @@ class RunDir:
     def _read_lock(self, rel: str) -> dict | None:
         try:
             return self.read_json(rel)
-        except (FileNotFoundError, OSError, json.JSONDecodeError):  # gone, or being written this instant
+        except (OSError, json.JSONDecodeError):  # gone (released or taken over)
             return None
 
     def _drop_stale_lock(self, rel: str) -> None:
