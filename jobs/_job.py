@@ -66,12 +66,16 @@ def run_job(description: str, body: Callable, argv: list[str] | None = None,
     return 0
 
 
+def stage_options(args) -> dict:
+    """run_stages' replace and command (for the advice of a refused rerun) of this job's arguments."""
+    return {"replace": "changed" if args.replace else "", "command": shlex.join(["python", *sys.argv])}
+
+
 def stages_job(description: str, verbs: tuple[str, ...] | Callable, argv: list[str] | None = None) -> int:
     """A job that runs `verbs` (or verbs(cfg)) in order with the CLI's own stage runner."""
     def body(cfg, run, args):
         stages = verbs(cfg) if callable(verbs) else verbs
-        results = cli.run_stages(cfg, run, stages, replace="changed" if args.replace else "",
-                                 command=shlex.join(["python", *sys.argv]))
+        results = cli.run_stages(cfg, run, stages, **stage_options(args))
         if "evaluate" in stages or "report" in stages:
             print(cli.summary(cfg, run, results), flush=True)
 
