@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from typing import Callable
@@ -72,8 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         if verb == "train":
             p.add_argument("--resume", action="store_true",
                            help="Continue train/<name>/ from its latest checkpoint (same config).")
+        if verb in REPLACEABLE:
+            add_replace_argument(p)
         add_experiment_arguments(verb, p)
     return parser
+
+
+REPLACEABLE = ("run", "ingest", "embed", "fit", "assign", "shard", "mine", "train", "compare", "sweep")
+
+
+def add_replace_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replace", action="store_true",
+                   help="Remove this stage's output (for run, compare and sweep: every output made with a different "
+                        "config) and every output made from it, then rerun. Without it such a rerun is refused.")
 
 
 def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
@@ -97,23 +109,22 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--preprocess-only", action="store_true", help="Only fit/assign/shard per k; no training.")
 
 
-def run_experiment(args, cfg) -> None:
+def run_experiment(args, cfg, run, stage_options: dict) -> None:
     from clusterscale import experiments
-    from clusterscale.rundir import RunDir
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
         custom = dict(experiments.parse_arm(text) for text in args.custom_arms)
-        summary = experiments.run_compare(cfg, RunDir(args.run_dir), samplers, args.seeds, custom)
+        summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom, stage_options)
         for name, arm in summary["arms"].items():
             n = arm["metrics"]["ndcg_at_10"]
             print(f"{name}: NDCG@10 {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) over "
                   f"{len(arm['seeds'])} seeds")
     else:
         limits = experiments.parse_list(args.limits, "--limit", int) if args.limits else None
-        sweep = experiments.run_sweep(cfg, args.run_dir, experiments.parse_list(args.k_values, "--k", int), limits,
-                                      args.preprocess_only)
-        print(f"sweep: {len(sweep['points'])} points; table in {redact_uri(args.run_dir)}/report/report.md")
+        sweep = experiments.run_sweep(cfg, run.uri, experiments.parse_list(args.k_values, "--k", int), limits,
+                                      args.preprocess_only, stage_options)
+        print(f"sweep: {len(sweep['points'])} points; table in {redact_uri(run.path('report/report.md'))}")
 
 
 def stage_functions() -> dict[str, Callable]:
@@ -130,23 +141,52 @@ def stage_functions() -> dict[str, Callable]:
             "shard": run_shard, "mine": run_mine, "train": run_train, "evaluate": run_evaluate, "report": run_report}
 
 
+def stage_output(cfg, verb: str) -> str:
+    """The folder of the run that `verb` writes with `cfg` (what it locks and what --replace removes)."""
+    from clusterscale.kmeans import assign_dir, kmeans_dir
+    from clusterscale.mine import OUT as MINE_OUT
+    from clusterscale.shards import shards_dir
+
+    k = cfg.cluster.k
+    return {"ingest": "pairs", "embed": "embeddings", "fit": kmeans_dir(k), "assign": assign_dir(k),
+            "shard": shards_dir(k), "mine": MINE_OUT, "train": f"train/{cfg.train_name()}", "evaluate": "eval",
+            "report": "report"}[verb]
+
+
+def open_run(run_dir: str, config_path: str | None, overrides: list[str]):
+    """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
+    default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
+    relative to this working directory reaches a Ray worker."""
+    from clusterscale.rundir import RunDir
+
+    run = RunDir(run_dir)
+    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
+
+
 def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
-               cost_keys: dict[str, str] | None = None) -> dict:
-    """Run stages in order, recording each one's cost; returns {verb: result}. `resume`: train only.
+               cost_keys: dict[str, str] | None = None, replace: str = "", command: str = "") -> dict:
+    """Run stages in order, each holding the lock of its output folder, recording each one's cost;
+    returns {verb: result}. `resume`: train only.
 
     cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
-    write_config=False keeps RUN/config.yaml as it is (experiments run variants of one config)."""
+    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
+    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
+    replace: "" refuses outputs made with another config; "changed" replaces them (and what was made from
+    them); "always" also replaces outputs made with this config. command: the user's command line, for the
+    advice of a refusal."""
     from clusterscale.session import init_ray
 
     init_ray(cfg.ray)
-    if write_config:
+    if write_config and (replace or run.config_in_force() is None):
         run.write_config(cfg)
     functions, results = stage_functions(), {}
     for verb in verbs:
         print(f"== {verb} ==", flush=True)
         started = time.time()
-        results[verb] = functions[verb](cfg, run, resume=True) if verb == "train" and resume else \
-            functions[verb](cfg, run)
+        with run.lock(stage_output(cfg, verb)):
+            if replace == "always":
+                _replace(run, stage_output(cfg, verb))
+            results[verb] = _run_stage(functions[verb], verb, cfg, run, resume, replace, command)
         if verb not in ("report",):
             stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
             key = f"train:{cfg.train_name()}" if verb == "train" else verb
@@ -154,6 +194,31 @@ def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_con
                             {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
                             | {"invocation_s": round(time.time() - started, 3)})
     return results
+
+
+def _run_stage(function: Callable, verb: str, cfg, run, resume: bool, replace: str, command: str):
+    """One stage; an output made with another config is replaced (replace set) or refused with the way on."""
+    from clusterscale.rundir import ConfigMismatchError
+
+    call = (lambda: function(cfg, run, resume=True)) if verb == "train" and resume else (lambda: function(cfg, run))
+    try:
+        return call()
+    except ConfigMismatchError as exc:
+        if not replace or not exc.stage_dir:
+            again = command or f"clusterscale {verb} --run-dir {run.uri} [your CONFIG and --set keys]"
+            raise ConfigMismatchError(
+                f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and every "
+                f"output made from it: {again} --replace", exc.stage_dir) from None
+        _replace(run, exc.stage_dir)
+        return call()
+
+
+def _replace(run, stage_dir: str) -> None:
+    removed = run.replace(stage_dir)
+    for folder in removed:  # a replaced model's cached evaluation goes with it
+        if folder.startswith("train/"):
+            run.remove(f"eval/{folder.removeprefix('train/')}.json")
+    print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)
 
 
 def summary(cfg, run, results: dict) -> str:
@@ -206,6 +271,7 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     table = cluster_table(load_manifest(run, k))
     print(format_cluster_table(table))
     if json_path:
+        json_path = os.path.abspath(os.path.expanduser(json_path))
         with open(json_path, "w") as f:
             json.dump(table, f, indent=2)
     else:
@@ -227,23 +293,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise config_mod.ConfigError("inspect needs the run directory: `clusterscale inspect RUN --k K`.")
             inspect_run(run_dir, args.k, args.json_path)
             return 0
-        from clusterscale.rundir import RunDir
-
-        cfg = config_mod.load(args.config, args.overrides)
+        cfg, run = open_run(args.run_dir, args.config, args.overrides)
+        # A stage verb's --replace redoes that stage; run, compare and sweep replace what another config made.
+        replace = ("always" if args.verb in PIPELINE + ("mine",) else "changed") if getattr(args, "replace", False) \
+            else ""
+        stage_options = {"replace": replace,
+                         "command": shlex.join(["clusterscale", *(sys.argv[1:] if argv is None else argv)])}
         if args.verb in ("compare", "sweep"):
             started = time.time()
-            run_experiment(args, cfg)
+            run_experiment(args, cfg, run, stage_options)
             print(f"done in {time.time() - started:.1f}s", flush=True)
             return 0
-        run = RunDir(args.run_dir)
         verbs = pipeline(cfg) if args.verb == "run" else (args.verb,)
         started = time.time()
-        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False))
+        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
             from clusterscale.experiments import parse_list
-            from clusterscale.mteb_eval import run_mteb
+            from clusterscale.mteb_eval import LOCAL_PREFIX, run_mteb
 
-            run_mteb(cfg, run, parse_list(args.mteb, "--mteb"))
+            # local:FOLDER is read by a Ray task, which runs in another working directory.
+            specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
+                     for s in parse_list(args.mteb, "--mteb")]
+            run_mteb(cfg, run, specs)
         if args.verb in ("run", "evaluate", "report"):
             print(summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(run.uri)}", flush=True)

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,15 @@ class RayConfig:
                                    affects_output=False)
 
 
+class Fingerprint(str):
+    """A config hash that also carries the values it covers, so a refused rerun can name the changed keys."""
+
+    def __new__(cls, digest: str, values: dict | None = None) -> Fingerprint:
+        obj = super().__new__(cls, digest)
+        obj.values = values
+        return obj
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -249,16 +259,17 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def fingerprint(self, sections: tuple[str, ...], extra: dict | None = None) -> str:
+    def fingerprint(self, sections: tuple[str, ...], extra: dict | None = None) -> Fingerprint:
         """Hash of the output-affecting keys of `sections`: equal fingerprints = reusable outputs."""
         payload = {name: output_keys(getattr(self, name)) for name in sections}
         if extra:
             payload["extra"] = extra
         # Credentials in a URI do not change what a stage outputs: rotating a key keeps completed work.
-        return hashlib.sha256(json.dumps(redact_values(payload), sort_keys=True).encode()).hexdigest()[:16]
+        payload = redact_values(payload)
+        return Fingerprint(hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16], payload)
 
     def hash(self) -> str:
-        return self.fingerprint(SECTIONS)
+        return str(self.fingerprint(SECTIONS))
 
     def train_name(self) -> str:
         return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"
@@ -482,8 +493,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """The embedded default, updated by the YAML file at `path`, then by `section.key=value` overrides."""
+def load(path: str | Path | None = None, overrides: list[str] | None = None,
+         run_config: dict | None = None) -> Config:
+    """The embedded default, updated by the YAML file at `path`, then by `section.key=value` overrides.
+
+    run_config: the RUN/config.yaml of an existing run; it replaces the default, and a file at `path` must agree
+    with it on every output-affecting key the file sets. Local paths come back absolute (see absolute_paths)."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -497,7 +512,11 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         if not isinstance(raw, dict):
             raise ConfigError(f"Config file {p} must hold a mapping of sections, got {type(raw).__name__}.")
     parsed = [parse_override(text) for text in overrides or []]
-    if path is None and _path_after(parsed) == "builtin:docstrings":
+    if run_config is not None:
+        if path is not None:
+            _check_agrees(run_config, raw, str(path))
+        raw = _merged(run_config, raw)
+    elif path is None and _path_after(parsed) == "builtin:docstrings":
         raw = yaml.safe_load((Path(__file__).parent / "default.yaml").read_text())
     for section, key, value in parsed:
         raw.setdefault(section, {})
@@ -506,7 +525,56 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         if not isinstance(raw[section], dict):
             raise ConfigError(f"Config section {bounded_repr(section)} must be a mapping.")
         raw[section][key] = value
-    return from_dict(raw)
+    return absolute_paths(from_dict(raw))
+
+
+def _merged(base: dict, top: dict) -> dict:
+    """base with top's keys set over it, section by section (neither is modified)."""
+    merged = copy.deepcopy(base)
+    for section, values in top.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = copy.deepcopy(values)
+    return merged
+
+
+def _check_agrees(run_config: dict, file_raw: dict, path: str) -> None:
+    """A config file given for an existing run may only change keys that do not change any output."""
+    run_cfg, file_cfg = absolute_paths(from_dict(run_config)), absolute_paths(from_dict(_merged(run_config, file_raw)))
+    differing = []
+    for section, values in file_raw.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            continue
+        outputs = output_keys(getattr(run_cfg, section))
+        for key in values:
+            if key in outputs and getattr(getattr(file_cfg, section), key) != outputs[key]:
+                differing.append(f"{section}.{key} (run: {outputs[key]!r}, {path}: "
+                                 f"{getattr(getattr(file_cfg, section), key)!r})")
+    if differing:
+        raise ConfigError(f"{path} disagrees with the run's config.yaml on keys that change outputs: "
+                          f"{'; '.join(differing)}. Verbs on an existing run start from its config.yaml: leave out "
+                          f"the config file, change keys with --set, or use a new --run-dir for this config.")
+
+
+# Keys that name a model folder or are a keyword / hub id; only an existing local folder is made absolute.
+MODEL_PATH_KEYS = (("embed", "model"), ("train", "init"), ("train", "tokenizer"), ("mine", "encoder"))
+KEYWORDS = ("bundled", "scratch", "frozen")
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """cfg with its local paths made absolute against this process's working directory (cfg is changed).
+
+    Ray workers (and Ray Train's) run in their own working directory: a relative path must never reach them."""
+    data_path = cfg.data.path
+    if data_path and not data_path.startswith("builtin:") and "://" not in data_path:
+        cfg.data.path = os.path.abspath(os.path.expanduser(data_path))
+    for section, key in MODEL_PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        local = os.path.expanduser(value)
+        if value not in KEYWORDS and "://" not in value and os.path.exists(local):
+            setattr(getattr(cfg, section), key, os.path.abspath(local))
+    return cfg
 
 
 def _path_after(parsed: list[tuple[str, str, Any]]) -> Any:

@@ -28,7 +28,7 @@ from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.encoder import Encoder, check_encoder
 from clusterscale.progress import ProgressLine
-from clusterscale.rundir import ConfigMismatchError, RunDir
+from clusterscale.rundir import ConfigMismatchError, RunDir, changed_keys
 from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
@@ -71,17 +71,16 @@ def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int, p
         plan = run.read_json(PLAN)
         if plan["fingerprint"] != fingerprint:
             raise ConfigMismatchError(
-                f"{run.path('embeddings')} holds an interrupted embedding made with a different config "
-                f"(fingerprint {plan['fingerprint']}, now {fingerprint}; its embed config is in {PLAN}). "
-                f"Outputs are never mixed: rerun with that config to finish it, use a new --run-dir, "
-                f"or delete embeddings/.")
+                f"{run.path('embeddings')} holds an interrupted embedding made with a different config; changed: "
+                f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Outputs are never "
+                f"mixed: rerun with that config to finish it.", "embeddings")
         return plan
     run.begin("embeddings")  # leftovers of an older layout, never mixed with this plan
     pairs_run = pairs_run or run
     n_rows = pairs_run.done_stats("pairs")["pairs"]
     rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
-    plan = {"fingerprint": fingerprint, "rows_per_unit": rows_per_unit, "embed": cfg.to_dict()["embed"],
-            "units": plan_units(pairs_run, rows_per_unit)}
+    plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None), "rows_per_unit": rows_per_unit,
+            "embed": cfg.to_dict()["embed"], "units": plan_units(pairs_run, rows_per_unit)}
     run.write_json(PLAN, plan)
     return plan
 

@@ -1,10 +1,12 @@
 """Experiments over one config: `compare` (samplers x seeds on the same shards) and `sweep` (k x data size).
 
 compare: clusterscale compare [CONFIG] --run-dir R --samplers clustered,random --seeds 3
-         -> train/<sampler>-seed<s>/, eval/<sampler>-seed<s>.json, report/compare.json, report/report.md
+         -> train/compare-<arm>-seed<s>/, eval/compare-<arm>-seed<s>.json, report/compare.json, report/report.md
 sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2] [--preprocess-only]
          -> one embedding pass per data size (R itself, or R/limit=<N>/ per size), fit/assign/shard per k,
-            optionally train + evaluate per k; report/sweep.json, report/report.md
+            optionally train + evaluate per k (train/sweep-<sampler>-k<k>-seed<s>/); report/sweep.json, report.md
+Both run on the run directory of a finished `run` and reuse its outputs: arm names carry the experiment's
+prefix, so they never replace the main run's train/<train.name>/.
 """
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ def variant(cfg: Config, **sections: dict) -> Config:
     for section, updates in sections.items():
         raw[section].update(updates)
     return from_dict(raw)
+
+
+def arm_name(experiment: str, arm: str, seed: int) -> str:
+    """train.name of an experiment's arm: the prefix keeps it apart from the main run's own training."""
+    return f"{experiment}-{arm}-seed{seed}"
+
+
+def check_arm_names(cfg: Config, names: list[str]) -> None:
+    if cfg.train_name() in names:
+        raise ConfigError(f"train.name={cfg.train_name()!r} is also the name of an experiment arm, whose training "
+                          f"would replace it: choose a train.name that does not start with 'compare-' or 'sweep-'.")
 
 
 def parse_list(text: str, what: str, cast=str) -> list:
@@ -52,11 +65,11 @@ def _metrics_records(run: RunDir, name: str) -> list[dict]:
     return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
 
 
-def _train_and_evaluate(cfg: Config, run: RunDir) -> dict:
+def _train_and_evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
     from clusterscale.cli import run_stages
 
     name = cfg.train_name()
-    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False,
+    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False, **stage_options,
                          cost_keys={"evaluate": f"evaluate:{name}"})
     return results["evaluate"]["results"]
 
@@ -109,11 +122,12 @@ def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
     return keys
 
 
-def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None
-                ) -> dict:
+def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None,
+                stage_options: dict | None = None) -> dict:
     """Train every (arm, seed) on the same shards for the same steps; evaluate; mean and spread per arm.
 
-    An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys)."""
+    An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys).
+    stage_options: keyword arguments of every run_stages call (replace, command)."""
     from clusterscale.cli import run_stages
     from clusterscale.report import run_report
 
@@ -122,19 +136,21 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     seed_list = [cfg.train.seed + i for i in range(seeds)]
     custom_arms = custom_arms or {}
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
-    arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": f"{s}-seed{seed}"})
+    arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
                 for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
+    check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
     started = time.time()
     mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
-    run_stages(cfg, run, PREPROCESS)
+    stage_options = stage_options or {}
+    run_stages(cfg, run, PREPROCESS, **stage_options)
     if mining:  # one mining pass serves every arm with mined negatives (same mine config)
-        run_stages(mining[0], run, ("mine",), write_config=False)
+        run_stages(mining[0], run, ("mine",), write_config=False, **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
         for arm_cfg in arm_cfgs:
             print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
-            results = _train_and_evaluate(arm_cfg, run)
+            results = _train_and_evaluate(arm_cfg, run, stage_options)
             frozen = results["frozen"]["metrics"]
             metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
     summary = summarize_compare(cfg, run, arms, metrics, frozen)
@@ -198,30 +214,34 @@ def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
 
 
-def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool) -> dict:
-    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k."""
+def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool,
+              stage_options: dict | None = None) -> dict:
+    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k.
+
+    stage_options: keyword arguments of every run_stages call (replace, command), as for compare."""
     from clusterscale.cli import run_stages
     from clusterscale.costs import summarize
     from clusterscale.kmeans import ClusteringError
     from clusterscale.report import run_report
 
+    stage_options = stage_options or {}
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
+    check_arm_names(cfg, [arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in ks])
     sizes = [(n, RunDir(posixpath.join(run_dir, f"limit={n}"))) for n in limits] if limits \
         else [(cfg.data.limit, RunDir(run_dir))]
     points, cost_points = [], []
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
-        run.write_config(base)
-        run_stages(base, run, ("ingest", "embed"), write_config=False)
+        run_stages(base, run, ("ingest", "embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
-            kcfg = variant(base, cluster={"k": k},
-                           train={"name": f"{base.train.sampler}-k{k}-seed{base.train.seed}"})
+            kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
+                                                                          base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
             try:
-                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False,
+                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False, **stage_options,
                            cost_keys={s: f"{s}:k={k}" for s in ("fit", "assign", "shard")})
             except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
                 points.append({"rows": rows, "k": k, "error": str(exc)})
@@ -229,13 +249,13 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             costs = run.read_json("report/costs.json")
             point = sweep_point(run, costs, k, rows)
             if not preprocess_only:
-                results = _train_and_evaluate(kcfg, run)
+                results = _train_and_evaluate(kcfg, run, stage_options)
                 point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
                 point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
                 point["train_worker_s"] = run.done_stats(f"train/{kcfg.train_name()}").get("worker_s")
             points.append(point)
-        report_cfg = variant(base, cluster={"k": report_k},
-                             train={"name": f"{base.train.sampler}-k{report_k}-seed{base.train.seed}"})
+        report_cfg = variant(base, cluster={"k": report_k}, train={
+            "name": arm_name("sweep", f"{base.train.sampler}-k{report_k}", base.train.seed)})
         costs = run.read_json("report/costs.json")
         cost_points.append(summarize(report_cfg, run, costs, train_names=None if preprocess_only
                                      else [report_cfg.train_name()]) | {"limit": limit, "run": run.uri})
@@ -251,8 +271,8 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         run.write_json("report/cost_points.json", [p for p in cost_points if p["run"] != run.uri])
         if run.uri != top.uri:
             run.write_json("report/sweep.json", sweep)
-        run_report(variant(cfg, data={"limit": limit}, cluster={"k": report_k},
-                           train={"name": f"{cfg.train.sampler}-k{report_k}-seed{cfg.train.seed}"}), run)
+        run_report(variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
+            "name": arm_name("sweep", f"{cfg.train.sampler}-k{report_k}", cfg.train.seed)}), run)
     if len(sizes) > 1:
         run_report(variant(cfg, cluster={"k": report_k}), top)
     return sweep

@@ -26,7 +26,7 @@ import ray
 
 from clusterscale.config import Config, ConfigError, MineConfig
 from clusterscale.progress import ProgressLine
-from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError
+from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
 from clusterscale.session import faiss_runtime_env
 from clusterscale.vectors import emb_matrix
 
@@ -207,13 +207,15 @@ def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> di
         plan = run.read_json(PLAN)
         if plan["fingerprint"] != fingerprint:
             raise ConfigMismatchError(
-                f"{run.path(OUT)} holds an interrupted mining made with a different config (its mine config is in "
-                f"{PLAN}). Rerun with that config to finish it, use a new --run-dir, or delete {OUT}/.")
+                f"{run.path(OUT)} holds an interrupted mining made with a different config; changed: "
+                f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Rerun with that config "
+                f"to finish it.", OUT)
         return plan
     run.begin(OUT)
     units = [{"input": posixpath.relpath(path, source.root),
               "output": f"{OUT}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
-    plan = {"fingerprint": fingerprint, "mine": cfg.to_dict()["mine"], "units": units}
+    plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None), "mine": cfg.to_dict()["mine"],
+            "units": units}
     run.write_json(PLAN, plan)
     return plan
 

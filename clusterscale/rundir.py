@@ -1,22 +1,27 @@
 """The run directory: one folder (local or any pyarrow filesystem URI) holding every stage's output.
 
 Stages write their files, then a `_DONE.json` marker carrying the fingerprint of the config that
-produced them. A stage is complete only when its marker exists; a rerun with the same fingerprint
-skips it, a rerun with another fingerprint refuses to mix outputs.
+produced them and the values it covers. A stage is complete only when its marker exists; a rerun with
+the same fingerprint skips it, a rerun with another fingerprint refuses to mix outputs (naming the
+changed keys) unless told to replace them. A stage in progress holds a lock under RUN/locks/.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import posixpath
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow.fs as pafs
+import yaml
 from clusterscale.errors import UserError
 
 from clusterscale.config import Config, to_yaml
@@ -30,7 +35,20 @@ class StageMissingError(UserError, RuntimeError):
 
 
 class ConfigMismatchError(UserError, RuntimeError):
-    """Outputs exist that were made with a different config."""
+    """Outputs exist that were made with a different config; `stage_dir` is the refused output."""
+
+    def __init__(self, message: str, stage_dir: str = ""):
+        super().__init__(message)
+        self.stage_dir = stage_dir
+
+
+class StageLockedError(UserError, RuntimeError):
+    """Another process is writing the same stage output of the same run."""
+
+
+LOCK_TTL_S = 300.0  # a lease its holder stopped renewing for this long is stale (the holder is gone)
+LOCK_RENEW_S = 30.0
+LOCK_SETTLE_S = 2.0  # object stores: how long a new lease must stay ours before we trust it
 
 
 def resolve_filesystem(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
@@ -82,8 +100,9 @@ class RunDir:
     def __init__(self, uri: str):
         if not uri:
             raise ValueError("--run-dir is required: a local folder or a URI such as s3://bucket/run.")
-        self.uri = uri
         self.fs, self.root = resolve_filesystem(uri)
+        # Absolute, so that Ray workers (which run in their own working directory) find the same folder.
+        self.uri = uri if "://" in uri else self.root
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
 
     # paths -------------------------------------------------------------------------------
@@ -108,13 +127,15 @@ class RunDir:
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(*parts), recursive=False))
         return sorted(posixpath.basename(i.path) for i in infos)
 
-    def files(self, *parts: str, suffix: str = ".parquet") -> list[str]:
-        """Full paths of the data files under a folder (recursive), sorted, skipping temp files."""
+    def files(self, *parts: str, suffix: str = ".parquet", include_private: bool = False) -> list[str]:
+        """Full paths of the data files under a folder (recursive), sorted, skipping temp files (and, unless
+        include_private, markers such as _DONE.json)."""
         if not self.exists(*parts):
             return []
+        hidden = (".",) if include_private else (".", "_")
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(*parts), recursive=True))
         return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix)
-                      and not posixpath.basename(i.path).startswith((".", "_")))
+                      and not posixpath.basename(i.path).startswith(hidden))
 
     def makedirs(self, *parts: str) -> None:
         self.fs.create_dir(self.path(*parts), recursive=True)
@@ -161,9 +182,9 @@ class RunDir:
         done = self.read_json(marker)
         if done.get("fingerprint") != fingerprint:
             raise ConfigMismatchError(
-                f"{self.path(stage_dir)} was made with a different config (fingerprint "
-                f"{done.get('fingerprint')}, now {fingerprint}; its config is in {DONE} there). "
-                f"Outputs are never mixed: use a new --run-dir, or delete {stage_dir}/ and what depends on it.")
+                f"{self.path(stage_dir)} was made with a different config; changed: "
+                f"{changed_keys(done.get('covers'), getattr(fingerprint, 'values', None))}. "
+                f"Outputs are never mixed.", stage_dir)
         print(f"[{stage_dir}] reused (done at {done.get('finished_at')})", flush=True)
         return True
 
@@ -174,9 +195,30 @@ class RunDir:
         self.makedirs(stage_dir)
 
     def mark_done(self, stage_dir: str, fingerprint: str, stats: dict, config_subset: dict | None = None) -> None:
+        """`covers`: the config values the fingerprint hashes, so a refused rerun can name what changed."""
         self.write_json(posixpath.join(stage_dir, DONE), {
             "fingerprint": fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "stats": stats, "config": config_subset or {}})
+            "stats": stats, "config": config_subset or {}, "covers": getattr(fingerprint, "values", None)})
+
+    def replace(self, stage_dir: str) -> list[str]:
+        """Remove `stage_dir` and every output made from it; the removed folders, dependents first.
+
+        An output was made from `stage_dir` when its marker covers the same values for every config
+        section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8)."""
+        removed = []
+        marker = posixpath.join(stage_dir, DONE)
+        covers = self.read_json(marker).get("covers") if self.exists(marker) else None
+        if covers:
+            for other in self.files(suffix=DONE, include_private=True):
+                rel = posixpath.relpath(other, self.root)
+                other_dir = posixpath.dirname(rel)
+                if other_dir == stage_dir or other_dir.startswith(stage_dir + "/") or not self.exists(rel):
+                    continue  # inside the folder removed below, or inside a dependent removed already
+                if _made_from(self.read_json(rel).get("covers"), covers):
+                    self.remove(other_dir)
+                    removed.append(other_dir)
+        self.remove(stage_dir)
+        return removed + [stage_dir]
 
     def done_stats(self, stage_dir: str) -> dict:
         return self.read_json(posixpath.join(stage_dir, DONE)).get("stats", {})
@@ -189,6 +231,99 @@ class RunDir:
     def write_config(self, cfg: Config) -> None:
         self.write_text("config.yaml", to_yaml(cfg))
 
+    def config_in_force(self) -> dict | None:
+        """RUN/config.yaml once a stage completed with it; None for a new run, or for one whose first attempt
+        completed nothing (so a first command that failed, e.g. on a wrong column, can be corrected)."""
+        if not self.exists("config.yaml") or not any(self.exists(d, DONE) for d in ("pairs", "embeddings")):
+            return None
+        return yaml.safe_load(self.read_bytes("config.yaml"))
+
+    # locks -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, stage_dir: str) -> Iterator[None]:
+        """Hold RUN/locks/<stage_dir>.json while writing `stage_dir`; a second holder is refused by name.
+
+        The lock is a lease (holder, host, pid, start, expiry) that a thread renews; a lease of a dead pid on
+        this host, or one not renewed for LOCK_TTL_S, is stale and taken over. Local folders create it
+        exclusively (atomic); object stores have no create-if-absent, so a new lease is re-read after
+        LOCK_SETTLE_S and given up when another writer's lease replaced it."""
+        rel = f"locks/{stage_dir}.json"
+        me = self._acquire(rel, stage_dir)
+        stop = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(rel, me, stop), daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()
+            if (self._read_lock(rel) or {}).get("id") == me["id"]:
+                self.remove(rel)
+
+    def _acquire(self, rel: str, stage_dir: str) -> dict:
+        me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "expires": time.time() + LOCK_TTL_S}
+        for _ in range(2):
+            if self._create_lock(rel, me):
+                return me
+            held = self._read_lock(rel)
+            if held and not _lock_is_stale(held):
+                raise StageLockedError(
+                    f"{self.path(stage_dir)} is being written by another clusterscale process: pid {held['pid']} "
+                    f"on host {held['host']}, since {held['since']} (lock {self.path(rel)}). Wait for it to "
+                    f"finish. If that process is gone, its lock is taken over by the next attempt (at once on "
+                    f"{held['host']}, elsewhere after {time.strftime('%H:%M:%SZ', time.gmtime(held['expires']))}), "
+                    f"or delete the lock file yourself.")
+            self._drop_stale_lock(rel)
+        raise StageLockedError(f"{self.path(stage_dir)}: another process took the lock {self.path(rel)} at the "
+                               f"same moment; run the command again once it has finished.")
+
+    def _create_lock(self, rel: str, me: dict) -> bool:
+        """Write `me` at `rel` unless a lock is there; True when `me` holds it."""
+        self.makedirs(posixpath.dirname(rel))
+        if self.is_local:
+            # Written whole under a temporary name, then linked: the link is atomic and fails when a lock exists,
+            # so no reader ever sees a lock without its holder.
+            staged = f"{self.path(rel)}.{me['id']}"
+            with open(staged, "w") as f:
+                json.dump(me, f)
+            try:
+                os.link(staged, self.path(rel))
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.remove(staged)
+        if self.exists(rel):
+            return False
+        self.write_json(rel, me)
+        time.sleep(LOCK_SETTLE_S)
+        return (self._read_lock(rel) or {}).get("id") == me["id"]
+
+    def _read_lock(self, rel: str) -> dict | None:
+        try:
+            return self.read_json(rel)
+        except (OSError, json.JSONDecodeError):  # gone (released or taken over)
+            return None
+
+    def _drop_stale_lock(self, rel: str) -> None:
+        if not self.is_local:
+            self.remove(rel)
+            return
+        aside = f"{self.path(rel)}.stale-{uuid.uuid4().hex}"
+        try:  # a rename, so that of two processes taking over the same stale lock only one succeeds
+            os.rename(self.path(rel), aside)
+        except FileNotFoundError:
+            return
+        os.remove(aside)
+
+    def _renew(self, rel: str, me: dict, stop: threading.Event) -> None:
+        while not stop.wait(LOCK_RENEW_S):
+            if (self._read_lock(rel) or {}).get("id") != me["id"]:
+                print(f"warning: lost the lock {self.path(rel)} (taken over as stale?)", flush=True)
+                return
+            self.write_json(rel, me | {"expires": time.time() + LOCK_TTL_S})
+
     # costs -------------------------------------------------------------------------------------
     def record_cost(self, key: str, record: dict) -> None:
         """Merge one stage's cost record into RUN/report/costs.json (driver-only, so no races)."""
@@ -196,6 +331,37 @@ class RunDir:
         costs = self.read_json(rel) if self.exists(rel) else {}
         costs[key] = record
         self.write_json(rel, costs)
+
+
+def _lock_is_stale(held: dict) -> bool:
+    if held.get("host") == socket.gethostname():
+        try:
+            os.kill(int(held["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, owned by another user
+            return False
+        return False
+    return time.time() > float(held.get("expires", 0))
+
+
+def changed_keys(old: dict | None, new: dict | None) -> str:
+    """'section.key old -> new, ...' between two fingerprints' covered values."""
+    if not old or not new:
+        return "unknown (the existing output's marker predates recorded values; its config is in its _DONE.json)"
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    keys = sorted(k for k in flat_old.keys() | flat_new.keys() if flat_old.get(k, "-") != flat_new.get(k, "-"))
+    return ", ".join(f"{k} {flat_old.get(k, '-')!r} -> {flat_new.get(k, '-')!r}" for k in keys)
+
+
+def _flatten(values: dict) -> dict:
+    return {f"{section}.{key}": v for section, keys in values.items() for key, v in (keys or {}).items()}
+
+
+def _made_from(covers: dict | None, base: dict) -> bool:
+    """True when an output covering `covers` used the same values as `base` for all of base's sections."""
+    sections = [s for s in base if s != "extra"]
+    return bool(covers) and all(covers.get(s) == base[s] for s in sections)
 
 
 def _json_default(o):

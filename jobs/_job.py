@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -19,7 +20,6 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from clusterscale import cli  # noqa: E402
-from clusterscale import config as config_mod  # noqa: E402
 from clusterscale.errors import user_message  # noqa: E402
 from clusterscale.redact import redact_uri  # noqa: E402
 
@@ -34,21 +34,22 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                                                          "or a folder on storage shared by every node.")
     parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                         help="Override config keys, e.g. --set cluster.k=16 train.num_workers=8.")
+    parser.add_argument("--replace", action="store_true",
+                        help="Replace every output made with a different config, and every output made from it, "
+                             "instead of refusing (see README, Reruns).")
     return parser
 
 
 def run_job(description: str, body: Callable, argv: list[str] | None = None,
             parser: argparse.ArgumentParser | None = None) -> int:
     """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status."""
-    from clusterscale.rundir import RunDir
     from clusterscale.session import check_run_dir_shared, cluster_address, init_ray
 
     args = (parser or build_parser(description)).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_uri = redact_uri(args.run_dir)
     try:
-        cfg = config_mod.load(args.config, args.overrides)  # validated before any cluster time is spent
-        run = RunDir(args.run_dir)
+        cfg, run = cli.open_run(args.run_dir, args.config, args.overrides)  # validated before any cluster time
         run_uri = redact_uri(run.uri)
         print(f"run directory: {run_uri}", flush=True)
         init_ray(cfg.ray)
@@ -68,11 +69,16 @@ def run_job(description: str, body: Callable, argv: list[str] | None = None,
     return 0
 
 
+def stage_options(args) -> dict:
+    """run_stages' replace and command (for the advice of a refused rerun) of this job's arguments."""
+    return {"replace": "changed" if args.replace else "", "command": shlex.join(["python", *sys.argv])}
+
+
 def stages_job(description: str, verbs: tuple[str, ...] | Callable, argv: list[str] | None = None) -> int:
     """A job that runs `verbs` (or verbs(cfg)) in order with the CLI's own stage runner."""
     def body(cfg, run, args):
         stages = verbs(cfg) if callable(verbs) else verbs
-        results = cli.run_stages(cfg, run, stages)
+        results = cli.run_stages(cfg, run, stages, **stage_options(args))
         if "evaluate" in stages or "report" in stages:
             print(cli.summary(cfg, run, results), flush=True)
 

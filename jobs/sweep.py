@@ -1,28 +1,29 @@
 """Ray job: a sweep over cluster.k that embeds once and fits, assigns and shards once per k.
 
 Ingest and embed run (or are reused) once; each k writes beside the others (kmeans/k=<k>/, shards/k=<k>/).
-With --train, each k also trains (train/<train name>-k<k>/, e.g. clustered-seed0-k100) and is evaluated.
+With --train, each k also trains (train/sweep-<sampler>-k<k>-seed<seed>/, as `clusterscale sweep` names it, so
+never the run's own train.name) and is evaluated.
 
     ray job submit --working-dir . -- python jobs/sweep.py CONFIG --run-dir URI --k 10 100 1000 [--train]
 """
 import sys
 
-from _job import PREPROCESS, build_parser, run_job
+from _job import PREPROCESS, build_parser, run_job, stage_options
 
 from clusterscale import cli
-from clusterscale import config as config_mod
+from clusterscale.experiments import arm_name, check_arm_names, variant
 
 
 def sweep(cfg, run, args) -> None:
     rows = []
+    names = {k: arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in args.k}
+    if args.train:
+        check_arm_names(cfg, list(names.values()))
     for k in args.k:
-        overrides = [*args.overrides, f"cluster.k={k}"]
-        if args.train:  # one training run per k, named so that runs of different k never collide
-            overrides.append(f"train.name={cfg.train_name()}-k{k}")
-        cfg_k = config_mod.load(args.config, overrides)
+        cfg_k = variant(cfg, cluster={"k": k}, train={"name": names[k]} if args.train else {})
         verbs = PREPROCESS + (("train", "evaluate") if args.train else ())
         print(f"== k={k} ==", flush=True)
-        results = cli.run_stages(cfg_k, run, verbs)
+        results = cli.run_stages(cfg_k, run, verbs, **stage_options(args))
         shard = results["shard"]
         rows.append(f"k={k}: {shard['shards']} shards, rows per shard {shard['min_rows']}..{shard['max_rows']}, "
                     f"fit objective {results['fit']['objective']:.1f}"

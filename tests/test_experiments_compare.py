@@ -33,7 +33,7 @@ def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
     manifest_fp = run.read_json("shards/k=4/manifest.json")["fingerprint"]
     for sampler in SAMPLERS:
         for seed in range(SEEDS):
-            name = f"{sampler}-seed{seed}"
+            name = f"compare-{sampler}-seed{seed}"
             done = run.read_json(f"train/{name}/_DONE.json")
             assert done["stats"]["steps"] == 3 and done["stats"]["sampler"] == sampler
             assert done["config"]["train"]["seed"] == seed
@@ -42,8 +42,8 @@ def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
             assert run.exists(f"eval/{name}.json")
     assert run.read_json("shards/k=4/manifest.json")["fingerprint"] == manifest_fp
     # Different seeds give different batch schedules, so different losses.
-    first = [json.loads(x)["loss"] for x in run.read_bytes("train/clustered-seed0/metrics.jsonl").decode().splitlines()]
-    second = [json.loads(x)["loss"] for x in run.read_bytes("train/clustered-seed1/metrics.jsonl").decode().splitlines()]
+    first = [json.loads(x)["loss"] for x in run.read_bytes("train/compare-clustered-seed0/metrics.jsonl").decode().splitlines()]
+    second = [json.loads(x)["loss"] for x in run.read_bytes("train/compare-clustered-seed1/metrics.jsonl").decode().splitlines()]
     assert first != second
 
 
@@ -52,15 +52,15 @@ def test_compare_json_mean_and_spread_match_the_eval_files(compared):
     summary = run.read_json("report/compare.json")
     assert list(summary["arms"]) == list(SAMPLERS)
     for sampler, arm in summary["arms"].items():
-        values = [run.read_json(f"eval/{sampler}-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+        values = [run.read_json(f"eval/compare-{sampler}-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
         stats = arm["metrics"]["ndcg_at_10"]
         assert stats["values"] == pytest.approx(values)
         assert stats["mean"] == pytest.approx(np.mean(values))
         assert stats["std"] == pytest.approx(np.std(values, ddof=1))
         assert stats["min"] == pytest.approx(min(values)) and stats["max"] == pytest.approx(max(values))
     paired = summary["paired_vs_random"]["clustered"]
-    diffs = [run.read_json(f"eval/clustered-seed{s}.json")["metrics"]["ndcg_at_10"]
-             - run.read_json(f"eval/random-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+    diffs = [run.read_json(f"eval/compare-clustered-seed{s}.json")["metrics"]["ndcg_at_10"]
+             - run.read_json(f"eval/compare-random-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
     assert paired["mean"] == pytest.approx(np.mean(diffs))
     assert summary["frozen"] == run.read_json("eval/frozen.json")["metrics"]
 
@@ -70,14 +70,14 @@ def test_costs_and_report_cover_every_arm(compared):
     costs = run.read_json("report/costs.json")
     for sampler in SAMPLERS:
         for seed in range(SEEDS):
-            assert f"train:{sampler}-seed{seed}" in costs and f"evaluate:{sampler}-seed{seed}" in costs
+            assert f"train:compare-{sampler}-seed{seed}" in costs and f"evaluate:compare-{sampler}-seed{seed}" in costs
     report = run.read_bytes("report/report.md").decode()
     assert "## Compare: samplers over seeds" in report and "± " in report
     assert "![compare](compare.png)" in report and run.exists("report/compare.png")
     # The per-cluster breakdown includes every arm, not only the last one evaluated.
     breakdown = run.read_json("eval/by_cluster/k=4.json")
     models = {m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]}
-    assert models == {"frozen"} | {f"{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
+    assert models == {"frozen"} | {f"compare-{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
 
 
 def test_unknown_sampler_fails_before_any_work(tmp_path, tiny_model, ray_local, capsys):

@@ -58,7 +58,7 @@ def test_sweep_with_training(tmp_path, data_path, tiny_model, ray_local):
     run = RunDir(str(tmp_path / "run"))
     sweep = run.read_json("report/sweep.json")
     for point in sweep["points"]:
-        name = f"clustered-k{point['k']}-seed0"
+        name = f"sweep-clustered-k{point['k']}-seed0"
         assert point["ndcg_at_10"] == run.read_json(f"eval/{name}.json")["metrics"]["ndcg_at_10"]
         assert run.read_json(f"train/{name}/_DONE.json")["stats"]["steps"] == 2
     report = run.read_bytes("report/report.md").decode()
@@ -66,7 +66,7 @@ def test_sweep_with_training(tmp_path, data_path, tiny_model, ray_local):
     assert run.exists("report/sweep.png") and run.exists("report/loss.png")
     # Each k's training run is costed under its own name, next to the per-k preprocessing stages.
     costs = run.read_json("report/costs.json")
-    assert {"train:clustered-k2-seed0", "train:clustered-k4-seed0", "fit:k=2", "shard:k=4"} <= set(costs)
+    assert {"train:sweep-clustered-k2-seed0", "train:sweep-clustered-k4-seed0", "fit:k=2", "shard:k=4"} <= set(costs)
 
 
 def test_bad_k_list_is_a_clear_error(tmp_path, data_path, tiny_model, capsys):

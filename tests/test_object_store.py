@@ -100,6 +100,26 @@ def test_run_dir_atomic_files_and_child_uris(s3_endpoint):
     assert not run.exists("a/b.json")
 
 
+def test_stage_lock_is_a_lease_on_object_stores(s3_endpoint, monkeypatch):
+    import time
+
+    from clusterscale import rundir
+
+    monkeypatch.setattr(rundir, "LOCK_SETTLE_S", 0.1)
+    run = RunDir(s3_uri(s3_endpoint, "lock-bucket/runs/r1"))
+    with run.lock("train/x"):
+        assert run.read_json("locks/train/x.json")["pid"] == os.getpid()
+        with pytest.raises(rundir.StageLockedError, match=f"pid {os.getpid()} on host"):
+            with run.lock("train/x"):
+                pass
+    assert not run.exists("locks/train/x.json")
+    # A lease of another host that was not renewed in time is taken over.
+    run.write_json("locks/train/x.json", {"id": "gone", "host": "elsewhere", "pid": 7, "since": "2026-01-01T00:00:00Z",
+                                          "expires": time.time() - 1})
+    with run.lock("train/x"):
+        assert run.read_json("locks/train/x.json")["host"] != "elsewhere"
+
+
 def test_local_copy_downloads_a_folder(s3_endpoint, tmp_path):
     run = RunDir(s3_uri(s3_endpoint, "copy-bucket/m"))
     run.write_text("config.json", "{}")

@@ -109,7 +109,10 @@ def test_rerun_reuses_and_different_config_refuses(finished_run, tiny_model, cap
     assert run.read_json("embeddings/_DONE.json")["finished_at"] == before
     rc = cli.main(["embed", "--run-dir", run.uri, "--set", *overrides, "embed.max_length=16"])
     assert rc == 2
-    assert "different config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different config; changed: embed.max_length 32 -> 16" in err
+    assert "embed.max_length=16 --replace" in err and "fingerprint" not in err
+    assert run.read_json("embeddings/_DONE.json")["finished_at"] == before  # the refused rerun wrote nothing
 
 
 def test_missing_stage_names_the_verb(tmp_path, tiny_model, ray_local, capsys):
