@@ -111,8 +111,9 @@ def run_variant(name, changes, bert_changes, warmup_frac, steps, seed, train_row
               "pos_cos_last20": round(float(tail[:, 2].mean()), 3), "collapsed_at_step": verdict_step,
               "heldout_top1": round(top1, 4), "heldout_ndcg10": round(ndcg, 4), "seconds": round(time.time() - started, 1),
               "loss_every_25": [round(h[0], 3) for h in history[::25]],
-              "neg_cos_every_25": [round(h[1], 3) for h in history[::25]]}
-    print(json.dumps({k: v for k, v in result.items() if not k.endswith("every_25")}), flush=True)
+              "neg_cos_every_25": [round(h[1], 3) for h in history[::25]],
+              "history": [[round(v, 4) for v in h] for h in history]}
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith(("every_25", "history"))}), flush=True)
     return result
 
 
