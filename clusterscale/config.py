@@ -176,6 +176,11 @@ class TrainConfig:
                                  affects_output=False)
     max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
                                 "continuing from the latest checkpoint.", affects_output=False)
+    stop_on_collapse: bool = knob(True, "Stop a run that is not learning (after warm-up, loss at chance level and mean "
+                                        "in-batch negative cosine >= 0.9 for 3 logging intervals) with an error "
+                                        "naming the likely causes; false = warn and go on. Either way "
+                                        "train/<name>/collapse.json records it and the report flags the run.",
+                                  affects_output=False)
     peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
                                    "GPU, or measure an fp32 matmul on CPU.", affects_output=False)
     tensorboard: bool = knob(False, "Also log the per-step metrics to train/<name>/tensorboard (needs the "

@@ -18,12 +18,13 @@ import time
 import torch
 
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
+from clusterscale.errors import UserError
 from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
 from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
-from clusterscale.train.metrics import JsonlLog, TensorBoardLog, peak_flops
+from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
@@ -111,6 +112,9 @@ def train_loop_per_worker(config: dict) -> None:
         from clusterscale.train.negatives import MinedNegatives
 
         negatives = MinedNegatives(run, manifest, shards_run, tc.negatives_per_query, tc.seed)
+    guard = CollapseGuard(chance_loss(tc.global_batch_size, tc.negatives_per_query, tc.loss, tc.clp_lambda),
+                          tc.warmup_steps, tc.log_every_steps)
+    collapsed_at = None
     if start_step:
         print(f"[train] rank {rank}: resuming at step {start_step}/{num_steps}", flush=True)
     t_last, started = time.time(), time.time()
@@ -122,7 +126,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     progress: dict = {}  # the latest logged figures, identical on every rank (all-reduced)
 
-    def save(step: int, epoch: int, final: bool) -> None:
+    def save(step: int, epoch: int, final: bool, note: dict | None = None) -> None:
         """All ranks call report (a barrier); rank 0 attaches the checkpoint."""
         flush_logs()
         directory, attached = tempfile.mkdtemp(prefix="clusterscale-ckpt-"), None
@@ -135,7 +139,8 @@ def train_loop_per_worker(config: dict) -> None:
                     save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"),
                                                    pooling, tc.passage_max_length)
                 attached = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report({**progress, "step": step, "train_s": time.time() - started}, checkpoint=attached)
+            ray.train.report({**progress, "step": step, "train_s": time.time() - started, **(note or {})},
+                             checkpoint=attached)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -203,6 +208,14 @@ def train_loop_per_worker(config: dict) -> None:
                                      f"train.temperature.")
         done = gb.step + 1
         progress = {"epoch": gb.epoch, "loss": values[0], "lr": lr, **figures}
+        verdict = guard.observe(gb.step, values[0], figures["neg_cos_mean"])  # same values, same verdict on every rank
+        if verdict is not None and rank == 0:
+            print(f"[train] WARNING: {verdict}", flush=True)
+            run.write_json(f"train/{name}/collapse.json", {"step": done, "stopped": tc.stop_on_collapse,
+                                                           "message": verdict})
+        if verdict is not None and tc.stop_on_collapse:
+            collapsed_at = done
+            break
         if tc.checkpoint_every_steps and done % tc.checkpoint_every_steps == 0 and done < stop_step:
             save(done, gb.epoch, final=False)
         elif done % tc.log_every_steps == 0 and done < stop_step:
@@ -210,8 +223,15 @@ def train_loop_per_worker(config: dict) -> None:
             ray.train.report({**progress, "step": done, "train_s": time.time() - started})
     if board is not None:
         board.close()
+    if collapsed_at is not None:  # a checkpoint to inspect, no export: the driver ends the run with the verdict
+        save(collapsed_at, epoch, final=False, note={"collapsed": guard.verdict})
+        return
     # The model is exported at the end, and at a segment's end for the re-clustering that follows.
     save(stop_step, epoch, final=stop_step in (num_steps, seg_stop))
+
+
+class TrainingCollapsedError(UserError):
+    """The collapse guard stopped a run (train.stop_on_collapse): the message names the likely causes."""
 
 
 def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int | None = None) -> dict:
@@ -282,6 +302,8 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
              "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
     if tc.negatives_per_query:
         stats["mined_negatives_per_query"] = tc.negatives_per_query
+    if run.exists(out, "collapse.json"):  # train.stop_on_collapse=false: warned, went on; the report flags it
+        stats["collapse_warning_at_step"] = run.read_json(f"{out}/collapse.json")["step"]
     if len(segments) > 1:
         stats |= {"segments": len(segments), "recluster_s": round(recluster_s, 3)}
     if stop_step < num_steps:
@@ -343,6 +365,9 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     result = trainer.fit()
     if result.error:
         raise result.error
+    if (result.metrics or {}).get("collapsed"):
+        raise TrainingCollapsedError(f"train/{name} stopped: {result.metrics['collapsed']} The per-step figures are "
+                                     f"in {run.path(f'train/{name}', 'metrics.jsonl')}.")
     return result
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -66,3 +67,54 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class CollapseGuard:
+    """Flags a run that is not learning: loss at or above chance while every text maps to one direction.
+
+    Fed the all-reduced figures of every step, so every rank reaches the same verdict at the same step
+    and the ranks can stop together. Steps inside warm-up are ignored; after it, each logging
+    interval's mean loss and mean in-batch negative cosine are checked. `patience` intervals in a row
+    with loss >= (1 - loss_margin) x chance (ln of the candidates per query, or of what the loss averages
+    instead) and negative cosine >= max_neg_cos mean collapse: the embeddings carry no information
+    about the text. One of the two alone is common early on (a fresh encoder's vectors are anisotropic).
+    """
+
+    def __init__(self, chance_loss: float, warmup_steps: int, interval: int, patience: int = 3,
+                 loss_margin: float = 0.05, max_neg_cos: float = 0.9):
+        self.chance_loss, self.warmup_steps, self.interval = chance_loss, warmup_steps, max(1, interval)
+        self.patience, self.loss_margin, self.max_neg_cos = patience, loss_margin, max_neg_cos
+        self.window: list[tuple[float, float]] = []
+        self.strikes = 0
+        self.verdict: str | None = None
+
+    def observe(self, step: int, loss: float, neg_cos_mean: float) -> str | None:
+        """Record one step; returns the warning the first time the run is judged collapsed."""
+        if self.verdict is not None or step < self.warmup_steps:
+            return None
+        self.window.append((loss, neg_cos_mean))
+        if len(self.window) < self.interval:
+            return None
+        mean_loss = sum(v[0] for v in self.window) / len(self.window)
+        mean_cos = sum(v[1] for v in self.window) / len(self.window)
+        self.window = []
+        stuck = mean_loss >= (1 - self.loss_margin) * self.chance_loss and mean_cos >= self.max_neg_cos
+        self.strikes = self.strikes + 1 if stuck else 0
+        if self.strikes < self.patience:
+            return None
+        self.verdict = (
+            f"the run looks collapsed at step {step + 1}: for {self.patience} logging intervals of {self.interval} "
+            f"steps after warm-up the loss stayed at chance level ({mean_loss:.3f} vs ln of the candidates per "
+            f"query = {self.chance_loss:.3f}) while the mean cosine of a query to its in-batch negatives was "
+            f"{mean_cos:.3f} (>= {self.max_neg_cos}): every text maps to nearly the same direction. Likely causes, "
+            f"most likely first: CLS pooling on a model trained from scratch (try train.pooling=mean), a too "
+            f"high train.lr, a too low train.temperature (0.02 is the paper's; try 0.05), a too short "
+            f"train.warmup_steps. train.stop_on_collapse=false lets such a run go on.")
+        return self.verdict
+
+
+def chance_loss(global_batch_size: int, negatives_per_query: int = 0, loss: str = "infonce",
+                clp_lambda: float = 0.0) -> float:
+    """InfoNCE of an encoder that cannot tell texts apart: ln(candidates per query)."""
+    chance = math.log(global_batch_size * (1 + negatives_per_query))
+    return (1 - clp_lambda) * chance if loss == "clp" else chance
