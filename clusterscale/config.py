@@ -146,7 +146,9 @@ class TrainConfig:
                                     "gradients, ~1/3 more compute.", affects_output=False)
     init: str = knob("bundled", "Student weights: 'bundled', an HF id or folder to fine-tune, or "
                                 "'scratch' (random BERT of the scratch_* shape).")
-    pooling: str = knob("auto", "Student pooling; 'auto' = the init model's own, CLS from scratch.",
+    pooling: str = knob("auto", "Student pooling; 'auto' = the init model's own, mean from scratch (the paper "
+                                 "uses CLS, which collapsed from scratch in every setting measured: "
+                                 "benchmarks/RESULTS.md, 'Why CLS from scratch collapses').",
                         ("auto", "mean", "cls"))
     tokenizer: str = knob("bundled", "Tokenizer for init=scratch (HF id or folder); 'bundled' = the "
                                      "standard uncased BERT vocab of the bundled encoder.")
@@ -176,7 +178,7 @@ class TrainConfig:
                                  affects_output=False)
     max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
                                 "continuing from the latest checkpoint.", affects_output=False)
-    stop_on_collapse: bool = knob(True, "Stop a run that is not learning (after warm-up, loss at chance level and mean "
+    stop_on_collapse: bool = knob(True, "Stop a run that is not learning (after warm-up, loss within 2% of chance level and mean "
                                         "in-batch negative cosine >= 0.9 for 3 logging intervals) with an error "
                                         "naming the likely causes; false = warn and go on. Either way "
                                         "train/<name>/collapse.json records it and the report flags the run.",

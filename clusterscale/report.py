@@ -244,6 +244,17 @@ def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
     return groups
 
 
+def collapse_warnings(run: RunDir) -> list[str]:
+    """One line per training run the collapse guard flagged (train/<name>/collapse.json)."""
+    lines = []
+    for name in run.listdir("train"):
+        if run.exists(f"train/{name}/collapse.json"):
+            flag = run.read_json(f"train/{name}/collapse.json")
+            how = "stopped" if flag["stopped"] else "went on (train.stop_on_collapse=false); its metrics are suspect"
+            lines.append(f"- **`{name}` collapsed** at step {flag['step']} and {how}: {flag['message']}")
+    return lines
+
+
 def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, caption: str) -> None:
     if png:
         run.write_bytes(f"report/{filename}", png)
@@ -253,6 +264,9 @@ def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, cap
 def run_report(cfg: Config, run: RunDir) -> str:
     k = cfg.cluster.k
     parts = ["# clusterscale report", "", f"Run directory: `{run.uri}`  ", f"Config hash: `{cfg.hash()}`", ""]
+    flagged = collapse_warnings(run)
+    if flagged:
+        parts += ["## Warnings", *flagged, ""]
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
         parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "

@@ -57,7 +57,7 @@ def test_paper_config_is_the_papers_recipe():
     cfg = config_mod.load(CONFIGS / "msmarco-paper.yaml")
     assert (cfg.embed.model, cfg.embed.side, cfg.cluster.k) == ("Snowflake/snowflake-arctic-embed-m", "passage", 10)
     t = cfg.train
-    assert (t.init, t.pooling, t.global_batch_size, t.epochs, t.warmup_steps) == ("scratch", "cls", 4096, 3, 50)
+    assert (t.init, t.pooling, t.global_batch_size, t.epochs, t.warmup_steps) == ("scratch", "mean", 4096, 3, 50)
     assert (t.lr, t.final_lr, t.temperature, t.max_grad_norm) == (4e-4, 4e-5, 0.02, 1.0)
     assert (t.query_max_length, t.passage_max_length) == (32, 256)
     assert (t.scratch_hidden_size, t.scratch_num_layers, t.scratch_num_heads) == (768, 12, 12)

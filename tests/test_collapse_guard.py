@@ -93,3 +93,13 @@ def test_collapsed_run_is_stopped_with_the_message(tmp_path, ray_local, capsys):
                                                                                     "_DONE.json")
     steps_logged = run.read_bytes(f"train/{cfg.train_name()}/metrics.jsonl").decode().splitlines()
     assert len(steps_logged) == record["step"]  # every step up to the stop is logged, none after
+
+
+def test_report_flags_a_collapsed_run(tmp_path):
+    from clusterscale.report import collapse_warnings
+
+    run = make_sharded_run(tmp_path / "run")
+    run.write_json("train/a/collapse.json", {"step": 12, "stopped": False, "message": "the run looks collapsed ..."})
+    run.write_json("train/b/metrics.jsonl", {})
+    lines = collapse_warnings(run)
+    assert len(lines) == 1 and "`a` collapsed** at step 12" in lines[0] and "suspect" in lines[0]

@@ -81,7 +81,7 @@ class CollapseGuard:
     """
 
     def __init__(self, chance_loss: float, warmup_steps: int, interval: int, patience: int = 3,
-                 loss_margin: float = 0.05, max_neg_cos: float = 0.9):
+                 loss_margin: float = 0.02, max_neg_cos: float = 0.9):
         self.chance_loss, self.warmup_steps, self.interval = chance_loss, warmup_steps, max(1, interval)
         self.patience, self.loss_margin, self.max_neg_cos = patience, loss_margin, max_neg_cos
         self.window: list[tuple[float, float]] = []

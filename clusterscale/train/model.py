@@ -24,7 +24,10 @@ def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
             num_hidden_layers=cfg.scratch_num_layers, num_attention_heads=cfg.scratch_num_heads,
             intermediate_size=cfg.scratch_intermediate_size,
             max_position_embeddings=max(512, cfg.passage_max_length)), add_pooling_layer=False)
-        pooling = "cls" if cfg.pooling == "auto" else cfg.pooling
+        # Mean, not the paper's CLS: a BERT from scratch with CLS pooling collapsed (loss at chance, every text one
+        # direction) under every lr, temperature, warm-up, depth, width and init scale tried; mean pooling learned
+        # under all of them (benchmarks/collapse_causes.py, RESULTS.md).
+        pooling = "mean" if cfg.pooling == "auto" else cfg.pooling
     else:
         path = resolve_model_path(cfg.init)
         tokenizer = load_tokenizer(path)
