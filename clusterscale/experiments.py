@@ -51,6 +51,22 @@ def parse_list(text: str, what: str, cast=str) -> list:
     return values
 
 
+def paired_difference(values: list[float]) -> dict:
+    """spread() of per-seed differences, plus the 95% Student-t interval of their mean (none for one seed)."""
+    from scipy import stats
+
+    out = spread(values)
+    n = len(values)
+    half = float(stats.t.ppf(0.975, n - 1) * out["std"] / np.sqrt(n)) if n > 1 else None
+    return out | {"n": n, "wins": int(sum(v > 0 for v in values)),
+                  "ci95": [out["mean"] - half, out["mean"] + half] if half is not None else None}
+
+
+# (arm, baseline) pairs compared seed by seed when both arms ran: the method against the global shuffle, and
+# against the control with the same cluster sizes but random membership.
+PAIRED_BASELINES = ("random", "random_clusters")
+
+
 def spread(values: list[float]) -> dict:
     """Mean, sample standard deviation (0 for one value), min, max and the values themselves."""
     arr = np.asarray(values, dtype=float)
@@ -181,15 +197,23 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     out["preprocess_worker_s"] = {stage: costs[stage].get("worker_s", costs[stage].get("wall_s"))
                                   for stage in (*PREPROCESS, "mine") if stage in costs}
-    if "random" in arms:
-        base = {a.train.seed: metrics["random"][a.train_name()]["ndcg_at_10"] for a in arms["random"]}
+    for baseline in (b for b in PAIRED_BASELINES if b in arms):
         for sampler, arm_cfgs in arms.items():
-            if sampler == "random":
+            if sampler in PAIRED_BASELINES[:PAIRED_BASELINES.index(baseline) + 1]:
                 continue
-            diffs = [metrics[sampler][a.train_name()]["ndcg_at_10"] - base[a.train.seed] for a in arm_cfgs]
-            out.setdefault("paired_vs_random", {})[sampler] = spread(diffs) | {
-                "n": len(diffs), "wins": int(sum(d > 0 for d in diffs))}
+            out.setdefault("paired", {})[f"{sampler} - {baseline}"] = {
+                key: paired_difference(_seed_differences(metrics, sampler, arm_cfgs, baseline, arms[baseline], key))
+                for key in ("ndcg_at_10", "mrr_at_10")}
+    if "random" in arms:  # kept for readers of earlier compare.json files
+        out["paired_vs_random"] = {name.split(" - ")[0]: d["ndcg_at_10"] for name, d in out.get("paired", {}).items()
+                                   if name.endswith(" - random")}
     return out
+
+
+def _seed_differences(metrics: dict, arm: str, arm_cfgs: list[Config], baseline: str, baseline_cfgs: list[Config],
+                      key: str) -> list[float]:
+    base = {a.train.seed: metrics[baseline][a.train_name()][key] for a in baseline_cfgs}
+    return [metrics[arm][a.train_name()][key] - base[a.train.seed] for a in arm_cfgs]
 
 
 def _differing_train_keys(base: Config, arm: Config) -> dict:

@@ -207,10 +207,21 @@ def compare_table(compare: dict) -> str:
         lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering (fit + assign + "
                      f"shard) {clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
                      f"also embed M more passages per query in every step (their train worker-s above).")
-    for name, d in compare.get("paired_vs_random", {}).items():
-        lines.append(f"\n{name} - random, paired by seed: NDCG@10 {d['mean']:+.4f} ± {d['std']:.4f} "
-                     f"(min {d['min']:+.4f}, max {d['max']:+.4f}; {d['wins']}/{d['n']} seeds better).")
+    paired = compare.get("paired") or {f"{name} - random": {"ndcg_at_10": d}
+                                       for name, d in compare.get("paired_vs_random", {}).items()}
+    for name, by_metric in paired.items():
+        lines.append(f"\n{name}, paired by seed: " + "; ".join(_paired_text(key, d) for key, d in by_metric.items()) + ".")
     return "\n".join(lines)
+
+
+def _paired_text(key: str, d: dict) -> str:
+    label = {"ndcg_at_10": "NDCG@10", "mrr_at_10": "MRR@10"}.get(key, key)
+    if not d.get("ci95"):
+        return f"{label} {d['mean']:+.4f} ({d['n']} seed: no interval)"
+    low, high = d["ci95"]
+    verdict = "no difference shown" if low <= 0 <= high else ("better" if low > 0 else "worse")
+    return (f"{label} {d['mean']:+.4f}, 95% interval [{low:+.4f}, {high:+.4f}] ({verdict}; "
+            f"{d['wins']}/{d['n']} seeds better)")
 
 
 def sweep_table(sweep: dict) -> str:
@@ -303,6 +314,8 @@ def run_report(cfg: Config, run: RunDir) -> str:
         compare = run.read_json("report/compare.json")
         parts += ["## Compare: samplers over seeds", compare.get("description", ""), "", compare_table(compare), ""]
         _figure(run, parts, "compare.png", report_plots.compare_arms(compare), "compare")
+        _figure(run, parts, "paired.png", report_plots.paired_differences(compare),
+                "seed-paired differences with 95% intervals")
     if run.exists("report/sweep.json"):
         sweep = run.read_json("report/sweep.json")
         parts += ["## Sweep over k and N", sweep.get("description", ""), "", sweep_table(sweep), ""]

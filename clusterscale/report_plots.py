@@ -149,6 +149,35 @@ def compare_arms(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
     return _png(fig)
 
 
+def paired_differences(compare: dict) -> bytes | None:
+    """Per comparison (arm - baseline, same seeds): every seed's difference as a dot, the mean and its 95%
+    interval as a bar, on an axis symmetric about 0 so that no difference looks like one."""
+    paired = compare.get("paired") or {}
+    if not paired:
+        return None
+    plt = _pyplot()
+    metrics = [m for m in ("ndcg_at_10", "mrr_at_10") if all(m in d for d in paired.values())]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.5, 1.8 * len(paired) + 1.5) * len(metrics), 4),
+                             squeeze=False)
+    names = list(paired)
+    for ax, metric in zip(axes[0], metrics):
+        reach = 0.02
+        for i, name in enumerate(names):
+            d = paired[name][metric]
+            low, high = d["ci95"] or (d["mean"], d["mean"])
+            ax.errorbar(i, d["mean"], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="_", markersize=26,
+                        capsize=8, color="black", zorder=3)
+            ax.scatter(i + np.linspace(-0.1, 0.1, len(d["values"])), d["values"], s=18, zorder=4, color="tab:blue")
+            reach = max(reach, *(abs(v) for v in d["values"]), abs(low), abs(high))
+        ax.axhline(0.0, color="gray", linewidth=1)
+        ax.set_ylim(-1.25 * reach, 1.25 * reach)
+        ax.set_xticks(range(len(names)), [n.replace(" - ", "\n- ") for n in names], fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_ylabel(f"difference in held-out {metric}")
+        ax.set_title("dots = seeds, bar = mean, 95% interval", fontsize=9)
+    return _png(fig)
+
+
 def sweep_curves(sweep: dict) -> bytes | None:
     points = [p for p in sweep.get("points", []) if "error" not in p]
     if not points:

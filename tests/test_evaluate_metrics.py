@@ -8,7 +8,7 @@ import pytest
 
 from clusterscale.costs import extrapolate
 from clusterscale.evaluate import mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search
-from clusterscale.experiments import spread
+from clusterscale.experiments import paired_difference, spread
 from clusterscale.report_plots import rolling_mean
 
 
@@ -130,3 +130,11 @@ def test_eval_set_groups_a_heldout_query_with_all_its_passages(tmp_path):
     star = es["query_ids"].index(10)
     assert {es["pool"][i] for i in es["qrels"][star]} == {"a ball of gas", "a luminous body"}
     assert len(es["pool"]) == 5 and len(set(es["pool"])) == 5  # passages once each, distractors included
+
+
+def test_paired_difference_interval_by_hand():
+    d = paired_difference([0.01, 0.03, -0.01])  # mean 0.01, sample std 0.02, t(0.975, 2) = 4.302653
+    half = 4.302653 * 0.02 / math.sqrt(3)
+    assert d["mean"] == pytest.approx(0.01) and d["ci95"] == pytest.approx([0.01 - half, 0.01 + half], abs=1e-6)
+    assert (d["n"], d["wins"]) == (3, 2)
+    assert paired_difference([0.02])["ci95"] is None  # one seed: no interval

@@ -62,6 +62,12 @@ def test_compare_json_mean_and_spread_match_the_eval_files(compared):
     diffs = [run.read_json(f"eval/compare-clustered-seed{s}.json")["metrics"]["ndcg_at_10"]
              - run.read_json(f"eval/compare-random-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
     assert paired["mean"] == pytest.approx(np.mean(diffs))
+    from scipy import stats as st
+
+    half = st.t.ppf(0.975, SEEDS - 1) * np.std(diffs, ddof=1) / np.sqrt(SEEDS)
+    both = summary["paired"]["clustered - random"]
+    assert both["ndcg_at_10"]["ci95"] == pytest.approx([np.mean(diffs) - half, np.mean(diffs) + half])
+    assert set(both) == {"ndcg_at_10", "mrr_at_10"}
     assert summary["frozen"] == run.read_json("eval/frozen.json")["metrics"]
 
 
@@ -73,6 +79,8 @@ def test_costs_and_report_cover_every_arm(compared):
             assert f"train:compare-{sampler}-seed{seed}" in costs and f"evaluate:compare-{sampler}-seed{seed}" in costs
     report = run.read_bytes("report/report.md").decode()
     assert "## Compare: samplers over seeds" in report and "± " in report
+    assert "clustered - random, paired by seed: NDCG@10" in report and "95% interval" in report
+    assert run.exists("report/paired.png")
     assert "![compare](compare.png)" in report and run.exists("report/compare.png")
     # The per-cluster breakdown includes every arm, not only the last one evaluated.
     breakdown = run.read_json("eval/by_cluster/k=4.json")
