@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The paper's comparison, run so that it can be trusted (issue 18): the bundled docstring pairs at full size
+# (13,588 pairs), k=20, global batch 64, 2 epochs, arms clustered / random / random_clusters, 3 seeds each,
+# for two students that learn: the from-scratch recipe (BERT 2 x 128, mean pooling, lr 4e-4 -> 4e-5, tau 0.05;
+# see "Why CLS from scratch collapses" in RESULTS.md) and the bundled MiniLM-L6 fine-tuned. Every arm trains the
+# same steps on the same shards and is evaluated on the same held-out queries; report.md of each run holds the
+# seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
+# hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
+# ~1 h, MiniLM several hours) and record `uptime` with the figures:
+#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both]      (log: OUT_DIR/study.log)
+set -euo pipefail
+OUT=${1:-runs/study}
+WHICH=${2:-both}
+mkdir -p "$OUT"
+COMMON=(data.limit=null cluster.k=20 train.steps=null train.epochs=2 train.global_batch_size=64
+        train.log_every_steps=10 eval.max_queries=1000 eval.num_distractors=5000)
+SCRATCH=(train.init=scratch train.tokenizer=bundled train.scratch_hidden_size=128 train.scratch_num_layers=2
+         train.scratch_num_heads=2 train.scratch_intermediate_size=512 train.lr=4e-4 train.final_lr=4e-5
+         train.temperature=0.05 train.warmup_steps=30)
+MINILM=(train.init=bundled train.lr=1e-4 train.final_lr=1e-5 train.warmup_steps=20 train.passage_max_length=64)
+ARMS=clustered,random,random_clusters
+{
+  date -u; uptime
+  if [[ $WHICH == scratch || $WHICH == both ]]; then
+    time clusterscale compare --run-dir "$OUT/scratch" --arms "$ARMS" --seeds 3 --set "${COMMON[@]}" "${SCRATCH[@]}"
+    clusterscale report --run-dir "$OUT/scratch"
+  fi
+  if [[ $WHICH == minilm || $WHICH == both ]]; then
+    time clusterscale compare --run-dir "$OUT/minilm" --arms "$ARMS" --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
+    clusterscale report --run-dir "$OUT/minilm"
+  fi
+  date -u; uptime
+} 2>&1 | tee "$OUT/study.log"
