@@ -44,6 +44,14 @@ def _loopback_node_ip() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def _is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (host:port, or a scheme://host:port) names this machine's loopback interface."""
+    if address.startswith("ray://"):  # Ray Client: the server's node IP is its own business
+        return False
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Start or join Ray once per process. Jobs submitted with `ray job submit` join via RAY_ADDRESS."""
     if ray.is_initialized():
@@ -51,6 +59,11 @@ def init_ray(cfg: RayConfig) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     address = cluster_address(cfg)
     kwargs = dict(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    # A Ray on this machine bound to loopback (one started by init_ray) is joined with the same node IP: a driver
+    # that takes the routable IP looks for the raylet there and never finds it.
+    loopback = address is None or _is_loopback_address(address)
+    if loopback and address is not None:
+        kwargs["_node_ip_address"] = "127.0.0.1"
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
         # Ray Train sends each print of a rank both to stdout and to its root logger: every line twice.
@@ -59,7 +72,7 @@ def init_ray(cfg: RayConfig) -> None:
                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     for attempt in range(3 if address is None else 1):
         try:
-            with _loopback_node_ip() if address is None else contextlib.nullcontext():
+            with _loopback_node_ip() if loopback else contextlib.nullcontext():
                 ray.init(**kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one

@@ -49,13 +49,16 @@ def ray_with_aws_env(s3_endpoint):
     """Local Ray whose workers inherit the credentials (they are read when Ray starts its workers)."""
     import ray
 
+    from clusterscale.config import RayConfig
+    from clusterscale.session import init_ray
+
     was_running = ray.is_initialized()
     ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    init_ray(RayConfig(num_cpus=2, include_dashboard=False))  # started the way the CLI starts it (loopback)
     yield ray
     ray.shutdown()
     if was_running:  # leave the session's Ray as the other modules expect it
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        init_ray(RayConfig(num_cpus=2, include_dashboard=False))
 
 
 def s3_uri(endpoint: str, path: str) -> str:
