@@ -358,6 +358,14 @@ def from_dict(raw: dict | None) -> Config:
     return cfg
 
 
+def variant(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some keys changed, validated like a user's config (unknown values are errors)."""
+    raw = cfg.to_dict()
+    for section, updates in sections.items():
+        raw[section].update(updates)
+    return from_dict(raw)
+
+
 def _positive(key: str, value: float | int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return

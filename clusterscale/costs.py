@@ -5,13 +5,16 @@ costs.json keys are stage names, optionally qualified: `fit:k=100` (a sweep), `t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from clusterscale.config import Config
+from clusterscale.layout import shards_dir
 from clusterscale.rundir import RunDir
+from clusterscale.train import schedule
+from clusterscale.train.data import strata_inputs
+from clusterscale.train.metrics import read_metrics
 
 PREPROCESS_STAGES = ("ingest", "embed", "fit", "assign", "shard")
 PER_K_STAGES = ("fit", "assign", "shard")
@@ -136,16 +139,10 @@ def extrapolate(points: list[tuple[float, float]], target: float) -> dict:
 
 def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | None:
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
-    from clusterscale.shards import shards_dir
-    from clusterscale.train import schedule
-    from clusterscale.train.data import strata_inputs
-
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
-    if not (record.get("steps") and run.exists(f"train/{name}/metrics.jsonl")
-            and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
+    steps = [r["step_s"] for r in read_metrics(run, name)]
+    if not (record.get("steps") and steps and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
         return None
-    steps = [json.loads(line)["step_s"] for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-             if line.strip()]
     manifest = run.read_json(f"{shards_dir(cfg.cluster.k)}/manifest.json")
     sizes, codes, _ = strata_inputs(run, manifest, record.get("sampler", cfg.train.sampler))
     gbs = record.get("global_batch_size", cfg.train.global_batch_size)

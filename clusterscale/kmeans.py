@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.ingest import hash_unit
+from clusterscale.hashing import hash_unit
+from clusterscale.layout import assign_dir, kmeans_dir
 from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.progress import ProgressLine
@@ -26,16 +27,8 @@ from clusterscale.rundir import RunDir
 from clusterscale.session import faiss_runtime_env
 from clusterscale.vectors import emb_matrix
 
-__all__ = ["ClusteringError", "check_vectors", "kmeans_dir", "assign_dir", "run_fit", "run_assign",
+__all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
            "load_centroids", "AssignBatches"]
-
-
-def kmeans_dir(k: int) -> str:
-    return f"kmeans/k={k}"
-
-
-def assign_dir(k: int) -> str:
-    return f"assign/k={k}"
 
 
 # --- fit ------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ Run with `clusterscale report [CONFIG] --run-dir R` (after any stages; it report
 """
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -15,7 +14,8 @@ from clusterscale import report_plots
 from clusterscale.config import Config
 from clusterscale.costs import PREPROCESS_STAGES, device_seconds_label, stage_of, summarize
 from clusterscale.rundir import RunDir
-from clusterscale.shards import shards_dir
+from clusterscale.train.metrics import read_metrics
+from clusterscale.layout import shards_dir
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
 # Fewer held-out queries (per model or per cluster) or seeds than this and a figure is marked as a tiny sample.
@@ -236,11 +236,9 @@ def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
     """{group: {run name: metrics records}}; group = the run name without its '-seed<N>' suffix."""
     groups: dict[str, dict[str, list[dict]]] = {}
     for name in run.listdir("train"):
-        if run.exists(f"train/{name}/metrics.jsonl"):
-            records = [json.loads(line) for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-                       if line.strip()]
-            if records:
-                groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
+        records = read_metrics(run, name)
+        if records:
+            groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
     return groups
 
 

@@ -11,8 +11,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.mine import load_negatives
+from clusterscale.layout import NEGATIVES
 from clusterscale.rundir import RunDir
+
+
+def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(sorted pair_ids, their negative pair_id arrays, best first) from negatives/."""
+    run.require(NEGATIVES, "mine", "Mined negatives")
+    table = pa.concat_tables([pq.read_table(run.fs.open_input_file(path), columns=["pair_id", "neg_pair_ids"])
+                              for path in run.files(NEGATIVES)])
+    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
+    table = table.take(pa.array(order))
+    lists = table.column("neg_pair_ids").combine_chunks()
+    offsets, values = np.asarray(lists.offsets), np.asarray(lists.values)
+    return table.column("pair_id").to_numpy(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]
 
 
 class MinedNegatives:
