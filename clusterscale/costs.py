@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from clusterscale.config import Config
-from clusterscale.layout import shards_dir
+from clusterscale.encoder import load_tokenizer, resolve_model_path
+from clusterscale.layout import PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
 from clusterscale.train import schedule
 from clusterscale.train.data import strata_inputs
 from clusterscale.train.metrics import read_metrics
 
-PREPROCESS_STAGES = ("ingest", "embed", "fit", "assign", "shard")
 PER_K_STAGES = ("fit", "assign", "shard")
 TOKEN_SAMPLE_ROWS = 256
 
@@ -32,8 +32,6 @@ def device_seconds_label(record: dict) -> str:
 
 def param_count(model: str) -> int | None:
     """Parameters of a local safetensors model from the file headers (no weights loaded); None if unknown."""
-    from clusterscale.encoder import resolve_model_path
-
     try:
         from safetensors import safe_open
 
@@ -54,8 +52,6 @@ def student_param_count(cfg: Config) -> int | None:
     import torch
     from transformers import BertConfig, BertModel
 
-    from clusterscale.encoder import load_tokenizer, resolve_model_path
-
     try:
         vocab = len(load_tokenizer(resolve_model_path(cfg.train.tokenizer)))
     except Exception:
@@ -72,8 +68,6 @@ def student_param_count(cfg: Config) -> int | None:
 def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length."""
     import pyarrow.dataset as pads
-
-    from clusterscale.encoder import load_tokenizer, resolve_model_path
 
     files = run.files("pairs")
     if not files:
@@ -157,7 +151,7 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
 def preprocess_cost(costs: dict, k: int) -> tuple[float, list[str]]:
     """Worker-seconds of ingest + embed + fit/assign/shard at k, and the cost keys used."""
     total, used = 0.0, []
-    for stage in PREPROCESS_STAGES:
+    for stage in PREPROCESS:
         for key in ((f"{stage}:k={k}", stage) if stage in PER_K_STAGES else (stage,)):
             if key in costs:
                 total += costs[key].get("worker_s", 0.0)

@@ -12,10 +12,10 @@ import numpy as np
 
 from clusterscale import report_plots
 from clusterscale.config import Config
-from clusterscale.costs import PREPROCESS_STAGES, device_seconds_label, stage_of, summarize
+from clusterscale.costs import device_seconds_label, stage_of, summarize
+from clusterscale.layout import PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
-from clusterscale.layout import shards_dir
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
 # Fewer held-out queries (per model or per cluster) or seeds than this and a figure is marked as a tiny sample.
@@ -55,7 +55,7 @@ def table1_line(manifest: dict) -> str:
 
 def stage_kind(key: str) -> str:
     stage = stage_of(key)
-    if stage in PREPROCESS_STAGES:
+    if stage in PREPROCESS:
         return "preprocess"
     return stage if stage in ("train", "evaluate") else "other"
 
