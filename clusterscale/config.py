@@ -605,7 +605,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def describe() -> str:
-    """Every key with its default and doc: the reference printed by `clusterscale config --help`."""
+    """Every key with its default and doc: the reference printed by `clusterscale config`."""
     lines = []
     for section in SECTIONS:
         obj = getattr(Config(), section)

@@ -215,10 +215,9 @@ def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int) -> bytes:
 class AssignBatches:
     """Ray Data callable class: nearest centroid by inner product (a faiss index) and its cosine."""
 
-    def __init__(self, index_or_centroids):
-        if isinstance(index_or_centroids, np.ndarray):  # older callers pass the centroids
-            index_or_centroids = build_assign_index(index_or_centroids, "flat", 1)
-        self.index = faiss.deserialize_index(np.frombuffer(index_or_centroids, dtype=np.uint8))
+    def __init__(self, index: bytes):
+        """index: build_assign_index's serialized faiss index."""
+        self.index = faiss.deserialize_index(np.frombuffer(index, dtype=np.uint8))
         if faiss.get_num_gpus() > 0 and hasattr(faiss, "StandardGpuResources") and ray.get_gpu_ids():
             self.index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
 
