@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", "ingest", "embed", "fit", "assign", "shard", "mine", "train", "compare", "sweep")
+REPLACEABLE = ("run", *STAGES[:STAGES.index("evaluate")], "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:
