@@ -8,6 +8,7 @@ import shlex
 import sys
 import time
 
+from clusterscale import __version__
 from clusterscale import config as config_mod
 from clusterscale.errors import bounded_repr, user_message
 from clusterscale.layout import STAGES, load_manifest, shards_dir
@@ -30,14 +31,14 @@ VERBS = {
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
     "config": "Print every config key with its default and documentation.",
 }
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("clusterscale")
     except PackageNotFoundError:  # run from a source tree that was never pip-installed
-        from clusterscale import __version__
-
         return f"{__version__} (not installed)"
 
 
@@ -102,7 +103,7 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
 
 
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
-    from clusterscale import experiments
+    from clusterscale import experiments  # imports every stage (see main)
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
@@ -133,7 +134,7 @@ def saved_k(run) -> int:
 
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
-    from clusterscale.shards import cluster_table, format_cluster_table
+    from clusterscale.shards import cluster_table, format_cluster_table  # here: shards loads Ray and faiss
 
     run = RunDir(run_dir)
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None

@@ -18,6 +18,7 @@ import time
 import torch
 
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
+from clusterscale.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
 from clusterscale.layout import NEGATIVES
 from clusterscale.mine import mine_fingerprint
@@ -29,7 +30,7 @@ from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
 from clusterscale.train.model import build_student, matmul_params
 from clusterscale.train.negatives import MinedNegatives
-from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
+from clusterscale.train.recluster import recluster, segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
@@ -136,8 +137,6 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0:
                 save_state(directory, model, optimizer, scheduler, {**expected_cursor, "step": step, "epoch": epoch})
                 if final:
-                    from clusterscale.encoder import save_sentence_transformers_dir
-
                     save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"),
                                                    pooling, tc.passage_max_length)
                 attached = ray.train.Checkpoint.from_directory(directory)
@@ -284,8 +283,6 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
         if run.exists(segment_dir(name, segment), "_TRAINED.json"):
             continue  # finished by an earlier attempt (--resume)
         if segment > 0:
-            from clusterscale.train.recluster import recluster
-
             t0 = time.time()
             # A URI (or local path) every node can read: embed actors copy an object-store model locally.
             child, _ = recluster(cfg, run, name, segment, run.child_uri(segment_dir(name, segment), "encoder"))
