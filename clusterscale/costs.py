@@ -11,13 +11,12 @@ import numpy as np
 
 from clusterscale.config import Config
 from clusterscale.encoder import load_tokenizer, resolve_model_path
-from clusterscale.layout import PREPROCESS, shards_dir
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
 from clusterscale.train import schedule
 from clusterscale.train.data import strata_inputs
 from clusterscale.train.metrics import read_metrics
 
-PER_K_STAGES = ("fit", "assign", "shard")
 TOKEN_SAMPLE_ROWS = 256
 
 

@@ -17,8 +17,8 @@ import numpy as np
 from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.costs import summarize
 from clusterscale.kmeans import ClusteringError
-from clusterscale.layout import PREPROCESS, kmeans_dir, shards_dir
-from clusterscale.pipeline import run_stages
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, kmeans_dir, shards_dir
+from clusterscale.pipeline import pipeline, run_stages
 from clusterscale.redact import redact_uri
 from clusterscale.report import run_report
 from clusterscale.rundir import RunDir, join_uri
@@ -195,7 +195,7 @@ def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
             "min_intra_cosine": min(c for c, _ in intra) if intra else None,
             "max_intra_cosine": max(c for c, _ in intra) if intra else None,
             "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
-            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in ("fit", "assign", "shard")},
+            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in PER_K_STAGES},
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
 
 
@@ -214,15 +214,15 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     points, cost_points = [], []
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
-        run_stages(base, run, ("ingest", "embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
+        run_stages(base, run, pipeline(base, last="embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
                                                                           base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
             try:
-                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False, **stage_options,
-                           cost_keys={s: f"{s}:k={k}" for s in ("fit", "assign", "shard")})
+                run_stages(kcfg, run, PER_K_STAGES, write_config=False, **stage_options,
+                           cost_keys={s: f"{s}:k={k}" for s in PER_K_STAGES})
             except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
                 points.append({"rows": rows, "k": k, "error": str(exc)})
                 continue

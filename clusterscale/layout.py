@@ -10,6 +10,7 @@ from clusterscale.rundir import RunDir
 # The stages in pipeline order (clusterscale.pipeline runs them; costs and the report group by them).
 STAGES = ("ingest", "embed", "fit", "assign", "shard", "mine", "train", "evaluate", "report")
 PREPROCESS = STAGES[:STAGES.index("mine")]  # what compare and sweep share across their arms
+PER_K_STAGES = STAGES[STAGES.index("fit"):STAGES.index("mine")]  # one output per cluster.k (kmeans/k=<k>/ ...)
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 
 

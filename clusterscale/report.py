@@ -13,7 +13,7 @@ import numpy as np
 from clusterscale import report_plots
 from clusterscale.config import Config
 from clusterscale.costs import device_seconds_label, stage_of, summarize
-from clusterscale.layout import PREPROCESS, shards_dir
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
 
@@ -203,7 +203,7 @@ def compare_table(compare: dict) -> str:
             f"{name}: " + ", ".join(f"train.{k}={v}" for k, v in kv.items()) for name, kv in keys.items()) + ".")
     pre = compare.get("preprocess_worker_s") or {}
     if "mine" in pre:
-        clustering = sum(pre.get(s, 0) or 0 for s in ("fit", "assign", "shard"))
+        clustering = sum(pre.get(s, 0) or 0 for s in PER_K_STAGES)
         lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering (fit + assign + "
                      f"shard) {clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
                      f"also embed M more passages per query in every step (their train worker-s above).")
