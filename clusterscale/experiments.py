@@ -214,7 +214,8 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     points, cost_points = [], []
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
-        run_stages(base, run, pipeline(base, last="embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
+        # Writes config.yaml of a new run; an existing run's stays.
+        run_stages(base, run, pipeline(base, last="embed"), **stage_options)
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
