@@ -33,6 +33,7 @@ from clusterscale.layout import NEGATIVES
 from clusterscale.progress import ProgressLine
 from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
 from clusterscale.session import faiss_runtime_env
+from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.vectors import emb_matrix
 
 PLAN = f"{NEGATIVES}/_plan.json"
@@ -56,16 +57,6 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
                                     f"run `clusterscale train --set train.name={name}` first.")
         return run.child_uri(f"train/{name}/model")  # every node can read it (object stores: copied per node)
     return encoder
-
-
-def mine_fingerprint(cfg: Config, run: RunDir) -> str:
-    """The fingerprint of negatives/: the mine config, and the training run when mining with its model."""
-    extra = None
-    if cfg.mine.encoder.startswith("train:"):
-        name = cfg.mine.encoder.split(":", 1)[1]
-        done = f"train/{name}/_DONE.json"
-        extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
-    return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
 
 
 def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:

@@ -21,7 +21,6 @@ from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
 from clusterscale.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
 from clusterscale.layout import NEGATIVES
-from clusterscale.mine import mine_fingerprint
 from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
@@ -29,7 +28,7 @@ from clusterscale.train.checkpoint import check_cursor, load_state, save_state, 
 from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
 from clusterscale.train.model import build_student, matmul_params
-from clusterscale.train.negatives import MinedNegatives
+from clusterscale.train.negatives import MinedNegatives, mine_fingerprint
 from clusterscale.train.recluster import recluster, segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
