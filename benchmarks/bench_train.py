@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from clusterscale import config as config_mod  # noqa: E402
 from clusterscale.train import schedule  # noqa: E402
 from clusterscale.train.data import ShardReader  # noqa: E402
+from clusterscale.train.metrics import read_metrics  # noqa: E402
 from clusterscale.train.model import build_student  # noqa: E402
 from clusterscale.train.step import StepSettings, contrastive_backward  # noqa: E402
 
@@ -107,8 +108,7 @@ def ray_train_step_s(run, cfg) -> float:
         run_train(cfg, run)
     finally:
         ray.shutdown()
-    name = cfg.train_name()
-    records = [json.loads(x) for x in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines() if x]
+    records = read_metrics(run, cfg.train_name())
     return statistics.median(r["step_s"] for r in records[2:])
 
 

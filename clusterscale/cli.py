@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 import time
-from typing import Callable
 
+from clusterscale import __version__
 from clusterscale import config as config_mod
 from clusterscale.errors import bounded_repr, user_message
+from clusterscale.layout import STAGES, load_manifest, shards_dir
 from clusterscale.redact import redact_uri
+from clusterscale.rundir import RunDir
 
 VERBS = {
     "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
@@ -28,14 +31,6 @@ VERBS = {
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
     "config": "Print every config key with its default and documentation.",
 }
-PIPELINE = ("ingest", "embed", "fit", "assign", "shard", "train", "evaluate", "report")
-
-
-def pipeline(cfg) -> tuple[str, ...]:
-    """The stages of `run`: mining joins them when training uses mined negatives."""
-    if not cfg.train.negatives_per_query:
-        return PIPELINE
-    return PIPELINE[:5] + ("mine",) + PIPELINE[5:]
 
 
 def package_version() -> str:
@@ -44,8 +39,6 @@ def package_version() -> str:
     try:
         return version("clusterscale")
     except PackageNotFoundError:  # run from a source tree that was never pip-installed
-        from clusterscale import __version__
-
         return f"{__version__} (not installed)"
 
 
@@ -79,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", "ingest", "embed", "fit", "assign", "shard", "mine", "train", "compare", "sweep")
+REPLACEABLE = ("run", *STAGES[:STAGES.index("evaluate")], "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:
@@ -110,7 +103,7 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
 
 
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
-    from clusterscale import experiments
+    from clusterscale import experiments  # imports every stage (see main)
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
@@ -124,120 +117,7 @@ def run_experiment(args, cfg, run, stage_options: dict) -> None:
         limits = experiments.parse_list(args.limits, "--limit", int) if args.limits else None
         sweep = experiments.run_sweep(cfg, run.uri, experiments.parse_list(args.k_values, "--k", int), limits,
                                       args.preprocess_only, stage_options)
-        print(f"sweep: {len(sweep['points'])} points; table in {redact_uri(run.path('report/report.md'))}")
-
-
-def stage_functions() -> dict[str, Callable]:
-    from clusterscale.embed import run_embed
-    from clusterscale.evaluate import run_evaluate
-    from clusterscale.ingest import run_ingest
-    from clusterscale.kmeans import run_assign, run_fit
-    from clusterscale.mine import run_mine
-    from clusterscale.report import run_report
-    from clusterscale.shards import run_shard
-    from clusterscale.train.loop import run_train
-
-    return {"ingest": run_ingest, "embed": run_embed, "fit": run_fit, "assign": run_assign,
-            "shard": run_shard, "mine": run_mine, "train": run_train, "evaluate": run_evaluate, "report": run_report}
-
-
-def stage_output(cfg, verb: str) -> str:
-    """The folder of the run that `verb` writes with `cfg` (what it locks and what --replace removes)."""
-    from clusterscale.kmeans import assign_dir, kmeans_dir
-    from clusterscale.mine import OUT as MINE_OUT
-    from clusterscale.shards import shards_dir
-
-    k = cfg.cluster.k
-    return {"ingest": "pairs", "embed": "embeddings", "fit": kmeans_dir(k), "assign": assign_dir(k),
-            "shard": shards_dir(k), "mine": MINE_OUT, "train": f"train/{cfg.train_name()}", "evaluate": "eval",
-            "report": "report"}[verb]
-
-
-def open_run(run_dir: str, config_path: str | None, overrides: list[str]):
-    """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
-    default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
-    relative to this working directory reaches a Ray worker."""
-    from clusterscale.rundir import RunDir
-
-    run = RunDir(run_dir)
-    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
-
-
-def run_stages(cfg, run, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
-               cost_keys: dict[str, str] | None = None, replace: str = "", command: str = "") -> dict:
-    """Run stages in order, each holding the lock of its output folder, recording each one's cost;
-    returns {verb: result}. `resume`: train only.
-
-    cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
-    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
-    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
-    replace: "" refuses outputs made with another config; "changed" replaces them (and what was made from
-    them); "always" also replaces outputs made with this config. command: the user's command line, for the
-    advice of a refusal."""
-    from clusterscale.session import init_ray
-
-    init_ray(cfg.ray)
-    if write_config and (replace or run.config_in_force() is None):
-        run.write_config(cfg)
-    functions, results = stage_functions(), {}
-    for verb in verbs:
-        print(f"== {verb} ==", flush=True)
-        started = time.time()
-        with run.lock(stage_output(cfg, verb)):
-            if replace == "always":
-                _replace(run, stage_output(cfg, verb))
-            results[verb] = _run_stage(functions[verb], verb, cfg, run, resume, replace, command)
-        if verb not in ("report",):
-            stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
-            key = f"train:{cfg.train_name()}" if verb == "train" else verb
-            run.record_cost((cost_keys or {}).get(verb, key),
-                            {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
-                            | {"invocation_s": round(time.time() - started, 3)})
-    return results
-
-
-def _run_stage(function: Callable, verb: str, cfg, run, resume: bool, replace: str, command: str):
-    """One stage; an output made with another config is replaced (replace set) or refused with the way on."""
-    from clusterscale.rundir import ConfigMismatchError
-
-    call = (lambda: function(cfg, run, resume=True)) if verb == "train" and resume else (lambda: function(cfg, run))
-    try:
-        return call()
-    except ConfigMismatchError as exc:
-        if not replace or not exc.stage_dir:
-            again = command or f"clusterscale {verb} --run-dir {run.uri} [your CONFIG and --set keys]"
-            raise ConfigMismatchError(
-                f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and every "
-                f"output made from it: {again} --replace", exc.stage_dir) from None
-        _replace(run, exc.stage_dir)
-        return call()
-
-
-def _replace(run, stage_dir: str) -> None:
-    removed = run.replace(stage_dir)
-    for folder in removed:  # a replaced model's cached evaluation goes with it
-        if folder.startswith("train/"):
-            run.remove(f"eval/{folder.removeprefix('train/')}.json")
-    print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)
-
-
-def summary(cfg, run, results: dict) -> str:
-    lines = ["", "== summary =="]
-    if run.exists("pairs", "_DONE.json"):
-        s = run.done_stats("pairs")
-        shard_rows = run.read_json(f"shards/k={cfg.cluster.k}/manifest.json")["stats"] \
-            if run.exists(f"shards/k={cfg.cluster.k}", "manifest.json") else None
-        lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
-                     f"sharded {shard_rows['rows'] if shard_rows else '-'}")
-        if shard_rows:
-            lines.append(f"k={cfg.cluster.k}: {shard_rows['shards']} shards, sizes {shard_rows['min_rows']}.."
-                         f"{shard_rows['max_rows']}")
-    if "evaluate" in results:
-        for name, r in results["evaluate"]["results"].items():
-            lines.append(f"held-out NDCG@10 {name}: {r['metrics']['ndcg_at_10']:.4f}")
-    if run.exists("report/report.md"):
-        lines.append(f"report: {run.path('report/report.md')}")
-    return "\n".join(lines)
+        print(experiments.sweep_line(sweep, run))
 
 
 def saved_k(run) -> int:
@@ -254,10 +134,7 @@ def saved_k(run) -> int:
 
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
-    import json
-
-    from clusterscale.rundir import RunDir
-    from clusterscale.shards import cluster_table, format_cluster_table, load_manifest, shards_dir
+    from clusterscale.shards import cluster_table, format_cluster_table  # here: shards loads Ray and faiss
 
     run = RunDir(run_dir)
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
@@ -293,9 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise config_mod.ConfigError("inspect needs the run directory: `clusterscale inspect RUN --k K`.")
             inspect_run(run_dir, args.k, args.json_path)
             return 0
-        cfg, run = open_run(args.run_dir, args.config, args.overrides)
+        # Imported here: the stages load torch, Ray and faiss (about 2.4 s), which config, inspect and --help skip.
+        from clusterscale import pipeline
+
+        cfg, run = pipeline.open_run(args.run_dir, args.config, args.overrides)
         # A stage verb's --replace redoes that stage; run, compare and sweep replace what another config made.
-        replace = ("always" if args.verb in PIPELINE + ("mine",) else "changed") if getattr(args, "replace", False) \
+        replace = ("always" if args.verb in STAGES else "changed") if getattr(args, "replace", False) \
             else ""
         stage_options = {"replace": replace,
                          "command": shlex.join(["clusterscale", *(sys.argv[1:] if argv is None else argv)])}
@@ -304,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             run_experiment(args, cfg, run, stage_options)
             print(f"done in {time.time() - started:.1f}s", flush=True)
             return 0
-        verbs = pipeline(cfg) if args.verb == "run" else (args.verb,)
+        verbs = pipeline.pipeline(cfg) if args.verb == "run" else (args.verb,)
         started = time.time()
-        results = run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
+        results = pipeline.run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
             from clusterscale.experiments import parse_list
             from clusterscale.mteb_eval import LOCAL_PREFIX, run_mteb
@@ -316,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                      for s in parse_list(args.mteb, "--mteb")]
             run_mteb(cfg, run, specs)
         if args.verb in ("run", "evaluate", "report"):
-            print(summary(cfg, run, results))
+            print(pipeline.summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(run.uri)}", flush=True)
         return 0
     except Exception as exc:  # noqa: BLE001 - user faults become one paragraph; bugs keep their traceback

@@ -360,6 +360,14 @@ def from_dict(raw: dict | None) -> Config:
     return cfg
 
 
+def variant(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some keys changed, validated like a user's config (unknown values are errors)."""
+    raw = cfg.to_dict()
+    for section, updates in sections.items():
+        raw[section].update(updates)
+    return from_dict(raw)
+
+
 def _positive(key: str, value: float | int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -599,7 +607,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def describe() -> str:
-    """Every key with its default and doc: the reference printed by `clusterscale config --help`."""
+    """Every key with its default and doc: the reference printed by `clusterscale config`."""
     lines = []
     for section in SECTIONS:
         obj = getattr(Config(), section)

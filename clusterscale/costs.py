@@ -5,16 +5,18 @@ costs.json keys are stage names, optionally qualified: `fit:k=100` (a sweep), `t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from clusterscale.config import Config
+from clusterscale.encoder import load_tokenizer, resolve_model_path
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
+from clusterscale.train import schedule
+from clusterscale.train.data import strata_inputs
+from clusterscale.train.metrics import read_metrics
 
-PREPROCESS_STAGES = ("ingest", "embed", "fit", "assign", "shard")
-PER_K_STAGES = ("fit", "assign", "shard")
 TOKEN_SAMPLE_ROWS = 256
 
 
@@ -29,8 +31,6 @@ def device_seconds_label(record: dict) -> str:
 
 def param_count(model: str) -> int | None:
     """Parameters of a local safetensors model from the file headers (no weights loaded); None if unknown."""
-    from clusterscale.encoder import resolve_model_path
-
     try:
         from safetensors import safe_open
 
@@ -51,8 +51,6 @@ def student_param_count(cfg: Config) -> int | None:
     import torch
     from transformers import BertConfig, BertModel
 
-    from clusterscale.encoder import load_tokenizer, resolve_model_path
-
     try:
         vocab = len(load_tokenizer(resolve_model_path(cfg.train.tokenizer)))
     except Exception:
@@ -69,8 +67,6 @@ def student_param_count(cfg: Config) -> int | None:
 def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length."""
     import pyarrow.dataset as pads
-
-    from clusterscale.encoder import load_tokenizer, resolve_model_path
 
     files = run.files("pairs")
     if not files:
@@ -136,16 +132,10 @@ def extrapolate(points: list[tuple[float, float]], target: float) -> dict:
 
 def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | None:
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
-    from clusterscale.shards import shards_dir
-    from clusterscale.train import schedule
-    from clusterscale.train.data import strata_inputs
-
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
-    if not (record.get("steps") and run.exists(f"train/{name}/metrics.jsonl")
-            and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
+    steps = [r["step_s"] for r in read_metrics(run, name)]
+    if not (record.get("steps") and steps and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
         return None
-    steps = [json.loads(line)["step_s"] for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-             if line.strip()]
     manifest = run.read_json(f"{shards_dir(cfg.cluster.k)}/manifest.json")
     sizes, codes, _ = strata_inputs(run, manifest, record.get("sampler", cfg.train.sampler))
     gbs = record.get("global_batch_size", cfg.train.global_batch_size)
@@ -160,7 +150,7 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
 def preprocess_cost(costs: dict, k: int) -> tuple[float, list[str]]:
     """Worker-seconds of ingest + embed + fit/assign/shard at k, and the cost keys used."""
     total, used = 0.0, []
-    for stage in PREPROCESS_STAGES:
+    for stage in PREPROCESS:
         for key in ((f"{stage}:k={k}", stage) if stage in PER_K_STAGES else (stage,)):
             if key in costs:
                 total += costs[key].get("worker_s", 0.0)

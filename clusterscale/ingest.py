@@ -14,7 +14,6 @@ import time
 import unicodedata
 from dataclasses import asdict
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -35,21 +34,6 @@ QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()),
 BAD_FILES = "quarantine/bad_files.json"
 # C0/C1 control characters except tab and newline; they break tokenizers and terminals.
 _CONTROL = {c: " " for c in list(range(0, 9)) + [11, 12] + list(range(14, 32)) + list(range(127, 160))}
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """A fixed 64-bit mix of int64 ids: the stable hash behind fit samples and evaluation picks."""
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def hash_unit(pair_ids: np.ndarray, salt: int = 0) -> np.ndarray:
-    """A uniform number in [0, 1) per pair_id, fixed for a given salt."""
-    mixed = splitmix64(np.asarray(pair_ids, dtype=np.int64) ^ np.int64(salt))
-    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def heldout_key(query: str) -> str:

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.ingest import hash_unit
+from clusterscale.hashing import hash_unit
+from clusterscale.layout import assign_dir, kmeans_dir
 from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.progress import ProgressLine
@@ -26,16 +27,8 @@ from clusterscale.rundir import RunDir
 from clusterscale.session import faiss_runtime_env
 from clusterscale.vectors import emb_matrix
 
-__all__ = ["ClusteringError", "check_vectors", "kmeans_dir", "assign_dir", "run_fit", "run_assign",
+__all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
            "load_centroids", "AssignBatches"]
-
-
-def kmeans_dir(k: int) -> str:
-    return f"kmeans/k={k}"
-
-
-def assign_dir(k: int) -> str:
-    return f"assign/k={k}"
 
 
 # --- fit ------------------------------------------------------------------------------------------------
@@ -222,10 +215,9 @@ def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int) -> bytes:
 class AssignBatches:
     """Ray Data callable class: nearest centroid by inner product (a faiss index) and its cosine."""
 
-    def __init__(self, index_or_centroids):
-        if isinstance(index_or_centroids, np.ndarray):  # older callers pass the centroids
-            index_or_centroids = build_assign_index(index_or_centroids, "flat", 1)
-        self.index = faiss.deserialize_index(np.frombuffer(index_or_centroids, dtype=np.uint8))
+    def __init__(self, index: bytes):
+        """index: build_assign_index's serialized faiss index."""
+        self.index = faiss.deserialize_index(np.frombuffer(index, dtype=np.uint8))
         if faiss.get_num_gpus() > 0 and hasattr(faiss, "StandardGpuResources") and ray.get_gpu_ids():
             self.index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
 

@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from clusterscale.errors import UserError
-from clusterscale.ingest import hash_unit
+from clusterscale.hashing import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
 SPLIT_EPS = 1.0 / 1024.0

@@ -23,24 +23,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+import torch
 
-from clusterscale.config import Config, ConfigError, MineConfig
+from clusterscale.config import Config, ConfigError, MineConfig, from_dict, variant
+from clusterscale.embed import run_embed
+from clusterscale.encoder import Encoder
+from clusterscale.hashing import text_hashes
+from clusterscale.layout import NEGATIVES
 from clusterscale.progress import ProgressLine
 from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
 from clusterscale.session import faiss_runtime_env
+from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.vectors import emb_matrix
 
-OUT = "negatives"
-PLAN = f"{OUT}/_plan.json"
+PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 DROP_REASONS = ("positive", "duplicate", "margin")
-
-
-def text_hashes(texts: list[str]) -> np.ndarray:
-    """int64 keys of texts (equal texts -> equal keys), the same keys training uses for masking."""
-    from clusterscale.train.model import text_keys
-
-    return text_keys(texts).numpy()
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -61,24 +59,11 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
     return encoder
 
 
-def mine_fingerprint(cfg: Config, run: RunDir) -> str:
-    """The fingerprint of negatives/: the mine config, and the training run when mining with its model."""
-    extra = None
-    if cfg.mine.encoder.startswith("train:"):
-        name = cfg.mine.encoder.split(":", 1)[1]
-        done = f"train/{name}/_DONE.json"
-        extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
-    return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
-
-
 def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:
     """(the run directory whose embeddings/ is mined, the cost of making it: {} when reused)."""
     run.require("embeddings", "embed", "Embeddings")
     if encoder is None:
         return run, {}
-    from clusterscale.embed import run_embed
-    from clusterscale.experiments import variant
-
     child = RunDir(run.child_uri(ENCODER_RUN))
     child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
     print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
@@ -138,10 +123,6 @@ class MineUnits:
     """Ray Data callable class: one passage index per actor; each input row is one embeddings file to mine."""
 
     def __init__(self, run_uri: str, source_uri: str, cfg: dict, passages_ref: list, threads: int):
-        import torch
-
-        from clusterscale.config import from_dict
-
         faiss.omp_set_num_threads(threads)
         torch.set_num_threads(threads)
         self.cfg = from_dict(cfg)
@@ -154,8 +135,6 @@ class MineUnits:
         if "emb_query" in table.column_names:
             return emb_matrix(table.column("emb_query"))
         if self.encoder is None:  # frozen encoder, passages-only embeddings: embed the queries here
-            from clusterscale.encoder import Encoder
-
             ec = self.cfg.embed
             self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
                                    trust_remote_code=ec.trust_remote_code,
@@ -207,13 +186,13 @@ def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> di
         plan = run.read_json(PLAN)
         if plan["fingerprint"] != fingerprint:
             raise ConfigMismatchError(
-                f"{run.path(OUT)} holds an interrupted mining made with a different config; changed: "
+                f"{run.path(NEGATIVES)} holds an interrupted mining made with a different config; changed: "
                 f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Rerun with that config "
-                f"to finish it.", OUT)
+                f"to finish it.", NEGATIVES)
         return plan
-    run.begin(OUT)
+    run.begin(NEGATIVES)
     units = [{"input": posixpath.relpath(path, source.root),
-              "output": f"{OUT}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
+              "output": f"{NEGATIVES}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
     plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None), "mine": cfg.to_dict()["mine"],
             "units": units}
     run.write_json(PLAN, plan)
@@ -240,16 +219,16 @@ def pool_size(mc: MineConfig, units: int) -> tuple[int, dict, int]:
 def run_mine(cfg: Config, run: RunDir) -> dict:
     """Mine negatives for every training query not mined yet, then mark negatives/ done."""
     fingerprint = mine_fingerprint(cfg, run)
-    if run.is_done(OUT, fingerprint):
-        return run.done_stats(OUT)
+    if run.is_done(NEGATIVES, fingerprint):
+        return run.done_stats(NEGATIVES)
     started = time.time()
     encoder = resolve_encoder(cfg, run)
     source, embed_cost = vectors_run(cfg, run, encoder)
     plan = plan_units(run, source, fingerprint, cfg)
-    existing = set(run.listdir(OUT))
+    existing = set(run.listdir(NEGATIVES))
     for name in existing:  # temp files of writes cut short by a kill
         if name.startswith(".tmp-"):
-            run.remove(OUT, name)
+            run.remove(NEGATIVES, name)
     todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
     passages = load_passages(source)
     if len(passages["pair_id"]) <= cfg.mine.range_min:
@@ -271,7 +250,7 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
         worker_s = (time.time() - t0) * actors
     stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
                          encoder)
-    run.mark_done(OUT, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
+    run.mark_done(NEGATIVES, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
@@ -305,16 +284,3 @@ def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
     import pyarrow.compute as pc
 
     return np.asarray(pc.list_value_length(column).fill_null(0))
-
-
-# --- reading negatives at training time --------------------------------------------------------------------
-def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(sorted pair_ids, their negative pair_id arrays, best first) from negatives/."""
-    run.require(OUT, "mine", "Mined negatives")
-    table = pa.concat_tables([pq.read_table(run.fs.open_input_file(path), columns=["pair_id", "neg_pair_ids"])
-                              for path in run.files(OUT)])
-    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
-    table = table.take(pa.array(order))
-    lists = table.column("neg_pair_ids").combine_chunks()
-    offsets, values = np.asarray(lists.offsets), np.asarray(lists.values)
-    return table.column("pair_id").to_numpy(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]

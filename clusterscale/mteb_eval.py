@@ -18,6 +18,7 @@ from typing import Any
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
+from clusterscale.layout import local_model_dir
 from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir
 
@@ -179,8 +180,6 @@ def run_mteb_model(model_path: str, name: str, pooling: str, cfg_dict: dict, spe
 def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
     """MTEB for the frozen encoder and, when trained, the run's model; one Ray task per model."""
     import ray
-
-    from clusterscale.train.loop import local_model_dir
 
     resolve_tasks(specs)  # fail on a bad task name before any model is loaded
     models = {"frozen": (cfg.embed.model, cfg.embed.pooling)}

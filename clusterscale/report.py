@@ -6,16 +6,16 @@ Run with `clusterscale report [CONFIG] --run-dir R` (after any stages; it report
 """
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
 
 from clusterscale import report_plots
 from clusterscale.config import Config
-from clusterscale.costs import PREPROCESS_STAGES, device_seconds_label, stage_of, summarize
+from clusterscale.costs import device_seconds_label, stage_of, summarize
+from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
 from clusterscale.rundir import RunDir
-from clusterscale.shards import shards_dir
+from clusterscale.train.metrics import read_metrics
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
 # Fewer held-out queries (per model or per cluster) or seeds than this and a figure is marked as a tiny sample.
@@ -55,7 +55,7 @@ def table1_line(manifest: dict) -> str:
 
 def stage_kind(key: str) -> str:
     stage = stage_of(key)
-    if stage in PREPROCESS_STAGES:
+    if stage in PREPROCESS:
         return "preprocess"
     return stage if stage in ("train", "evaluate") else "other"
 
@@ -203,7 +203,7 @@ def compare_table(compare: dict) -> str:
             f"{name}: " + ", ".join(f"train.{k}={v}" for k, v in kv.items()) for name, kv in keys.items()) + ".")
     pre = compare.get("preprocess_worker_s") or {}
     if "mine" in pre:
-        clustering = sum(pre.get(s, 0) or 0 for s in ("fit", "assign", "shard"))
+        clustering = sum(pre.get(s, 0) or 0 for s in PER_K_STAGES)
         lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering (fit + assign + "
                      f"shard) {clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
                      f"also embed M more passages per query in every step (their train worker-s above).")
@@ -247,11 +247,9 @@ def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
     """{group: {run name: metrics records}}; group = the run name without its '-seed<N>' suffix."""
     groups: dict[str, dict[str, list[dict]]] = {}
     for name in run.listdir("train"):
-        if run.exists(f"train/{name}/metrics.jsonl"):
-            records = [json.loads(line) for line in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-                       if line.strip()]
-            if records:
-                groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
+        records = read_metrics(run, name)
+        if records:
+            groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
     return groups
 
 

@@ -109,10 +109,6 @@ class RunDir:
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts) if parts else self.root
 
-    def uri_of(self, *parts: str) -> str:
-        """A string Ray Data / Ray Train accept together with `self.fs`."""
-        return self.path(*parts)
-
     def child_uri(self, *parts: str) -> str:
         """A URI (or local path) of a file or folder inside the run that any process can resolve."""
         return join_uri(self.uri, *parts) if "://" in self.uri else self.path(*parts)

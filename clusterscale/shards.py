@@ -16,16 +16,13 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.kmeans import ClusteringError, assign_dir, load_centroids
+from clusterscale.kmeans import ClusteringError, load_centroids
+from clusterscale.layout import assign_dir, shards_dir
 from clusterscale.progress import ProgressLine
 from clusterscale.rundir import RunDir
 from clusterscale.vectors import emb_matrix
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
-
-
-def shards_dir(k: int) -> str:
-    return f"shards/k={k}"
 
 
 def mean_pairwise_cosine(vector_sum: np.ndarray, n: int) -> float | None:
@@ -163,11 +160,6 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
               f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
               f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
     return stats
-
-
-def load_manifest(run: RunDir, k: int) -> dict:
-    run.require(shards_dir(k), "shard", f"Shards for k={k}")
-    return run.read_json(f"{shards_dir(k)}/manifest.json")
 
 
 def cluster_table(manifest: dict, num_samples: int = 3) -> dict:

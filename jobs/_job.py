@@ -19,11 +19,9 @@ REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from clusterscale import cli  # noqa: E402
+from clusterscale import pipeline, session  # noqa: E402
 from clusterscale.errors import user_message  # noqa: E402
 from clusterscale.redact import redact_uri  # noqa: E402
-
-PREPROCESS = ("ingest", "embed", "fit", "assign", "shard")
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -43,19 +41,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def run_job(description: str, body: Callable, argv: list[str] | None = None,
             parser: argparse.ArgumentParser | None = None) -> int:
     """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status."""
-    from clusterscale.session import check_run_dir_shared, cluster_address, init_ray
-
     args = (parser or build_parser(description)).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_uri = redact_uri(args.run_dir)
     try:
-        cfg, run = cli.open_run(args.run_dir, args.config, args.overrides)  # validated before any cluster time
+        cfg, run = pipeline.open_run(args.run_dir, args.config, args.overrides)  # validated before any cluster time
         run_uri = redact_uri(run.uri)
         print(f"run directory: {run_uri}", flush=True)
-        init_ray(cfg.ray)
-        print(f"ray: {'joined ' + cluster_address(cfg.ray) if cluster_address(cfg.ray) else 'local instance'}",
-              flush=True)
-        check_run_dir_shared(run)
+        session.init_ray(cfg.ray)
+        address = session.cluster_address(cfg.ray)
+        print(f"ray: {'joined ' + address if address else 'local instance'}", flush=True)
+        session.check_run_dir_shared(run)
         body(cfg, run, args)
     except Exception as exc:  # noqa: BLE001 - a job must end with a status, never hang on an exception
         message = user_message(exc)
@@ -75,11 +71,11 @@ def stage_options(args) -> dict:
 
 
 def stages_job(description: str, verbs: tuple[str, ...] | Callable, argv: list[str] | None = None) -> int:
-    """A job that runs `verbs` (or verbs(cfg)) in order with the CLI's own stage runner."""
+    """A job that runs `verbs` (or verbs(cfg)) in order with the pipeline's stage runner, as the CLI does."""
     def body(cfg, run, args):
         stages = verbs(cfg) if callable(verbs) else verbs
-        results = cli.run_stages(cfg, run, stages, **stage_options(args))
+        results = pipeline.run_stages(cfg, run, stages, **stage_options(args))
         if "evaluate" in stages or "report" in stages:
-            print(cli.summary(cfg, run, results), flush=True)
+            print(pipeline.summary(cfg, run, results), flush=True)
 
     return run_job(description, body, argv)

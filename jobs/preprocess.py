@@ -4,7 +4,9 @@
 """
 import sys
 
-from _job import PREPROCESS, stages_job
+from _job import stages_job
+
+from clusterscale.layout import PREPROCESS
 
 if __name__ == "__main__":
     sys.exit(stages_job(__doc__, PREPROCESS))

@@ -6,7 +6,7 @@ import sys
 
 from _job import stages_job
 
-from clusterscale.cli import pipeline
+from clusterscale.pipeline import pipeline
 
 if __name__ == "__main__":
     sys.exit(stages_job(__doc__, pipeline))

@@ -7,5 +7,7 @@ import sys
 
 from _job import stages_job
 
+from clusterscale.pipeline import pipeline
+
 if __name__ == "__main__":
-    sys.exit(stages_job(__doc__, lambda cfg: ("mine", "train") if cfg.train.negatives_per_query else ("train",)))
+    sys.exit(stages_job(__doc__, lambda cfg: pipeline(cfg, "mine", "train")))

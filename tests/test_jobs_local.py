@@ -45,15 +45,16 @@ def test_sweep_embeds_once_and_shards_every_k(monkeypatch, tmp_path, ray_local, 
     pq.write_table(make_pairs(160), tmp_path / "pairs.parquet")
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet"))
-    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2", "3", "--set", *overrides) == 0
+    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2,3", "--set", *overrides) == 0
     out = capsys.readouterr().out
-    assert out.count("== k=") == 2 and f"done; run directory: {run_dir}" in out
+    assert out.count("== sweep: N=") == 2 and f"done; run directory: {run_dir}" in out
     run = RunDir(str(run_dir))
+    assert [p["k"] for p in run.read_json("report/sweep.json")["points"]] == [2, 3]  # as `clusterscale sweep` writes
     embedded_at = run.read_json("embeddings/_DONE.json")["finished_at"]
     for k in (2, 3):
         manifest = run.read_json(f"shards/k={k}/manifest.json")
         assert manifest["k"] == k and manifest["stats"]["rows"] == run.done_stats("pairs")["pairs"]
-    # A second sweep with a new k reuses the embeddings and the finished k.
+    # A second sweep with a new k (the older space-separated --k) reuses the embeddings and the finished k.
     assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2", "4", "--set", *overrides) == 0
     assert run.read_json("embeddings/_DONE.json")["finished_at"] == embedded_at
     assert run.exists("shards/k=4/manifest.json")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from clusterscale import config as config_mod
-from clusterscale.kmeans import assign_dir, kmeans_dir, load_centroids, run_assign, run_fit
+from clusterscale.kmeans import load_centroids, run_assign, run_fit
+from clusterscale.layout import assign_dir, kmeans_dir
 from clusterscale.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
                                       nearest_centroid, update_centroids)
 from clusterscale.rundir import RunDir
@@ -122,7 +123,7 @@ def test_ray_fit_sample_is_seeded_and_capped(tmp_path, synthetic_run, ray_local)
     cfg = cfg_with(k=10, niter=2, max_points_per_centroid=50, num_workers=2)
     _, stats = fit_in(run, cfg)
     assert 400 <= stats["n_sample"] <= 600  # about 50 x 10 of 3,000 rows, by a seeded hash of pair_id
-    from clusterscale.ingest import hash_unit
+    from clusterscale.hashing import hash_unit
 
     assert stats["n_sample"] == int((hash_unit(np.arange(3000), salt=0) < 500 / 3000).sum())
 

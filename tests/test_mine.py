@@ -9,7 +9,8 @@ import pytest
 from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
-from clusterscale.mine import filter_candidates, load_negatives
+from clusterscale.mine import filter_candidates
+from clusterscale.train.negatives import load_negatives
 from clusterscale.rundir import ConfigMismatchError, RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
@@ -90,7 +91,7 @@ def _embedded(run: RunDir) -> pa.Table:
 def test_mine_equals_brute_force_and_skips_positives(mined_run, tiny_model):
     from clusterscale.embed import emb_matrix
     from clusterscale.encoder import Encoder
-    from clusterscale.mine import text_hashes
+    from clusterscale.hashing import text_hashes
 
     run_dir, overrides = mined_run
     run = RunDir(str(run_dir))
@@ -214,7 +215,7 @@ def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
 
 
 def test_recluster_during_training(sharded_mined_run):
-    from clusterscale.shards import load_manifest
+    from clusterscale.layout import load_manifest
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))

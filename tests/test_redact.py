@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from clusterscale import cli, config
+from clusterscale import cli, config, pipeline
 from clusterscale.ingest import IngestError
 from clusterscale.redact import redact_uri
 
@@ -45,7 +45,7 @@ def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
         raise IngestError(f"No input files found at data.path {cfg.data.path!r}.")
 
     monkeypatch.setattr(clusterscale.session, "init_ray", lambda ray_cfg: None)
-    monkeypatch.setattr(cli, "stage_functions", lambda: {"ingest": ingest})
+    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "ingest", ingest)
     run_dir = tmp_path / "run"
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", f"data.path={SECRET_URI}"]) == 2
     assert seen["path"] == SECRET_URI  # the run itself uses the real URI

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterscale import cli
+from clusterscale import cli, pipeline
 from clusterscale import config as config_mod
 from clusterscale import session
 from clusterscale.experiments import run_compare
-from clusterscale.kmeans import kmeans_dir
+from clusterscale.layout import kmeans_dir, shards_dir
 from clusterscale.rundir import RunDir, StageLockedError
-from clusterscale.shards import shards_dir
 from tests.test_jobs_local import run_job
 
 BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "train.steps=3"]
@@ -29,7 +28,7 @@ BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "tra
 def fake_fit(calls: list, verb: str = "fit"):
     """A stage with the real marker protocol: reuse when done, refuse another config, write rows then mark."""
     def fit(cfg, run):
-        out, fingerprint = cli.stage_output(cfg, verb), cfg.fingerprint(("data", "embed", "cluster"))
+        out, fingerprint = pipeline.stage_output(cfg, verb), cfg.fingerprint(("data", "embed", "cluster"))
         if run.is_done(out, fingerprint):
             return run.done_stats(out)
         run.begin(out)
@@ -44,7 +43,7 @@ def fake_fit(calls: list, verb: str = "fit"):
 def no_ray(monkeypatch):
     calls: list = []
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
-    monkeypatch.setattr(cli, "stage_functions", lambda: {"fit": fake_fit(calls)})
+    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "fit", fake_fit(calls))
     return calls
 
 
@@ -70,7 +69,7 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
 
 def test_inspect_json_path_is_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("clusterscale.shards.load_manifest", lambda run, k: {})
+    monkeypatch.setattr(cli, "load_manifest", lambda run, k: {})
     monkeypatch.setattr("clusterscale.shards.cluster_table", lambda manifest: [{"cluster": 0}])
     monkeypatch.setattr("clusterscale.shards.format_cluster_table", lambda table: "table")
     cli.inspect_run(str(tmp_path), 4, "out/../table.json")
@@ -81,7 +80,7 @@ def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
     seen = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
-    monkeypatch.setattr(cli, "stage_functions", lambda: {"evaluate": lambda cfg, run: {"stats": {}, "results": {}}})
+    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "evaluate", lambda cfg, run: {"stats": {}, "results": {}})
     monkeypatch.setattr("clusterscale.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
     assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
     assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
@@ -210,7 +209,7 @@ def test_arm_names_never_replace_the_main_training(tmp_path):
 def test_job_with_relative_run_dir_refuses_then_replaces(existing_run, no_ray, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(existing_run.root.rsplit("/", 1)[0])
     monkeypatch.setattr(session, "check_run_dir_shared", lambda run: None)
-    monkeypatch.setattr(cli, "stage_functions", lambda: {"train": fake_fit(no_ray, "train")})
+    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "train", fake_fit(no_ray, "train"))
     assert run_job(monkeypatch, "train", "--run-dir", "run") == 0
     assert no_ray[0].data.path == "/data/pairs.parquet" and existing_run.exists("train/clustered-seed0/_DONE.json")
     assert run_job(monkeypatch, "train", "--run-dir", "run", "--set", "cluster.niter=3") == 2

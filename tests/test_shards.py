@@ -13,10 +13,10 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.kmeans import assign_dir, kmeans_dir
+from clusterscale.layout import assign_dir, kmeans_dir, shards_dir
 from clusterscale.kmeans_core import fit_spherical_kmeans, nearest_centroid
 from clusterscale.rundir import RunDir
-from clusterscale.shards import mean_pairwise_cosine, plan_small_clusters, run_shard, shards_dir
+from clusterscale.shards import mean_pairwise_cosine, plan_small_clusters, run_shard
 from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
 
 N, K = 1200, 8

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.rundir import RunDir
-from clusterscale.shards import shards_dir
+from clusterscale.layout import shards_dir
 from tests.conftest import TOPICS, make_pairs
 
 

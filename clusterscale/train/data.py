@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from clusterscale.errors import UserError
 from clusterscale.rundir import RunDir, StageMissingError
-from clusterscale.shards import load_manifest, shards_dir
+from clusterscale.layout import load_manifest, shards_dir
 
 
 class TrainDataError(UserError, ValueError):

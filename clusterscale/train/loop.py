@@ -18,7 +18,9 @@ import time
 import torch
 
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
+from clusterscale.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
+from clusterscale.layout import NEGATIVES
 from clusterscale.model_card import write_model_card
 from clusterscale.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
@@ -26,7 +28,8 @@ from clusterscale.train.checkpoint import check_cursor, load_state, save_state, 
 from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
 from clusterscale.train.model import build_student, matmul_params
-from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
+from clusterscale.train.negatives import MinedNegatives, mine_fingerprint
+from clusterscale.train.recluster import recluster, segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
@@ -109,7 +112,6 @@ def train_loop_per_worker(config: dict) -> None:
     reader = ShardReader(shards_run, manifest)
     negatives = None
     if tc.negatives_per_query:
-        from clusterscale.train.negatives import MinedNegatives
 
         negatives = MinedNegatives(run, manifest, shards_run, tc.negatives_per_query, tc.seed)
     guard = CollapseGuard(chance_loss(tc.global_batch_size, tc.negatives_per_query, tc.loss, tc.clp_lambda),
@@ -134,8 +136,6 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0:
                 save_state(directory, model, optimizer, scheduler, {**expected_cursor, "step": step, "epoch": epoch})
                 if final:
-                    from clusterscale.encoder import save_sentence_transformers_dir
-
                     save_sentence_transformers_dir(unwrap(model), tokenizer, os.path.join(directory, "model"),
                                                    pooling, tc.passage_max_length)
                 attached = ray.train.Checkpoint.from_directory(directory)
@@ -241,8 +241,6 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
     out = f"train/{name}"
     negatives_fingerprint = None
     if tc.negatives_per_query:
-        from clusterscale.mine import mine_fingerprint
-
         negatives_fingerprint = mine_fingerprint(cfg, run)
     fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train"),
                                   extra={"negatives": negatives_fingerprint} if negatives_fingerprint else None)
@@ -284,8 +282,6 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
         if run.exists(segment_dir(name, segment), "_TRAINED.json"):
             continue  # finished by an earlier attempt (--resume)
         if segment > 0:
-            from clusterscale.train.recluster import recluster
-
             t0 = time.time()
             # A URI (or local path) every node can read: embed actors copy an object-store model locally.
             child, _ = recluster(cfg, run, name, segment, run.child_uri(segment_dir(name, segment), "encoder"))
@@ -334,11 +330,9 @@ def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_
 
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:
-    from clusterscale.mine import OUT, mine_fingerprint
-
-    if not run.is_done(OUT, mine_fingerprint(cfg, run)):  # raises when mined with another config
+    if not run.is_done(NEGATIVES, mine_fingerprint(cfg, run)):  # raises when mined with another config
         raise StageMissingError(f"train.negatives_per_query={cfg.train.negatives_per_query} needs mined negatives in "
-                                f"{run.path(OUT)}: run `clusterscale mine` with this config first.")
+                                f"{run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
 
 
 def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str,
@@ -379,17 +373,3 @@ def _export_model(run: RunDir, checkpoint, target: str) -> None:
                 rel = os.path.relpath(os.path.join(root, fname), src)
                 with open(os.path.join(root, fname), "rb") as f:
                     run.write_bytes(f"{target}/{rel}", f.read())
-
-
-def local_model_dir(run: RunDir, name: str) -> str:
-    """A local folder with the exported model (downloaded from an object store when needed)."""
-    if run.is_local:
-        return run.path(f"train/{name}/model")
-    target = tempfile.mkdtemp(prefix=f"clusterscale-{name}-")
-    prefix = run.path(f"train/{name}/model")
-    for f in run.files(f"train/{name}/model", suffix=""):
-        rel = os.path.relpath(f, prefix)
-        os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
-        with run.fs.open_input_stream(f) as src, open(os.path.join(target, rel), "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return target

@@ -30,6 +30,14 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | 
     return 5 * 2 * n ** 3 / (time.perf_counter() - started)
 
 
+def read_metrics(run: RunDir, name: str) -> list[dict]:
+    """The per-step records of train/<name>/metrics.jsonl; [] when that run has none."""
+    rel = f"train/{name}/metrics.jsonl"
+    if not run.exists(rel):
+        return []
+    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
+
+
 class JsonlLog:
     """A jsonl file in the run directory rewritten whole at each flush (object stores cannot append).
 

@@ -1,14 +1,12 @@
 """The student encoder: fine-tuned from an HF model/folder, or a BERT built from scratch."""
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from clusterscale.config import TrainConfig
-from clusterscale.encoder import BUNDLED, detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
+from clusterscale.encoder import detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
+from clusterscale.hashing import text_hashes
 from clusterscale.train.moe import add_moe, freeze_all_but_intermediate, moe_layers
 
 
@@ -63,14 +61,8 @@ def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, dev
 
 
 def text_keys(texts: list[str]) -> torch.Tensor:
-    """Stable int64 hashes of texts: equal texts (after ingest normalisation) get equal keys."""
-    return torch.from_numpy(np.array(
-        [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
-         for t in texts], dtype=np.int64))
-
-
-def default_tokenizer_path() -> str:
-    return resolve_model_path(BUNDLED)
+    """text_hashes as a tensor, for the loss's masking of equal texts."""
+    return torch.from_numpy(text_hashes(texts))
 
 
 def matmul_params(model: torch.nn.Module) -> int:

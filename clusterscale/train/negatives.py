@@ -1,4 +1,5 @@
-"""Mined negatives at training time: M negatives per query from negatives/, with the texts of their pairs.
+"""Mined negatives at training time: M negatives per query from negatives/, with the texts of their pairs;
+and the fingerprint of negatives/ that the mine stage writes and training checks.
 
 The choice of M among a query's kept candidates is a pure function of (seed, step, pair_id), so a
 resumed run draws the same negatives. Queries with fewer than M candidates are topped up with
@@ -11,8 +12,31 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.mine import load_negatives
+from clusterscale.config import Config
+from clusterscale.layout import NEGATIVES
 from clusterscale.rundir import RunDir
+
+
+def mine_fingerprint(cfg: Config, run: RunDir) -> str:
+    """The fingerprint of negatives/: the mine config, and the training run when mining with its model."""
+    extra = None
+    if cfg.mine.encoder.startswith("train:"):
+        name = cfg.mine.encoder.split(":", 1)[1]
+        done = f"train/{name}/_DONE.json"
+        extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
+    return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
+
+
+def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(sorted pair_ids, their negative pair_id arrays, best first) from negatives/."""
+    run.require(NEGATIVES, "mine", "Mined negatives")
+    table = pa.concat_tables([pq.read_table(run.fs.open_input_file(path), columns=["pair_id", "neg_pair_ids"])
+                              for path in run.files(NEGATIVES)])
+    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
+    table = table.take(pa.array(order))
+    lists = table.column("neg_pair_ids").combine_chunks()
+    offsets, values = np.asarray(lists.offsets), np.asarray(lists.values)
+    return table.column("pair_id").to_numpy(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]
 
 
 class MinedNegatives:

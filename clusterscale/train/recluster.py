@@ -12,8 +12,11 @@ from __future__ import annotations
 import hashlib
 import time
 
-from clusterscale.config import Config
+from clusterscale.config import Config, variant
+from clusterscale.embed import run_embed
+from clusterscale.kmeans import run_assign, run_fit
 from clusterscale.rundir import RunDir
+from clusterscale.shards import run_shard
 
 
 def segment_bounds(num_steps: int, every: int) -> list[tuple[int, int]]:
@@ -38,11 +41,6 @@ def segment_dir(name: str, segment: int) -> str:
 def recluster(cfg: Config, run: RunDir, name: str, segment: int, model_dir: str) -> tuple[RunDir, dict]:
     """Embed, fit, assign and shard the training pairs with the model at `model_dir` into the segment's
     child run directory; returns (child run, seconds and worker-seconds per stage)."""
-    from clusterscale.embed import run_embed
-    from clusterscale.experiments import variant
-    from clusterscale.kmeans import run_assign, run_fit
-    from clusterscale.shards import run_shard
-
     child = RunDir(run.child_uri(segment_dir(name, segment)))
     child_cfg = variant(cfg, embed={"model": model_dir, "pooling": "auto"})
     costs = {}

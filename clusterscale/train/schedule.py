@@ -102,15 +102,6 @@ def _stratum_key(sampler: str, index: int) -> int:
     return 0x7A11D0 if sampler == "random" else index  # the random sampler's historical key
 
 
-def epoch_batches(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int,
-                  weighting: str = "proportional", source_codes: np.ndarray | None = None
-                  ) -> tuple[list[tuple[int, np.ndarray]], int]:
-    """([(shard, row indices)] in step order, pairs left unused this epoch)."""
-    batches = epoch_global_batches(sizes, global_batch_size, sampler, seed, epoch, weighting, source_codes)
-    used = unused_pairs(sizes, global_batch_size, sampler, seed, epoch, weighting, source_codes)
-    return [(b.shard, b.rows) for b in batches], used
-
-
 def epoch_global_batches(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int,
                          weighting: str = "proportional", source_codes: np.ndarray | None = None,
                          parts: list[Stratum] | None = None) -> list[GlobalBatch]:

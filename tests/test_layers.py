@@ -1,0 +1,116 @@
+"""The import layers: every project import (those inside functions too) points down or sideways, never up,
+and the import graph has no cycle. Read with `ast`, so nothing is imported."""
+from __future__ import annotations
+
+import ast
+from fnmatch import fnmatch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Top to bottom; a module may import its own layer and the layers below.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("entry points", ["clusterscale.cli", "jobs.*"]),
+    ("orchestration", ["clusterscale.pipeline", "clusterscale.experiments"]),
+    # train.loop is the train stage's entry and train.recluster re-runs embed/fit/assign/shard for it.
+    ("stages", ["clusterscale.ingest", "clusterscale.embed", "clusterscale.kmeans", "clusterscale.shards",
+                "clusterscale.mine", "clusterscale.train.loop", "clusterscale.train.recluster",
+                "clusterscale.evaluate", "clusterscale.mteb_eval", "clusterscale.report", "clusterscale.report_plots",
+                "clusterscale.costs"]),
+    ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
+    # The MoE layers are modeling code (the encoder loads exported MoE models with them); they live in train/.
+    ("modeling", ["clusterscale.encoder", "clusterscale.train.moe", "clusterscale.train.moe_hf",
+                  "clusterscale.model_card"]),
+    ("runtime", ["clusterscale.session", "clusterscale.progress", "clusterscale.vectors", "clusterscale.kmeans_core",
+                 "clusterscale.synthetic", "clusterscale.hashing"]),
+    ("io", ["clusterscale.rundir", "clusterscale.layout", "clusterscale.input_files", "clusterscale.builtin_data"]),
+    ("config", ["clusterscale.config"]),
+    ("base", ["clusterscale.errors", "clusterscale.redact", "clusterscale"]),
+]
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for path in [*(ROOT / "clusterscale").rglob("*.py"), *(ROOT / "jobs").glob("*.py")]:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that `name` imports anywhere in its file (`from pkg import mod` counts as pkg.mod)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            elif name.startswith("jobs.") and f"jobs.{base}" in known:  # jobs import their siblings (`_job`)
+                base = f"jobs.{base}"
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in known and t != name}
+    return found
+
+
+def layer_of(module: str) -> int:
+    for index, (_, patterns) in enumerate(LAYERS):  # a module named outright wins over a pattern
+        if module in patterns:
+            return index
+    for index, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch(module, p) for p in patterns):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imported_modules(name, path, set(files)) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, stack + [node])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})"
+              for a, targets in sorted(import_graph().items()) for b in sorted(targets) if layer_of(b) < layer_of(a)]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checks_see_imports_inside_functions_and_cycles():
+    graph = import_graph()
+    assert "clusterscale.pipeline" in graph["clusterscale.cli"]  # imported inside main()
+    assert "clusterscale.train.moe" in graph["clusterscale.train.moe_hf"]  # a relative import
+    assert "jobs._job" in graph["jobs.sweep"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
