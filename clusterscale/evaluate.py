@@ -116,7 +116,8 @@ def pair_units(run: RunDir) -> list[tuple[int, str, int]]:
 
 def unit_candidates(run_uri: str, unit: tuple[int, str, int], num_distractors: int) -> pa.Table:
     """The at most num_distractors rows of one row group with the smallest keys: key, pair_id, position and
-    passage. Only pair_id is read for every row; passages of the kept rows only."""
+    passage. Keys come from pair_id alone; the passages of the kept rows are the only texts that leave the task
+    (the row group's passage column is read once: O(a row group), like any work unit)."""
     run = RunDir(run_uri)
     file_index, path, group = unit
     with run.fs.open_input_file(path) as handle:

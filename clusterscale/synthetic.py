@@ -218,7 +218,7 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
     run.mark_done("embeddings", embed_fp, {"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges),
                                            "truncated": 0, "synthetic": True, "wall_s": wall},
                   {"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
-    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall,
+    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * window,
                               "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0})
     print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
           flush=True)
