@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
+from clusterscale.config import Config, ConfigError
 from clusterscale.ingest import PAIR_SCHEMA, is_heldout
 from clusterscale.rundir import ConfigMismatchError, RunDir
 from clusterscale.vectors import emb_array
@@ -31,6 +31,8 @@ _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
 @dataclass(frozen=True)
 class SynthSpec:
+    """What `clusterscale synth` generates: rows (held-out ones included), vector dimension, topics, seed, and
+    the noise norm around each topic's direction."""
     rows: int
     dim: int = 384
     topics: int = 100
@@ -42,8 +44,6 @@ class SynthSpec:
                f"spread={self.spread}"
 
     def check(self) -> None:
-        from clusterscale.config import ConfigError
-
         for name in ("rows", "dim", "topics"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"synth --{name} must be a positive integer, got {getattr(self, name)}.")
@@ -218,7 +218,7 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
     run.mark_done("embeddings", embed_fp, {"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges),
                                            "truncated": 0, "synthetic": True, "wall_s": wall},
                   {"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
-    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * window,
+    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * min(window, len(ranges)),
                               "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0})
     print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
           flush=True)
