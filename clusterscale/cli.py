@@ -17,6 +17,7 @@ from clusterscale.rundir import RunDir
 
 VERBS = {
     "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
+    "synth": "Write a synthetic run (topical pairs, held-out split, clustered unit vectors) in place of ingest + embed.",
     "ingest": "Read, validate and split the input pairs into pairs/, heldout/ and quarantine/.",
     "embed": "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
     "fit": "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Continue train/<name>/ from its latest checkpoint (same config).")
         if verb in REPLACEABLE:
             add_replace_argument(p)
+        if verb == "synth":
+            add_synth_arguments(p)
         add_experiment_arguments(verb, p)
     return parser
 
@@ -79,6 +82,33 @@ def add_replace_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replace", action="store_true",
                    help="Remove this stage's output (for run, compare and sweep: every output made with a different "
                         "config) and every output made from it, then rerun. Without it such a rerun is refused.")
+
+
+def add_synth_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, required=True, help="Pairs to generate (held-out ones included).")
+    p.add_argument("--dim", type=int, default=384, help="Embedding dimension (default 384).")
+    p.add_argument("--topics", type=int, default=100, help="Topics: vocabularies and vector directions (default 100).")
+    p.add_argument("--heldout-fraction", type=float,
+                   help="data.heldout_fraction of the run (default: the config's, 0.05).")
+    p.add_argument("--seed", type=int, default=0, help="Generator seed (default 0).")
+
+
+def run_synth_verb(args) -> None:
+    from clusterscale.pipeline import open_run
+    from clusterscale.session import init_ray
+    from clusterscale.synthetic import SynthSpec, run_synth
+
+    spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed)
+    spec.check()
+    extra = [f"data.path={spec.data_path()}"]
+    if args.heldout_fraction is not None:
+        extra.append(f"data.heldout_fraction={args.heldout_fraction}")
+    cfg, run = open_run(args.run_dir, args.config, args.overrides + extra)
+    init_ray(cfg.ray)
+    with run.lock("pairs"):
+        if run.config_in_force() is None:
+            run.write_config(cfg)
+        run_synth(cfg, run, spec)
 
 
 def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
@@ -169,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             if not run_dir:
                 raise config_mod.ConfigError("inspect needs the run directory: `clusterscale inspect RUN --k K`.")
             inspect_run(run_dir, args.k, args.json_path)
+            return 0
+        if args.verb == "synth":
+            started = time.time()
+            run_synth_verb(args)
+            print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(args.run_dir)}", flush=True)
             return 0
         # Imported here: the stages load torch, Ray and faiss (about 2.4 s), which config, inspect and --help skip.
         from clusterscale import pipeline

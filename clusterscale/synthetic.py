@@ -1,18 +1,74 @@
-"""Structured synthetic unit vectors and a ready embeddings/ stage built from them (tests, benchmarks).
+"""Synthetic runs: topical pairs and clustered unit vectors, written as ingest and embed would write them.
 
-`write_embeddings_stage` produces exactly what `clusterscale embed` leaves in a run directory, so fit,
-assign and shard can be exercised and timed at any N, d and k without running an encoder.
+`clusterscale synth --run-dir R --rows N` fills pairs/, heldout/, quarantine/ (empty) and embeddings/
+with their done markers and RUN/config.yaml, one Ray task per data.rows_per_part rows, so fit, assign,
+shard, mine, train and evaluate can be dry-run (and sized, and benchmarked) at any N without an encoder.
+Every row is a pure function of (seed, row index): the output does not depend on how many tasks or
+workers made it. `write_embeddings_stage` is the in-process shortcut that tests and benchmarks use.
 """
 from __future__ import annotations
 
+import functools
 import io
+import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import ray
 
+from clusterscale.config import Config, ConfigError
+from clusterscale.ingest import PAIR_SCHEMA, is_heldout
+from clusterscale.rundir import ConfigMismatchError, RunDir
 from clusterscale.vectors import emb_array
-from clusterscale.rundir import RunDir
+
+SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
+BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split
+WORDS_PER_TOPIC = 48
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """What `clusterscale synth` generates: rows (held-out ones included), vector dimension, topics, seed, and
+    the noise norm around each topic's direction."""
+    rows: int
+    dim: int = 384
+    topics: int = 100
+    seed: int = 0
+    spread: float = 0.6
+
+    def data_path(self) -> str:
+        return f"{SYNTH_SCHEME}rows={self.rows},dim={self.dim},topics={self.topics},seed={self.seed}," \
+               f"spread={self.spread}"
+
+    def check(self) -> None:
+        for name in ("rows", "dim", "topics"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"synth --{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.seed < 0:
+            raise ConfigError(f"synth --seed must be >= 0, got {self.seed}.")
+
+
+def topic_centers(d: int, n_topics: int, seed: int) -> np.ndarray:
+    """The n_topics unit directions the vectors of `seed` cluster around."""
+    centers = np.random.default_rng(seed).standard_normal((n_topics, d))
+    return centers / np.linalg.norm(centers, axis=1, keepdims=True)
+
+
+def topic_weights(n_topics: int) -> np.ndarray:
+    # Zipf-like topic sizes: real corpora have a few big topics and a long tail.
+    weights = 1.0 / np.arange(1, n_topics + 1) ** 0.7
+    return weights / weights.sum()
+
+
+def vectors_around(centers: np.ndarray, topic: np.ndarray, noise: np.ndarray, spread: float) -> np.ndarray:
+    """fp16-representable unit vectors: each topic's center plus noise of norm ~spread."""
+    x = centers[topic] + spread * noise / np.sqrt(centers.shape[1])
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    # Stored embeddings are fp16: round here so in-memory references see the same numbers as the fit.
+    return x.astype(np.float16).astype(np.float32)
 
 
 def clustered_unit_vectors(n: int, d: int, n_topics: int, seed: int = 0, spread: float = 0.6,
@@ -21,13 +77,8 @@ def clustered_unit_vectors(n: int, d: int, n_topics: int, seed: int = 0, spread:
     rng = np.random.default_rng(seed)
     centers = rng.standard_normal((n_topics, d))
     centers /= np.linalg.norm(centers, axis=1, keepdims=True)
-    # Zipf-like topic sizes: real corpora have a few big topics and a long tail.
-    weights = 1.0 / np.arange(1, n_topics + 1) ** 0.7
-    topic = rng.choice(n_topics, size=n, p=weights / weights.sum())
-    x = centers[topic] + spread * rng.standard_normal((n, d)) / np.sqrt(d)  # noise of norm ~spread
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    # Stored embeddings are fp16: round here so in-memory references see the same numbers as the fit.
-    return x.astype(np.float16).astype(np.float32), topic
+    topic = rng.choice(n_topics, size=n, p=topic_weights(n_topics))
+    return vectors_around(centers, topic, rng.standard_normal((n, d)), spread), topic
 
 
 def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_000, first_id: int = 0,
@@ -48,3 +99,127 @@ def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_0
         pq.write_table(table, sink, row_group_size=max(1, rows_per_file // 2))
         run.write_bytes(f"embeddings/part-{part:05d}.parquet", sink.getvalue())
     run.mark_done("embeddings", "synthetic", {"rows": n, "truncated": 0})
+
+
+# --- synthetic pairs -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def topic_vocabularies(n_topics: int, seed: int) -> list[np.ndarray]:
+    """WORDS_PER_TOPIC pseudo-words per topic (2-3 syllables): topics share few words, so texts are topical."""
+    out = []
+    for t in range(n_topics):
+        rng = np.random.default_rng([seed, 1, t])
+        syllables = rng.integers(0, len(_SYLLABLES), size=(WORDS_PER_TOPIC, 3))
+        lengths = rng.integers(2, 4, size=WORDS_PER_TOPIC)
+        out.append(np.array(["".join(_SYLLABLES[s] for s in row[:n]) for row, n in zip(syllables, lengths)]))
+    return out
+
+
+def synth_block(spec: SynthSpec, block: int) -> pa.Table:
+    """Rows [block * BLOCK_ROWS, +BLOCK_ROWS) of the synthetic corpus: pair columns and `emb`.
+
+    A passage is 12-40 words of its topic's vocabulary and its pair_id; the query is 3-6 of the passage's
+    words and a code unique to the pair (a bijection of pair_id), so texts are distinct without the query
+    naming its passage's id. The vector is noise around the topic's center."""
+    rng = np.random.default_rng([spec.seed, 0, block])
+    ids = np.arange(block * BLOCK_ROWS, min(spec.rows, (block + 1) * BLOCK_ROWS), dtype=np.int64)
+    n = len(ids)
+    topic = rng.choice(spec.topics, size=n, p=topic_weights(spec.topics))
+    noise = rng.standard_normal((n, spec.dim))
+    passage_len = rng.integers(12, 41, size=n)
+    query_len = rng.integers(3, 7, size=n)
+    words = rng.integers(0, WORDS_PER_TOPIC, size=(n, 40))
+    picks = (rng.random((n, 6)) * passage_len[:, None]).astype(np.int64)
+    codes = (ids.astype(np.uint64) * np.uint64(2654435761)) & np.uint64(0xFFFFFFFF)  # odd multiplier: a bijection
+    vocab = topic_vocabularies(spec.topics, spec.seed)
+    passages, queries = [], []
+    for i in range(n):
+        passage_words = vocab[topic[i]][words[i, :passage_len[i]]]
+        passages.append(f"{' '.join(passage_words)} {ids[i]}")
+        queries.append(f"{' '.join(passage_words[picks[i, :query_len[i]]])} {codes[i]:08x}")
+    x = vectors_around(topic_centers(spec.dim, spec.topics, spec.seed), topic, noise, spec.spread)
+    return pa.table({"pair_id": pa.array(ids), "query": pa.array(queries), "passage": pa.array(passages),
+                     "source": pa.array([f"topic-{t}" for t in topic]), "emb": emb_array(x)})
+
+
+def synth_rows(spec: SynthSpec, start: int, stop: int) -> pa.Table:
+    """Rows [start, stop) of the corpus, whatever range they are asked for in."""
+    blocks = [synth_block(spec, b) for b in range(start // BLOCK_ROWS, (stop - 1) // BLOCK_ROWS + 1)]
+    first = (start // BLOCK_ROWS) * BLOCK_ROWS
+    return pa.concat_tables(blocks).slice(start - first, stop - start)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldout_fraction: float) -> dict:
+    """One part: pairs/ and heldout/ rows split as ingest splits them, and the embeddings/ file of the pairs.
+
+    File names follow ingest (one input file, index `part`) and embed (one unit per pairs/ part), so a
+    rerun overwrites the same names."""
+    run = RunDir(run_uri)
+    table = synth_rows(SynthSpec(**spec), start, stop)
+    held = np.array([is_heldout(q, heldout_fraction) for q in table.column("query").to_pylist()], dtype=bool)
+    pairs = table.filter(pa.array(~held))
+    stem = f"part-{part:05d}-00000"
+    if held.any():
+        run.write_bytes(f"heldout/{stem}.parquet",
+                        _parquet_bytes(table.filter(pa.array(held)).select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA)))
+    if pairs.num_rows:
+        run.write_bytes(f"pairs/{stem}.parquet", _parquet_bytes(pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA)))
+        embedded = pairs.append_column("truncated", pa.array(np.zeros(pairs.num_rows, dtype=bool)))
+        run.write_bytes(f"embeddings/{stem}-00000.parquet", _parquet_bytes(embedded))
+    return {"rows": table.num_rows, "pairs": pairs.num_rows, "heldout": int(held.sum())}
+
+
+def synthetic_embeddings(run: RunDir) -> dict | None:
+    """The generator parameters when embeddings/ of `run` came from `clusterscale synth` (no encoder), else None."""
+    if not run.exists("embeddings/_DONE.json"):
+        return None
+    return run.read_json("embeddings/_DONE.json").get("config", {}).get("synth")
+
+
+def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> dict:
+    """Write the synthetic run (Ray must be initialised); reused when done with the same config.
+
+    cfg.data.path must be spec.data_path(). max_tasks_in_flight: parts generated at once (default: the
+    cluster's CPUs); it changes nothing in the output."""
+    pairs_fp, embed_fp = cfg.fingerprint(("data",)), cfg.fingerprint(("data", "embed"))
+    try:
+        if run.is_done("pairs", pairs_fp) and run.is_done("embeddings", embed_fp):
+            return run.done_stats("pairs")
+    except ConfigMismatchError as exc:
+        raise ConfigMismatchError(f"{exc} Write the synthetic run into a new --run-dir.", exc.stage_dir) from None
+    started = time.time()
+    for kind in ("pairs", "heldout", "quarantine", "embeddings"):
+        run.begin(kind)
+    rows_per_part = cfg.data.rows_per_part
+    ranges = [(p, s, min(spec.rows, s + rows_per_part)) for p, s in enumerate(range(0, spec.rows, rows_per_part))]
+    window = max_tasks_in_flight or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    task = ray.remote(num_cpus=1, max_retries=2)(synth_part)
+    print(f"[synth] {spec.rows} rows (d={spec.dim}, {spec.topics} topics, seed {spec.seed}) in {len(ranges)} "
+          f"part(s) of {rows_per_part}", flush=True)
+    results, pending = [], []
+    for p, s, e in ranges:  # a bounded window: the driver holds O(window) refs, never the rows
+        if len(pending) >= window:
+            done, pending = ray.wait(pending, num_returns=1)
+            results += ray.get(done)
+        pending.append(task.remote(run.uri, asdict(spec), p, s, e, cfg.data.heldout_fraction))
+    results += ray.get(pending)
+    wall = round(time.time() - started, 3)
+    stats = {"input_files": 0, "rows_in": spec.rows, "pairs": sum(r["pairs"] for r in results),
+             "heldout": sum(r["heldout"] for r in results), "quarantine": 0, "reasons": {}, "bad_files": [],
+             "synthetic": True, "wall_s": wall, "worker_s": wall}
+    run.mark_done("heldout", pairs_fp, {"rows": stats["heldout"]})
+    run.mark_done("quarantine", pairs_fp, {"rows": 0})
+    run.mark_done("pairs", pairs_fp, stats, {"data": cfg.to_dict()["data"]})
+    run.mark_done("embeddings", embed_fp, {"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges),
+                                           "truncated": 0, "synthetic": True, "wall_s": wall},
+                  {"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
+    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * min(window, len(ranges)),
+                              "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0})
+    print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
+          flush=True)
+    return stats
