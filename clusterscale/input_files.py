@@ -200,27 +200,19 @@ def _jsonl_records(fs: pafs.FileSystem, path: str, data: DataConfig) -> Iterator
     stream = fs.open_input_stream(path, compression="detect")
     # surrogateescape keeps undecodable bytes recoverable, so such a line is quarantined with its bytes.
     text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape")
-    rows, checked = [], False
-    for line in text:
-        line = line.strip()
-        if not line:
-            rows.append({"__reason__": "blank_line"})
-        elif not is_encodable(line):  # the undecodable bytes kept as \xNN escapes
-            raw = line.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            rows.append({"__reason__": "invalid_utf8", "__raw__": raw})
-        else:
-            try:
-                rows.append(_json_record(json.loads(line), line))
-            except json.JSONDecodeError:
-                rows.append({"__reason__": "invalid_json", "__raw__": line})
-            if not checked and "__reason__" not in rows[-1]:
-                check_columns(list(rows[-1]), path, data)
-                checked = True
-        if len(rows) == BATCH_ROWS:
-            yield rows
-            rows = []
-    if rows:
-        yield rows
+    return _checked_batches((_jsonl_record(line.strip()) for line in text), path, data)
+
+
+def _jsonl_record(line: str) -> dict:
+    if not line:
+        return {"__reason__": "blank_line"}
+    if not is_encodable(line):  # the undecodable bytes kept as \xNN escapes
+        return {"__reason__": "invalid_utf8",
+                "__raw__": line.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")}
+    try:
+        return _json_record(json.loads(line), line)
+    except json.JSONDecodeError:
+        return {"__reason__": "invalid_json", "__raw__": line}
 
 
 def _json_record(value: object, raw: str) -> dict:
@@ -233,11 +225,17 @@ def _json_record(value: object, raw: str) -> dict:
 def _json_array_records(fs: pafs.FileSystem, path: str, data: DataConfig) -> Iterator[list[dict]]:
     """A file holding one JSON array of objects, read element by element (memory: one element)."""
     stream = fs.open_input_stream(path, compression="detect")
+    items = _json_array_items(io.TextIOWrapper(stream, encoding="utf-8"))
+    return _checked_batches((_json_record(value, raw) for value, raw in items), path, data)
+
+
+def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
+    """Row dicts in batches of BATCH_ROWS; the first good row's keys are checked against the column mapping."""
     rows, checked = [], False
-    for value, raw in _json_array_items(io.TextIOWrapper(stream, encoding="utf-8")):
-        rows.append(_json_record(value, raw))
-        if not checked and "__reason__" not in rows[-1]:
-            check_columns(list(rows[-1]), path, data)
+    for row in records:
+        rows.append(row)
+        if not checked and "__reason__" not in row:
+            check_columns(list(row), path, data)
             checked = True
         if len(rows) == BATCH_ROWS:
             yield rows
