@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -44,6 +45,33 @@ def _loopback_node_ip() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+# Lines of Ray's own library loggers that workers send to the driver over and over: Ray Train's placement-group
+# cleaner warns every few seconds that the State API is unavailable when the dashboard is off (a local run), and
+# every rank logs "Reporting training result ..." at each ray.train.report. The workers' log files keep them.
+WORKER_LOG_NOISE = re.compile(r"Failed to query Ray Train Controller actor state|Reporting training result \d+: ")
+
+
+def _drop_worker_log_noise() -> None:
+    """Wrap the driver's printer of worker output so the WORKER_LOG_NOISE lines are not shown.
+
+    Ray has no public hook for this; its printer is a named handler of a private dispatcher. If that changes,
+    the lines simply show again (filtering them in the workers instead would need a runtime_env hook that costs
+    ~0.5 s per worker process)."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    with dispatcher._lock:
+        for i, (name, handler) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and not getattr(handler, "drops_noise", False):
+                def filtered(data: dict, _print=handler) -> None:
+                    lines = [line for line in data.get("lines", []) if not WORKER_LOG_NOISE.search(line)]
+                    if lines:
+                        _print({**data, "lines": lines})
+                filtered.drops_noise = True
+                dispatcher.handlers[i] = (name, filtered)
+
+
 def _is_loopback_address(address: str) -> bool:
     """Whether a Ray address (host:port, or a scheme://host:port) names this machine's loopback interface."""
     if address.startswith("ray://"):  # Ray Client: the server's node IP is its own business
@@ -82,6 +110,7 @@ def init_ray(cfg: RayConfig) -> None:
             print(f"[ray] the local Ray node did not start within Ray's 30 s (machine busy?); retrying "
                   f"({attempt + 2}/3)", flush=True)
             ray.shutdown()
+    _drop_worker_log_noise()
     global _local_workers_inherit_env
     _local_workers_inherit_env = address is None
     ray_data_progress(sys.stdout.isatty())

@@ -41,3 +41,25 @@ def test_local_ray_listens_on_loopback_only(ray_local):
     assert len({name for name, _, _ in listeners}) >= 3, listeners  # the driver, gcs_server, raylet at least
     exposed = [entry for entry in listeners if not is_loopback(entry[1])]
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_driver_drops_rays_repeated_worker_noise(ray_local, capfd):
+    """Ray Train's cleaner warning and the per-report line are not shown; other worker lines are."""
+    import logging
+    import time
+
+    @ray_local.remote
+    def speak():
+        log = logging.getLogger("worker-noise-test")
+        log.warning("Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.")
+        log.warning("Reporting training result 3: TrainingReport(checkpoint=None, metrics={})")
+        log.warning("a real warning from a worker")
+
+    ray_local.get(speak.remote())
+    deadline, seen = time.time() + 20, ""
+    while "a real warning from a worker" not in seen and time.time() < deadline:
+        time.sleep(0.5)
+        out, err = capfd.readouterr()
+        seen += out + err
+    assert "a real warning from a worker" in seen
+    assert "Failed to query" not in seen and "Reporting training result" not in seen
