@@ -237,7 +237,7 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
         run.mark_done(kind, fingerprint, {"rows": stats[kind]})
     run.mark_done("pairs", fingerprint, stats, {"data": asdict(data)})
     print(f"[ingest] rows in {stats['rows_in']}: pairs {stats['pairs']}, held out {stats['heldout']}, "
-          f"quarantined {stats['quarantine']} {stats['reasons'] or ''}", flush=True)
+          f"quarantined {stats['quarantine']}" + (f" {stats['reasons']}" if stats["reasons"] else ""), flush=True)
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)

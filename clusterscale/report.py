@@ -279,7 +279,7 @@ def run_report(cfg: Config, run: RunDir) -> str:
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
         parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "
-                  f"quarantined {s['quarantine']} {s['reasons'] or ''}.", ""]
+                  f"quarantined {s['quarantine']}" + (f" {s['reasons']}" if s['reasons'] else "") + ".", ""]
     if run.exists(shards_dir(k), "manifest.json"):
         manifest = run.read_json(f"{shards_dir(k)}/manifest.json")
         parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
