@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.evaluate import EVAL_SALT, distractor_passages, merge_candidates, unit_candidates
-from clusterscale.ingest import hash_unit
+from clusterscale.hashing import hash_unit
 from clusterscale.rundir import RunDir
 
 NUM_DISTRACTORS = 40
