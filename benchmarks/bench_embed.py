@@ -4,7 +4,7 @@
     python benchmarks/bench_embed.py --json out.json    # also write the figures as JSON
     python benchmarks/bench_embed.py --gpu              # BERT-base-sized random encoder, ~60-word texts, bf16
 
-What is timed on the clusterscale side is `clusterscale.encoder.Encoder` (tokenise once, sort by
+What is timed on the clusterscale side is `clusterscale.modeling.encoder.Encoder` (tokenise once, sort by
 length, token-budget batches, SDPA attention): the compute core that each actor of the `embed`
 stage runs on its work units. `--stage` additionally times the whole Ray stage (`run_embed`) on the
 same texts, start-up included. Both sides embed the same texts with the same model and max length;
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from clusterscale.encoder import Encoder, resolve_model_path, save_sentence_transformers_dir  # noqa: E402
+from clusterscale.modeling.encoder import Encoder, resolve_model_path, save_sentence_transformers_dir  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA spec sheet, dense (no sparsity)
 
@@ -34,7 +34,7 @@ def docstring_texts(rows: int) -> list[str]:
     """Real passages: the bundled docstring dataset (harvested from installed packages, then cached)."""
     import pyarrow.dataset as pads
 
-    from clusterscale.builtin_data import builtin_docstrings_path
+    from clusterscale.io.builtin_data import builtin_docstrings_path
 
     table = pads.dataset(builtin_docstrings_path(), format="parquet").to_table(columns=["passage"])
     texts = table.column("passage").to_pylist()
@@ -100,10 +100,10 @@ def stage_rows_per_s(texts: list[str], model: str, max_length: int) -> float:
     import pyarrow.parquet as pq
 
     from clusterscale import config as config_mod
-    from clusterscale.embed import run_embed
-    from clusterscale.ingest import run_ingest
-    from clusterscale.rundir import RunDir
-    from clusterscale.session import init_ray
+    from clusterscale.stages.embed import run_embed
+    from clusterscale.stages.ingest import run_ingest
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.runtime.session import init_ray
 
     with tempfile.TemporaryDirectory() as tmp:
         pq.write_table(pa.table({"query": [t[:40] for t in texts], "passage": texts}), f"{tmp}/in.parquet")
@@ -168,7 +168,7 @@ def main() -> None:
         "mode": "gpu" if args.gpu else "cpu", "device": torch.cuda.get_device_name() if args.gpu else
         f"cpu x{args.threads} threads", "model": "bert-base (random)" if args.gpu else "all-MiniLM-L6-v2",
         "rows": len(texts), "max_length": args.max_length, "mean_tokens": round(mean_len, 1),
-        "truncated": int(tokens.truncated.sum()), "timed": "clusterscale.encoder.Encoder.encode",
+        "truncated": int(tokens.truncated.sum()), "timed": "clusterscale.modeling.encoder.Encoder.encode",
         "clusterscale_rows_per_s": round(cs_rps, 1), "sentence_transformers_rows_per_s": round(st_rps, 1),
         "ratio": round(cs_rps / st_rps, 3), "flops_per_token": round(fpt),
         "peak_flops": round(peak), "peak": peak_name,

@@ -6,7 +6,7 @@
 
 Compare mode, on the same fp16-rounded clustered unit vectors, k, niter and seed:
   faiss     faiss.Kmeans(d, k, spherical=True).train(x), all rows (no subsampling), all CPU threads
-  core      clusterscale.kmeans_core.fit_spherical_kmeans(x) in this process, all CPU threads
+  core      clusterscale.runtime.kmeans_core.fit_spherical_kmeans(x) in this process, all CPU threads
   ray_w1/2  the Ray fit (fit_on_actors) over 1 / 2 SampleShard actors holding the rows in memory,
             threads split between actors. Timed: seeded init + niter Lloyd iterations; NOT timed: Ray
             startup, actor startup and loading the rows (the stage reports those as load_s).
@@ -27,7 +27,7 @@ import tempfile
 import time
 
 # The same OpenMP wait policy for faiss.Kmeans and the core in this process as the fit actors get
-# (clusterscale.session.faiss_runtime_env), set before faiss loads OpenMP. --omp-default leaves this
+# (clusterscale.runtime.session.faiss_runtime_env), set before faiss loads OpenMP. --omp-default leaves this
 # process at libgomp's default instead: faiss.Kmeans as a user would run it, against clusterscale as shipped.
 if "--omp-default" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clusterscale.kmeans_core import fit_spherical_kmeans, nearest_centroid  # noqa: E402
-from clusterscale.synthetic import clustered_unit_vectors  # noqa: E402
+from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid  # noqa: E402
+from clusterscale.stages.synthetic import clustered_unit_vectors  # noqa: E402
 
 
 def objective(x: np.ndarray, centroids: np.ndarray) -> float:
@@ -52,7 +52,7 @@ def in_memory_slice(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, list]:
 def ray_fit(x: np.ndarray, k: int, niter: int, seed: int, workers: int, cpus: int) -> tuple[np.ndarray, float]:
     import ray
 
-    from clusterscale.kmeans import fit_on_actors, start_sample_shards
+    from clusterscale.stages.kmeans import fit_on_actors, start_sample_shards
 
     ids = np.arange(len(x), dtype=np.int64)
     bounds = np.linspace(0, len(x), workers + 1).astype(int)
@@ -126,10 +126,10 @@ def scaling(args) -> list[dict]:
     import ray
 
     from clusterscale import config as config_mod
-    from clusterscale.kmeans import ClusteringError, run_assign, run_fit
-    from clusterscale.rundir import RunDir
-    from clusterscale.shards import run_shard
-    from clusterscale.synthetic import write_embeddings_stage
+    from clusterscale.stages.kmeans import ClusteringError, run_assign, run_fit
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.shards import run_shard
+    from clusterscale.stages.synthetic import write_embeddings_stage
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     rows = []

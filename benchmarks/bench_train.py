@@ -32,7 +32,7 @@ from clusterscale import config as config_mod  # noqa: E402
 from clusterscale.train import schedule  # noqa: E402
 from clusterscale.train.data import ShardReader  # noqa: E402
 from clusterscale.train.metrics import read_metrics  # noqa: E402
-from clusterscale.train.model import build_student  # noqa: E402
+from clusterscale.modeling.student import build_student  # noqa: E402
 from clusterscale.train.step import StepSettings, contrastive_backward  # noqa: E402
 
 MODEL = ["train.init=scratch", "train.scratch_hidden_size=128", "train.scratch_num_layers=2",

@@ -20,11 +20,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from clusterscale.builtin_data import builtin_docstrings_path
+from clusterscale.io.builtin_data import builtin_docstrings_path
 from clusterscale.config import TrainConfig
 from clusterscale.train.loop import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
-from clusterscale.train.model import build_student, embed
+from clusterscale.modeling.student import build_student, embed
 from clusterscale.train.step import StepSettings, contrastive_backward
 
 BASE = dict(init="scratch", pooling="cls", scratch_hidden_size=128, scratch_num_layers=2, scratch_num_heads=2,

@@ -11,9 +11,9 @@ import time
 from clusterscale import __version__
 from clusterscale import config as config_mod
 from clusterscale.errors import bounded_repr, user_message
-from clusterscale.layout import STAGES, load_manifest, shards_dir
+from clusterscale.io.layout import STAGES, load_manifest, shards_dir
 from clusterscale.redact import redact_uri
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 VERBS = {
     "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
@@ -95,8 +95,8 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_synth_verb(args) -> None:
     from clusterscale.pipeline import open_run
-    from clusterscale.session import init_ray
-    from clusterscale.synthetic import SynthSpec, run_synth
+    from clusterscale.runtime.session import init_ray
+    from clusterscale.stages.synthetic import SynthSpec, run_synth
 
     spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed)
     spec.check()
@@ -164,7 +164,7 @@ def saved_k(run) -> int:
 
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
-    from clusterscale.shards import cluster_table, format_cluster_table  # here: shards loads Ray and faiss
+    from clusterscale.stages.shards import cluster_table, format_cluster_table  # here: shards loads Ray and faiss
 
     run = RunDir(run_dir)
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         results = pipeline.run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
             from clusterscale.experiments import parse_list
-            from clusterscale.mteb_eval import LOCAL_PREFIX, run_mteb
+            from clusterscale.stages.mteb_eval import LOCAL_PREFIX, run_mteb
 
             # local:FOLDER is read by a Ray task, which runs in another working directory.
             specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s

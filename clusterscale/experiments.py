@@ -15,13 +15,13 @@ import time
 import numpy as np
 
 from clusterscale.config import Config, ConfigError, parse_override, variant
-from clusterscale.costs import summarize
-from clusterscale.kmeans import ClusteringError
-from clusterscale.layout import PER_K_STAGES, PREPROCESS, kmeans_dir, shards_dir
+from clusterscale.stages.costs import summarize
+from clusterscale.stages.kmeans import ClusteringError
+from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, kmeans_dir, shards_dir
 from clusterscale.pipeline import pipeline, run_stages
 from clusterscale.redact import redact_uri
-from clusterscale.report import run_report
-from clusterscale.rundir import RunDir, join_uri
+from clusterscale.stages.report import run_report
+from clusterscale.io.rundir import RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.train.schedule import SAMPLERS
 

@@ -9,17 +9,17 @@ import time
 from typing import Callable
 
 from clusterscale import config as config_mod
-from clusterscale import session
+from clusterscale.runtime import session
 from clusterscale.config import Config
-from clusterscale.embed import run_embed
-from clusterscale.evaluate import run_evaluate
-from clusterscale.ingest import run_ingest
-from clusterscale.kmeans import run_assign, run_fit
-from clusterscale.layout import NEGATIVES, STAGES, assign_dir, kmeans_dir, shards_dir
-from clusterscale.mine import run_mine
-from clusterscale.report import run_report
-from clusterscale.rundir import ConfigMismatchError, RunDir
-from clusterscale.shards import run_shard
+from clusterscale.stages.embed import run_embed
+from clusterscale.stages.evaluate import run_evaluate
+from clusterscale.stages.ingest import run_ingest
+from clusterscale.stages.kmeans import run_assign, run_fit
+from clusterscale.io.layout import NEGATIVES, STAGES, assign_dir, kmeans_dir, shards_dir
+from clusterscale.stages.mine import run_mine
+from clusterscale.stages.report import run_report
+from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.stages.shards import run_shard
 from clusterscale.train.loop import run_train
 
 STAGE_FUNCTIONS: dict[str, Callable] = {

@@ -19,7 +19,9 @@ REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from clusterscale import pipeline, session  # noqa: E402
+from clusterscale import pipeline  # noqa: E402
+
+from clusterscale.runtime import session
 from clusterscale.errors import user_message  # noqa: E402
 from clusterscale.redact import redact_uri  # noqa: E402
 

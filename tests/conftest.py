@@ -43,7 +43,7 @@ def ray_local():
     import ray
 
     from clusterscale.config import RayConfig
-    from clusterscale.session import init_ray
+    from clusterscale.runtime.session import init_ray
 
     if not ray.is_initialized():
         init_ray(RayConfig(num_cpus=2, include_dashboard=False))  # the CLI's own local start
@@ -57,7 +57,7 @@ def tiny_model(tmp_path_factory) -> str:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from clusterscale.encoder import resolve_model_path, save_sentence_transformers_dir
+    from clusterscale.modeling.encoder import resolve_model_path, save_sentence_transformers_dir
 
     out = tmp_path_factory.mktemp("tiny-bert")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("bundled"))

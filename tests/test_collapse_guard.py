@@ -11,7 +11,7 @@ from clusterscale import config as config_mod
 from clusterscale.config import TrainConfig
 from clusterscale.train.loop import TrainingCollapsedError, lr_at, run_train
 from clusterscale.train.metrics import CollapseGuard, chance_loss
-from clusterscale.train.model import build_student
+from clusterscale.modeling.student import build_student
 from clusterscale.train.step import StepSettings, contrastive_backward
 from tests.conftest import make_pairs
 from tests.train_data import make_sharded_run
@@ -96,7 +96,7 @@ def test_collapsed_run_is_stopped_with_the_message(tmp_path, ray_local, capsys):
 
 
 def test_report_flags_a_collapsed_run(tmp_path):
-    from clusterscale.report import collapse_warnings
+    from clusterscale.stages.report import collapse_warnings
 
     run = make_sharded_run(tmp_path / "run")
     run.write_json("train/a/collapse.json", {"step": 12, "stopped": False, "message": "the run looks collapsed ..."})

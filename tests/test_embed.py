@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from clusterscale.embed import EmbeddingError, check_finite
-from clusterscale.encoder import Encoder, EncoderLoadError, check_encoder, token_budget_batches
+from clusterscale.stages.embed import EmbeddingError, check_finite
+from clusterscale.modeling.encoder import Encoder, EncoderLoadError, check_encoder, token_budget_batches
 from tests.conftest import make_pairs
 
 
@@ -16,7 +16,7 @@ def save_nan_model(tiny_model: str, out: str) -> str:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from clusterscale.encoder import save_sentence_transformers_dir
+    from clusterscale.modeling.encoder import save_sentence_transformers_dir
 
     model = AutoModel.from_pretrained(tiny_model)
     with torch.no_grad():
@@ -42,7 +42,7 @@ def minilm() -> Encoder:
 def test_equals_sentence_transformers_fp32(minilm):
     from sentence_transformers import SentenceTransformer
 
-    from clusterscale.encoder import resolve_model_path
+    from clusterscale.modeling.encoder import resolve_model_path
 
     texts = mixed_texts(150)
     st = SentenceTransformer(resolve_model_path("bundled"), device="cpu")

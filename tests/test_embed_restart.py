@@ -17,10 +17,10 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.embed import emb_matrix, run_embed
-from clusterscale.encoder import Encoder
-from clusterscale.ingest import run_ingest
-from clusterscale.rundir import RunDir
+from clusterscale.stages.embed import emb_matrix, run_embed
+from clusterscale.modeling.encoder import Encoder
+from clusterscale.stages.ingest import run_ingest
+from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs
 from tests.test_embed import save_nan_model
 

@@ -13,7 +13,7 @@ from ray.train import WorkerGroupError
 from clusterscale import cli
 from clusterscale.config import ConfigError
 from clusterscale.errors import user_message
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 
 def ray_task_error(cause: Exception, traceback_text: str) -> RayTaskError:
@@ -23,7 +23,7 @@ def ray_task_error(cause: Exception, traceback_text: str) -> RayTaskError:
 
 
 TRACEBACK = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
-             "clusterscale.ingest.IngestError: data.query_column 'q' not found.\nColumns found: a, b.\n\n"
+             "clusterscale.stages.ingest.IngestError: data.query_column 'q' not found.\nColumns found: a, b.\n\n"
              "The above exception was the direct cause of the following exception:\n\n"
              "ray.exceptions.UserCodeException: UDF failed to process a data block.")
 
@@ -59,9 +59,9 @@ def test_storage_faults_name_the_path_also_inside_ray(code, advice):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    import clusterscale.session
+    import clusterscale.runtime.session
 
-    monkeypatch.setattr(clusterscale.session, "init_ray", lambda ray_cfg: None)
+    monkeypatch.setattr(clusterscale.runtime.session, "init_ray", lambda ray_cfg: None)
 
 
 @pytest.mark.parametrize("code, advice", [(errno.ENOSPC, "free space on that disk"),
@@ -117,9 +117,9 @@ def test_inspect_a_config_yaml_without_cluster_k(tmp_path, capsys, config_text):
 
 def test_job_prints_one_paragraph_for_a_ray_wrapped_fault_and_redacts_tracebacks(tmp_path, monkeypatch, capsys,
                                                                                    no_ray):
-    import clusterscale.session
+    import clusterscale.runtime.session
 
-    monkeypatch.setattr(clusterscale.session, "check_run_dir_shared", lambda run: None)
+    monkeypatch.setattr(clusterscale.runtime.session, "check_run_dir_shared", lambda run: None)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "jobs"))
     from _job import run_job
 

@@ -6,7 +6,7 @@ import errno
 import pyarrow.dataset as pads
 
 from clusterscale import cli
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 
 def error_paragraph(err: str) -> str:

@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from clusterscale.costs import extrapolate
-from clusterscale.evaluate import mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search
+from clusterscale.stages.costs import extrapolate
+from clusterscale.stages.evaluate import mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search
 from clusterscale.experiments import paired_difference, spread
-from clusterscale.report_plots import rolling_mean
+from clusterscale.stages.report_plots import rolling_mean
 
 
 def test_single_relevant_at_rank_three():
@@ -114,8 +114,8 @@ def test_eval_set_groups_a_heldout_query_with_all_its_passages(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from clusterscale.evaluate import build_eval_set
-    from clusterscale.rundir import RunDir
+    from clusterscale.stages.evaluate import build_eval_set
+    from clusterscale.io.rundir import RunDir
 
     (tmp_path / "heldout").mkdir()
     (tmp_path / "pairs").mkdir()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from clusterscale.mteb_eval import MTEBError, read_local_task, run_mteb_model
+from clusterscale.stages.mteb_eval import MTEBError, read_local_task, run_mteb_model
 from tests.conftest import make_pairs
 
 
@@ -33,8 +33,8 @@ def _config_dict(query_len: int = 16, passage_len: int = 32) -> dict:
 
 
 def test_local_task_matches_own_metrics(local_task_dir, tiny_model, tmp_path, monkeypatch):
-    from clusterscale.encoder import Encoder
-    from clusterscale.evaluate import retrieval_metrics, search
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.stages.evaluate import retrieval_metrics, search
 
     monkeypatch.setenv("MTEB_CACHE", str(tmp_path / "mteb-cache"))
     scores = run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), [f"local:{local_task_dir}"])

@@ -5,9 +5,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.evaluate import EVAL_SALT, distractor_passages, merge_candidates, unit_candidates
-from clusterscale.hashing import hash_unit
-from clusterscale.rundir import RunDir
+from clusterscale.stages.evaluate import EVAL_SALT, distractor_passages, merge_candidates, unit_candidates
+from clusterscale.runtime.hashing import hash_unit
+from clusterscale.io.rundir import RunDir
 
 NUM_DISTRACTORS = 40
 

@@ -17,7 +17,7 @@ SEEDS = 2
 def compared(tmp_path_factory, tiny_model, ray_local):
     import pyarrow.parquet as pq
 
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     base = tmp_path_factory.mktemp("compare")
     pq.write_table(make_pairs(240), base / "pairs.parquet")

@@ -17,7 +17,7 @@ def data_path(tmp_path_factory):
 
 
 def test_preprocess_only_over_k_and_sizes(tmp_path, data_path, tiny_model, ray_local):
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     overrides = tiny_overrides(tiny_model, data_path) + ["eval.extrapolate_to_rows=100000"]
     rc = cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,4,64", "--limit", "160,320",
@@ -51,7 +51,7 @@ def test_preprocess_only_over_k_and_sizes(tmp_path, data_path, tiny_model, ray_l
 
 
 def test_sweep_with_training(tmp_path, data_path, tiny_model, ray_local):
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     overrides = tiny_overrides(tiny_model, data_path) + ["train.steps=2", "train.log_batches=false"]
     assert cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,4", "--set", *overrides]) == 0

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import config
-from clusterscale.ingest import IngestError, is_heldout, normalise_text, run_ingest
-from clusterscale.rundir import RunDir
+from clusterscale.stages.ingest import IngestError, is_heldout, normalise_text, run_ingest
+from clusterscale.io.rundir import RunDir
 
 
 def _ingest(tmp_path, data_path, *extra):

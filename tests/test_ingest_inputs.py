@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli, config
-from clusterscale.ingest import IngestError, heldout_key, ingest_file, list_input_files
-from clusterscale.input_files import _json_array_items
-from clusterscale.rundir import RunDir
+from clusterscale.stages.ingest import IngestError, heldout_key, ingest_file, list_input_files
+from clusterscale.io.input_files import _json_array_items
+from clusterscale.io.rundir import RunDir
 
 KINDS = ("pairs", "heldout", "quarantine")
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]

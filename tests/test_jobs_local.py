@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from clusterscale import config as config_mod
-from clusterscale.kmeans import load_centroids, run_assign, run_fit
-from clusterscale.layout import assign_dir, kmeans_dir
-from clusterscale.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
+from clusterscale.stages.kmeans import load_centroids, run_assign, run_fit
+from clusterscale.io.layout import assign_dir, kmeans_dir
+from clusterscale.runtime.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
                                       nearest_centroid, update_centroids)
-from clusterscale.rundir import RunDir
-from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
+from clusterscale.io.rundir import RunDir
+from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
 
 
 def cfg_with(**cluster):
@@ -72,7 +72,7 @@ def test_objective_within_one_percent_of_faiss():
 
 
 def test_too_few_vectors_is_a_clear_error():
-    from clusterscale.kmeans_core import ClusteringError
+    from clusterscale.runtime.kmeans_core import ClusteringError
 
     x, _ = clustered_unit_vectors(5, 8, 2)
     with pytest.raises(ClusteringError, match="cluster.k=6 is larger"):
@@ -123,7 +123,7 @@ def test_ray_fit_sample_is_seeded_and_capped(tmp_path, synthetic_run, ray_local)
     cfg = cfg_with(k=10, niter=2, max_points_per_centroid=50, num_workers=2)
     _, stats = fit_in(run, cfg)
     assert 400 <= stats["n_sample"] <= 600  # about 50 x 10 of 3,000 rows, by a seeded hash of pair_id
-    from clusterscale.hashing import hash_unit
+    from clusterscale.runtime.hashing import hash_unit
 
     assert stats["n_sample"] == int((hash_unit(np.arange(3000), salt=0) < 500 / 3000).sum())
 
@@ -132,7 +132,7 @@ def test_ray_fit_sample_is_seeded_and_capped(tmp_path, synthetic_run, ray_local)
 def test_assign_index_matches_brute_force(synthetic_run, index):
     import pyarrow.parquet as pq
 
-    from clusterscale.kmeans import AssignBatches, build_assign_index
+    from clusterscale.stages.kmeans import AssignBatches, build_assign_index
 
     run, x = synthetic_run
     centroids = fit_spherical_kmeans(x, 10, 5, 0)[0]

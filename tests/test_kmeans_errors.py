@@ -7,10 +7,10 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.kmeans import AssignBatches, build_assign_index, run_fit
-from clusterscale.kmeans_core import ClusteringError
-from clusterscale.rundir import RunDir, StageMissingError
-from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
+from clusterscale.stages.kmeans import AssignBatches, build_assign_index, run_fit
+from clusterscale.runtime.kmeans_core import ClusteringError
+from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
 
 
 def cfg_with(*overrides: str):

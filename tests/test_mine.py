@@ -9,9 +9,9 @@ import pytest
 from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
-from clusterscale.mine import filter_candidates
+from clusterscale.stages.mine import filter_candidates
 from clusterscale.train.negatives import load_negatives
-from clusterscale.rundir import ConfigMismatchError, RunDir
+from clusterscale.io.rundir import ConfigMismatchError, RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
 
@@ -89,9 +89,9 @@ def _embedded(run: RunDir) -> pa.Table:
 
 
 def test_mine_equals_brute_force_and_skips_positives(mined_run, tiny_model):
-    from clusterscale.embed import emb_matrix
-    from clusterscale.encoder import Encoder
-    from clusterscale.hashing import text_hashes
+    from clusterscale.stages.embed import emb_matrix
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.runtime.hashing import text_hashes
 
     run_dir, overrides = mined_run
     run = RunDir(str(run_dir))
@@ -215,7 +215,7 @@ def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
 
 
 def test_recluster_during_training(sharded_mined_run):
-    from clusterscale.layout import load_manifest
+    from clusterscale.io.layout import load_manifest
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))

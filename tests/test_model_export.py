@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 from clusterscale import config
-from clusterscale.model_card import write_model_card
-from clusterscale.rundir import RunDir
+from clusterscale.modeling.model_card import write_model_card
+from clusterscale.io.rundir import RunDir
 from clusterscale.train.loop import training_warnings
 
 

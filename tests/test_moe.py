@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from clusterscale.config import ConfigError, TrainConfig, from_dict
-from clusterscale.encoder import load_model, load_tokenizer, save_sentence_transformers_dir
-from clusterscale.train.moe import MoeLinear, add_moe, freeze_all_but_intermediate, moe_aux_loss, moe_layers
+from clusterscale.modeling.encoder import load_model, load_tokenizer, save_sentence_transformers_dir
+from clusterscale.modeling.moe import MoeLinear, add_moe, freeze_all_but_intermediate, moe_aux_loss, moe_layers
 from clusterscale.train.step import StepSettings, contrastive_backward
 from tests.conftest import make_pairs
 
@@ -93,7 +93,7 @@ def test_aux_loss_equals_hand_computation():
 
 
 def test_routing_records_skip_inference_and_stay_bounded():
-    from clusterscale.train.moe import MAX_RECORDS
+    from clusterscale.modeling.moe import MAX_RECORDS
 
     layer = MoeLinear(torch.nn.Linear(4, 4), num_experts=2, top_k=1).eval()
     x = torch.randn(3, 4)
@@ -140,7 +140,7 @@ def test_gradcache_with_moe_equals_the_uncached_step(tiny_model, chunk):
 def test_export_round_trip_gives_identical_embeddings(tiny_model, tmp_path):
     from transformers import AutoModel
 
-    from clusterscale.encoder import Encoder
+    from clusterscale.modeling.encoder import Encoder
 
     tokenizer = load_tokenizer(tiny_model)
     model = _moe_model(tiny_model, 3, 2)
@@ -167,7 +167,7 @@ def test_export_round_trip_gives_identical_embeddings(tiny_model, tmp_path):
 
 
 def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
-    from clusterscale.train.model import build_student
+    from clusterscale.modeling.student import build_student
 
     model, _, _ = build_student(TrainConfig(init=tiny_model, moe_experts=3, moe_top_k=1,
                                             moe_train_only_intermediate=True))
@@ -187,7 +187,7 @@ def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
 
 
 def test_matmul_params_count_the_experts_a_token_uses(tiny_model):
-    from clusterscale.train.model import matmul_params
+    from clusterscale.modeling.student import matmul_params
 
     dense = matmul_params(load_model(tiny_model))
     moe = _moe_model(tiny_model, 4, 2, perturb=False)

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from clusterscale.encoder import load_model, load_tokenizer
-from clusterscale.train.model import embed
-from clusterscale.train.moe import add_moe, moe_aux_loss, moe_layers
+from clusterscale.modeling.encoder import load_model, load_tokenizer
+from clusterscale.modeling.student import embed
+from clusterscale.modeling.moe import add_moe, moe_aux_loss, moe_layers
 from clusterscale.train.step import StepSettings, contrastive_backward
 from tests.conftest import make_pairs
 from tests.test_train_grad import _free_port

@@ -8,9 +8,9 @@ import math
 import torch
 
 from clusterscale import config as config_mod
-from clusterscale.encoder import Encoder
+from clusterscale.modeling.encoder import Encoder
 from clusterscale.train.loop import run_train
-from clusterscale.train.moe import moe_layers
+from clusterscale.modeling.moe import moe_layers
 from tests.conftest import make_pairs
 from tests.train_data import make_sharded_run, train_overrides
 

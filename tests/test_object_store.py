@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli
-from clusterscale.rundir import RunDir, local_copy, resolve_filesystem
+from clusterscale.io.rundir import RunDir, local_copy, resolve_filesystem
 from tests.conftest import make_pairs, tiny_overrides
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -50,7 +50,7 @@ def ray_with_aws_env(s3_endpoint):
     import ray
 
     from clusterscale.config import RayConfig
-    from clusterscale.session import init_ray
+    from clusterscale.runtime.session import init_ray
 
     was_running = ray.is_initialized()
     ray.shutdown()
@@ -78,7 +78,7 @@ def test_uri_query_and_environment_reach_the_same_store(s3_endpoint, monkeypatch
 
 def test_globs_in_a_uri_keep_its_query(s3_endpoint):
     from clusterscale.config import DataConfig
-    from clusterscale.ingest import list_input_files
+    from clusterscale.stages.ingest import list_input_files
 
     fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "glob-bucket"))
     fs.create_dir("glob-bucket/in")
@@ -106,7 +106,7 @@ def test_run_dir_atomic_files_and_child_uris(s3_endpoint):
 def test_stage_lock_is_a_lease_on_object_stores(s3_endpoint, monkeypatch):
     import time
 
-    from clusterscale import rundir
+    from clusterscale.io import rundir
 
     monkeypatch.setattr(rundir, "LOCK_SETTLE_S", 0.1)
     run = RunDir(s3_uri(s3_endpoint, "lock-bucket/runs/r1"))

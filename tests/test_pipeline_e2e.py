@@ -36,7 +36,7 @@ def finished_run(tmp_path_factory, tiny_model, ray_local):
     run_dir = base / "run"
     rc = cli.main(["run", "--run-dir", str(run_dir), "--set", *tiny_overrides(tiny_model, str(base / "pairs.parquet"))])
     assert rc == 0
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     return RunDir(str(run_dir)), len(rows)
 

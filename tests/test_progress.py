@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from clusterscale.progress import ProgressLine, format_duration, format_progress
+from clusterscale.runtime.progress import ProgressLine, format_duration, format_progress
 
 
 def test_format_progress_line():
@@ -56,7 +56,7 @@ def test_version_prints_the_installed_version(capsys):
 
 
 def test_a_done_stage_says_reused_with_its_time(tmp_path, capsys):
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     run = RunDir(str(tmp_path / "run"))
     assert not run.is_done("embeddings", "abc")
@@ -70,7 +70,7 @@ def test_a_done_stage_says_reused_with_its_time(tmp_path, capsys):
 def test_ray_data_bars_only_on_a_terminal():
     import ray
 
-    from clusterscale.session import ray_data_progress
+    from clusterscale.runtime.session import ray_data_progress
 
     ctx = ray.data.DataContext.get_current()
     ray_data_progress(on_terminal=True)

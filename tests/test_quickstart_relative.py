@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from clusterscale import cli
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from clusterscale import cli, config, pipeline
-from clusterscale.ingest import IngestError
+from clusterscale.stages.ingest import IngestError
 from clusterscale.redact import redact_uri
 
 SECRET_URI = "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY@bucket/pairs/"
@@ -33,7 +33,7 @@ def test_credentials_do_not_change_the_fingerprint():
 
 
 def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
-    import clusterscale.session
+    import clusterscale.runtime.session
 
     seen = {}
 
@@ -44,7 +44,7 @@ def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
         run.record_cost("ingest", {"input": cfg.data.path})
         raise IngestError(f"No input files found at data.path {cfg.data.path!r}.")
 
-    monkeypatch.setattr(clusterscale.session, "init_ray", lambda ray_cfg: None)
+    monkeypatch.setattr(clusterscale.runtime.session, "init_ray", lambda ray_cfg: None)
     monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "ingest", ingest)
     run_dir = tmp_path / "run"
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", f"data.path={SECRET_URI}"]) == 2

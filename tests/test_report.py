@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def reported(tmp_path_factory, tiny_model, ray_local):
     import pyarrow.parquet as pq
 
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     base = tmp_path_factory.mktemp("report")
     pq.write_table(make_pairs(240), base / "pairs.parquet")
@@ -86,8 +86,8 @@ def test_cluster_breakdown_partitions_the_heldout_queries(reported):
         assert row["queries"] == int(mask.sum())
         assert row["ndcg_at_10"]["frozen"] == pytest.approx(per_query[mask].mean())
     # The held-out passages are assigned exactly as the embed stage would: same encoder, same centroids.
-    from clusterscale.encoder import Encoder
-    from clusterscale.kmeans import load_centroids
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.stages.kmeans import load_centroids
 
     cfg = run.read_json("embeddings/_DONE.json")["config"]["embed"]
     held = frozen["per_query"]["pair_id"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from clusterscale import config, report
-from clusterscale.costs import extrapolate
-from clusterscale.rundir import RunDir
+from clusterscale import config
+
+from clusterscale.stages import report
+from clusterscale.stages.costs import extrapolate
+from clusterscale.io.rundir import RunDir
 
 
 def test_negative_slope_is_refused_not_printed_as_zero():

@@ -16,10 +16,10 @@ import yaml
 
 from clusterscale import cli, pipeline
 from clusterscale import config as config_mod
-from clusterscale import session
+from clusterscale.runtime import session
 from clusterscale.experiments import run_compare
-from clusterscale.layout import kmeans_dir, shards_dir
-from clusterscale.rundir import RunDir, StageLockedError
+from clusterscale.io.layout import kmeans_dir, shards_dir
+from clusterscale.io.rundir import RunDir, StageLockedError
 from tests.test_jobs_local import run_job
 
 BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "train.steps=3"]
@@ -70,8 +70,8 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
 def test_inspect_json_path_is_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "load_manifest", lambda run, k: {})
-    monkeypatch.setattr("clusterscale.shards.cluster_table", lambda manifest: [{"cluster": 0}])
-    monkeypatch.setattr("clusterscale.shards.format_cluster_table", lambda table: "table")
+    monkeypatch.setattr("clusterscale.stages.shards.cluster_table", lambda manifest: [{"cluster": 0}])
+    monkeypatch.setattr("clusterscale.stages.shards.format_cluster_table", lambda table: "table")
     cli.inspect_run(str(tmp_path), 4, "out/../table.json")
     assert json.loads((tmp_path / "table.json").read_text()) == [{"cluster": 0}]
 
@@ -81,7 +81,7 @@ def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
     monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "evaluate", lambda cfg, run: {"stats": {}, "results": {}})
-    monkeypatch.setattr("clusterscale.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
+    monkeypatch.setattr("clusterscale.stages.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
     assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
     assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
 
@@ -165,7 +165,7 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
 def test_cli_refuses_a_stage_locked_by_another_process(existing_run, no_ray, capsys):
     run = existing_run
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from clusterscale.rundir import RunDir\n"
+        "import sys, time; from clusterscale.io.rundir import RunDir\n"
         f"with RunDir({run.uri!r}).lock('kmeans/k=4'):\n"
         "    print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
         env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})

@@ -13,11 +13,11 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.layout import assign_dir, kmeans_dir, shards_dir
-from clusterscale.kmeans_core import fit_spherical_kmeans, nearest_centroid
-from clusterscale.rundir import RunDir
-from clusterscale.shards import mean_pairwise_cosine, plan_small_clusters, run_shard
-from clusterscale.synthetic import clustered_unit_vectors, write_embeddings_stage
+from clusterscale.io.layout import assign_dir, kmeans_dir, shards_dir
+from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
+from clusterscale.io.rundir import RunDir
+from clusterscale.stages.shards import mean_pairwise_cosine, plan_small_clusters, run_shard
+from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
 
 N, K = 1200, 8
 
@@ -144,7 +144,7 @@ def test_inspect_prints_table_and_writes_json(merged, data, capsys, tmp_path):
 
 
 def test_k_sweep_reuses_embeddings_and_writes_beside(merged):
-    from clusterscale.kmeans import run_assign, run_fit
+    from clusterscale.stages.kmeans import run_assign, run_fit
 
     run, _, _, _ = merged
     before = run.read_bytes("embeddings/_DONE.json")

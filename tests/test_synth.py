@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from clusterscale import cli
-from clusterscale.ingest import PAIR_SCHEMA, is_heldout
-from clusterscale.synthetic import BLOCK_ROWS, SynthSpec, synth_part, synth_rows
-from clusterscale.vectors import emb_matrix
+from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
+from clusterscale.stages.synthetic import BLOCK_ROWS, SynthSpec, synth_part, synth_rows
+from clusterscale.runtime.vectors import emb_matrix
 
 
 def test_rows_do_not_depend_on_how_the_range_is_split():
@@ -77,8 +77,8 @@ def _files(root) -> dict[str, bytes]:
 
 def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, ray_local, capsys):
     from clusterscale.config import load
-    from clusterscale.rundir import RunDir
-    from clusterscale.synthetic import run_synth
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.synthetic import run_synth
 
     run_dir = str(tmp_path / "run")
     sets = [f"embed.model={tiny_model}", "embed.max_length=32", "data.rows_per_part=300", "cluster.k=4",

@@ -9,7 +9,7 @@ import pytest
 
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError
-from clusterscale.rundir import StageMissingError
+from clusterscale.io.rundir import StageMissingError
 from clusterscale.train.data import TrainDataError
 from clusterscale.train.loop import run_train
 from tests.train_data import make_sharded_run, train_overrides
@@ -37,7 +37,7 @@ def test_batch_size_other_than_planned_by_shard(tmp_path, tiny_model):
 
 
 def test_missing_shards_names_the_verb(tmp_path, tiny_model):
-    from clusterscale.rundir import RunDir
+    from clusterscale.io.rundir import RunDir
 
     with pytest.raises(StageMissingError, match="run `clusterscale shard`"):
         run_train(_cfg(tiny_model), RunDir(str(tmp_path / "empty")))

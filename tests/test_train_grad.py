@@ -23,7 +23,7 @@ def _texts():
 
 
 def _model(path: str, dropout: bool):
-    from clusterscale.encoder import load_model, load_tokenizer
+    from clusterscale.modeling.encoder import load_model, load_tokenizer
 
     model, tokenizer = load_model(path), load_tokenizer(path)
     model.train(dropout)  # train(False) = no dropout, so ranks and the reference see the same network
@@ -124,7 +124,7 @@ def test_gradcache_equals_uncached_step(tiny_model, chunk):
 def _chunked_with_grad(path: str, chunk: int, seed: int) -> torch.Tensor:
     """Reference for dropout: forward each chunk with autograd (same RNG order as GradCache's first pass)."""
     from clusterscale.train.loss import info_nce
-    from clusterscale.train.model import embed, text_keys
+    from clusterscale.modeling.student import embed, text_keys
 
     model, tokenizer = _model(path, dropout=True)
     queries, passages = _texts()

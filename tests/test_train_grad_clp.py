@@ -127,7 +127,7 @@ def test_gradcache_replays_dropout_masks_of_negatives(tiny_model):
     """GradCache's second forward of each chunk (queries, passages, negatives, their queries) sees the
     same dropout masks as its first: equal to embedding the chunks with autograd in that order."""
     from clusterscale.train.loss import clp_penalty, clp_usable, info_nce
-    from clusterscale.train.model import embed, text_keys
+    from clusterscale.modeling.student import embed, text_keys
     from clusterscale.train.step import negative_query_keys
 
     queries, passages = _texts()

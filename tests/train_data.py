@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.rundir import RunDir
-from clusterscale.layout import shards_dir
+from clusterscale.io.rundir import RunDir
+from clusterscale.io.layout import shards_dir
 from tests.conftest import TOPICS, make_pairs
 
 

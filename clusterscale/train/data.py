@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.errors import UserError
-from clusterscale.rundir import RunDir, StageMissingError
-from clusterscale.layout import load_manifest, shards_dir
+from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.io.layout import load_manifest, shards_dir
 
 
 class TrainDataError(UserError, ValueError):

@@ -18,16 +18,16 @@ import time
 import torch
 
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
-from clusterscale.encoder import save_sentence_transformers_dir
+from clusterscale.modeling.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
-from clusterscale.layout import NEGATIVES
-from clusterscale.model_card import write_model_card
-from clusterscale.rundir import RunDir, StageMissingError
+from clusterscale.io.layout import NEGATIVES
+from clusterscale.modeling.model_card import write_model_card
+from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
 from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
-from clusterscale.train.model import build_student, matmul_params
+from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train.negatives import MinedNegatives, mine_fingerprint
 from clusterscale.train.recluster import recluster, segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed

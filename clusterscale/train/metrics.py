@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 # Dense bf16 peak TFLOP/s per GPU (vendor datasheets, no sparsity), matched on the device name.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0,

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.config import Config
-from clusterscale.layout import NEGATIVES
-from clusterscale.rundir import RunDir
+from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.rundir import RunDir
 
 
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:

@@ -13,10 +13,10 @@ import hashlib
 import time
 
 from clusterscale.config import Config, variant
-from clusterscale.embed import run_embed
-from clusterscale.kmeans import run_assign, run_fit
-from clusterscale.rundir import RunDir
-from clusterscale.shards import run_shard
+from clusterscale.stages.embed import run_embed
+from clusterscale.stages.kmeans import run_assign, run_fit
+from clusterscale.io.rundir import RunDir
+from clusterscale.stages.shards import run_shard
 
 
 def segment_bounds(num_steps: int, every: int) -> list[tuple[int, int]]:

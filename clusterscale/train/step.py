@@ -15,8 +15,8 @@ import torch
 
 from clusterscale.train.gradcache import grad_cache_backward
 from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
-from clusterscale.train.model import embed, text_keys
-from clusterscale.train.moe import MoeChunkAux, moe_aux_loss
+from clusterscale.modeling.student import embed, text_keys
+from clusterscale.modeling.moe import MoeChunkAux, moe_aux_loss
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def init_ray(cfg: RayConfig) -> None:
 
 
 def ray_data_progress(on_terminal: bool) -> None:
-    """Ray Data's bars on a terminal; elsewhere the stages' own progress lines (clusterscale.progress).
+    """Ray Data's bars on a terminal; elsewhere the stages' own progress lines (clusterscale.runtime.progress).
 
     Off a terminal Ray Data logs an 8-line status block every 10 s instead of bars; its one-time notice
     that bars are off and its per-dataset plan lines are dropped too (the full logs keep them)."""

@@ -10,11 +10,11 @@ import re
 
 import numpy as np
 
-from clusterscale import report_plots
+from clusterscale.stages import report_plots
 from clusterscale.config import Config
-from clusterscale.costs import device_seconds_label, stage_of, summarize
-from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
-from clusterscale.rundir import RunDir
+from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
+from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, shards_dir
+from clusterscale.io.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"

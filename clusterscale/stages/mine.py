@@ -26,15 +26,15 @@ import ray
 import torch
 
 from clusterscale.config import Config, ConfigError, MineConfig, from_dict, variant
-from clusterscale.embed import run_embed
-from clusterscale.encoder import Encoder
-from clusterscale.hashing import text_hashes
-from clusterscale.layout import NEGATIVES
-from clusterscale.progress import ProgressLine
-from clusterscale.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
-from clusterscale.session import faiss_runtime_env
+from clusterscale.stages.embed import run_embed
+from clusterscale.modeling.encoder import Encoder
+from clusterscale.runtime.hashing import text_hashes
+from clusterscale.io.layout import NEGATIVES
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
+from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.train.negatives import mine_fingerprint
-from clusterscale.vectors import emb_matrix
+from clusterscale.runtime.vectors import emb_matrix
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, ConfigError
-from clusterscale.ingest import PAIR_SCHEMA, is_heldout
-from clusterscale.rundir import ConfigMismatchError, RunDir
-from clusterscale.vectors import emb_array
+from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
+from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.runtime.vectors import emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
 BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split

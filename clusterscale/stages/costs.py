@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from clusterscale.config import Config
-from clusterscale.encoder import load_tokenizer, resolve_model_path
-from clusterscale.layout import PER_K_STAGES, PREPROCESS, shards_dir
-from clusterscale.rundir import RunDir
+from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
+from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, shards_dir
+from clusterscale.io.rundir import RunDir
 from clusterscale.train import schedule
 from clusterscale.train.data import strata_inputs
 from clusterscale.train.metrics import read_metrics

@@ -5,7 +5,7 @@ import os
 import shutil
 import tempfile
 
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 # The stages in pipeline order (clusterscale.pipeline runs them; costs and the report group by them).
 STAGES = ("ingest", "embed", "fit", "assign", "shard", "mine", "train", "evaluate", "report")

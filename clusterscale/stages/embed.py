@@ -26,10 +26,10 @@ import ray
 
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
-from clusterscale.encoder import Encoder, check_encoder
-from clusterscale.progress import ProgressLine
-from clusterscale.rundir import ConfigMismatchError, RunDir, changed_keys
-from clusterscale.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
+from clusterscale.modeling.encoder import Encoder, check_encoder
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.rundir import ConfigMismatchError, RunDir, changed_keys
+from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
 

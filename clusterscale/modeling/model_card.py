@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from clusterscale.config import Config
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what train.init=bundled is a copy of
 
@@ -29,7 +29,7 @@ def _exported_pooling(run: RunDir, name: str) -> str:
 
 def _hub_base_model(init: str) -> list[str]:
     """The card's `base_model:` line: the hub only accepts a model id there, not a local folder or a URI."""
-    from clusterscale.encoder import BUNDLED  # here: the card's importers (mteb_eval) stay free of torch
+    from clusterscale.modeling.encoder import BUNDLED  # here: the card's importers (mteb_eval) stay free of torch
 
     hub_id = BUNDLED_HUB_ID if init == BUNDLED else init
     if init == "scratch" or "://" in hub_id or os.path.exists(os.path.expanduser(hub_id)):

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.kmeans import ClusteringError, load_centroids
-from clusterscale.layout import assign_dir, shards_dir
-from clusterscale.progress import ProgressLine
-from clusterscale.rundir import RunDir
-from clusterscale.vectors import emb_matrix
+from clusterscale.stages.kmeans import ClusteringError, load_centroids
+from clusterscale.io.layout import assign_dir, shards_dir
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.vectors import emb_matrix
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
 

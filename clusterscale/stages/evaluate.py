@@ -18,15 +18,15 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.encoder import Encoder
-from clusterscale.hashing import hash_unit
-from clusterscale.ingest import heldout_key
-from clusterscale.kmeans import load_centroids
-from clusterscale.layout import kmeans_dir
-from clusterscale.model_card import write_model_card
-from clusterscale.progress import ProgressLine
-from clusterscale.rundir import RunDir
-from clusterscale.synthetic import synthetic_embeddings
+from clusterscale.modeling.encoder import Encoder
+from clusterscale.runtime.hashing import hash_unit
+from clusterscale.stages.ingest import heldout_key
+from clusterscale.stages.kmeans import load_centroids
+from clusterscale.io.layout import kmeans_dir
+from clusterscale.modeling.model_card import write_model_card
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.rundir import RunDir
+from clusterscale.stages.synthetic import synthetic_embeddings
 
 EVAL_SALT = 0xE7A1
 

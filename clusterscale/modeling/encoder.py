@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from clusterscale.errors import UserError
-from clusterscale.rundir import local_copy
-from clusterscale.train.moe import moe_layers
+from clusterscale.io.rundir import local_copy
+from clusterscale.modeling.moe import moe_layers
 
 BUNDLED = "bundled"
 
@@ -90,7 +90,7 @@ def load_model(model_path: str, trust_remote_code: bool = False,
     kwargs = dict(use_safetensors=True, trust_remote_code=trust_remote_code)
     try:
         if "clusterscale_moe" in config:  # a clusterscale MoE export: rebuilt by our own code, not the folder's
-            from clusterscale.train.moe_hf import load_moe_model
+            from clusterscale.modeling.moe_hf import load_moe_model
 
             return load_moe_model(model_path, config, attn_implementation)
         if attn_implementation:
@@ -239,7 +239,7 @@ def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str,
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if moe_layers(model):  # record the expert shape so that loaders rebuild it (train.moe_experts)
-        from clusterscale.train.moe_hf import mark_moe_export
+        from clusterscale.modeling.moe_hf import mark_moe_export
 
         mark_moe_export(model, str(out))
     tokenizer.save_pretrained(out)

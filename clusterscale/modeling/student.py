@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from clusterscale.config import TrainConfig
-from clusterscale.encoder import detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
-from clusterscale.hashing import text_hashes
-from clusterscale.train.moe import add_moe, freeze_all_but_intermediate, moe_layers
+from clusterscale.modeling.encoder import detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
+from clusterscale.runtime.hashing import text_hashes
+from clusterscale.modeling.moe import add_moe, freeze_all_but_intermediate, moe_layers
 
 
 def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:

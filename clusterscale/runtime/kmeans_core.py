@@ -1,6 +1,6 @@
 """Spherical k-means compute core: one Lloyd step on an array, the reduction, the update. No Ray here.
 
-The Ray layer (clusterscale/kmeans.py) runs a `LloydWorker` in each of W actors and `lloyd` on the driver;
+The Ray layer (clusterscale/stages/kmeans.py) runs a `LloydWorker` in each of W actors and `lloyd` on the driver;
 `fit_spherical_kmeans` runs the same loop in one process (tests, benchmarks, a bare GPU box).
 
 Determinism: per-centroid sums are float64. The fit reads fp16 embeddings, and every fp16 value is an
@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from clusterscale.errors import UserError
-from clusterscale.hashing import hash_unit
+from clusterscale.runtime.hashing import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
 SPLIT_EPS = 1.0 / 1024.0

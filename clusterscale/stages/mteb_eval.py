@@ -18,9 +18,9 @@ from typing import Any
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
-from clusterscale.layout import local_model_dir
-from clusterscale.model_card import write_model_card
-from clusterscale.rundir import RunDir
+from clusterscale.io.layout import local_model_dir
+from clusterscale.modeling.model_card import write_model_card
+from clusterscale.io.rundir import RunDir
 
 LOCAL_PREFIX = "local:"
 KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "main_score")
@@ -49,8 +49,8 @@ def make_encoder(model_path: str, name: str, pooling: str, query_max_length: int
     from mteb.models.model_meta import ModelMeta
     from mteb.types import PromptType
 
-    from clusterscale.costs import param_count
-    from clusterscale.encoder import Encoder
+    from clusterscale.stages.costs import param_count
+    from clusterscale.modeling.encoder import Encoder
 
     class ClusterscaleEncoder(AbsEncoder):
         def __init__(self) -> None:

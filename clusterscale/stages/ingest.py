@@ -19,12 +19,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.builtin_data import BUILTIN_DOCSTRINGS
+from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.config import Config, DataConfig
-from clusterscale.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
+from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
 from clusterscale.redact import redact_uri
-from clusterscale.rundir import RunDir
+from clusterscale.io.rundir import RunDir
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])

@@ -2,7 +2,7 @@
 
 fit:    kmeans/k=<k>/centroids.npy + fit_stats.json   (`clusterscale fit`, after `embed`)
 assign: assign/k=<k>/  = embeddings rows + cluster:int32 + cos:float32 (`clusterscale assign`)
-The math lives in clusterscale/kmeans_core.py; this module only distributes it.
+The math lives in clusterscale/runtime/kmeans_core.py; this module only distributes it.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.hashing import hash_unit
-from clusterscale.layout import assign_dir, kmeans_dir
-from clusterscale.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
+from clusterscale.runtime.hashing import hash_unit
+from clusterscale.io.layout import assign_dir, kmeans_dir
+from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
-from clusterscale.progress import ProgressLine
-from clusterscale.rundir import RunDir
-from clusterscale.session import faiss_runtime_env
-from clusterscale.vectors import emb_matrix
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.session import faiss_runtime_env
+from clusterscale.runtime.vectors import emb_matrix
 
 __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
            "load_centroids", "AssignBatches"]

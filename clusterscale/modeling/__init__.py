@@ -1,0 +1,1 @@
+"""Encoders: loading and pooling, the from-scratch student, MoE layers, model cards."""

@@ -1,0 +1,1 @@
+"""Shared runtime pieces: the Ray session, progress lines, vectors, hashing, the k-means core."""
