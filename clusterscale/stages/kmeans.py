@@ -19,7 +19,7 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.io.layout import assign_dir, kmeans_dir
+from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path, kmeans_dir
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
@@ -173,14 +173,14 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
             ray.kill(a)
     buf = io.BytesIO()
     np.save(buf, centroids)
-    run.write_bytes(f"{out}/centroids.npy", buf.getvalue())
+    run.write_bytes(centroids_path(k), buf.getvalue())
     wall = time.time() - started
     stats.update({"k": k, "niter": cfg.cluster.niter, "seed": cfg.cluster.seed, "n_sample": n_sample,
                   "sample_fraction": round(keep_fraction, 6), "dim": dim, "num_workers": len(actors),
                   "threads_per_worker": plan.threads, "device": plan.device,
                   "load_s": round(load_s, 3), "wall_s": round(wall, 3),
                   "worker_s": round(wall * len(actors), 3)})
-    run.write_json(f"{out}/fit_stats.json", stats)
+    run.write_json(fit_stats_path(k), stats)
     run.mark_done(out, fingerprint, stats, {"cluster": cfg.to_dict()["cluster"]})
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
@@ -188,7 +188,7 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
 
 
 def load_centroids(run: RunDir, k: int) -> np.ndarray:
-    return np.load(io.BytesIO(run.read_bytes(f"{kmeans_dir(k)}/centroids.npy")))
+    return np.load(io.BytesIO(run.read_bytes(centroids_path(k))))
 
 
 # --- assign ---------------------------------------------------------------------------------------------
