@@ -356,12 +356,17 @@ class MineConfig(Section):
     margin: float | None = knob(0.95, "False-negative guard: keep a candidate only if its score <= margin x the "
                                       "positive's score (NV-Retriever's TopK-PercPos). null = off.",
                                 bounds=Bounds(low_inclusive=False, note="or null = off"))
-    index: str = knob("flat", "Passage index: 'flat' (exact inner product) or 'ivf' (approximate, for large N).",
-                      ("flat", "ivf"))
-    ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(N).", bounds=zero_means("automatic"))
+    nprobe: int = knob(4, "Clusters of cluster.k searched per query: each query searches only the passages of "
+                          "its nprobe nearest k-means clusters (by centroid); cluster.k or more = exact search "
+                          "over all passages.", bounds=POSITIVE)
+    index: str = knob("flat", "Index over one cluster's passages: 'flat' (exact inner product) or 'ivf' "
+                              "(approximate, for very large clusters).", ("flat", "ivf"))
+    ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(the cluster's passages).",
+                          bounds=zero_means("automatic"))
     ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.", bounds=POSITIVE)
     query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False, bounds=POSITIVE)
-    num_actors: int = knob(0, "Mining actors (one passage index each); 0 = one per GPU, or one per 8 CPUs.",
+    num_actors: int = knob(0, "Actors that embed the queries when embeddings/ holds passages only; 0 = one per "
+                              "GPU, or one per 8 CPUs.",
                            affects_output=False, bounds=zero_means("automatic"))
 
     def validate(self) -> None:

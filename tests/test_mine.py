@@ -9,7 +9,7 @@ import pytest
 from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
-from clusterscale.stages.mine import filter_candidates
+from clusterscale.stages.mine_search import filter_candidates
 from clusterscale.train.negatives import load_negatives
 from clusterscale.io.rundir import ConfigMismatchError, RunDir
 from tests.conftest import make_pairs, tiny_overrides
@@ -64,6 +64,8 @@ def test_mine_config_errors():
         config_mod.load(None, ["mine.margin=0"])
     with pytest.raises(ConfigError, match="mine.index"):
         config_mod.load(None, ["mine.index=hnsw"])
+    with pytest.raises(ConfigError, match="mine.nprobe"):
+        config_mod.load(None, ["mine.nprobe=0"])
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,8 @@ def mined_run(tmp_path_factory, tiny_model, ray_local):
     overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["mine.range_max=12", "mine.margin=null",
                                                                            "data.rows_per_part=50"]
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", *overrides]) == 0
-    assert cli.main(["embed", "--run-dir", str(run_dir), "--set", *overrides]) == 0
-    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides]) == 0
+    for verb in ("embed", "fit", "assign", "mine"):  # k = 4 = mine.nprobe: the search covers every passage
+        assert cli.main([verb, "--run-dir", str(run_dir), "--set", *overrides]) == 0
     return run_dir, overrides
 
 

@@ -1,46 +1,50 @@
-"""Mine: hard negatives for every training query from the training passages (the ANCE step), a Ray Data pass.
+"""Mine: hard negatives for every training query from the training passages (the ANCE step), sharded by cluster.
 
-Run with `clusterscale mine [CONFIG] --run-dir R` (after `embed`). The passage vectors come from
-embeddings/ (mine.encoder=frozen) or from a re-embedding of every training pair with another encoder
-(a training run's exported model, `train:<name>`, or any model) into the child run directory
-mine_encoder/. One Ray Data actor pool holds a faiss inner-product index over all training passages
-(flat, or IVF for large N); each task mines one embeddings file and writes negatives/<file>.parquet
-atomically, so a rerun skips finished files. Per query it keeps retrieval ranks [range_min,
-range_max) that are not a positive of the query (a pair with the same query text) and not a
-duplicate of its positive passage text, and, with mine.margin, only candidates scoring <= margin x
-the positive's score. Output columns: pair_id, neg_pair_ids list<int64>, neg_scores list<float32>
-(best first), pos_score.
+Run with `clusterscale mine [CONFIG] --run-dir R` (after `assign`). The search is split by the k-means
+clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
+k: exact search over all passages). Three Ray Data steps, none of which holds all passages:
+  1. route (map tasks over assign/k=<k>/): one passage row per pair in its own cluster, one query row per
+     probed cluster, each with the text keys of its pair (runtime/hashing.text_hashes, in the tasks);
+  2. group by cluster: one faiss index over that cluster's passages, searched by the queries routed there
+     (top mine.range_max, ties broken by pair_id);
+  3. group by a hash bucket of the query's pair_id: merge each query's top mine.range_max over its probed
+     clusters, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
+     query text), not a duplicate of its positive passage text and, with mine.margin, score <= margin x the
+     positive's score; write negatives/part-<bucket>.parquet atomically.
+The driver holds the centroids (k x d) and counters. Vectors: mine.encoder=frozen uses assign/ (the
+queries' emb_query, or the queries embedded by an actor pool when embed.side=passage); any other encoder
+re-embeds every training pair into the child run mine_encoder/, joined to assign/ by pair_id, and a query
+then probes the clusters nearest to its own pair's centroid (the centroids live in the frozen space).
+The stage reruns as a whole to the same output. Output columns: pair_id, neg_pair_ids list<int64>,
+neg_scores list<float32> (best first), pos_score.
 """
 from __future__ import annotations
 
 import math
-import posixpath
 import time
 
-import faiss
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
-import torch
 
 from clusterscale.config import Config, ConfigError, MineConfig, from_dict, variant
 from clusterscale.stages.embed import run_embed
+from clusterscale.stages.kmeans import load_centroids
+from clusterscale.stages.mine_search import DROP_REASONS, merge_candidates, route_rows, search_cluster
 from clusterscale.modeling.encoder import Encoder
-from clusterscale.runtime.hashing import text_hashes
-from clusterscale.io.layout import NEGATIVES, model_dir
+from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.train.negatives import mine_fingerprint
-from clusterscale.runtime.vectors import emb_matrix
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
-DROP_REASONS = ("positive", "duplicate", "margin")
+QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -72,158 +76,147 @@ def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, 
     return child, run_embed(child_cfg, child, pairs_run=run)
 
 
-def load_passages(source: RunDir) -> dict:
-    """Every training pair's passage vector and text keys, sorted by pair_id (the index's row order)."""
-    tables = []
-    for path in source.files("embeddings"):
-        with source.fs.open_input_file(path) as f:
-            tables.append(pq.read_table(f, columns=["pair_id", "query", "passage", "emb"]))
-    table = pa.concat_tables(tables)
-    order = np.argsort(table.column("pair_id").to_numpy(), kind="stable")
-    table = table.take(pa.array(order))
-    return {"pair_id": table.column("pair_id").to_numpy(),
-            "emb": np.ascontiguousarray(emb_matrix(table.column("emb"))),
-            "passage_key": text_hashes(table.column("passage").to_pylist()),
-            "query_key": text_hashes(table.column("query").to_pylist())}
+# --- the pairs with their vectors and cluster ---------------------------------------------------------------
+class EncodeQueries:
+    """Ray Data callable class: adds emb_query (the frozen encoder's query vectors) to a batch of pairs."""
 
+    def __init__(self, cfg: dict, threads: int):
+        import torch
 
-def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
-    """The passage index: exact, or IVF with mine.ivf_nlist lists (default about 4 sqrt(N), >= 39 rows each)."""
-    n = emb.shape[0]
-    nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
-    return build_ip_index(emb, mc.index, nlist=nlist, nprobe=mc.ivf_nprobe)
-
-
-# --- the per-query rule -------------------------------------------------------------------------------------
-def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray, pos_scores: np.ndarray,
-                      passage_key: np.ndarray, query_key: np.ndarray, mc: MineConfig
-                      ) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
-    """Kept candidate rows and scores per query (best first), and drop counts per reason.
-
-    scores, rows: (b, K) search results (row -1 = no hit); own_rows: (b,) each query's own pair row."""
-    b, depth = rows.shape
-    valid = (rows >= 0) & (np.arange(depth)[None, :] >= mc.range_min)
-    safe = np.where(rows >= 0, rows, 0)
-    positive = valid & (query_key[safe] == query_key[own_rows][:, None])          # incl. the pair itself
-    duplicate = valid & ~positive & (passage_key[safe] == passage_key[own_rows][:, None])
-    margin = np.zeros_like(valid)
-    if mc.margin is not None:
-        margin = valid & ~positive & ~duplicate & (scores > mc.margin * pos_scores[:, None])
-    keep = valid & ~positive & ~duplicate & ~margin
-    drops = {"positive": int(positive.sum()), "duplicate": int(duplicate.sum()), "margin": int(margin.sum())}
-    return [rows[i][keep[i]] for i in range(b)], [scores[i][keep[i]] for i in range(b)], drops
-
-
-class MineUnits:
-    """Ray Data callable class: one passage index per actor; each input row is one embeddings file to mine."""
-
-    def __init__(self, run_uri: str, source_uri: str, cfg: dict, passages_ref: list, threads: int):
-        faiss.omp_set_num_threads(threads)
         torch.set_num_threads(threads)
-        self.cfg = from_dict(cfg)
-        self.run, self.source = RunDir(run_uri), RunDir(source_uri)
-        self.passages = ray.get(passages_ref[0])
-        self.index = build_index(self.passages["emb"], self.cfg.mine)
-        self.encoder = None
+        ec = from_dict(cfg).embed
+        self.batch_size = ec.batch_size
+        self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
+                               trust_remote_code=ec.trust_remote_code, max_tokens_per_batch=ec.max_tokens_per_batch)
 
-    def query_vectors(self, table: pa.Table) -> np.ndarray:
-        if "emb_query" in table.column_names:
-            return emb_matrix(table.column("emb_query"))
-        if self.encoder is None:  # frozen encoder, passages-only embeddings: embed the queries here
-            ec = self.cfg.embed
-            self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
-                                   trust_remote_code=ec.trust_remote_code,
-                                   max_tokens_per_batch=ec.max_tokens_per_batch)
-        return self.encoder.encode(table.column("query").to_pylist(), self.cfg.embed.batch_size)
-
-    def mine_file(self, unit: dict) -> dict:
-        started, mc, p = time.time(), self.cfg.mine, self.passages
-        columns = ["pair_id", "query"] + (["emb_query"] if "emb_query" in self._schema(unit) else [])
-        with self.source.fs.open_input_file(self.source.path(unit["input"])) as f:
-            table = pq.read_table(f, columns=columns)
-        q = np.ascontiguousarray(self.query_vectors(table), dtype=np.float32)
-        pair_ids = table.column("pair_id").to_numpy()
-        own_rows = np.searchsorted(p["pair_id"], pair_ids)
-        pos_scores = np.einsum("ij,ij->i", q, p["emb"][own_rows])
-        neg_ids, neg_scores, drops = [], [], dict.fromkeys(DROP_REASONS, 0)
-        for start in range(0, len(q), mc.query_batch_size):
-            sl = slice(start, start + mc.query_batch_size)
-            scores, rows = self.index.search(q[sl], mc.range_max)
-            kept_rows, kept_scores, d = filter_candidates(scores, rows, own_rows[sl], pos_scores[sl],
-                                                          p["passage_key"], p["query_key"], mc)
-            neg_ids += [p["pair_id"][r] for r in kept_rows]
-            neg_scores += [s.astype(np.float32) for s in kept_scores]
-            drops = {k: drops[k] + d[k] for k in drops}
-        out = pa.table({"pair_id": pa.array(pair_ids, pa.int64()),
-                        "neg_pair_ids": pa.array([x.tolist() for x in neg_ids], pa.list_(pa.int64())),
-                        "neg_scores": pa.array([x.tolist() for x in neg_scores], pa.list_(pa.float32())),
-                        "pos_score": pa.array(pos_scores.astype(np.float32))})
-        self.run.write_parquet(unit["output"], out)
-        counts = [len(x) for x in neg_ids]
-        return {"rows": len(pair_ids), "negatives": int(sum(counts)), "without_negatives": int(sum(c == 0 for c in counts)),
-                "queries_embedded": 0 if "emb_query" in columns else len(pair_ids), "busy_s": time.time() - started,
-                **{f"dropped_{k}": v for k, v in drops.items()}}
-
-    def _schema(self, unit: dict) -> list[str]:
-        with self.source.fs.open_input_file(self.source.path(unit["input"])) as f:
-            return pq.read_schema(f).names
-
-    def __call__(self, units: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([self.mine_file(u) for u in units.to_pylist()])
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        q = np.ascontiguousarray(self.encoder.encode(batch.column("query").to_pylist(), self.batch_size), np.float32)
+        return batch.append_column("emb_query", pa.FixedSizeListArray.from_arrays(pa.array(q.reshape(-1)), q.shape[1]))
 
 
-# --- the stage ---------------------------------------------------------------------------------------------
-def plan_units(source: RunDir, cfg: Config) -> dict:
-    """One unit per embeddings file of `source` (work_units.load_or_make_plan stores it with the fingerprint)."""
-    units = [{"input": posixpath.relpath(path, source.root),
-              "output": f"{NEGATIVES}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
-    return {"mine": cfg.to_dict()["mine"], "units": units}
-
-
-def _file_rows(run: RunDir, rel: str) -> int:
-    with run.fs.open_input_file(run.path(rel)) as f:
-        return pq.ParquetFile(f).metadata.num_rows
-
-
-def pool_size(mc: MineConfig, units: int) -> ActorPlan:
-    """Every actor holds a full index (N x d x 4 bytes), so one per GPU, or on CPU a few actors (one per 8 CPUs)
-    sharing the CPUs as faiss/torch threads, not one per core."""
+def encoder_pool(mc: MineConfig) -> ActorPlan:
+    """Query-encoder actors: one per GPU, or on CPU a few (one per 8 CPUs) using the CPUs as torch threads."""
     cluster = ClusterResources.current()
-    return plan_actors(Resources(gpus=1, cpus_with_gpu=None), max_actors=mc.num_actors, work_units=units,
+    return plan_actors(Resources(gpus=1, cpus_with_gpu=None), max_actors=mc.num_actors,
                        cpu_actors=max(1, cluster.cpus // 8), cluster=cluster)
 
 
+def _schema(run: RunDir, folder: str) -> list[str]:
+    with run.fs.open_input_file(run.files(folder)[0]) as f:
+        return pq.read_schema(f).names
+
+
+def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | None) -> tuple[ray.data.Dataset, bool]:
+    """(rows of pair_id, query, passage, emb, emb_query, cluster; whether the queries are embedded here)."""
+    assigned = assign_dir(cfg.cluster.k)
+    text = ["pair_id", "query", "passage", "cluster"]
+    if encoder is not None:  # re-embedded vectors, joined to the frozen clusters by pair_id
+        frozen = ray.data.read_parquet(run.files(assigned), filesystem=run.fs, columns=text)
+        vectors = ray.data.read_parquet(source.files("embeddings"), filesystem=source.fs,
+                                        columns=["pair_id", "emb", "emb_query"])
+        partitions = max(1, len(run.files(assigned)))
+        return frozen.join(vectors, "inner", partitions, on=("pair_id",)), False
+    has_queries = "emb_query" in _schema(run, assigned)
+    ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs,
+                               columns=text + ["emb"] + (["emb_query"] if has_queries else []))
+    if has_queries:
+        return ds, False
+    pool = encoder_pool(cfg.mine)
+    # CPU actors reserve at most half the CPUs (they still run pool.threads threads), so the read and
+    # grouping tasks are never starved (a whole-CPU pool deadlocks Ray Data on a small box).
+    options = pool.options if pool.on_gpu else {"num_cpus": min(pool.num_cpus, ClusterResources.current().cpus / 2)}
+    return ds.map_batches(EncodeQueries, fn_constructor_args=(cfg.to_dict(), pool.threads), batch_size=1024,
+                          batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool.actors),
+                          **options), True
+
+
+# --- the three steps as Ray Data tasks ---------------------------------------------------------------------
+def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool) -> pa.Table:
+    return route_rows(batch, centroids, nprobe, by_query)
+
+
+def _search(group: pa.Table, mine: dict, buckets: int) -> pa.Table:
+    import faiss
+
+    faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
+    return search_cluster(group, MineConfig(**mine), buckets)
+
+
+def _merge_and_write(group: pa.Table, run_uri: str, mine: dict) -> pa.Table:
+    """Merge one bucket's queries and write its negatives file; returns its counts (one row)."""
+    out, drops = merge_candidates(group, MineConfig(**mine))
+    bucket = int(group.column("bucket")[0].as_py())
+    RunDir(run_uri).write_parquet(bucket_file(bucket), out)
+    counts = np.asarray(pc.list_value_length(out.column("neg_pair_ids")))
+    return pa.table({"rows": [out.num_rows], "negatives": [int(counts.sum())],
+                     "without_negatives": [int((counts == 0).sum())],
+                     **{f"dropped_{k}": [v] for k, v in drops.items()}})
+
+
+def bucket_file(bucket: int) -> str:
+    return f"{NEGATIVES}/part-{bucket:05d}.parquet"
+
+
+def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buckets: int, n_rows: int
+             ) -> tuple[list[dict], int]:
+    """Run route -> search by cluster -> merge by bucket; (per-bucket counts, queries embedded here)."""
+    centroids = load_centroids(run, cfg.cluster.k)
+    ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder)
+    env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
+    mine = cfg.to_dict()["mine"]
+    ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
+                                           "by_query": encoder is None},
+                        batch_format="pyarrow", **env)
+    ds = ds.groupby("cluster").map_groups(_search, fn_kwargs={"mine": mine, "buckets": buckets},
+                                          batch_format="pyarrow", **env)
+    ds = ds.groupby("bucket").map_groups(_merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine},
+                                         batch_format="pyarrow")
+    progress, results = ProgressLine("mine", n_rows), []
+    for result in ds.iter_rows():
+        results.append(result)
+        progress.advance(result["rows"])
+    return results, n_rows if embeds_queries else 0
+
+
+# --- the stage ---------------------------------------------------------------------------------------------
+def plan_units(n_rows: int, cfg: Config) -> dict:
+    """One unit per negatives/ file (a hash bucket of pair_ids); work_units.load_or_make_plan stores it."""
+    buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE))
+    return {"mine": cfg.to_dict()["mine"], "units": [{"output": bucket_file(b)} for b in range(buckets)]}
+
+
+def write_empty_buckets(run: RunDir, plan: dict) -> None:
+    """A bucket no query hashed into still gets its (empty) file, so the plan's every unit has its output."""
+    _, missing = split_done(run, NEGATIVES, plan["units"])
+    schema = pa.schema([("pair_id", pa.int64()), ("neg_pair_ids", pa.list_(pa.int64())),
+                        ("neg_scores", pa.list_(pa.float32())), ("pos_score", pa.float32())])
+    for unit in missing:
+        run.write_parquet(unit["output"], schema.empty_table())
+
+
 def run_mine(cfg: Config, run: RunDir) -> dict:
-    """Mine negatives for every training query not mined yet, then mark negatives/ done."""
+    """Mine negatives for every training query, then mark negatives/ done."""
     fingerprint = mine_fingerprint(cfg, run)
     if run.is_done(NEGATIVES, fingerprint):
         return run.done_stats(NEGATIVES)
     started = time.time()
+    k = cfg.cluster.k
+    run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
     encoder = resolve_encoder(cfg, run)
     source, embed_cost = vectors_run(cfg, run, encoder)
-    plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(source, cfg))
+    n_rows = int(run.done_stats(assign_dir(k))["rows"])
+    plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(n_rows, cfg))
     _, todo = split_done(run, NEGATIVES, plan["units"])
-    passages = load_passages(source)
-    if len(passages["pair_id"]) <= cfg.mine.range_min:
+    if n_rows <= cfg.mine.range_min:
         raise ConfigError(f"mine.range_min={cfg.mine.range_min} is not below the number of training passages "
-                          f"({len(passages['pair_id'])}): lower it.")
-    results, worker_s = [], 0.0
-    if todo:
-        pool = pool_size(cfg.mine, len(todo))
-        options = pool.options | ({} if pool.on_gpu else {"runtime_env": faiss_runtime_env()})
+                          f"({n_rows}): lower it.")
+    results, worker_s, embedded = [], 0.0, 0
+    if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
         t0 = time.time()
-        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-        ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)],
-                                                            pool.threads),
-                            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool.actors),
-                            **options)
-        progress = ProgressLine("mine", sum(_file_rows(source, u["input"]) for u in todo))
-        for result in ds.iter_rows():
-            results.append(result)
-            progress.advance(result["rows"])
-        worker_s = (time.time() - t0) * pool.actors
-    stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
-                         encoder)
+        results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
+        write_empty_buckets(run, plan)
+        worker_s = (time.time() - t0) * ClusterResources.current().cpus
+    stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
     run.mark_done(NEGATIVES, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
@@ -233,11 +226,10 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
 
 
 def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,
-                 embed_cost: dict, encoder: str | None) -> dict:
-    totals = {k: sum(r[k] for r in results) for k in ("rows", "negatives", "without_negatives", "queries_embedded",
+                 embed_cost: dict, encoder: str | None, queries_embedded: int) -> dict:
+    totals = {k: sum(r[k] for r in results) for k in ("rows", "negatives", "without_negatives",
                                                       *[f"dropped_{d}" for d in DROP_REASONS])}
-    totals["drop_counts_cover_files"] = len(results)  # the dropped_* of files mined by an earlier attempt are not kept
-    if len(results) < len(plan["units"]):  # files finished by an earlier attempt: count their rows
+    if not results:  # every file was written by an earlier attempt (killed before its done marker): count them
         table = pa.concat_tables([pq.read_table(run.fs.open_input_file(run.path(u["output"])),
                                                 columns=["neg_pair_ids"]) for u in plan["units"]])
         counts = pc_list_lengths(table.column("neg_pair_ids"))
@@ -246,7 +238,7 @@ def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, 
     if totals["rows"] != n_passages:
         raise RuntimeError(f"negatives/ covers {totals['rows']} queries but there are {n_passages} training pairs: "
                            f"delete negatives/ and rerun `clusterscale mine`.")
-    embedded = totals.pop("queries_embedded") + int(embed_cost.get("rows_embedded", 0)) * (2 if encoder else 1)
+    embedded = queries_embedded + int(embed_cost.get("rows_embedded", 0)) * (2 if encoder else 1)
     return totals | {"negatives_per_query": round(totals["negatives"] / max(1, totals["rows"]), 3),
                      "passages": n_passages, "encoder": encoder or "frozen", "texts_embedded": embedded,
                      "embed_worker_s": float(embed_cost.get("worker_s", 0.0)), "wall_s": round(wall, 3),
@@ -255,6 +247,4 @@ def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, 
 
 
 def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
-    import pyarrow.compute as pc
-
     return np.asarray(pc.list_value_length(column).fill_null(0))

@@ -18,13 +18,14 @@ from clusterscale.io.rundir import RunDir
 
 
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:
-    """The fingerprint of negatives/: the mine config, and the training run when mining with its model."""
+    """The fingerprint of negatives/: the data, embed, cluster and mine config, and the training run when mining
+    with its model."""
     extra = None
     if cfg.mine.encoder.startswith("train:"):
         name = cfg.mine.encoder.split(":", 1)[1]
         done = f"{train_dir(name)}/_DONE.json"
         extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
-    return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
+    return cfg.fingerprint(("data", "embed", "cluster", "mine"), extra=extra)  # mining is sharded by cluster
 
 
 def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:

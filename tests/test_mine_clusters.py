@@ -1,0 +1,106 @@
+"""Mining sharded by cluster (stages/mine_search.py), single-process: equal to brute force when every cluster
+is probed, and to brute force over the probed clusters otherwise."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from clusterscale.config import MineConfig
+from clusterscale.runtime.hashing import text_hashes
+from clusterscale.runtime.vectors import emb_array
+from clusterscale.stages.mine_search import merge_candidates, route_rows, search_cluster
+
+N, D, K = 240, 16, 6
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Clustered pairs with duplicate passages and repeated queries; vectors rounded to fp16 as stored."""
+    rng = np.random.default_rng(7)
+    centroids = _unit(rng.normal(size=(K, D)))
+    topic = rng.integers(K, size=N)
+    p = _unit(centroids[topic] + 0.5 * rng.normal(size=(N, D))).astype(np.float16)
+    q = _unit(p.astype(np.float32) + 0.4 * rng.normal(size=(N, D))).astype(np.float16)
+    queries, passages = [f"q{i}" for i in range(N)], [f"p{i}" for i in range(N)]
+    for i in range(0, 30, 3):
+        passages[i + 1] = passages[i]   # a duplicate of i's passage text
+        queries[i + 2] = queries[i]     # a query with two positives
+    pf = p.astype(np.float32)
+    cluster = np.argmax(pf @ centroids.T, axis=1).astype(np.int32)
+    pair_ids = np.arange(N, dtype=np.int64) * 7 + 3  # not row numbers
+    table = pa.table({"pair_id": pair_ids, "query": queries, "passage": passages, "emb": emb_array(p),
+                      "emb_query": emb_array(q), "cluster": cluster})
+    return table, centroids
+
+
+def mine_in_one_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig, buckets: int = 3) -> dict:
+    """The stage's three steps without Ray: route per batch, group by cluster, group by bucket."""
+    routed = pa.concat_tables([route_rows(table.slice(s, 50), centroids, mc.nprobe, True)
+                               for s in range(0, table.num_rows, 50)])
+    clusters = routed.column("cluster").to_numpy()
+    found = pa.concat_tables([search_cluster(routed.filter(pa.array(clusters == c)), mc, buckets)
+                              for c in np.unique(clusters)])
+    out = {}
+    for b in np.unique(found.column("bucket").to_numpy()):
+        negatives, _ = merge_candidates(found.filter(pa.array(found.column("bucket").to_numpy() == b)), mc)
+        assert negatives.column("pair_id").to_numpy().tolist() == sorted(negatives.column("pair_id").to_pylist())
+        out |= {row["pair_id"]: row for row in negatives.to_pylist()}
+    return out
+
+
+def brute_force(table: pa.Table, centroids: np.ndarray, mc: MineConfig, nprobe: int) -> dict:
+    """The rule with a full sort per query over the passages of its nprobe nearest clusters (numpy only)."""
+    p = table.column("emb").combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    q = table.column("emb_query").combine_chunks().flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    p, q = p.reshape(N, D), q.reshape(N, D)
+    ids, cluster = table.column("pair_id").to_numpy(), table.column("cluster").to_numpy()
+    qk, pk = text_hashes(table.column("query").to_pylist()), text_hashes(table.column("passage").to_pylist())
+    out = {}
+    for i in range(N):
+        probed = np.argsort(-(centroids @ q[i]), kind="stable")[:nprobe]
+        pool = np.flatnonzero(np.isin(cluster, probed))
+        scores = p[pool] @ q[i]
+        ranked = pool[np.lexsort((ids[pool], -scores))][:mc.range_max]
+        pos = float(p[i] @ q[i])
+        kept = [j for rank, j in enumerate(ranked) if rank >= mc.range_min and qk[j] != qk[i] and pk[j] != pk[i]
+                and (mc.margin is None or p[j] @ q[i] <= mc.margin * pos)]
+        out[int(ids[i])] = {"neg_pair_ids": ids[kept].tolist(), "probed_own": cluster[i] in probed}
+    return out
+
+
+@pytest.mark.parametrize("mc", [MineConfig(nprobe=K, range_max=12, margin=None),
+                                MineConfig(nprobe=K + 4, range_min=2, range_max=20, margin=0.95)])
+def test_every_cluster_probed_equals_brute_force(pairs, mc):
+    table, centroids = pairs
+    mined, expected = mine_in_one_process(table, centroids, mc), brute_force(table, centroids, mc, K)
+    assert sorted(mined) == sorted(expected)  # every training query exactly once
+    assert all(mined[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
+    assert sum(len(e["neg_pair_ids"]) for e in expected.values()) > N  # the comparison is not vacuous
+    for row in mined.values():
+        assert all(np.diff(row["neg_scores"]) <= 0)  # best first
+
+
+@pytest.mark.parametrize("nprobe", [1, 2])
+def test_fewer_clusters_equal_brute_force_over_the_probed_ones(pairs, nprobe):
+    table, centroids = pairs
+    mc = MineConfig(nprobe=nprobe, range_max=12, margin=None)
+    mined, expected = mine_in_one_process(table, centroids, mc), brute_force(table, centroids, mc, nprobe)
+    exact = brute_force(table, centroids, mc, K)
+    assert sorted(mined) == sorted(expected)
+    assert sum(e["probed_own"] for e in expected.values()) > N // 3
+    # Every query (its positive's cluster probed or not) gets exactly the search over its probed clusters.
+    assert all(mined[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
+    assert any(mined[i]["neg_pair_ids"] != exact[i]["neg_pair_ids"] for i in expected)  # restricted indeed
+
+
+def test_same_output_whatever_the_batches_and_buckets(pairs):
+    table, centroids = pairs
+    mc = MineConfig(nprobe=3, range_max=10, margin=0.95)
+    shuffled = table.take(pa.array(np.random.default_rng(1).permutation(N)))
+    assert mine_in_one_process(table, centroids, mc, buckets=1) == mine_in_one_process(shuffled, centroids, mc,
+                                                                                       buckets=4)
