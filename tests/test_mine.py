@@ -145,6 +145,26 @@ def test_mine_resumes_and_refuses_other_config(mined_run, capsys):
     assert "negatives" in capsys.readouterr().err
 
 
+def test_mine_with_another_encoder_routes_by_the_frozen_clusters(mined_run, tiny_model):
+    """A re-embedding (any model folder) is joined to assign/ by pair_id; every query mined once, by the rule."""
+    run_dir, overrides = mined_run
+    run = RunDir(str(run_dir))
+    before = load_negatives(run)
+    extra = [f"mine.encoder={tiny_model}", "mine.nprobe=2"]
+    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides, *extra, "--replace"]) == 0
+    table = _embedded(run)
+    texts = dict(zip(table.column("pair_id").to_pylist(), zip(table.column("query").to_pylist(),
+                                                              table.column("passage").to_pylist())))
+    pair_ids, negatives = load_negatives(run)
+    assert pair_ids.tolist() == sorted(texts) and sum(len(n) for n in negatives) > len(texts)
+    for pid, negs in zip(pair_ids.tolist(), negatives):
+        assert all(texts[int(n)][0] != texts[pid][0] and texts[int(n)][1] != texts[pid][1] for n in negs)
+    assert run.done_stats("negatives")["encoder"] == tiny_model
+    back = ["mine.encoder=frozen", "mine.nprobe=4"]  # the run's config in force now holds the keys above
+    assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides, *back, "--replace"]) == 0
+    assert all(a.tolist() == b.tolist() for a, b in zip(before[1], load_negatives(run)[1]))  # a rerun: same output
+
+
 def test_redo_raises_no_ray_deprecation_and_done_stages_say_reused(mined_run, capsys):
     """Our map_batches calls (embed, mine) pass no deprecated `ray_remote_args`; a finished stage says reused."""
     import warnings

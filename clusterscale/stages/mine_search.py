@@ -103,6 +103,8 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     passages = group.filter(pa.array(kind == PASSAGE))
     passages = passages.take(pc.sort_indices(passages.column("pair_id")))  # index order independent of arrival
     queries = group.filter(pa.array(kind == QUERY))
+    # BLAS may round a row's scores differently by its position in the batch: fix the order for reruns.
+    queries = queries.take(pc.sort_indices(queries.column("pair_id")))
     b, n = queries.num_rows, passages.num_rows
     depth = min(mc.range_max, n)
     scores, rows = np.zeros((b, depth), np.float32), np.zeros((b, depth), np.int64)
