@@ -187,6 +187,13 @@ class ShardConfig(Section):
                                               "one mixed remainder shard.", ("merge", "pool"))
     target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.", bounds=POSITIVE)
     num_samples: int = knob(5, "Sample queries per cluster kept in the manifest for inspection.")
+    max_group_rows: int = knob(1_000_000, "Largest group of rows one shard actor sorts and shuffles at once: a "
+                                          "cluster with more rows is split into about rows / max_group_rows "
+                                          "groups by a seeded hash of pair_id (same cluster, more files). It "
+                                          "sets each actor's memory request; lower it if shard actors run out "
+                                          "of memory.", bounds=POSITIVE)
+    keep_emb: bool = knob(False, "Also write the `emb` column into the shard files (training never reads "
+                                 "it; off, the shuffle moves text only, ~1/4 of the bytes at 768-d).")
 
 
 @dataclass
