@@ -68,7 +68,7 @@ class ActorPlan:
         """Keyword options of `ray.remote(...).options` and of Ray Data's `map_batches`."""
         return ({"num_gpus": self.num_gpus} if self.on_gpu else {}) | (
             {"num_cpus": self.num_cpus} if self.num_cpus is not None else {}) | (
-            {"memory": self.memory_bytes} if self.memory_bytes else {})
+            {"memory": int(self.memory_bytes)} if self.memory_bytes else {})
 
     @property
     def resources_per_worker(self) -> dict:

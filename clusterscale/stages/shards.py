@@ -1,7 +1,9 @@
 """Shard: write the assigned rows as one seeded-shuffled Parquet set per cluster, then the manifest.
 
-shards/k=<k>/cluster=<c>/part-*.parquet and shards/k=<k>/manifest.json (written last).
-Clusters smaller than one global batch follow shard.small_cluster_policy (merge | pool).
+shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.json (written last).
+Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
+the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
+by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
 Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`).
 """
 from __future__ import annotations
@@ -167,18 +169,18 @@ class WriteClusterShard:
                          "files": [files], "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
-def write_shards(cfg: Config, run: RunDir, target: np.ndarray, num_groups: np.ndarray, pool_id: int | None,
-                 n_rows: int) -> dict[int, list[dict]]:
+def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray,
+                 pool_id: int | None) -> dict[int, list[dict]]:
     """Shuffle text rows (no `emb` unless shard.keep_emb) by (shard, sub-group) and write them; returns the
     written groups of each shard, in sub-group order."""
     sc: ShardConfig = cfg.shard
-    k, files = cfg.cluster.k, run.files(assign_dir(cfg.cluster.k))
+    k, files, n_rows = cfg.cluster.k, run.files(assign_dir(cfg.cluster.k)), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
-    total_groups = int(num_groups.sum())
-    partitions = min(total_groups, max(MIN_PARTITIONS, math.ceil(2 * n_rows / sc.max_group_rows)))
-    largest = min(sc.max_group_rows, n_rows)  # a hash split can overshoot by a few standard deviations
-    rows_held = max(largest, math.ceil(n_rows / partitions))
-    memory = ACTOR_MEMORY_FACTOR * bytes_per_row(run, files, columns) * rows_held
+    num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
+    partitions = min(int(num_groups.sum()), max(MIN_PARTITIONS, math.ceil(2 * n_rows / sc.max_group_rows)))
+    largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
+    rows_held = max(largest_group, math.ceil(n_rows / partitions))
+    memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, files, columns) * rows_held)
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
     plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
@@ -226,8 +228,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
-    num_groups = groups_per_shard(shard_rows, cfg.shard.max_group_rows)
-    groups = write_shards(cfg, run, target, num_groups, plan["pool_id"], int(counts.sum()))
+    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"])
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
     n_total = sum(c["rows"] for c in clusters)
@@ -236,7 +237,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
             raise RuntimeError(f"Shard row count {n_total} != assigned rows {expected}: rerun `shard`.")
     stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c["files"]) for c in clusters),
              "min_rows": min(c["rows"] for c in clusters), "max_rows": max(c["rows"] for c in clusters),
-             "groups": int(num_groups.sum()),
+             "groups": sum(c["groups"] for c in clusters),
              "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
              "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
