@@ -185,6 +185,8 @@ def measure_scale(rows: int, args, root: str) -> dict:
         result = run_sampled(argv, os.path.join(logs, f"{stage}.log"), args.interval)
         result["stage_wall_s"] = stage_wall_s(run_dir, stage)
         out[stage] = result
+        with open(os.path.join(root, f"raw-{rows}.json"), "w") as f:  # kept if a later stage or scale fails
+            json.dump(out, f, indent=2)
         print(f"[bench_scale] rows={rows} {stage}: {result['seconds']}s, largest process {result['peak_uss_mb']} MB "
               f"({result['largest_process']}){' ERROR' if result['returncode'] else ''}", flush=True)
     if not args.keep:
