@@ -1,6 +1,7 @@
 """Peak memory per process of fit, assign, shard, mine and evaluate at N and 4N rows (the bounded-memory rule).
 
-    python benchmarks/bench_scale.py [--rows 150000 --dim 384 --k 100 --topics 100] [--out-dir DIR] [--json OUT]
+    python benchmarks/bench_scale.py [--rows 150000 --dim 384 --k 100 --topics 100 --rows-per-part 50000]
+                                     [--out-dir DIR] [--keep] [--json OUT]
 
 For N and 4N it writes a synthetic run (`clusterscale synth --set embed.side=both`, so mine has query
 vectors without an encoder), then runs each stage as its own CLI process (`python -m clusterscale.cli VERB
@@ -174,7 +175,7 @@ def measure_scale(rows: int, args, root: str) -> dict:
     run_dir = os.path.join(root, f"rows={rows}")
     logs = os.path.join(root, f"logs-{rows}")
     os.makedirs(logs, exist_ok=True)
-    keys = [f"cluster.k={args.k}", "embed.side=both", *STAGE_KEYS]
+    keys = [f"cluster.k={args.k}", "embed.side=both", f"data.rows_per_part={args.rows_per_part}", *STAGE_KEYS]
     out = {}
     order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
                                                     "--topics", str(args.topics)])),
@@ -226,6 +227,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--topics", type=int, default=100)
+    parser.add_argument("--rows-per-part", type=int, default=50_000,
+                        help="data.rows_per_part of the synth runs: the files (work units) of both scales are the "
+                             "same size, so a stage whose memory is O(a work unit) shows growth 1.0 (default 50000; "
+                             "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
