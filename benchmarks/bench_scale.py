@@ -209,10 +209,27 @@ def stage_entry(rows: list[int], runs: list[dict]) -> dict:
              "rows_per_s": [round(n / w, 1) if w else None for n, w in zip(rows, walls)]}
     for key in DETAIL_KEYS:
         entry[key] = [r.get(key) for r in runs]
+    for kind in ("driver", "worker"):  # which process grows
+        first, last = entry[f"{kind}_peak_uss_mb"][0], entry[f"{kind}_peak_uss_mb"][-1]
+        entry[f"{kind}_growth"] = round(last / first, 3) if first and last else None
     errors = [r.get("error") for r in runs]
     if any(errors):
         entry["error"] = errors
     return entry
+
+
+def markdown_table(result: dict) -> str:
+    """The RESULTS.md table: per stage the largest process's peak at N and 4N, growth, rows/s, which process."""
+    lines = ["| stage | rows | peak MB (largest process) | growth | rows/s | largest process at 4N | driver MB |",
+             "|---|---|---|---|---|---|---|"]
+    for stage in (*STAGES, "synth", "train"):
+        e = result[stage] if stage in STAGES else result["setup"][stage]
+        mark = " (error)" if "error" in e else ""
+        lines.append(f"| {stage}{'' if stage in STAGES else ' (setup)'}{mark} | {e['rows'][0]:,} / {e['rows'][1]:,} | "
+                     f"{e['peak_rss_mb'][0]:,.0f} / {e['peak_rss_mb'][1]:,.0f} | {e['growth']} | "
+                     f"{e['rows_per_s'][0]:,.0f} / {e['rows_per_s'][1]:,.0f} | {e['largest_process'][1]} | "
+                     f"{e['driver_peak_uss_mb'][0]:,.0f} / {e['driver_peak_uss_mb'][1]:,.0f} |")
+    return "\n".join(lines)
 
 
 def machine() -> dict:
@@ -254,6 +271,7 @@ def main() -> None:
         with open(args.json_path, "w") as f:
             f.write(text + "\n")
     print(text)
+    print(markdown_table(result))
 
 
 if __name__ == "__main__":
