@@ -46,7 +46,7 @@ except ImportError:  # Ray ships psutil in ray/thirdparty_files and puts that fo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("fit", "assign", "shard", "mine", "evaluate")
 MB = 1024 * 1024
-# Stage settings: IVF passage index in mine (a flat one costs N^2 d flops: ~10 min at 600k on this box);
+# Stage settings: IVF passage index in mine (a flat one costs 2 N^2 d flops: 2.8e14 at 600k, >12 min here);
 # a tiny from-scratch student so the setup training takes seconds; a smaller evaluation set than the default
 # (1,000 queries, 2,000 distractors), which only shortens the frozen encoder's pass: its size does not vary with N.
 STAGE_KEYS = ["mine.index=ivf", "train.init=scratch", "train.scratch_hidden_size=32", "train.scratch_num_layers=1",
@@ -57,8 +57,8 @@ STAGE_KEYS = ["mine.index=ivf", "train.init=scratch", "train.scratch_hidden_size
 
 # --- the sampler --------------------------------------------------------------------------------------------
 def process_kind(proc: psutil.Process, root_pid: int) -> tuple[str, str]:
-    """(kind, title): driver, gcs_server, raylet, worker (a Ray task or actor process) or ray_other (agents,
-    log monitor); title is the process's title (Ray names a worker `ray::<task or actor>`)."""
+    """(kind, title): driver, gcs_server, raylet, worker (a process titled `ray::<task or actor>`: Ray tasks,
+    actors, Ray Data operators, and Ray's own agent actors) or ray_other (log monitor, dashboard, ...)."""
     if proc.pid == root_pid:
         return "driver", "driver"
     name = proc.name()
