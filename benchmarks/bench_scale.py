@@ -129,7 +129,8 @@ class TreeSampler:
     def summary(self) -> dict:
         """Peaks in MB: per kind (largest single process), the largest process overall, the tree's totals."""
         largest = max(self.peaks.items(), key=lambda kv: kv[1]["uss"], default=("none", {"uss": 0, "title": ""}))
-        out = {"peak_uss_mb": round(largest[1]["uss"] / MB, 1), "largest_process": f"{largest[0]}: {largest[1]['title']}"}
+        out = {"peak_uss_mb": round(largest[1]["uss"] / MB, 1),
+               "largest_process": f"{largest[0]}: {largest[1]['title']}"}
         for kind, peak in sorted(self.peaks.items()):
             out[f"{kind}_peak_uss_mb"] = round(peak["uss"] / MB, 1)
             out[f"{kind}_peak_rss_mb"] = round(peak["rss"] / MB, 1)

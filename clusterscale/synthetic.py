@@ -5,7 +5,8 @@ with their done markers and RUN/config.yaml, one Ray task per data.rows_per_part
 shard, mine, train and evaluate can be dry-run (and sized, and benchmarked) at any N without an encoder.
 Every row is a pure function of (seed, row index): the output does not depend on how many tasks or
 workers made it. With --set embed.side=both, embeddings/ also holds `emb_query` (synthetic query vectors near
-their passages'), which mine.encoder=frozen needs on a synthetic run. `write_embeddings_stage` is the in-process shortcut that tests and benchmarks use.
+their passages'), which mine.encoder=frozen needs on a synthetic run. `write_embeddings_stage` is the
+in-process shortcut that tests and benchmarks use.
 """
 from __future__ import annotations
 
