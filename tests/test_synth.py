@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pytest
 
 from clusterscale import cli
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
@@ -58,6 +59,33 @@ def test_part_splits_like_ingest_and_embeddings_hold_the_pairs(tmp_path):
     assert not any(is_heldout(q, 0.2) for q in pairs.column("query").to_pylist())
     assert emb.column_names == ["pair_id", "query", "passage", "source", "emb", "truncated"]
     assert emb.select(PAIR_SCHEMA.names).equals(pairs)
+
+
+def test_query_vectors_sit_near_their_passages_and_leave_emb_unchanged(tmp_path):
+    spec = SynthSpec(rows=600, dim=32, topics=3)
+    synth_part(str(tmp_path / "p"), vars(spec), 0, 0, 600, heldout_fraction=0.1)
+    synth_part(str(tmp_path / "b"), vars(spec), 0, 0, 600, heldout_fraction=0.1, query_vectors=True)
+    plain = pads.dataset(str(tmp_path / "p" / "embeddings")).to_table()
+    both = pads.dataset(str(tmp_path / "b" / "embeddings")).to_table()
+    assert both.column_names == ["pair_id", "query", "passage", "source", "emb", "truncated", "emb_query",
+                                 "truncated_query"]  # embed.side=both's columns
+    assert both.select(plain.column_names).equals(plain)
+    p, q = emb_matrix(both.column("emb")), emb_matrix(both.column("emb_query"))
+    assert np.allclose(np.linalg.norm(q, axis=1), 1.0, atol=1e-2)
+    scores = q @ p.T
+    assert (scores.argmax(axis=1) == np.arange(len(q))).mean() > 0.95  # its own passage is the nearest
+
+
+def test_mine_frozen_refuses_a_synth_run_without_query_vectors(tmp_path):
+    from clusterscale.config import ConfigError, load
+    from clusterscale.stages.mine import resolve_encoder
+    from clusterscale.io.rundir import RunDir
+
+    run = RunDir(str(tmp_path))
+    run.mark_done("embeddings", "fp", {"rows": 1}, {"synth": vars(SynthSpec(rows=1))})
+    with pytest.raises(ConfigError, match="embed.side=both"):
+        resolve_encoder(load(None, []), run)
+    assert resolve_encoder(load(None, ["embed.side=both"]), run) is None
 
 
 def test_synth_refuses_bad_sizes(tmp_path, capsys):

@@ -35,6 +35,7 @@ from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
+from clusterscale.stages.synthetic import synthetic_embeddings
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.runtime.vectors import emb_matrix
 
@@ -51,6 +52,11 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
         if cfg.embed.side == "query":
             raise ConfigError("mine.encoder=frozen needs passage vectors in embeddings/, but embed.side=query: "
                               "use embed.side=passage or both (new --run-dir), or set mine.encoder to a model.")
+        if cfg.embed.side != "both" and synthetic_embeddings(run):
+            raise ConfigError("mine.encoder=frozen on a synthetic run (`clusterscale synth`) needs the synthetic "
+                              f"query vectors, but this run has embed.side={cfg.embed.side}: {cfg.embed.model} "
+                              "cannot embed queries into the space of synthetic passage vectors. Write the synth "
+                              "run with --set embed.side=both (new --run-dir).")
         return None
     if encoder.startswith("train:"):
         name = encoder.split(":", 1)[1]
