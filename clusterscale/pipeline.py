@@ -16,7 +16,8 @@ from typing import Any, Callable
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io import layout
-from clusterscale.io.layout import NEGATIVES, assign_dir, kmeans_dir, shards_dir
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
+                                    train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.stages.embed import run_embed
@@ -103,7 +104,7 @@ class Stage:
 
 # --- the stages ----------------------------------------------------------------------------------------------
 def _train_dir(cfg: Config) -> str:
-    return f"train/{cfg.train_name()}"
+    return train_dir(cfg.train_name())
 
 
 def _train_extra(cfg: Config, run: RunDir) -> dict | None:
@@ -179,7 +180,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg: f"Shards for k={cfg.cluster.k}"),),
           sections=(*_CLUSTERING, "shard", "train"), extra=_train_extra, resources=_ON_GPU,
           cost_key=lambda cfg: f"train:{cfg.train_name()}", after_done=loop.after_training),
-    Stage("evaluate", lambda c: run_evaluate(c.cfg, c.run), "eval",
+    Stage("evaluate", lambda c: run_evaluate(c.cfg, c.run), EVAL,
           inputs=(Input("heldout", "ingest", "Held-out pairs"),
                   Input(_train_dir, "train", lambda cfg: f"Trained model {cfg.train_name()!r}")), resources=_ON_GPU),
     Stage("report", _report, "report", records_cost=False, resources=Resources(cpus_per_actor=0.0)),
@@ -258,8 +259,8 @@ def _run_once(stage: Stage, call: StageCall) -> StageResult:
 def _replace(run: RunDir, stage_dir: str) -> None:
     removed = run.replace(stage_dir)
     for folder in removed:  # a replaced model's cached evaluation goes with it
-        if folder.startswith("train/"):
-            run.remove(f"eval/{folder.removeprefix('train/')}.json")
+        if folder.startswith(f"{TRAIN}/"):
+            run.remove(eval_path(folder.removeprefix(f"{TRAIN}/")))
     print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)
 
 
@@ -306,8 +307,8 @@ def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
     lines = ["", "== summary =="]
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
-        shards = shards_dir(cfg.cluster.k)
-        shard_rows = run.read_json(f"{shards}/manifest.json")["stats"] if run.exists(shards, "manifest.json") else None
+        manifest = manifest_path(cfg.cluster.k)
+        shard_rows = run.read_json(manifest)["stats"] if run.exists(manifest) else None
         lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
                      f"sharded {shard_rows['rows'] if shard_rows else '-'}")
         if shard_rows:

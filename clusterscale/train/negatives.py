@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.config import Config
-from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.layout import NEGATIVES, train_dir
 from clusterscale.io.rundir import RunDir
 
 
@@ -24,7 +24,7 @@ def mine_extra(cfg: Config, run: RunDir) -> dict | None:
     """The fingerprint of the training run whose model mines (mine.encoder=train:<name>); None otherwise."""
     if not cfg.mine.encoder.startswith("train:"):
         return None
-    done = f"train/{cfg.mine.encoder.split(':', 1)[1]}/_DONE.json"
+    done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
     return {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
 
 

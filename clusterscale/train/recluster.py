@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 
 from clusterscale.config import Config, variant
+from clusterscale.io.layout import train_dir
 
 
 def segment_bounds(num_steps: int, every: int) -> list[tuple[int, int]]:
@@ -31,7 +32,7 @@ def segment_seed(seed: int, segment: int) -> int:
 
 
 def segment_dir(name: str, segment: int) -> str:
-    return f"train/{name}/recluster/seg-{segment}"
+    return f"{train_dir(name)}/recluster/seg-{segment}"
 
 
 def segment_config(cfg: Config, encoder_uri: str) -> Config:
