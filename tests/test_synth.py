@@ -106,7 +106,7 @@ def _files(root) -> dict[str, bytes]:
 def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, ray_local, capsys):
     from clusterscale.config import load
     from clusterscale.io.rundir import RunDir
-    from clusterscale.stages.synthetic import run_synth
+    from clusterscale.pipeline import execute, synth_stage
 
     run_dir = str(tmp_path / "run")
     sets = [f"embed.model={tiny_model}", "embed.max_length=32", "data.rows_per_part=300", "cluster.k=4",
@@ -131,7 +131,7 @@ def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, r
         spec = SynthSpec(rows=900, dim=16, topics=4, seed=7)
         cfg = load(None, [f"data.path={spec.data_path()}", "data.heldout_fraction=0.1",
                           f"data.rows_per_part={rows_per_part}", f"embed.model={tiny_model}", "embed.max_length=32"])
-        run_synth(cfg, RunDir(str(tmp_path / name)), spec, max_tasks_in_flight=in_flight)
+        execute(synth_stage(spec, max_tasks_in_flight=in_flight), cfg, RunDir(str(tmp_path / name)))
     original = _files(run_dir)
     assert len(original) == 9 and original == _files(tmp_path / "one") == _files(tmp_path / "two")
     for folder in ("pairs", "heldout", "embeddings"):

@@ -20,7 +20,7 @@ import ray
 
 from clusterscale.config import Config, ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
-from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.vectors import emb_array
 
@@ -187,20 +187,13 @@ def synthetic_embeddings(run: RunDir) -> dict | None:
     return run.read_json("embeddings/_DONE.json").get("config", {}).get("synth")
 
 
-def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> dict:
-    """Write the synthetic run (Ray must be initialised); reused when done with the same config.
+def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> StageResult:
+    """Write the synthetic run (Ray must be initialised) into pairs/, heldout/, quarantine/ and embeddings/;
+    the stats are those of pairs/, the other folders' come as outputs (the executor marks all four done).
 
     cfg.data.path must be spec.data_path(). max_tasks_in_flight: parts generated at once (default: the
     cluster's CPUs); it changes nothing in the output."""
-    pairs_fp, embed_fp = cfg.fingerprint(("data",)), cfg.fingerprint(("data", "embed"))
-    try:
-        if run.is_done("pairs", pairs_fp) and run.is_done("embeddings", embed_fp):
-            return run.done_stats("pairs")
-    except ConfigMismatchError as exc:
-        raise ConfigMismatchError(f"{exc} Write the synthetic run into a new --run-dir.", exc.stage_dir) from None
     started = time.time()
-    for kind in ("pairs", "heldout", "quarantine", "embeddings"):
-        run.begin(kind)
     rows_per_part = cfg.data.rows_per_part
     ranges = [(p, s, min(spec.rows, s + rows_per_part)) for p, s in enumerate(range(0, spec.rows, rows_per_part))]
     window = max_tasks_in_flight or ClusterResources.current().cpus
@@ -218,15 +211,13 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
     wall = round(time.time() - started, 3)
     stats = {"input_files": 0, "rows_in": spec.rows, "pairs": sum(r["pairs"] for r in results),
              "heldout": sum(r["heldout"] for r in results), "quarantine": 0, "reasons": {}, "bad_files": [],
-             "synthetic": True, "wall_s": wall, "worker_s": wall}
-    run.mark_done("heldout", pairs_fp, {"rows": stats["heldout"]})
-    run.mark_done("quarantine", pairs_fp, {"rows": 0})
-    run.mark_done("pairs", pairs_fp, stats, {"data": cfg.to_dict()["data"]})
-    run.mark_done("embeddings", embed_fp, {"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges),
-                                           "truncated": 0, "synthetic": True, "wall_s": wall},
-                  {"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
-    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * min(window, len(ranges)),
-                              "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0})
+             "synthetic": True, "rows": spec.rows, "parts": len(ranges), "wall_s": wall,
+             "worker_s": wall * min(window, len(ranges)), "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0}
+    embeddings = StageResult({"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges), "truncated": 0,
+                              "synthetic": True, "wall_s": wall},
+                             config={"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
     print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
           flush=True)
-    return stats
+    return StageResult(stats, outputs={"heldout": StageResult({"rows": stats["heldout"]}),
+                                       "quarantine": StageResult({"rows": 0}), "embeddings": embeddings},
+                       config={"data": cfg.to_dict()["data"]})

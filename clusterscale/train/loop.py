@@ -22,7 +22,7 @@ from clusterscale.modeling.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
 from clusterscale.io.layout import NEGATIVES, batches_path, collapse_path, metrics_path, model_dir, train_dir
 from clusterscale.modeling.model_card import write_model_card
-from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
@@ -30,7 +30,7 @@ from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
 from clusterscale.train.metrics import CollapseGuard, JsonlLog, TensorBoardLog, chance_loss, peak_flops
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train.negatives import MinedNegatives, mine_fingerprint
-from clusterscale.train.recluster import recluster, segment_bounds, segment_dir, segment_seed
+from clusterscale.train.recluster import segment_bounds, segment_dir, segment_seed
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
@@ -234,19 +234,29 @@ class TrainingCollapsedError(UserError):
     """The collapse guard stopped a run (train.stop_on_collapse): the message names the likely causes."""
 
 
-def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int | None = None) -> dict:
-    """Train train/<name>/; `resume` continues from its latest checkpoint. fail_at_step: a test hook that
-    makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """What one training run will do, worked out (and checked) before any compute is spent."""
+    name: str
+    num_steps: int
+    stop_step: int  # train.stop_after_steps, or num_steps
+    segments: list[tuple[int, int]]  # (first step, stop step) per re-clustering segment
+    unused_pairs: int
+    started: float
+
+    @property
+    def out(self) -> str:
+        return train_dir(self.name)
+
+
+def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
+    """Check the shards, the negatives and the options against the config; print the warnings and the plan.
+
+    The train stage of clusterscale.pipeline runs the segments of the plan (re-clustering between them)
+    with train_segment, then finish_training."""
     tc, name = cfg.train, cfg.train_name()
     out = train_dir(name)
-    negatives_fingerprint = None
-    if tc.negatives_per_query:
-        negatives_fingerprint = mine_fingerprint(cfg, run)
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard", "train"),
-                                  extra={"negatives": negatives_fingerprint} if negatives_fingerprint else None)
     manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
-    if run.is_done(out, fingerprint):
-        return run.done_stats(out)
     if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
@@ -267,53 +277,64 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
                                     f"(it trains afresh), and set train.keep_checkpoint=true to keep them next time.")
         if not run.exists(out, "ray", RAY_RUN_NAME):
             raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
-    else:
-        run.begin(out)  # a fresh run must not pick up an older run's checkpoints (same Ray run name)
-    started = time.time()
     print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler} "
           f"({tc.cluster_weighting}), {tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs "
           f"unused per epoch (remainders < one global batch)", flush=True)
-    stop_step = min(num_steps, tc.stop_after_steps or num_steps)
-    segments = segment_bounds(num_steps, tc.recluster_every)
-    shards_uri, recluster_s, result = run.uri, 0.0, None
-    for segment, (seg_start, seg_stop) in enumerate(segments):
-        if seg_start >= stop_step:
-            break
-        if run.exists(segment_dir(name, segment), "_TRAINED.json"):
-            continue  # finished by an earlier attempt (--resume)
-        if segment > 0:
-            t0 = time.time()
-            # A URI (or local path) every node can read: embed actors copy an object-store model locally.
-            child, _ = recluster(cfg, run, name, segment, run.child_uri(segment_dir(name, segment), "encoder"))
-            shards_uri, recluster_s = child.uri, recluster_s + time.time() - t0
-        result = _fit(cfg, run, name, num_steps, (segment, seg_start, seg_stop), shards_uri,
-                      resume or segment > 0, fail_at_step)
-        if len(segments) > 1 and seg_stop < num_steps and seg_stop <= stop_step:
-            _export_model(run, result.checkpoint, f"{segment_dir(name, segment + 1)}/encoder")
-            run.write_json(f"{segment_dir(name, segment)}/_TRAINED.json", {"steps": [seg_start, seg_stop]})
-    wall = time.time() - started
-    stats = {"name": name, "steps": num_steps, "global_batch_size": tc.global_batch_size, "sampler": tc.sampler,
-             "cluster_weighting": tc.cluster_weighting, "unused_pairs_per_epoch": unused, "wall_s": round(wall, 3),
+    return TrainPlan(name, num_steps, min(num_steps, tc.stop_after_steps or num_steps),
+                     segment_bounds(num_steps, tc.recluster_every), unused, time.time())
+
+
+def segments_to_train(run: RunDir, plan: TrainPlan) -> list[int]:
+    """The segments this attempt trains: up to train.stop_after_steps, less those an earlier attempt finished."""
+    return [segment for segment, (start, _) in enumerate(plan.segments)
+            if start < plan.stop_step and not run.exists(segment_dir(plan.name, segment), "_TRAINED.json")]
+
+
+def train_segment(cfg: Config, run: RunDir, plan: TrainPlan, segment: int, shards_uri: str, resume: bool,
+                  fail_at_step: int | None):
+    """One Ray Train run over the steps of `segment`, on the shards under shards_uri; when another segment
+    follows, the model goes to that segment's folder (the encoder its re-clustering embeds with)."""
+    seg_start, seg_stop = plan.segments[segment]
+    result = _fit(cfg, run, plan.name, plan.num_steps, (segment, seg_start, seg_stop), shards_uri, resume,
+                  fail_at_step)
+    if len(plan.segments) > 1 and seg_stop < plan.num_steps and seg_stop <= plan.stop_step:
+        _export_model(run, result.checkpoint, f"{segment_dir(plan.name, segment + 1)}/encoder")
+        run.write_json(f"{segment_dir(plan.name, segment)}/_TRAINED.json", {"steps": [seg_start, seg_stop]})
+    return result
+
+
+def finish_training(cfg: Config, run: RunDir, plan: TrainPlan, result, recluster_s: float) -> StageResult:
+    """The stage result of a training run; the model exported to train/<name>/model/ unless it stopped early."""
+    tc = cfg.train
+    wall = time.time() - plan.started
+    stats = {"name": plan.name, "steps": plan.num_steps, "global_batch_size": tc.global_batch_size,
+             "sampler": tc.sampler, "cluster_weighting": tc.cluster_weighting,
+             "unused_pairs_per_epoch": plan.unused_pairs, "wall_s": round(wall, 3),
              "worker_s": round((wall - recluster_s) * tc.num_workers, 3), "device": "gpu" if tc.use_gpu else "cpu",
-             "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
+             "pairs_per_s": round(plan.num_steps * tc.global_batch_size / wall, 2)}
     if tc.negatives_per_query:
         stats["mined_negatives_per_query"] = tc.negatives_per_query
-    if run.exists(collapse_path(name)):  # train.stop_on_collapse=false: warned, went on; the report flags it
-        stats["collapse_warning_at_step"] = run.read_json(collapse_path(name))["step"]
-    if len(segments) > 1:
-        stats |= {"segments": len(segments), "recluster_s": round(recluster_s, 3)}
-    if stop_step < num_steps:
-        print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
+    if run.exists(collapse_path(plan.name)):  # train.stop_on_collapse=false: warned, went on; the report flags it
+        stats["collapse_warning_at_step"] = run.read_json(collapse_path(plan.name))["step"]
+    if len(plan.segments) > 1:
+        stats |= {"segments": len(plan.segments), "recluster_s": round(recluster_s, 3)}
+    if plan.stop_step < plan.num_steps:
+        print(f"[train] stopped after step {plan.stop_step}/{plan.num_steps} (train.stop_after_steps); continue with "
               f"`clusterscale train --resume` and the same config.", flush=True)
-        return stats | {"stopped_at_step": stop_step}
-    _export_model(run, result.checkpoint, model_dir(name))
-    run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
-    write_model_card(cfg, run, name)
-    if not tc.keep_checkpoint:  # only now: until the export is complete, --resume needs the checkpoint
+        return StageResult(stats | {"stopped_at_step": plan.stop_step}, complete=False)
+    _export_model(run, result.checkpoint, model_dir(plan.name))
+    return StageResult(stats, config={"train": cfg.to_dict()["train"]})
+
+
+def after_training(cfg: Config, run: RunDir, result: StageResult) -> None:
+    """Once train/<name>/ is marked done: the model card, and the checkpoints dropped unless kept (until the
+    marker exists, --resume needs them)."""
+    tc, out = cfg.train, train_dir(cfg.train_name())
+    write_model_card(cfg, run, cfg.train_name())
+    if not tc.keep_checkpoint:
         run.remove(out, "ray")
-    print(f"[train] done in {wall:.1f}s; model exported to {run.path(model_dir(name))}"
+    print(f"[train] done in {result.stats['wall_s']:.1f}s; model exported to {run.path(model_dir(cfg.train_name()))}"
           f"{'' if tc.keep_checkpoint else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
-    return stats
 
 
 def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_pairs: int) -> list[str]:
