@@ -46,7 +46,7 @@ def test_two_rank_figures_equal_one_process(tiny_model, tmp_path):
     for key in ("pos_cos", "neg_cos_max"):
         assert reduced[key] == pytest.approx(float(stats[key]), rel=1e-5), key
     assert reduced["neg_cos_mean"] == pytest.approx(float(stats["neg_cos_mean"]), abs=2e-3)
-    assert reduced["masked_false_negatives"] == float(stats["masked_false_negatives"]) == 2
+    assert reduced["masked_false_negatives"] == float(stats["masked_false_negatives"]) > 0
     assert reduced["mined_negatives"] == 0 and "negatives_padded" not in reduced
 
 
