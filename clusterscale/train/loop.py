@@ -13,9 +13,10 @@ import time
 
 from clusterscale.config import Config, ConfigError, TrainConfig
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.train import schedule
 from clusterscale.train.data import checked_manifest, strata_inputs
 from clusterscale.train.negatives import mine_fingerprint
@@ -32,7 +33,7 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
     """Train train/<name>/; `resume` continues from its latest checkpoint. fail_at_step: a test hook that
     makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
     tc, name = cfg.train, cfg.train_name()
-    out = f"train/{name}"
+    out = train_dir(name)
     negatives_fingerprint = None
     if tc.negatives_per_query:
         negatives_fingerprint = mine_fingerprint(cfg, run)
@@ -92,20 +93,20 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
              "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
     if tc.negatives_per_query:
         stats["mined_negatives_per_query"] = tc.negatives_per_query
-    if run.exists(out, "collapse.json"):  # train.stop_on_collapse=false: warned, went on; the report flags it
-        stats["collapse_warning_at_step"] = run.read_json(f"{out}/collapse.json")["step"]
+    if run.exists(collapse_path(name)):  # train.stop_on_collapse=false: warned, went on; the report flags it
+        stats["collapse_warning_at_step"] = run.read_json(collapse_path(name))["step"]
     if len(segments) > 1:
         stats |= {"segments": len(segments), "recluster_s": round(recluster_s, 3)}
     if stop_step < num_steps:
         print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
               f"`clusterscale train --resume` and the same config.", flush=True)
         return stats | {"stopped_at_step": stop_step}
-    _export_model(run, result.checkpoint, f"{out}/model")
+    _export_model(run, result.checkpoint, model_dir(name))
     run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
     write_model_card(cfg, run, name)
     if not tc.keep_checkpoint:  # only now: until the export is complete, --resume needs the checkpoint
         run.remove(out, "ray")
-    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}"
+    print(f"[train] done in {wall:.1f}s; model exported to {run.path(model_dir(name))}"
           f"{'' if tc.keep_checkpoint else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
     return stats
 
@@ -134,21 +135,18 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     """One Ray Train run over the steps of one segment (all steps when re-clustering is off)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-    import ray
 
     from clusterscale.train.trainer import train_loop_per_worker  # imports ray.train.torch: ~0.8 s of CLI start
 
     tc = cfg.train
-    cpus = ray.cluster_resources().get("CPU", 1)
-    threads = 1 if tc.use_gpu else max(1, int(cpus // tc.num_workers))
-    resources = {"GPU": 1, "CPU": 1} if tc.use_gpu else {"CPU": min(threads, cpus / tc.num_workers)}
+    workers = plan_actors(Resources(gpus=1), max_actors=tc.num_workers, use_gpu=tc.use_gpu)  # ranks share the CPUs
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "run_uri": run.uri, "num_steps": num_steps, "name": name,
-                           "threads_per_worker": threads, "resume": resume, "fail_at_step": fail_at_step,
+                           "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": fail_at_step,
                            "segment": segment, "shards_uri": shards_uri},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(f"train/{name}", "ray"),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=workers.resources_per_worker),
+        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(train_dir(name), "ray"),
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
@@ -156,8 +154,8 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     if result.error:
         raise result.error
     if (result.metrics or {}).get("collapsed"):
-        raise TrainingCollapsedError(f"train/{name} stopped: {result.metrics['collapsed']} The per-step figures are "
-                                     f"in {run.path(f'train/{name}', 'metrics.jsonl')}.")
+        raise TrainingCollapsedError(f"{train_dir(name)} stopped: {result.metrics['collapsed']} The per-step figures "
+                                     f"are in {run.path(metrics_path(name))}.")
     return result
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from clusterscale.config import TrainConfig
+from clusterscale.io.layout import batches_path, collapse_path, metrics_path, train_dir
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.schedule import GlobalBatch
 
@@ -42,7 +43,7 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | 
 
 def read_metrics(run: RunDir, name: str) -> list[dict]:
     """The per-step records of train/<name>/metrics.jsonl; [] when that run has none."""
-    rel = f"train/{name}/metrics.jsonl"
+    rel = metrics_path(name)
     if not run.exists(rel):
         return []
     return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
@@ -188,9 +189,9 @@ class MetricsProcessor:
                  resume_step: int | None, num_steps: int, stop_step: int, segment: int):
         self.run, self.name, self.tc, self.rank, self.world, self.peak = run, name, tc, rank, world, peak
         self.num_steps, self.stop_step, self.segment = num_steps, stop_step, segment
-        self.metrics = JsonlLog(run, f"train/{name}/metrics.jsonl", resume_step) if rank == 0 else None
-        self.batches = JsonlLog(run, f"train/{name}/batches/rank-{rank}.jsonl", resume_step) if tc.log_batches else None
-        self.board = TensorBoardLog(run.path(f"train/{name}/tensorboard")) if tc.tensorboard and rank == 0 else None
+        self.metrics = JsonlLog(run, metrics_path(name), resume_step) if rank == 0 else None
+        self.batches = JsonlLog(run, batches_path(name, rank), resume_step) if tc.log_batches else None
+        self.board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if tc.tensorboard and rank == 0 else None
         self.guard = CollapseGuard(chance_loss(tc.global_batch_size, tc.negatives_per_query, tc.loss, tc.clp_lambda),
                                    tc.warmup_steps, tc.log_every_steps)
         self.progress: dict = {}  # the latest figures, for Ray's reports
@@ -243,7 +244,7 @@ class MetricsProcessor:
         verdict = self.guard.observe(step, loss, result.figures.means["neg_cos_mean"])
         if verdict is not None and self.rank == 0:
             print(f"[train] WARNING: {verdict}", flush=True)
-            self.run.write_json(f"train/{self.name}/collapse.json",
+            self.run.write_json(collapse_path(self.name),
                                 {"step": step + 1, "stopped": self.tc.stop_on_collapse, "message": verdict})
         return verdict
 
