@@ -10,7 +10,6 @@ epoch within the segment) and its shards. This module holds the segment arithmet
 """
 from __future__ import annotations
 
-import hashlib
 
 from clusterscale.config import Config, variant
 from clusterscale.io.layout import train_dir
@@ -21,14 +20,6 @@ def segment_bounds(num_steps: int, every: int) -> list[tuple[int, int]]:
     if not every or every >= num_steps:
         return [(0, num_steps)]
     return [(s, min(s + every, num_steps)) for s in range(0, num_steps, every)]
-
-
-def segment_seed(seed: int, segment: int) -> int:
-    """The schedule seed of a segment; segment 0 keeps the run's seed (same batches as without re-clustering)."""
-    if segment == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}/segment/{segment}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
 
 
 def segment_dir(name: str, segment: int) -> str:
