@@ -29,7 +29,7 @@ from clusterscale.errors import UserError
 from clusterscale.modeling.encoder import Encoder, check_encoder
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, changed_keys
-from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
 
@@ -111,7 +111,7 @@ class EmbedWorker:
             table = table.append_column(f"emb{suffix}", emb_array(v))
             table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
         sink = io.BytesIO()
-        pq.write_table(table, sink)
+        pq.write_table(table, sink, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
         self.run.write_bytes(unit["output"], sink.getvalue())
         return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
                 "busy_s": time.time() - started}

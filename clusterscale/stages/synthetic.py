@@ -21,7 +21,7 @@ import ray
 from clusterscale.config import Config, ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
 from clusterscale.io.rundir import ConfigMismatchError, RunDir
-from clusterscale.runtime.vectors import emb_array
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
 BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split
@@ -148,9 +148,9 @@ def synth_rows(spec: SynthSpec, start: int, stop: int) -> pa.Table:
     return pa.concat_tables(blocks).slice(start - first, stop - start)
 
 
-def _parquet_bytes(table: pa.Table) -> bytes:
+def _parquet_bytes(table: pa.Table, row_group_size: int | None = None) -> bytes:
     sink = io.BytesIO()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, row_group_size=row_group_size)
     return sink.getvalue()
 
 
@@ -170,7 +170,7 @@ def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldo
     if pairs.num_rows:
         run.write_bytes(f"pairs/{stem}.parquet", _parquet_bytes(pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA)))
         embedded = pairs.append_column("truncated", pa.array(np.zeros(pairs.num_rows, dtype=bool)))
-        run.write_bytes(f"embeddings/{stem}-00000.parquet", _parquet_bytes(embedded))
+        run.write_bytes(f"embeddings/{stem}-00000.parquet", _parquet_bytes(embedded, EMBEDDINGS_ROW_GROUP_ROWS))
     return {"rows": table.num_rows, "pairs": pairs.num_rows, "heldout": int(held.sum())}
 
 
