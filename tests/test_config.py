@@ -39,6 +39,49 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    (["mine.margin=0"], "mine.margin must be greater than 0 (or null = off), got 0.0."),
+    (["embed.num_actors=-1"], "embed.num_actors must be >= 0 (0 = automatic), got -1."),
+    (["embed.max_tokens_per_batch=100", "embed.max_length=256"],
+     "embed.max_tokens_per_batch (100) must be at least embed.max_length (256)"),
+    (["train.moe_experts=4", "train.moe_top_k=5"], "train.moe_top_k must be in [1, train.moe_experts=4], got 5."),
+    (["train.lr=1e-5", "train.final_lr=1e-4"], "train.final_lr must be in [0, train.lr=1e-05], got 0.0001."),
+    (["train.recluster_every=5", "train.sampler=random"], "train.recluster_every needs train.sampler=clustered"),
+    (["mine.range_min=30"], "mine.range_min (30) must be >= 0 and below mine.range_max (30)."),
+    (["eval.k_values=[]"], "eval.k_values must be a non-empty list of positive integers"),
+])
+def test_section_rules_name_their_keys(override, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, override)
+    assert message in str(err.value)
+
+
+def bounded_keys() -> list[tuple[str, config.Bounds]]:
+    """Every knob with numeric bounds, found from the dataclasses (so a new one is covered too)."""
+    return [(f"{section}.{f.name}", f.metadata["bounds"]) for section in config.SECTIONS
+            for f in config.fields(getattr(config.Config(), section)) if f.metadata["bounds"] is not None]
+
+
+def test_every_bounded_knob_rejects_a_value_outside_its_bounds():
+    assert {"cluster.k", "train.lr", "train.clp_lambda", "mine.ivf_nlist"} <= {key for key, _ in bounded_keys()}
+    for key, bounds in bounded_keys():
+        below = bounds.low - 1 if bounds.low_inclusive else bounds.low
+        with pytest.raises(ConfigError, match=rf"^{key} must be "):
+            config.load(None, [f"{key}={below}"])
+        if bounds.high is not None:
+            with pytest.raises(ConfigError, match=rf"^{key} must be in \["):
+                config.load(None, [f"{key}={bounds.high}"])
+
+
+def test_sections_know_their_yaml_names():
+    cfg = config.Config()
+    for section in config.SECTIONS:
+        assert getattr(cfg, section).section == section
+    assert cfg.train.key("moe_top_k") == "train.moe_top_k"
+    with pytest.raises(AttributeError):
+        cfg.train.key("moe_topk")  # a typo in a rule's message fails here, not in front of a user
+
+
 def test_resolved_config_round_trips_with_hash(tmp_path):
     cfg = config.load(None, ["cluster.k=5"])
     text = config.to_yaml(cfg)
