@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
