@@ -237,7 +237,7 @@ def test_cli_bad_file_exits_2_naming_it_then_quarantine_lists_it(tmp_path, ray_l
 
 
 def test_bad_late_row_group_drops_every_unit_of_its_file(tmp_path, ray_local):
-    from clusterscale.stages.ingest import run_ingest
+    from clusterscale.pipeline import run_stage
 
     folder = tmp_path / "in"
     folder.mkdir()
@@ -246,6 +246,6 @@ def test_bad_late_row_group_drops_every_unit_of_its_file(tmp_path, ray_local):
     cfg = config.load(None, [f"data.path={folder}", "data.query_column=q", "data.passage_column=p",
                              "data.rows_per_part=1000", "data.bad_files=quarantine"])
     run = RunDir(str(tmp_path / "run"))
-    stats = run_ingest(cfg, run)  # four units of the corrupt file: three read fine, the last one fails
+    stats = run_stage("ingest", cfg, run).stats  # four units of the corrupt file: three read fine, the last one fails
     assert stats["rows_in"] == 2 and [b["path"] for b in stats["bad_files"]] == [str(folder / "late_corrupt.parquet")]
     assert sum(pq.read_metadata(f).num_rows for k in KINDS for f in run.files(k)) == 2
