@@ -88,14 +88,15 @@ def bytes_per_row(run: RunDir, manifest: dict) -> list[np.ndarray]:
     return out
 
 
-def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int) -> dict:
+def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None) -> dict:
     run = RunDir(run_dir)
     manifest = run.read_json(f"shards/k={k}/manifest.json")
     sizes, batch = [c["rows"] for c in manifest["clusters"]], manifest["global_batch_size"]
     row_bytes = bytes_per_row(run, manifest)
     counted = RunDir(run_dir)
     counted.fs = CountingFS(counted.fs)
-    readers = [data.ShardReader(counted, manifest) for _ in range(world_size)]
+    options = {} if footer_cache_mb is None else {"footer_cache_bytes": int(footer_cache_mb * 2 ** 20)}
+    readers = [data.ShardReader(counted, manifest, **options) for _ in range(world_size)]
     extra = {"block_rows": data.schedule_block_rows(manifest)} if hasattr(data, "schedule_block_rows") else {}
     per_step, total_read, total_used, started = [], 0, 0.0, time.time()
     for gb in schedule.iterate(sizes, batch, "clustered", seed, steps, **extra):
@@ -111,7 +112,7 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int) -> dic
         total_read, total_used = total_read + read, total_used + used
     warm = per_step[len(per_step) // 2:]
     return {"rows": int(sum(sizes)), "k": k, "shards": len(sizes), "global_batch_size": batch,
-            "world_size": world_size, "steps": len(per_step), "row_group_rows": manifest.get("row_group_rows"),
+            "world_size": world_size, "steps": len(per_step), "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
             "files": sum(len(c["files"]) for c in manifest["clusters"]),
             "bytes_read_per_rank_step": total_read / len(per_step) / world_size,
             "bytes_used_per_rank_step": total_used / len(per_step) / world_size,
@@ -127,9 +128,12 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--footer-cache-mb", type=float,
+                        help="ShardReader's footer cache (row-group reader only); small values emulate the cache "
+                             "misses of a run with many more files than the cache holds")
     parser.add_argument("--json")
     args = parser.parse_args()
-    result = measure(args.run_dir, args.k, args.world_size, args.steps, args.seed)
+    result = measure(args.run_dir, args.k, args.world_size, args.steps, args.seed, args.footer_cache_mb)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

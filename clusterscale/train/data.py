@@ -122,11 +122,17 @@ class _CountingFile:
         self.closed = True
 
 
+def _chunk_bytes(metadata: pq.FileMetaData, groups: Iterable[int]) -> int:
+    """On-disk (compressed) bytes of READ_COLUMNS in these row groups."""
+    names = [metadata.schema.column(i).name for i in range(metadata.num_columns)]
+    columns = [names.index(c) for c in READ_COLUMNS]
+    return sum(metadata.row_group(g).column(c).total_compressed_size for g in groups for c in columns)
+
+
 @dataclass(frozen=True)
 class _Footer:
     metadata: pq.FileMetaData
     group_starts: np.ndarray    # first row of each row group in the file, plus the file's row count
-    column_indices: list[int]   # of READ_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class ShardReader:
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
         self.bytes_read = self.bytes_used = 0
         self._all: pa.Table | None = None
+        self._bytes_per_row = 0.0
         self._lock = threading.Lock()  # prefetch reads in a thread; rows() may be called beside it
 
     def _open(self, rel: str) -> _CountingFile:
@@ -166,9 +173,8 @@ class ShardReader:
             md = pq.ParquetFile(handle).metadata
         finally:
             handle.close()
-        names = [md.schema.column(i).name for i in range(md.num_columns)]
         counts = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-        footer = _Footer(md, np.cumsum([0] + counts), [names.index(c) for c in READ_COLUMNS])
+        footer = _Footer(md, np.cumsum([0] + counts))
         self.footers[rel] = footer
         self._footer_bytes += md.serialized_size
         while self._footer_bytes > self.footer_cache_bytes and len(self.footers) > 1:
@@ -208,9 +214,7 @@ class ShardReader:
             slot = np.searchsorted(groups, groups_of_rows)
             where[mine] = group_offsets[slot] + local - footer.group_starts[groups_of_rows]
             for group, n_rows in zip(groups.tolist(), np.bincount(slot, minlength=len(groups)).tolist()):
-                meta = footer.metadata.row_group(group)
-                chunk = sum(meta.column(c).total_compressed_size for c in footer.column_indices)
-                used += chunk * n_rows / meta.num_rows
+                used += _chunk_bytes(footer.metadata, [group]) * n_rows / footer.metadata.row_group(group).num_rows
             offset += int(sizes.sum())
             read += footer_read + handle.bytes_read
         return pa.concat_tables(pieces).take(pa.array(where)), read, int(round(used))
@@ -218,17 +222,19 @@ class ShardReader:
     def _read_global_rows(self, rows: np.ndarray) -> tuple[pa.Table, int, int]:
         read = 0
         if self._all is None:  # global row indices: the shards concatenated in manifest order
-            tables = []
+            tables, on_disk = [], 0
             for rel in (f for c in self.clusters for f in c["files"]):
                 handle = self._open(rel)
                 try:
-                    tables.append(pq.read_table(handle, columns=READ_COLUMNS))
+                    parquet = pq.ParquetFile(handle)
+                    tables.append(parquet.read(columns=READ_COLUMNS, use_threads=False))
                 finally:
                     handle.close()
+                on_disk += _chunk_bytes(parquet.metadata, range(parquet.metadata.num_row_groups))
                 read += handle.bytes_read
             self._all = pa.concat_tables(tables)
-        table = self._all.take(pa.array(rows))
-        return table, read, table.nbytes
+            self._bytes_per_row = on_disk / max(1, self._all.num_rows)
+        return self._all.take(pa.array(rows)), read, int(round(len(rows) * self._bytes_per_row))
 
     def read(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
         """(pair_id, query, passage of `rows`; bytes read; bytes used). Rows are shard-local when shard >= 0,
