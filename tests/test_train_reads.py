@@ -153,3 +153,22 @@ def test_prefetch_stops_when_the_consumer_stops(tmp_path):
     next(stream)
     stream.close()
     assert len(consumed) <= 5  # one consumed, two queued, one being read: the thread stopped
+
+
+def test_shard_writer_writes_whole_row_groups_of_the_batch_slice(tmp_path):
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.shards import WriteClusterShard
+
+    n, g = 150, 8
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 2, dtype=np.float32)), 2)
+    group = pa.table({"shard": [3] * n, "pair_id": pa.array(np.arange(n)), "query": ["q"] * n, "passage": ["p"] * n,
+                      "source": pa.nulls(n, pa.string()), "cluster": [3] * n, "cos": [1.0] * n, "emb": emb})
+    out = WriteClusterShard(str(tmp_path), 4, 0, 5 * g, g, 2, None)(group)
+    files = out.column("files")[0].as_py()
+    assert len(files) == 4
+    run = RunDir(str(tmp_path))
+    for i, rel in enumerate(files):
+        md = pq.read_metadata(run.path(rel))
+        assert md.num_rows == (5 * g if i < 3 else n - 15 * g)
+        assert [md.row_group(r).num_rows for r in range(md.num_row_groups)][:-1] == [g] * (md.num_row_groups - 1)
+        assert md.row_group(0).column(1).statistics is None  # no min/max strings: footers stay small
