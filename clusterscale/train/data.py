@@ -129,6 +129,21 @@ def _chunk_bytes(metadata: pq.FileMetaData, groups: Iterable[int]) -> int:
     return sum(metadata.row_group(g).column(c).total_compressed_size for g in groups for c in columns)
 
 
+def _read_footer(handle: _CountingFile) -> pq.FileMetaData:
+    """A Parquet file's metadata from exactly its footer bytes (pyarrow would fetch the last 64 KB, more than a
+    rank's rows of a step when footers are small): the 8-byte tail gives the footer's length, then one ranged
+    read of the footer, parsed as a file made of the magic and that tail."""
+    size = handle.size()
+    handle.seek(size - 8)
+    tail = handle.read(8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or length + 12 > size:  # not a plain Parquet footer: let pyarrow read it
+        handle.seek(0)
+        return pq.ParquetFile(handle).metadata
+    handle.seek(size - 8 - length)
+    return pq.ParquetFile(pa.BufferReader(b"PAR1" + handle.read(length) + tail)).metadata
+
+
 @dataclass(frozen=True)
 class _Footer:
     metadata: pq.FileMetaData
@@ -170,7 +185,7 @@ class ShardReader:
             return self.footers[rel], 0
         handle = self._open(rel)
         try:
-            md = pq.ParquetFile(handle).metadata
+            md = _read_footer(handle)
         finally:
             handle.close()
         counts = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
