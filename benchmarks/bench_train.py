@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from clusterscale import config as config_mod  # noqa: E402
+from clusterscale.io.layout import manifest_path  # noqa: E402
 from clusterscale.train import schedule  # noqa: E402
 from clusterscale.train.data import ShardReader  # noqa: E402
 from clusterscale.train.metrics import read_metrics  # noqa: E402
@@ -49,7 +50,7 @@ def _cfg(global_batch_size: int, steps: int, *extra: str):
 def loader_and_plain(run, cfg, steps: int) -> dict:
     """Parts 1 and 2's plain loop, in this process (torch threads = all cores)."""
     tc = cfg.train
-    manifest = run.read_json("shards/k=4/manifest.json")
+    manifest = run.read_json(manifest_path(4))
     sizes = [c["rows"] for c in manifest["clusters"]]
     model, tokenizer, pooling = build_student(tc)
     settings = StepSettings.from_train_config(tc, pooling, amp=False)

@@ -361,7 +361,7 @@ class MineConfig(Section):
     ivf_nlist: int = knob(0, "Inverted lists of the IVF index; 0 = 4 x sqrt(N).", bounds=zero_means("automatic"))
     ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.", bounds=POSITIVE)
     query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False, bounds=POSITIVE)
-    num_actors: int = knob(0, "Mining actors (one passage index each); 0 = one per GPU, or one per CPU.",
+    num_actors: int = knob(0, "Mining actors (one passage index each); 0 = one per GPU, or one per 8 CPUs.",
                            affects_output=False, bounds=zero_means("automatic"))
 
     def validate(self) -> None:

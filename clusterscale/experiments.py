@@ -17,7 +17,7 @@ import numpy as np
 from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.kmeans import ClusteringError
-from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, kmeans_dir, shards_dir
+from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, fit_stats_path, manifest_path, train_dir
 from clusterscale.pipeline import pipeline, run_stages
 from clusterscale.redact import redact_uri
 from clusterscale.stages.report import run_report
@@ -171,7 +171,7 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
                "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
                if any(records) else None,
                "neg_cos_mean": float(np.mean([r["neg_cos_mean"] for recs in records for r in recs])) if any(records) else None,
-               "train_worker_s": float(sum(run.done_stats(f"train/{n}").get("worker_s", 0) for n in names)),
+               "train_worker_s": float(sum(run.done_stats(train_dir(n)).get("worker_s", 0) for n in names)),
                "train_keys": _differing_train_keys(cfg, arm_cfgs[0])}
         out["arms"][sampler] = arm
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
@@ -209,10 +209,10 @@ def sweep_line(sweep: dict, run: RunDir) -> str:
 
 def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
     """One row of the sweep table from the shard manifest and the recorded stage costs of this k."""
-    manifest = run.read_json(f"{shards_dir(k)}/manifest.json")
+    manifest = run.read_json(manifest_path(k))
     sizes = np.array([c["rows"] for c in manifest["clusters"]], dtype=float)
     intra = [(c["mean_intra_cosine"], c["rows"]) for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
-    fit = run.read_json(f"{kmeans_dir(k)}/fit_stats.json")
+    fit = run.read_json(fit_stats_path(k))
     return {"rows": rows, "k": k, "shards": len(sizes), "min_rows": int(sizes.min()), "max_rows": int(sizes.max()),
             "size_cv": float(sizes.std() / sizes.mean()), "imbalance_factor": fit.get("imbalance_factor"),
             "mean_intra_cosine": float(sum(c * n for c, n in intra) / sum(n for _, n in intra)) if intra else None,
@@ -257,7 +257,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
                 results = _train_and_evaluate(kcfg, run, stage_options)
                 point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
                 point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
-                point["train_worker_s"] = run.done_stats(f"train/{kcfg.train_name()}").get("worker_s")
+                point["train_worker_s"] = run.done_stats(train_dir(kcfg.train_name())).get("worker_s")
             points.append(point)
         report_cfg = variant(base, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{base.train.sampler}-k{report_k}", base.train.seed)})

@@ -15,7 +15,8 @@ from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
-from clusterscale.io.layout import NEGATIVES, STAGES, assign_dir, kmeans_dir, shards_dir
+from clusterscale.io.layout import (EVAL, NEGATIVES, STAGES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path,
+                                    shards_dir, train_dir)
 from clusterscale.stages.mine import run_mine
 from clusterscale.stages.report import run_report
 from clusterscale.io.rundir import ConfigMismatchError, RunDir
@@ -37,7 +38,7 @@ def stage_output(cfg: Config, verb: str) -> str:
     """The folder of the run that `verb` writes with `cfg` (what it locks and what --replace removes)."""
     k = cfg.cluster.k
     return {"ingest": "pairs", "embed": "embeddings", "fit": kmeans_dir(k), "assign": assign_dir(k),
-            "shard": shards_dir(k), "mine": NEGATIVES, "train": f"train/{cfg.train_name()}", "evaluate": "eval",
+            "shard": shards_dir(k), "mine": NEGATIVES, "train": train_dir(cfg.train_name()), "evaluate": EVAL,
             "report": "report"}[verb]
 
 
@@ -98,8 +99,8 @@ def _run_stage(function: Callable, verb: str, cfg: Config, run: RunDir, resume: 
 def _replace(run: RunDir, stage_dir: str) -> None:
     removed = run.replace(stage_dir)
     for folder in removed:  # a replaced model's cached evaluation goes with it
-        if folder.startswith("train/"):
-            run.remove(f"eval/{folder.removeprefix('train/')}.json")
+        if folder.startswith(f"{TRAIN}/"):
+            run.remove(eval_path(folder.removeprefix(f"{TRAIN}/")))
     print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)
 
 
@@ -107,8 +108,8 @@ def summary(cfg: Config, run: RunDir, results: dict) -> str:
     lines = ["", "== summary =="]
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
-        shards = shards_dir(cfg.cluster.k)
-        shard_rows = run.read_json(f"{shards}/manifest.json")["stats"] if run.exists(shards, "manifest.json") else None
+        manifest = manifest_path(cfg.cluster.k)
+        shard_rows = run.read_json(manifest)["stats"] if run.exists(manifest) else None
         lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
                      f"sharded {shard_rows['rows'] if shard_rows else '-'}")
         if shard_rows:

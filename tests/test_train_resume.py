@@ -7,7 +7,9 @@ import json
 import pytest
 
 from clusterscale import config as config_mod
+from clusterscale.io.layout import batches_path, model_dir, train_dir
 from clusterscale.train.loop import run_train
+from clusterscale.train.metrics import read_metrics
 from tests.train_data import make_sharded_run, train_overrides
 
 STEPS = 8
@@ -27,27 +29,27 @@ def _jsonl(run, rel):
 
 
 def _batches(run, name):
-    return [[(r["step"], r["pair_ids"]) for r in _jsonl(run, f"train/{name}/batches/rank-{rank}.jsonl")]
+    return [[(r["step"], r["pair_ids"]) for r in _jsonl(run, batches_path(name, rank))]
             for rank in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(sharded, tiny_model, ray_local):
     run_train(_cfg(tiny_model, "full"), sharded)
-    return _batches(sharded, "full"), _jsonl(sharded, "train/full/metrics.jsonl")
+    return _batches(sharded, "full"), read_metrics(sharded, "full")
 
 
 def _assert_same_run(run, name, uninterrupted):
     batches, metrics = uninterrupted
     assert _batches(run, name) == batches
-    got = _jsonl(run, f"train/{name}/metrics.jsonl")
+    got = read_metrics(run, name)
     assert [m["step"] for m in got] == list(range(STEPS))
     for a, b in zip(got, metrics):
         assert a["cluster"] == b["cluster"]
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])  # same weights, optimizer state, dropout
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)
-    assert run.exists(f"train/{name}/model/model.safetensors") and run.exists(f"train/{name}/_DONE.json")
-    assert not run.exists(f"train/{name}/ray")  # train.keep_checkpoint=false: deleted after the final export
+    assert run.exists(model_dir(name), "model.safetensors") and run.exists(train_dir(name), "_DONE.json")
+    assert not run.exists(train_dir(name), "ray")  # train.keep_checkpoint=false: deleted after the final export
 
 
 def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
@@ -77,7 +79,7 @@ def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model
         for f in rows["files"]:
             t = pq.read_table(sharded.path(f), columns=["pair_id", "source"])
             source_of.update(zip(t.column("pair_id").to_pylist(), t.column("source").to_pylist()))
-    metrics = _jsonl(sharded, "train/source/metrics.jsonl")
+    metrics = read_metrics(sharded, "source")
     for (step0, ids0), (step1, ids1), m in zip(*_batches(sharded, "source"), metrics):
         assert {source_of[p] for p in ids0 + ids1} == {m["cluster_name"]}
     for m in metrics:

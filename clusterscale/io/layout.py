@@ -12,6 +12,9 @@ STAGES = ("ingest", "embed", "fit", "assign", "shard", "mine", "train", "evaluat
 PREPROCESS = STAGES[:STAGES.index("mine")]  # what compare and sweep share across their arms
 PER_K_STAGES = STAGES[STAGES.index("fit"):STAGES.index("mine")]  # one output per cluster.k (kmeans/k=<k>/ ...)
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
+TRAIN = "train"  # training runs: train/<name>/
+EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/
+MTEB_EVAL = f"{EVAL}/mteb"  # eval/mteb/<model>.json
 
 
 def kmeans_dir(k: int) -> str:
@@ -26,18 +29,75 @@ def shards_dir(k: int) -> str:
     return f"shards/k={k}"
 
 
+def centroids_path(k: int) -> str:
+    return f"{kmeans_dir(k)}/centroids.npy"
+
+
+def fit_stats_path(k: int) -> str:
+    return f"{kmeans_dir(k)}/fit_stats.json"
+
+
+def manifest_path(k: int) -> str:
+    """shards/k=<k>/manifest.json: per-cluster rows and files, written last by the shard stage."""
+    return f"{shards_dir(k)}/manifest.json"
+
+
+def train_dir(name: str) -> str:
+    """train/<name>/: one training run (checkpoints under ray/, metrics, the exported model)."""
+    return f"{TRAIN}/{name}"
+
+
+def model_dir(name: str) -> str:
+    """The exported model of training run `name` (a sentence-transformers folder)."""
+    return f"{train_dir(name)}/model"
+
+
+def metrics_path(name: str) -> str:
+    """Rank 0's per-step records of training run `name`."""
+    return f"{train_dir(name)}/metrics.jsonl"
+
+
+def batches_path(name: str, rank: int) -> str:
+    """The pair_ids rank `rank` trained on per step (train.log_batches)."""
+    return f"{train_dir(name)}/batches/rank-{rank}.jsonl"
+
+
+def collapse_path(name: str) -> str:
+    """Written when training run `name` collapsed (see train.stop_on_collapse)."""
+    return f"{train_dir(name)}/collapse.json"
+
+
+def eval_path(name: str) -> str:
+    """Held-out retrieval metrics of a model: a training run's name, or 'frozen' for the frozen encoder."""
+    return f"{EVAL}/{name}.json"
+
+
+def mteb_eval_path(model_name: str) -> str:
+    return f"{MTEB_EVAL}/{model_name}.json"
+
+
+def eval_clusters_path(k: int) -> str:
+    """The nearest centroid of kmeans/k=<k>/ of each held-out pair (cached by evaluate)."""
+    return f"{EVAL}/clusters/k={k}.json"
+
+
+def eval_by_cluster_path(k: int) -> str:
+    """NDCG@10 per cluster of kmeans/k=<k>/ for every evaluated model."""
+    return f"{EVAL}/by_cluster/k={k}.json"
+
+
 def load_manifest(run: RunDir, k: int) -> dict:
     run.require(shards_dir(k), "shard", f"Shards for k={k}")
-    return run.read_json(f"{shards_dir(k)}/manifest.json")
+    return run.read_json(manifest_path(k))
 
 
 def local_model_dir(run: RunDir, name: str) -> str:
     """A local folder with the exported model (downloaded from an object store when needed)."""
     if run.is_local:
-        return run.path(f"train/{name}/model")
+        return run.path(model_dir(name))
     target = tempfile.mkdtemp(prefix=f"clusterscale-{name}-")
-    prefix = run.path(f"train/{name}/model")
-    for f in run.files(f"train/{name}/model", suffix=""):
+    prefix = run.path(model_dir(name))
+    for f in run.files(model_dir(name), suffix=""):
         rel = os.path.relpath(f, prefix)
         os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
         with run.fs.open_input_stream(f) as src, open(os.path.join(target, rel), "wb") as dst:

@@ -20,7 +20,9 @@ import time
 import uuid
 from typing import Any, Iterator
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import yaml
 from clusterscale.errors import UserError
 
@@ -153,6 +155,12 @@ class RunDir:
         with self.fs.open_output_stream(tmp) as out:
             out.write(data)
         self.fs.move(tmp, final)
+
+    def write_parquet(self, rel: str, table: pa.Table, **write_options: Any) -> None:
+        """Write `table` as one Parquet file at `rel`, atomically (write_bytes); options go to pq.write_table."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, **write_options)
+        self.write_bytes(rel, sink.getvalue())
 
     def read_bytes(self, rel: str) -> bytes:
         with self.fs.open_input_stream(self.path(rel)) as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from clusterscale.config import Config
+from clusterscale.io.layout import eval_path, model_dir, mteb_eval_path, train_dir
 from clusterscale.io.rundir import RunDir
 
 BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what train.init=bundled is a copy of
@@ -22,8 +23,8 @@ def _base_model(cfg: Config) -> str:
 
 def _exported_pooling(run: RunDir, name: str) -> str:
     """The pooling the export uses (train.pooling may say 'auto')."""
-    pooling = run.read_json(f"train/{name}/model/1_Pooling/config.json") \
-        if run.exists(f"train/{name}/model/1_Pooling/config.json") else {}
+    rel = f"{model_dir(name)}/1_Pooling/config.json"
+    pooling = run.read_json(rel) if run.exists(rel) else {}
     return "CLS" if pooling.get("pooling_mode_cls_token") else "mean" if pooling.get("pooling_mode_mean_tokens") else "?"
 
 
@@ -38,8 +39,8 @@ def _hub_base_model(init: str) -> list[str]:
 
 
 def _metrics_lines(run: RunDir, name: str) -> list[str]:
-    rows = [(label, run.read_json(rel)) for label, rel in (("this model", f"eval/{name}.json"),
-                                                          ("frozen encoder (reference)", "eval/frozen.json"))
+    rows = [(label, run.read_json(rel)) for label, rel in (("this model", eval_path(name)),
+                                                          ("frozen encoder (reference)", eval_path("frozen")))
             if run.exists(rel)]
     lines = []
     if rows:
@@ -47,8 +48,8 @@ def _metrics_lines(run: RunDir, name: str) -> list[str]:
         lines += ["| model | queries | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
         lines += [f"| {label} | {r.get('num_queries', '')} | " + " | ".join(f"{r['metrics'][k]:.4f}" for k in keys)
                   + " |" for label, r in rows]
-    if run.exists(f"eval/mteb/{name}.json"):
-        tasks = run.read_json(f"eval/mteb/{name}.json")["tasks"]
+    if run.exists(mteb_eval_path(name)):
+        tasks = run.read_json(mteb_eval_path(name))["tasks"]
         lines += ["", "MTEB retrieval, NDCG@10: " + ", ".join(
             f"{task} {scores['ndcg_at_10']:.4f}" for task, scores in sorted(tasks.items()) if "ndcg_at_10" in scores)]
     return lines or ["Not evaluated yet: `clusterscale evaluate` (same config and --run-dir) adds the held-out "
@@ -56,7 +57,7 @@ def _metrics_lines(run: RunDir, name: str) -> list[str]:
 
 
 def model_card(cfg: Config, run: RunDir, name: str) -> str:
-    tc, stats = cfg.train, run.done_stats(f"train/{name}") if run.exists(f"train/{name}", "_DONE.json") else {}
+    tc, stats = cfg.train, run.done_stats(train_dir(name)) if run.exists(train_dir(name), "_DONE.json") else {}
     pairs = run.done_stats("pairs").get("pairs") if run.exists("pairs", "_DONE.json") else None
     steps = stats.get("steps", tc.steps)
     return "\n".join([
@@ -83,5 +84,5 @@ def model_card(cfg: Config, run: RunDir, name: str) -> str:
 
 def write_model_card(cfg: Config, run: RunDir, name: str) -> None:
     """(Re)write train/<name>/model/README.md; a no-op when the model was not exported."""
-    if run.exists(f"train/{name}/model", "config.json"):
-        run.write_text(f"train/{name}/model/README.md", model_card(cfg, run, name))
+    if run.exists(model_dir(name), "config.json"):
+        run.write_text(f"{model_dir(name)}/README.md", model_card(cfg, run, name))

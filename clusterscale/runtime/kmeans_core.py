@@ -9,16 +9,15 @@ and therefore independent of how rows are split over workers: W=1 and W=2 give i
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-import faiss
 import numpy as np
 import scipy.sparse as sp
 
 from clusterscale.errors import UserError
+from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.hashing import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
@@ -54,27 +53,9 @@ def check_vectors(x: np.ndarray, where: str, dim: int | None = None) -> None:
                               f"`clusterscale embed` with a working encoder (delete embeddings/ first).")
 
 
-def make_ip_index(d: int, use_gpu: bool = False) -> faiss.Index:
-    """Exact inner-product index; on a GPU when asked and faiss was built with GPU support."""
-    index = faiss.IndexFlatIP(d)
-    if use_gpu:
-        if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
-            raise ClusteringError("A GPU index was requested but this faiss has no GPU support: "
-                                  "`pip install faiss-gpu-cu12` (or run on CPU).")
-        index = faiss.index_cpu_to_gpu(_gpu_resources(), 0, index)
-    return index
-
-
-@functools.lru_cache(maxsize=1)
-def _gpu_resources():
-    """One faiss GPU context per process (making one per Lloyd step would allocate scratch memory each time)."""
-    return faiss.StandardGpuResources()
-
-
 def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(cosine, label) of every row's nearest centroid by inner product."""
-    index = make_ip_index(centroids.shape[1], use_gpu)
-    index.add(np.ascontiguousarray(centroids, dtype=np.float32))
+    index = build_ip_index(centroids, use_gpu=use_gpu)
     sims, labels = index.search(np.ascontiguousarray(x, dtype=np.float32), 1)
     return sims[:, 0], labels[:, 0]
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from clusterscale.config import Config
 from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
-from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, shards_dir
+from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.train import schedule
 from clusterscale.train.data import strata_inputs
@@ -134,9 +134,9 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     steps = [r["step_s"] for r in read_metrics(run, name)]
-    if not (record.get("steps") and steps and run.exists(shards_dir(cfg.cluster.k), "manifest.json")):
+    if not (record.get("steps") and steps and run.exists(manifest_path(cfg.cluster.k))):
         return None
-    manifest = run.read_json(f"{shards_dir(cfg.cluster.k)}/manifest.json")
+    manifest = run.read_json(manifest_path(cfg.cluster.k))
     sizes, codes, _ = strata_inputs(run, manifest, record.get("sampler", cfg.train.sampler))
     gbs = record.get("global_batch_size", cfg.train.global_batch_size)
     batches = schedule.batches_per_epoch(sizes, gbs, record.get("sampler", cfg.train.sampler), codes)

@@ -14,7 +14,6 @@ Run with `clusterscale embed [CONFIG] --run-dir R` (after `ingest`).
 """
 from __future__ import annotations
 
-import io
 import math
 import posixpath
 import time
@@ -28,7 +27,9 @@ from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.modeling.encoder import Encoder, check_encoder
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import ConfigMismatchError, RunDir, changed_keys
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.resources import ActorPlan, Resources, plan_actors
+from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
@@ -64,25 +65,12 @@ def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
     return max(1, min(rows_per_part, math.ceil(n_rows / (4 * actors))))
 
 
-def load_or_make_plan(run: RunDir, fingerprint: str, cfg: Config, actors: int, pairs_run: RunDir | None = None
-                      ) -> dict:
-    """The unit list of this embedding; an interrupted attempt's plan is reused (same fingerprint only)."""
-    if run.exists(PLAN):
-        plan = run.read_json(PLAN)
-        if plan["fingerprint"] != fingerprint:
-            raise ConfigMismatchError(
-                f"{run.path('embeddings')} holds an interrupted embedding made with a different config; changed: "
-                f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Outputs are never "
-                f"mixed: rerun with that config to finish it.", "embeddings")
-        return plan
-    run.begin("embeddings")  # leftovers of an older layout, never mixed with this plan
-    pairs_run = pairs_run or run
+def make_plan(cfg: Config, actors: int, pairs_run: RunDir) -> dict:
+    """The unit list of a fresh embedding (work_units.load_or_make_plan stores it with the fingerprint)."""
     n_rows = pairs_run.done_stats("pairs")["pairs"]
     rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
-    plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None), "rows_per_unit": rows_per_unit,
-            "embed": cfg.to_dict()["embed"], "units": plan_units(pairs_run, rows_per_unit)}
-    run.write_json(PLAN, plan)
-    return plan
+    return {"rows_per_unit": rows_per_unit, "embed": cfg.to_dict()["embed"],
+            "units": plan_units(pairs_run, rows_per_unit)}
 
 
 # the actor ---------------------------------------------------------------------------------------
@@ -110,9 +98,7 @@ class EmbedWorker:
         for (_, suffix), v, t in zip(sides, vectors, tokens):
             table = table.append_column(f"emb{suffix}", emb_array(v))
             table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
-        sink = io.BytesIO()
-        pq.write_table(table, sink)
-        self.run.write_bytes(unit["output"], sink.getvalue())
+        self.run.write_parquet(unit["output"], table)
         return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
                 "busy_s": time.time() - started}
 
@@ -126,15 +112,9 @@ def check_finite(vectors: np.ndarray, pair_ids: np.ndarray, side: str, model: st
                              f"is broken. Nothing of these rows was written; fix the model and rerun.")
 
 
-def actor_pool_size(cfg: EmbedConfig) -> tuple[int, dict, int]:
-    """(actors, ray actor options, torch threads): one actor per GPU, else threads_per_actor CPUs each."""
-    resources = ray.cluster_resources()
-    gpus = int(resources.get("GPU", 0))
-    if gpus:
-        return cfg.num_actors or gpus, {"num_gpus": 1, "num_cpus": 1}, 1
-    cpus = max(1, int(resources.get("CPU", 1)))
-    threads = min(cfg.threads_per_actor, cpus)
-    return cfg.num_actors or max(1, cpus // threads), {"num_cpus": threads}, threads
+def actor_pool_size(cfg: EmbedConfig) -> ActorPlan:
+    """One actor (encoder replica) per GPU, else one per threads_per_actor CPUs."""
+    return plan_actors(Resources(cpus=cfg.threads_per_actor, gpus=1), max_actors=cfg.num_actors)
 
 
 class EmbedUnits:
@@ -149,19 +129,19 @@ class EmbedUnits:
                                                                ("busy_s", pa.float64())]))
 
 
-def run_units(run: RunDir, cfg: Config, todo: list[dict], actors: int, options: dict, threads: int,
-              pairs_run: RunDir | None = None) -> tuple[list[dict], float]:
+def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir | None = None
+              ) -> tuple[list[dict], float]:
     """Embed `todo` with a Ray Data actor pool (one unit per task; Ray Data restarts a dead actor and retries).
 
     A unit's output name is fixed, so a task Ray retries after an actor death rewrites the same file:
     no row is lost or duplicated. Returns (per-unit results, actor seconds)."""
     started = time.time()
-    pool_size = min(actors, len(todo))
+    pool_size = min(pool.actors, len(todo))
     ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], threads,
+    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], pool.threads,
                                                             pairs_run.uri if pairs_run else None),
                         batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool_size),
-                        **options)
+                        **pool.options)
     progress = ProgressLine("embed", sum(u["stop"] - u["start"] for u in todo))
     results = []
     try:
@@ -199,18 +179,14 @@ def run_embed(cfg: Config, run: RunDir, pairs_run: RunDir | None = None) -> dict
     if run.is_done("embeddings", fingerprint):
         return run.done_stats("embeddings")
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
-    actors, options, threads = actor_pool_size(cfg.embed)
-    plan = load_or_make_plan(run, fingerprint, cfg, actors, pairs_run)
-    existing = set(run.listdir("embeddings"))
-    done = [u for u in plan["units"] if posixpath.basename(u["output"]) in existing]
-    todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
-    for name in existing:  # temp files of writes cut short by a kill
-        if name.startswith(".tmp-"):
-            run.remove("embeddings", name)
+    pool = actor_pool_size(cfg.embed)
+    plan = load_or_make_plan(run, "embeddings", PLAN, fingerprint, "embedding",
+                             lambda: make_plan(cfg, pool.actors, pairs_run))
+    done, todo = split_done(run, "embeddings", plan["units"])
     if done:
         print(f"[embed] resuming: {len(done)}/{len(plan['units'])} units already complete", flush=True)
     started = time.time()
-    results, worker_s = run_units(run, cfg, todo, actors, options, threads, pairs_run) if todo else ([], 0.0)
+    results, worker_s = run_units(run, cfg, todo, pool, pairs_run) if todo else ([], 0.0)
     rows_before, truncated_before = _count_done(run, done)
     rows = rows_before + sum(r["rows"] for r in results)
     expected = pairs_run.done_stats("pairs")["pairs"]
@@ -218,10 +194,10 @@ def run_embed(cfg: Config, run: RunDir, pairs_run: RunDir | None = None) -> dict
         raise RuntimeError(f"embeddings/ holds {rows} rows but pairs/ has {expected}: delete embeddings/ and rerun.")
     wall = time.time() - started
     embedded = rows - rows_before
-    device = "gpu" if "num_gpus" in options else "cpu"
+    device = pool.device
     stats = {"rows": rows, "rows_embedded": embedded, "units": len(plan["units"]), "units_skipped": len(done),
              "truncated": truncated_before + sum(r["truncated"] for r in results),
-             "actors": min(actors, len(todo)), "wall_s": round(wall, 3),
+             "actors": min(pool.actors, len(todo)), "wall_s": round(wall, 3),
              "rows_per_s": round(embedded / wall, 2) if wall > 0 else 0.0, "worker_s": round(worker_s, 3),
              "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device}
     if device == "gpu":

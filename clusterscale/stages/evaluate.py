@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -22,9 +21,12 @@ from clusterscale.modeling.encoder import Encoder
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.ingest import heldout_key
 from clusterscale.stages.kmeans import load_centroids
-from clusterscale.io.layout import kmeans_dir
+from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
+                                    model_dir, train_dir)
 from clusterscale.modeling.model_card import write_model_card
+from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.io.rundir import RunDir
 from clusterscale.stages.synthetic import synthetic_embeddings
 
@@ -189,10 +191,9 @@ class EvalEncoder:
 def encode_on_actor(model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
                    passages: list[str], batch_size: int, chunk_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Embed queries and passages (at their own max lengths) on one Ray actor, on a GPU when there is one."""
-    gpus = ray.cluster_resources().get("GPU", 0)
-    threads = 1 if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)))
-    actor = ray.remote(EvalEncoder).options(num_gpus=1 if gpus else 0, num_cpus=1 if gpus else threads,
-                                            max_restarts=1, max_task_retries=1).remote(model, pooling, threads)
+    plan = plan_actors(Resources(gpus=1), max_actors=1)  # one actor: a GPU, or every CPU as its threads
+    actor = ray.remote(EvalEncoder).options(**plan.options, max_restarts=1,
+                                            max_task_retries=1).remote(model, pooling, plan.threads)
     progress = ProgressLine("evaluate", len(queries) + len(passages), unit="texts")
     out = []
     try:
@@ -214,8 +215,7 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]
     Equal scores are ordered by a fixed pseudo-random key of the pool index, not by the index itself:
     the held-out (relevant) passages come first in the pool, so index order would break every tie in
     their favour."""
-    index = faiss.IndexFlatIP(pool.shape[1])
-    index.add(np.ascontiguousarray(pool, dtype=np.float32))
+    index = build_ip_index(pool)
     scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(depth, pool.shape[0]))
     tie_key = hash_unit(np.arange(pool.shape[0]), salt=EVAL_SALT)
     out = []
@@ -232,7 +232,7 @@ def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling
     """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
-    rel = f"eval/{eval_name}.json"
+    rel = eval_path(eval_name)
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
@@ -264,13 +264,13 @@ def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | No
     Held-out pairs are never clustered, so they are embedded here exactly as the embed stage would
     (same model, pooling, max length). None when the fit of this k does not exist."""
     k = cfg.cluster.k
-    if not run.exists(kmeans_dir(k), "centroids.npy"):
+    if not run.exists(centroids_path(k)):
         return None
     if synthetic_embeddings(run):
         print(f"[evaluate] NDCG@10 per cluster skipped: the clusters of this run were fit on synthetic vectors "
               f"(`clusterscale synth`), which {cfg.embed.model} cannot reproduce for held-out pairs.", flush=True)
         return None
-    rel = f"eval/clusters/k={k}.json"
+    rel = eval_clusters_path(k)
     fingerprint = cfg.fingerprint(("data", "embed", "cluster", "eval"))
     if run.exists(rel):
         cached = run.read_json(rel)
@@ -290,8 +290,8 @@ def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -
     if clusters is None:
         return None
     # Every model evaluated in this run so far (compare arms too), not only this call's.
-    everything = {r["name"]: r for f in run.listdir("eval") if f.endswith(".json")
-                  for r in [run.read_json(f"eval/{f}")]} | results
+    everything = {r["name"]: r for f in run.listdir(EVAL) if f.endswith(".json")
+                  for r in [run.read_json(f"{EVAL}/{f}")]} | results
     table: dict[str, dict] = {}
     for name, result in everything.items():
         per_query = result.get("per_query")
@@ -301,7 +301,7 @@ def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -
             row = table.setdefault(str(c), {"queries": cell["queries"], "ndcg_at_10": {}})
             row["ndcg_at_10"][name] = cell["mean"]
     out = {"k": cfg.cluster.k, "clusters": table}
-    run.write_json(f"eval/by_cluster/k={cfg.cluster.k}.json", out)
+    run.write_json(eval_by_cluster_path(cfg.cluster.k), out)
     return out
 
 
@@ -314,9 +314,9 @@ def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict
                                         cfg.fingerprint(("data", "embed", "eval"), extra=lengths))}
     name = cfg.train_name()
     if include_trained:
-        run.require(f"train/{name}", "train", f"Trained model {name!r}")
+        run.require(train_dir(name), "train", f"Trained model {name!r}")
         # A URI, not a driver-local copy: the encoding task may run on another node.
-        results[name] = evaluate_model(cfg, run, name, run.child_uri(f"train/{name}/model"), "auto", eval_set,
+        results[name] = evaluate_model(cfg, run, name, run.child_uri(model_dir(name)), "auto", eval_set,
                                        cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
         write_model_card(cfg, run, name)  # the card now carries the held-out metrics
     by_cluster = cluster_breakdown(cfg, run, eval_set, results)

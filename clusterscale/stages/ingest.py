@@ -8,7 +8,6 @@ index in the file: stable, unique and independent of how the work is split. Run 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import time
 import unicodedata
@@ -16,7 +15,6 @@ from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
@@ -84,10 +82,8 @@ class _PartWriter:
         for kind, rows in self.buffers.items():
             while len(rows) >= self.rows_per_part or (final and rows):
                 chunk, rows = rows[:self.rows_per_part], rows[self.rows_per_part:]
-                sink = io.BytesIO()
                 schema = QUARANTINE_SCHEMA if kind == "quarantine" else PAIR_SCHEMA
-                pq.write_table(pa.Table.from_pylist(chunk, schema=schema), sink)
-                self.run.write_bytes(self._name(kind, self.parts[kind]), sink.getvalue())
+                self.run.write_parquet(self._name(kind, self.parts[kind]), pa.Table.from_pylist(chunk, schema=schema))
                 self.parts[kind] += 1
             self.buffers[kind] = rows
 

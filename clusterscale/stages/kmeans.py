@@ -19,10 +19,12 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.io.layout import assign_dir, kmeans_dir
+from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path, kmeans_dir
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
+from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.vectors import emb_matrix
@@ -94,16 +96,11 @@ class SampleShard:
         return self.worker.step(centroids)
 
 
-def fit_resources(num_workers: int, units: int) -> tuple[int, int, dict]:
-    """(workers, faiss threads per worker, actor options): one per GPU, else one per node by default."""
-    resources = ray.cluster_resources()
-    gpus = int(resources.get("GPU", 0))
-    use_gpu = gpus > 0 and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU"))
-    workers = max(1, min(num_workers or (gpus if use_gpu else nodes), units))
-    threads = max(1, int(resources.get("CPU", 1)) // workers)
-    options = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": threads}
-    return workers, threads, options | {"scheduling_strategy": "SPREAD"}
+def fit_resources(num_workers: int, units: int) -> ActorPlan:
+    """The fit's actors: one per GPU (where faiss has GPU support), else one per node sharing its CPUs."""
+    cluster = ClusterResources.current()
+    return plan_actors(Resources(gpus=1), max_actors=num_workers, work_units=units, cpu_actors=cluster.nodes,
+                       use_gpu=cluster.gpus > 0 and gpu_available(), cluster=cluster)
 
 
 def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tuple[np.ndarray, dict]:
@@ -118,9 +115,10 @@ def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tupl
     return lloyd(step, initial, niter, log)
 
 
-def start_sample_shards(loads: list, threads: int, options: dict, use_gpu: bool = False) -> list:
-    actor_cls = ray.remote(SampleShard).options(**({"runtime_env": faiss_runtime_env()} | options))
-    return [actor_cls.remote(load, threads, use_gpu) for load in loads]
+def start_sample_shards(loads: list, plan: ActorPlan) -> list:
+    options = {"runtime_env": faiss_runtime_env(), "scheduling_strategy": "SPREAD"} | plan.options
+    actor_cls = ray.remote(SampleShard).options(**options)
+    return [actor_cls.remote(load, plan.threads, plan.on_gpu) for load in loads]
 
 
 def check_sample(descriptions: list[dict], k: int) -> int:
@@ -160,10 +158,10 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
     started = time.time()
     wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
     keep_fraction = min(1.0, wanted / n_files_rows)
-    workers, threads, options = fit_resources(cfg.cluster.num_workers, len(units))
-    slices = split_units(units, workers)
+    plan = fit_resources(cfg.cluster.num_workers, len(units))
+    slices = split_units(units, plan.actors)
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
-    actors = start_sample_shards(loads, threads, options, use_gpu="num_gpus" in options)
+    actors = start_sample_shards(loads, plan)
     try:
         descriptions = ray.get([a.describe.remote() for a in actors])
         n_sample = check_sample(descriptions, k)
@@ -175,14 +173,14 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
             ray.kill(a)
     buf = io.BytesIO()
     np.save(buf, centroids)
-    run.write_bytes(f"{out}/centroids.npy", buf.getvalue())
+    run.write_bytes(centroids_path(k), buf.getvalue())
     wall = time.time() - started
     stats.update({"k": k, "niter": cfg.cluster.niter, "seed": cfg.cluster.seed, "n_sample": n_sample,
                   "sample_fraction": round(keep_fraction, 6), "dim": dim, "num_workers": len(actors),
-                  "threads_per_worker": threads, "device": "gpu" if "num_gpus" in options else "cpu",
+                  "threads_per_worker": plan.threads, "device": plan.device,
                   "load_s": round(load_s, 3), "wall_s": round(wall, 3),
                   "worker_s": round(wall * len(actors), 3)})
-    run.write_json(f"{out}/fit_stats.json", stats)
+    run.write_json(fit_stats_path(k), stats)
     run.mark_done(out, fingerprint, stats, {"cluster": cfg.to_dict()["cluster"]})
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
@@ -190,25 +188,16 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
 
 
 def load_centroids(run: RunDir, k: int) -> np.ndarray:
-    return np.load(io.BytesIO(run.read_bytes(f"{kmeans_dir(k)}/centroids.npy")))
+    return np.load(io.BytesIO(run.read_bytes(centroids_path(k))))
 
 
 # --- assign ---------------------------------------------------------------------------------------------
 def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int) -> bytes:
     """Serialised faiss index over the centroids: exact (flat) or IVF (k >= 10k, faster, approximate)."""
-    k, d = centroids.shape
-    c = np.ascontiguousarray(centroids, dtype=np.float32)
+    k = centroids.shape[0]
     if kind == "auto":
         kind = "ivf" if k >= 10_000 else "flat"
-    if kind == "flat":
-        index = faiss.IndexFlatIP(d)
-    else:
-        nlist = max(1, int(math.sqrt(k)))
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
-        index.cp.seed = 1234  # the coarse quantizer's k-means: fixed so assign is reproducible
-        index.train(c)
-        index.nprobe = min(nprobe, nlist)
-    index.add(c)
+    index = build_ip_index(centroids, kind, nlist=max(1, int(math.sqrt(k))), nprobe=nprobe)
     return faiss.serialize_index(index).tobytes()
 
 
@@ -218,8 +207,8 @@ class AssignBatches:
     def __init__(self, index: bytes):
         """index: build_assign_index's serialized faiss index."""
         self.index = faiss.deserialize_index(np.frombuffer(index, dtype=np.uint8))
-        if faiss.get_num_gpus() > 0 and hasattr(faiss, "StandardGpuResources") and ray.get_gpu_ids():
-            self.index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, self.index)
+        if gpu_available() and ray.get_gpu_ids():
+            self.index = to_gpu(self.index)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         x = emb_matrix(batch.column("emb"))
@@ -245,10 +234,8 @@ class AssignAndWrite(AssignBatches):
     def __call__(self, batch: pa.Table) -> pa.Table:
         if batch.num_rows == 0:
             return pa.table({"rows": [0]})
-        sink = io.BytesIO()
-        pq.write_table(super().__call__(batch), sink)
         first = batch.column("pair_id")[0].as_py()
-        self.run.write_bytes(f"{self.out_dir}/part-{first}-{batch.num_rows}.parquet", sink.getvalue())
+        self.run.write_parquet(f"{self.out_dir}/part-{first}-{batch.num_rows}.parquet", super().__call__(batch))
         return pa.table({"rows": [batch.num_rows]})
 
 
@@ -263,15 +250,14 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
     started = time.time()
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
     n_rows = run.done_stats("embeddings")["rows"]
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
-    on_gpu = gpus > 0 and hasattr(faiss, "StandardGpuResources")
+    cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
-    remote_args = {"num_gpus": 1} if on_gpu else {"num_cpus": 0.5, "runtime_env": faiss_runtime_env()}
+    plan = plan_actors(Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), cpu_actors=cluster.cpus,
+                       use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
+    remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
     ds = ray.data.read_parquet(run.files("embeddings"), filesystem=run.fs)
     ds = ds.map_batches(AssignAndWrite, fn_constructor_args=(index, run.uri, out), batch_size=65_536,
-                        batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=gpus if on_gpu else cpus),
+                        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors),
                         **remote_args)
     progress, written = ProgressLine("assign", n_rows), 0
     for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total

@@ -13,7 +13,6 @@ the positive's score. Output columns: pair_id, neg_pair_ids list<int64>, neg_sco
 """
 from __future__ import annotations
 
-import io
 import math
 import posixpath
 import time
@@ -29,9 +28,12 @@ from clusterscale.config import Config, ConfigError, MineConfig, from_dict, vari
 from clusterscale.stages.embed import run_embed
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.runtime.hashing import text_hashes
-from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.layout import NEGATIVES, model_dir
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, changed_keys
+from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.runtime.faiss_index import build_ip_index
+from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
+from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.runtime.vectors import emb_matrix
@@ -52,10 +54,10 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
         return None
     if encoder.startswith("train:"):
         name = encoder.split(":", 1)[1]
-        if not run.exists(f"train/{name}/model"):
-            raise StageMissingError(f"mine.encoder={encoder}: no exported model at {run.path(f'train/{name}/model')}; "
+        if not run.exists(model_dir(name)):
+            raise StageMissingError(f"mine.encoder={encoder}: no exported model at {run.path(model_dir(name))}; "
                                     f"run `clusterscale train --set train.name={name}` first.")
-        return run.child_uri(f"train/{name}/model")  # every node can read it (object stores: copied per node)
+        return run.child_uri(model_dir(name))  # every node can read it (object stores: copied per node)
     return encoder
 
 
@@ -86,17 +88,10 @@ def load_passages(source: RunDir) -> dict:
 
 
 def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
-    n, d = emb.shape
-    if mc.index == "flat":
-        index = faiss.IndexFlatIP(d)
-    else:
-        nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
-        index.cp.seed = 1234  # the coarse quantizer's k-means: fixed so mining is reproducible
-        index.train(emb)
-        index.nprobe = min(mc.ivf_nprobe, nlist)
-    index.add(emb)
-    return index
+    """The passage index: exact, or IVF with mine.ivf_nlist lists (default about 4 sqrt(N), >= 39 rows each)."""
+    n = emb.shape[0]
+    nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
+    return build_ip_index(emb, mc.index, nlist=nlist, nprobe=mc.ivf_nprobe)
 
 
 # --- the per-query rule -------------------------------------------------------------------------------------
@@ -163,9 +158,7 @@ class MineUnits:
                         "neg_pair_ids": pa.array([x.tolist() for x in neg_ids], pa.list_(pa.int64())),
                         "neg_scores": pa.array([x.tolist() for x in neg_scores], pa.list_(pa.float32())),
                         "pos_score": pa.array(pos_scores.astype(np.float32))})
-        sink = io.BytesIO()
-        pq.write_table(out, sink)
-        self.run.write_bytes(unit["output"], sink.getvalue())
+        self.run.write_parquet(unit["output"], out)
         counts = [len(x) for x in neg_ids]
         return {"rows": len(pair_ids), "negatives": int(sum(counts)), "without_negatives": int(sum(c == 0 for c in counts)),
                 "queries_embedded": 0 if "emb_query" in columns else len(pair_ids), "busy_s": time.time() - started,
@@ -180,23 +173,11 @@ class MineUnits:
 
 
 # --- the stage ---------------------------------------------------------------------------------------------
-def plan_units(run: RunDir, source: RunDir, fingerprint: str, cfg: Config) -> dict:
-    """One unit per embeddings file; an interrupted attempt's plan is reused (same fingerprint only)."""
-    if run.exists(PLAN):
-        plan = run.read_json(PLAN)
-        if plan["fingerprint"] != fingerprint:
-            raise ConfigMismatchError(
-                f"{run.path(NEGATIVES)} holds an interrupted mining made with a different config; changed: "
-                f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Rerun with that config "
-                f"to finish it.", NEGATIVES)
-        return plan
-    run.begin(NEGATIVES)
+def plan_units(source: RunDir, cfg: Config) -> dict:
+    """One unit per embeddings file of `source` (work_units.load_or_make_plan stores it with the fingerprint)."""
     units = [{"input": posixpath.relpath(path, source.root),
               "output": f"{NEGATIVES}/{posixpath.basename(path)}"} for path in source.files("embeddings")]
-    plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None), "mine": cfg.to_dict()["mine"],
-            "units": units}
-    run.write_json(PLAN, plan)
-    return plan
+    return {"mine": cfg.to_dict()["mine"], "units": units}
 
 
 def _file_rows(run: RunDir, rel: str) -> int:
@@ -204,16 +185,12 @@ def _file_rows(run: RunDir, rel: str) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
-def pool_size(mc: MineConfig, units: int) -> tuple[int, dict, int]:
-    """(actors, ray options, threads per actor). Every actor holds a full index (N x d x 4 bytes), so on CPU
-    a few actors with several faiss/torch threads each, not one per core."""
-    resources = ray.cluster_resources()
-    gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
-    if gpus:
-        return max(1, min(mc.num_actors or gpus, units)), {"num_gpus": 1}, 1
-    size = max(1, min(mc.num_actors or max(1, cpus // 8), units))
-    threads = max(1, cpus // size)
-    return size, {"num_cpus": threads, "runtime_env": faiss_runtime_env()}, threads
+def pool_size(mc: MineConfig, units: int) -> ActorPlan:
+    """Every actor holds a full index (N x d x 4 bytes), so one per GPU, or on CPU a few actors (one per 8 CPUs)
+    sharing the CPUs as faiss/torch threads, not one per core."""
+    cluster = ClusterResources.current()
+    return plan_actors(Resources(gpus=1, cpus_with_gpu=None), max_actors=mc.num_actors, work_units=units,
+                       cpu_actors=max(1, cluster.cpus // 8), cluster=cluster)
 
 
 def run_mine(cfg: Config, run: RunDir) -> dict:
@@ -224,30 +201,27 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
     started = time.time()
     encoder = resolve_encoder(cfg, run)
     source, embed_cost = vectors_run(cfg, run, encoder)
-    plan = plan_units(run, source, fingerprint, cfg)
-    existing = set(run.listdir(NEGATIVES))
-    for name in existing:  # temp files of writes cut short by a kill
-        if name.startswith(".tmp-"):
-            run.remove(NEGATIVES, name)
-    todo = [u for u in plan["units"] if posixpath.basename(u["output"]) not in existing]
+    plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(source, cfg))
+    _, todo = split_done(run, NEGATIVES, plan["units"])
     passages = load_passages(source)
     if len(passages["pair_id"]) <= cfg.mine.range_min:
         raise ConfigError(f"mine.range_min={cfg.mine.range_min} is not below the number of training passages "
                           f"({len(passages['pair_id'])}): lower it.")
     results, worker_s = [], 0.0
     if todo:
-        actors, options, threads = pool_size(cfg.mine, len(todo))
+        pool = pool_size(cfg.mine, len(todo))
+        options = pool.options | ({} if pool.on_gpu else {"runtime_env": faiss_runtime_env()})
         t0 = time.time()
         ds = ray.data.from_items(todo, override_num_blocks=len(todo))
         ds = ds.map_batches(MineUnits, fn_constructor_args=(run.uri, source.uri, cfg.to_dict(), [ray.put(passages)],
-                                                            threads),
-                            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors),
+                                                            pool.threads),
+                            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool.actors),
                             **options)
         progress = ProgressLine("mine", sum(_file_rows(source, u["input"]) for u in todo))
         for result in ds.iter_rows():
             results.append(result)
             progress.advance(result["rows"])
-        worker_s = (time.time() - t0) * actors
+        worker_s = (time.time() - t0) * pool.actors
     stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
                          encoder)
     run.mark_done(NEGATIVES, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})

@@ -18,9 +18,10 @@ from typing import Any
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
-from clusterscale.io.layout import local_model_dir
+from clusterscale.io.layout import local_model_dir, mteb_eval_path, train_dir
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.resources import Resources, plan_actors
 
 LOCAL_PREFIX = "local:"
 KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "main_score")
@@ -184,17 +185,17 @@ def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
     resolve_tasks(specs)  # fail on a bad task name before any model is loaded
     models = {"frozen": (cfg.embed.model, cfg.embed.pooling)}
     name = cfg.train_name()
-    if run.exists(f"train/{name}", "_DONE.json"):
+    if run.exists(train_dir(name), "_DONE.json"):
         models[name] = (local_model_dir(run, name), "auto")
-    gpus = ray.cluster_resources().get("GPU", 0)
-    remote = ray.remote(max_retries=0)(run_mteb_model).options(num_gpus=1 if gpus else 0, num_cpus=1)
+    plan = plan_actors(Resources(cpus=1, gpus=1), max_actors=1)
+    remote = ray.remote(max_retries=0)(run_mteb_model).options(**plan.options)
     mteb = _require_mteb()
     results = {}
     for model_name, (path, pooling) in models.items():
         tasks = ray.get(remote.remote(path, model_name, pooling, cfg.to_dict(), specs))
         results[model_name] = {"model_name": model_name, "model": path, "mteb_version": mteb.__version__,
                                "tasks": tasks}
-        run.write_json(f"eval/mteb/{model_name}.json", results[model_name])
+        run.write_json(mteb_eval_path(model_name), results[model_name])
         for task, scores in tasks.items():
             print(f"[mteb] {model_name} {task}: NDCG@10 {scores.get('ndcg_at_10', float('nan')):.4f}", flush=True)
     if name in results:

@@ -13,7 +13,8 @@ import numpy as np
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, shards_dir
+from clusterscale.io.layout import (EVAL, MTEB_EVAL, PER_K_STAGES, PREPROCESS, TRAIN, collapse_path,
+                                    eval_by_cluster_path, manifest_path)
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
 
@@ -109,7 +110,7 @@ def extrapolation_text(ext: dict) -> list[str]:
 
 
 def eval_rows(run: RunDir) -> list[dict]:
-    return [run.read_json(f"eval/{f}") for f in run.listdir("eval") if f.endswith(".json")]
+    return [run.read_json(f"{EVAL}/{f}") for f in run.listdir(EVAL) if f.endswith(".json")]
 
 
 def _standard_error(values: list[float]) -> float | None:
@@ -126,9 +127,9 @@ def _small(n: int, minimum: int = MIN_SAMPLE) -> str:
 def mteb_means(run: RunDir) -> dict[str, tuple[float, int]]:
     """{model name: (mean NDCG@10 over its MTEB tasks, task count)} from eval/mteb/ (`evaluate --mteb`)."""
     out = {}
-    for f in run.listdir("eval/mteb"):
+    for f in run.listdir(MTEB_EVAL):
         if f.endswith(".json"):
-            r = run.read_json(f"eval/mteb/{f}")
+            r = run.read_json(f"{MTEB_EVAL}/{f}")
             scores = [t["ndcg_at_10"] for t in r["tasks"].values() if t.get("ndcg_at_10") is not None]
             if scores:
                 out[r["model_name"]] = (float(np.mean(scores)), len(scores))
@@ -174,7 +175,7 @@ def by_cluster_table(breakdown: dict) -> str:
 
 
 def mteb_table(run: RunDir) -> str | None:
-    results = [run.read_json(f"eval/mteb/{f}") for f in run.listdir("eval/mteb") if f.endswith(".json")]
+    results = [run.read_json(f"{MTEB_EVAL}/{f}") for f in run.listdir(MTEB_EVAL) if f.endswith(".json")]
     if not results:
         return None
     tasks = sorted({t for r in results for t in r["tasks"]})
@@ -246,7 +247,7 @@ def sweep_table(sweep: dict) -> str:
 def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
     """{group: {run name: metrics records}}; group = the run name without its '-seed<N>' suffix."""
     groups: dict[str, dict[str, list[dict]]] = {}
-    for name in run.listdir("train"):
+    for name in run.listdir(TRAIN):
         records = read_metrics(run, name)
         if records:
             groups.setdefault(re.sub(r"-seed\d+$", "", name), {})[name] = records
@@ -256,9 +257,9 @@ def training_runs(run: RunDir) -> dict[str, dict[str, list[dict]]]:
 def collapse_warnings(run: RunDir) -> list[str]:
     """One line per training run the collapse guard flagged (train/<name>/collapse.json)."""
     lines = []
-    for name in run.listdir("train"):
-        if run.exists(f"train/{name}/collapse.json"):
-            flag = run.read_json(f"train/{name}/collapse.json")
+    for name in run.listdir(TRAIN):
+        if run.exists(collapse_path(name)):
+            flag = run.read_json(collapse_path(name))
             how = "stopped" if flag["stopped"] else "went on (train.stop_on_collapse=false); its metrics are suspect"
             lines.append(f"- **`{name}` collapsed** at step {flag['step']} and {how}: {flag['message']}")
     return lines
@@ -280,8 +281,8 @@ def run_report(cfg: Config, run: RunDir) -> str:
         s = run.done_stats("pairs")
         parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "
                   f"quarantined {s['quarantine']}" + (f" {s['reasons']}" if s['reasons'] else "") + ".", ""]
-    if run.exists(shards_dir(k), "manifest.json"):
-        manifest = run.read_json(f"{shards_dir(k)}/manifest.json")
+    if run.exists(manifest_path(k)):
+        manifest = run.read_json(manifest_path(k))
         parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
                   table1_line(manifest), "", cluster_table(manifest), ""]
         _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
@@ -302,9 +303,9 @@ def run_report(cfg: Config, run: RunDir) -> str:
         parts += ["## Held-out retrieval", evaluated, ""]
     elif not (run.exists("report/compare.json") or run.exists("report/sweep.json")):
         parts += ["## Held-out retrieval", "No evaluation yet: run `clusterscale evaluate`.", ""]
-    if run.exists(f"eval/by_cluster/k={k}.json"):
+    if run.exists(eval_by_cluster_path(k)):
         parts += [f"NDCG@10 per cluster (each held-out pair assigned to its nearest centroid at k={k} by its frozen "
-                  "embedding):", "", by_cluster_table(run.read_json(f"eval/by_cluster/k={k}.json")), ""]
+                  "embedding):", "", by_cluster_table(run.read_json(eval_by_cluster_path(k))), ""]
     mteb = mteb_table(run)
     if mteb:
         parts += ["## MTEB retrieval", mteb, ""]

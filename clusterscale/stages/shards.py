@@ -6,18 +6,16 @@ Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`).
 """
 from __future__ import annotations
 
-import io
 import time
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import assign_dir, shards_dir
+from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime.vectors import emb_matrix
@@ -90,11 +88,9 @@ class WriteClusterShard:
         files = []
         for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
             rel = f"{shards_dir(self.k)}/cluster={name}/part-{part:05d}.parquet"
-            sink = io.BytesIO()
             # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
-            pq.write_table(group.slice(start, self.rows_per_file).select(SHARD_COLUMNS), sink,
-                           row_group_size=self.row_group_rows, write_statistics=False)
-            self.run.write_bytes(rel, sink.getvalue())
+            self.run.write_parquet(rel, group.slice(start, self.rows_per_file).select(SHARD_COLUMNS),
+                                   row_group_size=self.row_group_rows, write_statistics=False)
             files.append(rel)
         vector_sum = emb_matrix(group.column("emb"), dtype=np.float64).sum(axis=0)
         return pa.table({"shard": [shard_id], "name": [name], "rows": [group.num_rows], "files": [files],
@@ -111,7 +107,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
     run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
     out = shards_dir(k)
     if run.is_done(out, fingerprint):
-        return run.read_json(f"{out}/manifest.json")["stats"]
+        return run.read_json(manifest_path(k))["stats"]
     run.begin(out)
     started = time.time()
     counts = cluster_counts(run, k)
@@ -153,7 +149,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
                 "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
-    run.write_json(f"{out}/manifest.json", manifest)
+    run.write_json(manifest_path(k), manifest)
     run.mark_done(out, fingerprint, stats)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "

@@ -9,18 +9,17 @@ workers made it. `write_embeddings_stage` is the in-process shortcut that tests 
 from __future__ import annotations
 
 import functools
-import io
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
 from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.vectors import emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
@@ -95,9 +94,7 @@ def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_0
                         "passage": pa.array([f"passage {i}" for i in ids]),
                         "source": pa.array(["synthetic"] * (stop - start))}
         table = pa.table(columns).append_column("emb", emb_array(x[start:stop]))
-        sink = io.BytesIO()
-        pq.write_table(table, sink, row_group_size=max(1, rows_per_file // 2))
-        run.write_bytes(f"embeddings/part-{part:05d}.parquet", sink.getvalue())
+        run.write_parquet(f"embeddings/part-{part:05d}.parquet", table, row_group_size=max(1, rows_per_file // 2))
     run.mark_done("embeddings", "synthetic", {"rows": n, "truncated": 0})
 
 
@@ -148,12 +145,6 @@ def synth_rows(spec: SynthSpec, start: int, stop: int) -> pa.Table:
     return pa.concat_tables(blocks).slice(start - first, stop - start)
 
 
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    return sink.getvalue()
-
-
 def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldout_fraction: float) -> dict:
     """One part: pairs/ and heldout/ rows split as ingest splits them, and the embeddings/ file of the pairs.
 
@@ -165,12 +156,12 @@ def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldo
     pairs = table.filter(pa.array(~held))
     stem = f"part-{part:05d}-00000"
     if held.any():
-        run.write_bytes(f"heldout/{stem}.parquet",
-                        _parquet_bytes(table.filter(pa.array(held)).select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA)))
+        run.write_parquet(f"heldout/{stem}.parquet",
+                          table.filter(pa.array(held)).select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
     if pairs.num_rows:
-        run.write_bytes(f"pairs/{stem}.parquet", _parquet_bytes(pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA)))
+        run.write_parquet(f"pairs/{stem}.parquet", pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
         embedded = pairs.append_column("truncated", pa.array(np.zeros(pairs.num_rows, dtype=bool)))
-        run.write_bytes(f"embeddings/{stem}-00000.parquet", _parquet_bytes(embedded))
+        run.write_parquet(f"embeddings/{stem}-00000.parquet", embedded)
     return {"rows": table.num_rows, "pairs": pairs.num_rows, "heldout": int(held.sum())}
 
 
@@ -197,7 +188,7 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
         run.begin(kind)
     rows_per_part = cfg.data.rows_per_part
     ranges = [(p, s, min(spec.rows, s + rows_per_part)) for p, s in enumerate(range(0, spec.rows, rows_per_part))]
-    window = max_tasks_in_flight or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    window = max_tasks_in_flight or ClusterResources.current().cpus
     task = ray.remote(num_cpus=1, max_retries=2)(synth_part)
     print(f"[synth] {spec.rows} rows (d={spec.dim}, {spec.topics} topics, seed {spec.seed}) in {len(ranges)} "
           f"part(s) of {rows_per_part}", flush=True)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.io.layout import load_manifest, shards_dir
+from clusterscale.io.layout import load_manifest, manifest_path, shards_dir
 from clusterscale.train.schedule import GlobalBatch
 
 READ_COLUMNS = ["pair_id", "query", "passage"]
@@ -25,8 +25,8 @@ class TrainDataError(UserError, ValueError):
 
 def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> dict:
     """The manifest of shards/k=<k>/, after checking it matches the config and its files exist."""
-    if not run.exists(shards_dir(k), "manifest.json") and run.exists(shards_dir(k), "_DONE.json"):
-        raise StageMissingError(f"{run.path(shards_dir(k), 'manifest.json')} is missing although the shard stage "
+    if not run.exists(manifest_path(k)) and run.exists(shards_dir(k), "_DONE.json"):
+        raise StageMissingError(f"{run.path(manifest_path(k))} is missing although the shard stage "
                                 f"is marked done: delete {shards_dir(k)}/ and rerun `clusterscale shard`.")
     manifest = load_manifest(run, k)
     if manifest.get("k") != k:

@@ -20,9 +20,10 @@ import torch
 from clusterscale.config import Config, ConfigError, TrainConfig, from_dict
 from clusterscale.modeling.encoder import save_sentence_transformers_dir
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.layout import NEGATIVES, batches_path, collapse_path, metrics_path, model_dir, train_dir
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import check_cursor, load_state, save_state, unwrap
 from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
@@ -104,9 +105,9 @@ def train_loop_per_worker(config: dict) -> None:
         raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, before segment {segment} (steps "
                            f"{seg_start}..{seg_stop}); delete train/{name}/ and start afresh.")
     resumed = start_step if checkpoint is not None else None
-    metrics = JsonlLog(run, f"train/{name}/metrics.jsonl", resumed) if rank == 0 else None
-    batches = JsonlLog(run, f"train/{name}/batches/rank-{rank}.jsonl", resumed) if tc.log_batches else None
-    board = TensorBoardLog(run.path(f"train/{name}/tensorboard")) if tc.tensorboard and rank == 0 else None
+    metrics = JsonlLog(run, metrics_path(name), resumed) if rank == 0 else None
+    batches = JsonlLog(run, batches_path(name, rank), resumed) if tc.log_batches else None
+    board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if tc.tensorboard and rank == 0 else None
     peak = peak_flops(device, tc.peak_tflops) if rank == 0 else None
     settings = StepSettings.from_train_config(tc, pooling, amp=device.type == "cuda")
     reader = ShardReader(shards_run, manifest)
@@ -211,8 +212,7 @@ def train_loop_per_worker(config: dict) -> None:
         verdict = guard.observe(gb.step, values[0], figures["neg_cos_mean"])  # same values, same verdict on every rank
         if verdict is not None and rank == 0:
             print(f"[train] WARNING: {verdict}", flush=True)
-            run.write_json(f"train/{name}/collapse.json", {"step": done, "stopped": tc.stop_on_collapse,
-                                                           "message": verdict})
+            run.write_json(collapse_path(name), {"step": done, "stopped": tc.stop_on_collapse, "message": verdict})
         if verdict is not None and tc.stop_on_collapse:
             collapsed_at = done
             break
@@ -238,7 +238,7 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
     """Train train/<name>/; `resume` continues from its latest checkpoint. fail_at_step: a test hook that
     makes rank 0 fail once (before any checkpoint was restored) to exercise train.max_failures."""
     tc, name = cfg.train, cfg.train_name()
-    out = f"train/{name}"
+    out = train_dir(name)
     negatives_fingerprint = None
     if tc.negatives_per_query:
         negatives_fingerprint = mine_fingerprint(cfg, run)
@@ -298,20 +298,20 @@ def run_train(cfg: Config, run: RunDir, resume: bool = False, fail_at_step: int 
              "pairs_per_s": round(num_steps * tc.global_batch_size / wall, 2)}
     if tc.negatives_per_query:
         stats["mined_negatives_per_query"] = tc.negatives_per_query
-    if run.exists(out, "collapse.json"):  # train.stop_on_collapse=false: warned, went on; the report flags it
-        stats["collapse_warning_at_step"] = run.read_json(f"{out}/collapse.json")["step"]
+    if run.exists(collapse_path(name)):  # train.stop_on_collapse=false: warned, went on; the report flags it
+        stats["collapse_warning_at_step"] = run.read_json(collapse_path(name))["step"]
     if len(segments) > 1:
         stats |= {"segments": len(segments), "recluster_s": round(recluster_s, 3)}
     if stop_step < num_steps:
         print(f"[train] stopped after step {stop_step}/{num_steps} (train.stop_after_steps); continue with "
               f"`clusterscale train --resume` and the same config.", flush=True)
         return stats | {"stopped_at_step": stop_step}
-    _export_model(run, result.checkpoint, f"{out}/model")
+    _export_model(run, result.checkpoint, model_dir(name))
     run.mark_done(out, fingerprint, stats, {"train": cfg.to_dict()["train"]})
     write_model_card(cfg, run, name)
     if not tc.keep_checkpoint:  # only now: until the export is complete, --resume needs the checkpoint
         run.remove(out, "ray")
-    print(f"[train] done in {wall:.1f}s; model exported to {run.path(out, 'model')}"
+    print(f"[train] done in {wall:.1f}s; model exported to {run.path(model_dir(name))}"
           f"{'' if tc.keep_checkpoint else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
     return stats
 
@@ -340,19 +340,16 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     """One Ray Train run over the steps of one segment (all steps when re-clustering is off)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-    import ray
 
     tc = cfg.train
-    cpus = ray.cluster_resources().get("CPU", 1)
-    threads = 1 if tc.use_gpu else max(1, int(cpus // tc.num_workers))
-    resources = {"GPU": 1, "CPU": 1} if tc.use_gpu else {"CPU": min(threads, cpus / tc.num_workers)}
+    workers = plan_actors(Resources(gpus=1), max_actors=tc.num_workers, use_gpu=tc.use_gpu)  # ranks share the CPUs
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), "run_uri": run.uri, "num_steps": num_steps, "name": name,
-                           "threads_per_worker": threads, "resume": resume, "fail_at_step": fail_at_step,
+                           "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": fail_at_step,
                            "segment": segment, "shards_uri": shards_uri},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(f"train/{name}", "ray"),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=workers.resources_per_worker),
+        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(train_dir(name), "ray"),
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
@@ -360,8 +357,8 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
     if result.error:
         raise result.error
     if (result.metrics or {}).get("collapsed"):
-        raise TrainingCollapsedError(f"train/{name} stopped: {result.metrics['collapsed']} The per-step figures are "
-                                     f"in {run.path(f'train/{name}', 'metrics.jsonl')}.")
+        raise TrainingCollapsedError(f"{train_dir(name)} stopped: {result.metrics['collapsed']} The per-step figures "
+                                     f"are in {run.path(metrics_path(name))}.")
     return result
 
 

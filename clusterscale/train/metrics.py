@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from clusterscale.io.layout import metrics_path
 from clusterscale.io.rundir import RunDir
 
 # Dense bf16 peak TFLOP/s per GPU (vendor datasheets, no sparsity), matched on the device name.
@@ -32,7 +33,7 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | 
 
 def read_metrics(run: RunDir, name: str) -> list[dict]:
     """The per-step records of train/<name>/metrics.jsonl; [] when that run has none."""
-    rel = f"train/{name}/metrics.jsonl"
+    rel = metrics_path(name)
     if not run.exists(rel):
         return []
     return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from clusterscale.config import Config
-from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.layout import NEGATIVES, train_dir
 from clusterscale.io.rundir import RunDir
 
 
@@ -22,7 +22,7 @@ def mine_fingerprint(cfg: Config, run: RunDir) -> str:
     extra = None
     if cfg.mine.encoder.startswith("train:"):
         name = cfg.mine.encoder.split(":", 1)[1]
-        done = f"train/{name}/_DONE.json"
+        done = f"{train_dir(name)}/_DONE.json"
         extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
     return cfg.fingerprint(("data", "embed", "mine"), extra=extra)
 

@@ -15,6 +15,7 @@ import time
 from clusterscale.config import Config, variant
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.kmeans import run_assign, run_fit
+from clusterscale.io.layout import train_dir
 from clusterscale.io.rundir import RunDir
 from clusterscale.stages.shards import run_shard
 
@@ -35,7 +36,7 @@ def segment_seed(seed: int, segment: int) -> int:
 
 
 def segment_dir(name: str, segment: int) -> str:
-    return f"train/{name}/recluster/seg-{segment}"
+    return f"{train_dir(name)}/recluster/seg-{segment}"
 
 
 def recluster(cfg: Config, run: RunDir, name: str, segment: int, model_dir: str) -> tuple[RunDir, dict]:

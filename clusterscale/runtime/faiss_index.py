@@ -1,0 +1,55 @@
+"""The one faiss inner-product index builder (exact or IVF, on a GPU where faiss has GPU support).
+
+Used by the k-means fit (nearest centroid per Lloyd step), assign (nearest centroid per row), mine
+(nearest passages per query) and evaluate (retrieval over the pool).
+"""
+from __future__ import annotations
+
+import functools
+
+import faiss
+import numpy as np
+
+from clusterscale.errors import UserError
+
+IVF_SEED = 1234  # the coarse quantizer's k-means: fixed, so an IVF index (and what it finds) is reproducible
+
+
+def gpu_available() -> bool:
+    """True when this faiss was built with GPU support and sees a GPU."""
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_resources():
+    """One faiss GPU context per process (making one per search would allocate scratch memory each time)."""
+    return faiss.StandardGpuResources()
+
+
+def to_gpu(index: faiss.Index) -> faiss.Index:
+    """`index` on GPU 0; a UserError with the install hint when this faiss has no GPU support."""
+    if not gpu_available():
+        raise UserError("A GPU index was requested but this faiss has no GPU support: "
+                        "`pip install faiss-gpu-cu12` (or run on CPU).")
+    return faiss.index_cpu_to_gpu(_gpu_resources(), 0, index)
+
+
+def build_ip_index(vectors: np.ndarray, kind: str = "flat", nlist: int = 1, nprobe: int = 1,
+                   use_gpu: bool = False) -> faiss.Index:
+    """An inner-product index holding `vectors` (rows in order): exact ('flat') or 'ivf' with `nlist`
+    lists searched `nprobe` at a time (faster, approximate)."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    d = x.shape[1]
+    if kind == "flat":
+        index = faiss.IndexFlatIP(d)
+    elif kind == "ivf":
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = IVF_SEED
+        index.train(x)
+        index.nprobe = min(nprobe, nlist)
+    else:
+        raise ValueError(f"index kind must be 'flat' or 'ivf', got {kind!r}")
+    if use_gpu:
+        index = to_gpu(index)
+    index.add(x)
+    return index

@@ -1,0 +1,96 @@
+"""Actor sizing: a stage declares what each of its actors needs; this turns it into a pool size and Ray options.
+
+The one place that reads `ray.cluster_resources()` (as NeMo Curator's stages declare Resources and its
+backend sizes them). On a GPU cluster an actor takes `gpus` GPUs and one torch/faiss thread; on a CPU
+cluster either a fixed number of CPUs each (`cpus`), or an equal share of the cluster's CPUs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+
+@dataclass(frozen=True)
+class ClusterResources:
+    """What the Ray cluster holds, read once per sizing decision."""
+
+    cpus: int
+    gpus: int
+    nodes: int
+
+    @classmethod
+    def current(cls) -> ClusterResources:
+        totals = ray.cluster_resources()
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU"))
+        return cls(cpus=max(1, int(totals.get("CPU", 1))), gpus=int(totals.get("GPU", 0)), nodes=max(1, nodes))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one actor of a stage needs, as the stage declares it."""
+
+    cpus: float | None = None
+    """CPUs per actor on a CPU-only cluster (its torch/faiss threads when >= 1); None: the cluster's CPUs
+    shared equally by the actors (for actors that must all run at once, such as DDP ranks)."""
+    gpus: float = 0.0
+    """GPUs per actor where the cluster has GPUs; 0: the stage runs on CPUs only."""
+    cpus_with_gpu: float | None = 1.0
+    """CPUs reserved by each GPU actor; None: leave Ray's default."""
+
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """How many actors a stage starts, the torch/faiss threads each uses, and their Ray options."""
+
+    actors: int
+    threads: int
+    num_cpus: float | None
+    num_gpus: float
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.num_gpus > 0
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.on_gpu else "cpu"
+
+    @property
+    def options(self) -> dict:
+        """Keyword options of `ray.remote(...).options` and of Ray Data's `map_batches`."""
+        return ({"num_gpus": self.num_gpus} if self.on_gpu else {}) | (
+            {"num_cpus": self.num_cpus} if self.num_cpus is not None else {})
+
+    @property
+    def resources_per_worker(self) -> dict:
+        """The same request as Ray Train's `ScalingConfig(resources_per_worker=...)`."""
+        return ({"GPU": self.num_gpus} if self.on_gpu else {}) | (
+            {"CPU": self.num_cpus} if self.num_cpus is not None else {})
+
+
+def plan_actors(need: Resources, max_actors: int = 0, work_units: int | None = None, cpu_actors: int = 0,
+                use_gpu: bool | None = None, cluster: ClusterResources | None = None) -> ActorPlan:
+    """Size a stage's actors from what each needs and what the cluster holds.
+
+    max_actors: the stage's configured actor count (0 = automatic: one per `gpus` GPUs; on CPU one per
+    `cpus` CPUs, or `cpu_actors` when given, or 1). work_units: never more actors than units of work.
+    use_gpu: force the device (Ray Train's train.use_gpu; a GPU index only where faiss has GPU support);
+    None = GPU actors when the stage takes GPUs and the cluster has some."""
+    cluster = cluster or ClusterResources.current()
+    if use_gpu is None:
+        use_gpu = need.gpus > 0 and cluster.gpus > 0
+    if use_gpu:
+        actors = max_actors or max(1, int(cluster.gpus // (need.gpus or 1)))
+        return ActorPlan(_clamp(actors, work_units), 1, need.cpus_with_gpu, need.gpus or 1)
+    if need.cpus is not None:
+        num_cpus = min(need.cpus, cluster.cpus)
+        actors = max_actors or cpu_actors or max(1, int(cluster.cpus // num_cpus))
+        return ActorPlan(_clamp(actors, work_units), max(1, int(num_cpus)), num_cpus, 0)
+    actors = _clamp(max_actors or cpu_actors or 1, work_units)
+    threads = max(1, cluster.cpus // actors)
+    return ActorPlan(actors, threads, min(threads, cluster.cpus / actors), 0)
+
+
+def _clamp(actors: int, work_units: int | None) -> int:
+    return max(1, min(actors, work_units)) if work_units is not None else max(1, actors)
