@@ -102,11 +102,11 @@ def ray_train_step_s(run, cfg) -> float:
     """Median step_s of a real `clusterscale train` (Ray Train, 2 DDP workers) after 2 warm-up steps."""
     import ray
 
-    from clusterscale.train.loop import run_train
+    from clusterscale.pipeline import run_stage
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
     try:
-        run_train(cfg, run)
+        run_stage("train", cfg, run)
     finally:
         ray.shutdown()
     records = read_metrics(run, cfg.train_name())

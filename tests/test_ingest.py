@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import config
-from clusterscale.stages.ingest import IngestError, is_heldout, normalise_text, run_ingest
+from clusterscale.pipeline import run_stage
+from clusterscale.stages.ingest import IngestError, is_heldout, normalise_text
 from clusterscale.io.rundir import RunDir
 
 
@@ -19,7 +20,7 @@ def _ingest(tmp_path, data_path, *extra):
     cfg = config.load(None, [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p",
                              "data.heldout_fraction=0.2", *extra])
     run = RunDir(str(tmp_path / "run"))
-    return run, run_ingest(cfg, run)
+    return run, run_stage("ingest", cfg, run).stats
 
 
 def _table(run, folder):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from clusterscale import config as config_mod
-from clusterscale.stages.kmeans import load_centroids, run_assign, run_fit
+from clusterscale.pipeline import run_stage
+from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import assign_dir, kmeans_dir
 from clusterscale.runtime.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
                                       nearest_centroid, update_centroids)
@@ -91,7 +92,7 @@ def synthetic_run(tmp_path_factory):
 def fit_in(run: RunDir, cfg) -> tuple[np.ndarray, dict]:
     if run.exists(kmeans_dir(cfg.cluster.k)):
         run.remove(kmeans_dir(cfg.cluster.k))
-    stats = run_fit(cfg, run)
+    stats = run_stage("fit", cfg, run).stats
     return load_centroids(run, cfg.cluster.k), stats
 
 
@@ -150,7 +151,7 @@ def test_ray_assign_streams_every_row(synthetic_run, fits):
     cfg = cfg_with(k=10, niter=8, seed=3, fit_sample="all", assign_index="ivf", ivf_nprobe=4)
     if run.exists(assign_dir(10)):
         run.remove(assign_dir(10))
-    run_assign(cfg, run)
+    run_stage("assign", cfg, run)
     table = pads.dataset(run.files(assign_dir(10)), format="parquet").to_table().sort_by("pair_id")
     sims, labels = nearest_centroid(x, load_centroids(run, 10))
     assert table.num_rows == 3000

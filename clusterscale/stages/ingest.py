@@ -22,7 +22,7 @@ from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
 from clusterscale.redact import redact_uri
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])
@@ -191,18 +191,14 @@ def effective_data_config(cfg: Config) -> DataConfig:
     return data
 
 
-def run_ingest(cfg: Config, run: RunDir) -> dict:
-    """Ingest every input file (one Ray task each); idempotent per file. Returns the stage stats."""
-    fingerprint = cfg.fingerprint(("data",))
-    if run.is_done("pairs", fingerprint):
-        return run.done_stats("pairs")
+def run_ingest(cfg: Config, run: RunDir) -> StageResult:
+    """Ingest every input file (one Ray task each) into pairs/, heldout/ and quarantine/ (cleared by the
+    executor, which marks all three done)."""
     data = effective_data_config(cfg)
     fs, files = list_input_files(data)
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
-    for kind in ("pairs", "heldout", "quarantine"):  # partial output of an interrupted attempt
-        run.begin(kind)
     task = ray.remote(num_cpus=1, max_retries=2)(ingest_file)
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}", flush=True)
     results: list[dict] = []
@@ -229,15 +225,13 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
                           f"unreadable file(s) skipped; see {run.path('quarantine')}.")
     stats["wall_s"] = round(time.time() - started, 3)
     stats["worker_s"] = stats["wall_s"]
-    for kind in ("heldout", "quarantine"):
-        run.mark_done(kind, fingerprint, {"rows": stats[kind]})
-    run.mark_done("pairs", fingerprint, stats, {"data": asdict(data)})
     print(f"[ingest] rows in {stats['rows_in']}: pairs {stats['pairs']}, held out {stats['heldout']}, "
           f"quarantined {stats['quarantine']}" + (f" {stats['reasons']}" if stats["reasons"] else ""), flush=True)
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
-    return stats
+    return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
+                       config={"data": asdict(data)})
 
 
 def _total(results: list[dict], files: list[str]) -> dict:

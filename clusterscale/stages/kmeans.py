@@ -19,13 +19,13 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path, kmeans_dir
+from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.vectors import emb_matrix
 
@@ -138,13 +138,9 @@ def check_sample(descriptions: list[dict], k: int) -> int:
     return rows
 
 
-def run_fit(cfg: Config, run: RunDir) -> dict:
+def run_fit(cfg: Config, run: RunDir) -> StageResult:
+    """Fit spherical k-means on a seeded sample of embeddings/ into kmeans/k=<k>/ (centroids, fit_stats)."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster"))
-    run.require("embeddings", "embed", "Embeddings")
-    out = kmeans_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.done_stats(out)
     n_rows = int(run.done_stats("embeddings").get("rows", 0))
     units = row_group_units(run)
     n_files_rows = sum(u[2] for u in units)
@@ -154,7 +150,6 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
     if k > n_files_rows:
         raise ClusteringError(f"cluster.k={k} is larger than the number of embedded pairs ({n_files_rows}): "
                               f"lower cluster.k or ingest more data.")
-    run.begin(out)
     started = time.time()
     wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
     keep_fraction = min(1.0, wanted / n_files_rows)
@@ -181,10 +176,9 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
                   "load_s": round(load_s, 3), "wall_s": round(wall, 3),
                   "worker_s": round(wall * len(actors), 3)})
     run.write_json(fit_stats_path(k), stats)
-    run.mark_done(out, fingerprint, stats, {"cluster": cfg.to_dict()["cluster"]})
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
-    return stats
+    return StageResult(stats, config={"cluster": cfg.to_dict()["cluster"]})
 
 
 def load_centroids(run: RunDir, k: int) -> np.ndarray:
@@ -239,14 +233,10 @@ class AssignAndWrite(AssignBatches):
         return pa.table({"rows": [batch.num_rows]})
 
 
-def run_assign(cfg: Config, run: RunDir) -> dict:
+def run_assign(cfg: Config, run: RunDir) -> StageResult:
+    """Assign every embedded pair to its nearest centroid of kmeans/k=<k>/, into assign/k=<k>/."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster"))
-    run.require(kmeans_dir(k), "fit", f"Centroids for k={k}")
     out = assign_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.done_stats(out)
-    run.begin(out)
     started = time.time()
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
     n_rows = run.done_stats("embeddings")["rows"]
@@ -268,6 +258,5 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
     wall = time.time() - started
     stats = {"k": k, "rows": n_rows, "index": cfg.cluster.assign_index, "wall_s": round(wall, 3),
              "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3)}
-    run.mark_done(out, fingerprint, stats)
     print(f"[assign] {n_rows} rows to {k} centroids in {wall:.1f}s", flush=True)
-    return stats
+    return StageResult(stats)

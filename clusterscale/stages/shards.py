@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import ray
 
-from clusterscale.config import Config
+from clusterscale.config import Config, Fingerprint
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.train.data import row_group_rows_for
 
@@ -100,15 +100,10 @@ class WriteClusterShard:
                          "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
-def run_shard(cfg: Config, run: RunDir) -> dict:
+def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+    """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy) and the manifest,
+    which records the fingerprint."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard"),
-                                  extra={"global_batch_size": cfg.train.global_batch_size})
-    run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
-    out = shards_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.read_json(manifest_path(k))["stats"]
-    run.begin(out)
     started = time.time()
     counts = cluster_counts(run, k)
     centroids = load_centroids(run, k)
@@ -150,7 +145,6 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
     run.write_json(manifest_path(k), manifest)
-    run.mark_done(out, fingerprint, stats)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
@@ -161,7 +155,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
               f"{'the pool' if plan['pool_id'] is not None else 'the nearest large cluster'}: the shards no longer "
               f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
               f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
-    return stats
+    return StageResult(stats)
 
 
 def cluster_table(manifest: dict, num_samples: int = 3) -> dict:

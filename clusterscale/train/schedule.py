@@ -21,6 +21,7 @@ only the row groups of its slice. Epochs differ by the blocks' order, so by whic
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -267,3 +268,11 @@ def iterate(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: in
                 return
             yield GlobalBatch(step, epoch, b.shard, b.rows, b.group)
             step += 1
+
+
+def segment_seed(seed: int, segment: int) -> int:
+    """The schedule seed of a segment; segment 0 keeps the run's seed (same batches as without re-clustering)."""
+    if segment == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/segment/{segment}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
