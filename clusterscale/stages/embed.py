@@ -30,7 +30,7 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
-from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
 
@@ -98,7 +98,7 @@ class EmbedWorker:
         for (_, suffix), v, t in zip(sides, vectors, tokens):
             table = table.append_column(f"emb{suffix}", emb_array(v))
             table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
-        self.run.write_parquet(unit["output"], table)
+        self.run.write_parquet(unit["output"], table, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
         return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
                 "busy_s": time.time() - started}
 

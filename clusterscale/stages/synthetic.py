@@ -22,7 +22,7 @@ from clusterscale.config import Config, ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
-from clusterscale.runtime.vectors import emb_array
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
 BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split
@@ -176,7 +176,7 @@ def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldo
         if query_vectors:
             embedded = embedded.append_column("emb_query", pairs.column("emb_query")) \
                 .append_column("truncated_query", not_truncated)
-        run.write_parquet(f"embeddings/{stem}-00000.parquet", embedded)
+        run.write_parquet(f"embeddings/{stem}-00000.parquet", embedded, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
     return {"rows": table.num_rows, "pairs": pairs.num_rows, "heldout": int(held.sum())}
 
 
