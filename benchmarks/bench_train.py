@@ -55,7 +55,7 @@ def loader_and_plain(run, cfg, steps: int) -> dict:
     model, tokenizer, pooling = build_student(tc)
     settings = StepSettings.from_train_config(tc, pooling, amp=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
-    reader = ShardReader(run, manifest, cache_size=len(sizes))
+    reader = ShardReader(run, manifest)
     streams = {s: schedule.iterate(sizes, tc.global_batch_size, s, tc.seed, steps + 2) for s in ("clustered", "random")}
     times: dict[str, dict[str, list[float]]] = {s: {"load": [], "step": [], "plain": []} for s in streams}
     for i in range(steps + 2):

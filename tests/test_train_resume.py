@@ -17,7 +17,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    return make_sharded_run(tmp_path_factory.mktemp("train") / "run")
+    return make_sharded_run(tmp_path_factory.mktemp("train") / "run", row_group_rows=4)  # the shard stage's layout
 
 
 def _cfg(model: str, name: str, *extra: str):

@@ -19,6 +19,7 @@ from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.train.data import row_group_rows_for
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
 
@@ -72,10 +73,10 @@ def cluster_counts(run: RunDir, k: int) -> np.ndarray:
 class WriteClusterShard:
     """Ray Data map_groups fn: one call per shard; sorts by pair_id, permutes with a seeded RNG, writes."""
 
-    def __init__(self, run_uri: str, k: int, seed: int, target_rows_per_file: int, num_samples: int,
+    def __init__(self, run_uri: str, k: int, seed: int, rows_per_file: int, row_group_rows: int, num_samples: int,
                  pool_id: int | None):
         self.run = RunDir(run_uri)
-        self.k, self.seed, self.rows_per_file = k, seed, target_rows_per_file
+        self.k, self.seed, self.rows_per_file, self.row_group_rows = k, seed, rows_per_file, row_group_rows
         self.num_samples, self.pool_id = num_samples, pool_id
 
     def __call__(self, group: pa.Table) -> pa.Table:
@@ -87,7 +88,9 @@ class WriteClusterShard:
         files = []
         for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
             rel = f"{shards_dir(self.k)}/cluster={name}/part-{part:05d}.parquet"
-            self.run.write_parquet(rel, group.slice(start, self.rows_per_file).select(SHARD_COLUMNS))
+            # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
+            self.run.write_parquet(rel, group.slice(start, self.rows_per_file).select(SHARD_COLUMNS),
+                                   row_group_size=self.row_group_rows, write_statistics=False)
             files.append(rel)
         vector_sum = emb_matrix(group.column("emb"), dtype=np.float64).sum(axis=0)
         return pa.table({"shard": [shard_id], "name": [name], "rows": [group.num_rows], "files": [files],
@@ -106,11 +109,13 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
+    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
+    rows_per_file = max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows  # whole groups
     ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs)
     ds = ds.map_batches(lambda b: b.append_column("shard", pa.array(target[b.column("cluster").to_numpy()])),
                         batch_format="pyarrow")
     written = ds.groupby("shard", num_partitions=max(1, min(200, int((target >= 0).sum())))).map_groups(
-        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, cfg.shard.target_rows_per_file,
+        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, rows_per_file, row_group_rows,
                                                 cfg.shard.num_samples, plan["pool_id"]),
         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.5)
     progress, rows = ProgressLine("shard", int(counts.sum())), []
@@ -135,6 +140,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
              "overall_mean_cosine": mean_pairwise_cosine(total_sum, n_total), "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
     manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
+                "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
                 "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}

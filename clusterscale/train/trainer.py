@@ -23,7 +23,7 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
-from clusterscale.train.data import ShardReader, checked_manifest, strata_inputs
+from clusterscale.train.data import RankRows, ShardReader, checked_manifest, schedule_block_rows, strata_inputs
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives
 from clusterscale.train.optim import build_optimizer
@@ -114,12 +114,13 @@ class TrainData:
         job, tc = self.job, self.tc
         for local in schedule.iterate(self.sizes, tc.global_batch_size, tc.sampler,
                                       schedule.segment_seed(tc.seed, job.segment), job.stop_step - job.seg_start,
-                                      start_step - job.seg_start, tc.cluster_weighting, self.codes):
+                                      start_step - job.seg_start, tc.cluster_weighting, self.codes,
+                                      block_rows=schedule_block_rows(self.manifest)):
             yield dataclasses.replace(local, step=local.step + job.seg_start)
 
-    def rows(self, gb: schedule.GlobalBatch, rank: int, world: int) -> pa.Table:
-        """This rank's contiguous slice of the global batch: pair_id, query, passage."""
-        return self.reader.rows(gb.shard, gb.rank_rows(rank, world))
+    def rank_rows(self, start_step: int, rank: int, world: int) -> Iterator[RankRows]:
+        """This rank's contiguous slice of each global batch (pair_id, query, passage), read ahead in a thread."""
+        return self.reader.prefetch(self.batches(start_step), rank, world)
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
@@ -170,11 +171,12 @@ class Trainer:
         if self.start_step:
             print(f"[train] rank {self.rank}: resuming at step {self.start_step}/{job.num_steps}", flush=True)
         epoch = self.data.epoch_at(self.start_step)
-        for gb in self.data.batches(self.start_step):
+        for item in self.data.rank_rows(self.start_step, self.rank, self.world):
+            gb = item.batch
             if job.fail_at_step == gb.step and not self.restored and self.rank == 0:
                 raise RuntimeError(f"injected failure at step {gb.step} (test hook)")
             epoch = gb.epoch
-            result = self.train_step(gb)
+            result = self.train_step(gb, item.table)
             self.metrics.log(result)
             verdict = self.metrics.check(result)  # the same on every rank: they stop together
             if verdict is not None and self.tc.stop_on_collapse:
@@ -185,12 +187,11 @@ class Trainer:
         self.metrics.close()
         self.save(job.stop_step, epoch, final=job.stop_step in (job.num_steps, job.seg_stop))
 
-    def train_step(self, gb: schedule.GlobalBatch) -> StepResult:
+    def train_step(self, gb: schedule.GlobalBatch, table: pa.Table) -> StepResult:
         """One global step: this rank's rows forward and backward (the loss sees every rank's batch), gradient
         clipping, optimizer and LR step; then the figures all-reduced, so every rank holds the same ones."""
         started = time.time()
         torch.manual_seed(step_seed(self.tc.seed, gb.step, self.rank))  # a resumed run replays the dropout masks
-        table = self.data.rows(gb, self.rank, self.world)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._backward(table, gb.step)
