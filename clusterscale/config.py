@@ -165,8 +165,9 @@ class ClusterConfig(Section):
     k: int = knob(8, "Number of clusters.", bounds=POSITIVE)
     niter: int = knob(20, "Lloyd iterations.", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
-    max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (chosen by a seeded "
-                                             "hash of pair_id), like FAISS.", bounds=POSITIVE)
+    max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (seeded row groups of "
+                                             "embeddings/, then a seeded hash of pair_id), like FAISS.",
+                                        bounds=POSITIVE)
     fit_sample: str = knob("capped", "'capped' = fit on the max_points_per_centroid x k sample; 'all' = fit "
                                      "on every embedded row.", ("capped", "all"))
     num_workers: int = knob(0, "Ray actors of the data-parallel fit, each holding a slice of the sample; "

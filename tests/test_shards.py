@@ -16,9 +16,10 @@ from clusterscale import config as config_mod
 from clusterscale.io.layout import assign_dir, kmeans_dir, shards_dir
 from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
 from clusterscale.io.rundir import RunDir
+from clusterscale.pipeline import run_stage
 from clusterscale.runtime.vectors import emb_array, emb_matrix
 from clusterscale.stages.shards import (block_cluster_stats, groups_per_shard, mean_pairwise_cosine,
-                                        plan_small_clusters, run_shard, sub_groups)
+                                        plan_small_clusters, sub_groups)
 from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
 
 N, K = 1200, 8
@@ -77,7 +78,7 @@ def merged(tmp_path_factory, data, ray_local):
     run, centroids, labels = assigned_run(tmp_path_factory.mktemp("merge") / "run", data)
     counts = np.bincount(labels, minlength=K)
     batch = int(np.sort(counts)[2]) + 1  # at least the two smallest clusters are small
-    run_shard(cfg_with("merge", batch), run)
+    run_stage("shard", cfg_with("merge", batch), run)
     return run, centroids, labels, batch
 
 
@@ -108,7 +109,7 @@ def test_merge_policy_manifest_files_and_rows(merged, data):
 def test_pool_policy_and_determinism(tmp_path, merged, data):
     run_a, _, labels, batch = merged
     run_b, _, _ = assigned_run(tmp_path / "b", data)
-    run_shard(cfg_with("pool", batch), run_b)
+    run_stage("shard", cfg_with("pool", batch), run_b)
     manifest = run_b.read_json(f"{shards_dir(K)}/manifest.json")
     counts = np.bincount(labels, minlength=K)
     small = sorted(int(c) for c in np.flatnonzero((counts > 0) & (counts < batch)))
@@ -146,14 +147,13 @@ def test_inspect_prints_table_and_writes_json(merged, data, capsys, tmp_path):
 
 
 def test_k_sweep_reuses_embeddings_and_writes_beside(merged):
-    from clusterscale.stages.kmeans import run_assign, run_fit
 
     run, _, _, _ = merged
     before = run.read_bytes("embeddings/_DONE.json")
     cfg = cfg_with("merge", 16, k=3)
-    run_fit(cfg, run)
-    run_assign(cfg, run)
-    run_shard(cfg, run)
+    run_stage("fit", cfg, run)
+    run_stage("assign", cfg, run)
+    run_stage("shard", cfg, run)
     assert run.read_bytes("embeddings/_DONE.json") == before
     assert run.exists(shards_dir(K), "manifest.json") and run.exists(shards_dir(3), "manifest.json")
     assert run.read_json(f"{shards_dir(3)}/manifest.json")["stats"]["rows"] == N
@@ -195,8 +195,9 @@ def split_runs(tmp_path_factory, data, merged):
     runs = []
     for keep in (True, False):
         run, _, _ = assigned_run(tmp_path_factory.mktemp(f"split{keep}") / "run", data)
-        run_shard(cfg_with("merge", batch, rows_per_file=40,
-                           extra=("shard.max_group_rows=60", f"shard.keep_emb={str(keep).lower()}")), run)
+        cfg = cfg_with("merge", batch, rows_per_file=40,
+                       extra=("shard.max_group_rows=60", f"shard.keep_emb={str(keep).lower()}"))
+        run_stage("shard", cfg, run)
         runs.append(run)
     return runs
 

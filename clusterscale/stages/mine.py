@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import posixpath
 import time
+from typing import Callable
 
 import faiss
 import numpy as np
@@ -24,23 +25,23 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from clusterscale.config import Config, ConfigError, MineConfig, from_dict, variant
-from clusterscale.stages.embed import run_embed
+from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.io.layout import NEGATIVES, model_dir
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
-from clusterscale.train.negatives import mine_fingerprint
+from clusterscale.stages.synthetic import synthetic_embeddings
 from clusterscale.runtime.vectors import emb_matrix
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 DROP_REASONS = ("positive", "duplicate", "margin")
+EmbedInto = Callable[[Config, RunDir], dict]  # (config, child run) -> the embed stage's stats
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -51,6 +52,11 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
         if cfg.embed.side == "query":
             raise ConfigError("mine.encoder=frozen needs passage vectors in embeddings/, but embed.side=query: "
                               "use embed.side=passage or both (new --run-dir), or set mine.encoder to a model.")
+        if cfg.embed.side != "both" and synthetic_embeddings(run):
+            raise ConfigError("mine.encoder=frozen on a synthetic run (`clusterscale synth`) needs the synthetic "
+                              f"query vectors, but this run has embed.side={cfg.embed.side}: {cfg.embed.model} "
+                              "cannot embed queries into the space of synthetic passage vectors. Write the synth "
+                              "run with --set embed.side=both (new --run-dir).")
         return None
     if encoder.startswith("train:"):
         name = encoder.split(":", 1)[1]
@@ -61,15 +67,15 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
     return encoder
 
 
-def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:
-    """(the run directory whose embeddings/ is mined, the cost of making it: {} when reused)."""
-    run.require("embeddings", "embed", "Embeddings")
+def vectors_run(cfg: Config, run: RunDir, encoder: str | None, embed: EmbedInto) -> tuple[RunDir, dict]:
+    """(the run directory whose embeddings/ is mined, the stats of making it). `embed` runs the embed stage
+    (the pipeline's executor, so the child run has its own done marker) into a child run reading run's pairs."""
     if encoder is None:
         return run, {}
     child = RunDir(run.child_uri(ENCODER_RUN))
     child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
     print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
-    return child, run_embed(child_cfg, child, pairs_run=run)
+    return child, embed(child_cfg, child)
 
 
 def load_passages(source: RunDir) -> dict:
@@ -193,14 +199,12 @@ def pool_size(mc: MineConfig, units: int) -> ActorPlan:
                        cpu_actors=max(1, cluster.cpus // 8), cluster=cluster)
 
 
-def run_mine(cfg: Config, run: RunDir) -> dict:
-    """Mine negatives for every training query not mined yet, then mark negatives/ done."""
-    fingerprint = mine_fingerprint(cfg, run)
-    if run.is_done(NEGATIVES, fingerprint):
-        return run.done_stats(NEGATIVES)
+def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInto) -> StageResult:
+    """Mine negatives for every training query not mined yet (the files of an interrupted attempt with this
+    fingerprint are kept). `embed`: see vectors_run."""
     started = time.time()
     encoder = resolve_encoder(cfg, run)
-    source, embed_cost = vectors_run(cfg, run, encoder)
+    source, embed_cost = vectors_run(cfg, run, encoder, embed)
     plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(source, cfg))
     _, todo = split_done(run, NEGATIVES, plan["units"])
     passages = load_passages(source)
@@ -224,12 +228,11 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
         worker_s = (time.time() - t0) * pool.actors
     stats = _stage_stats(run, plan, results, len(passages["pair_id"]), time.time() - started, worker_s, embed_cost,
                          encoder)
-    run.mark_done(NEGATIVES, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
           flush=True)
-    return stats
+    return StageResult(stats, config={"mine": cfg.to_dict()["mine"]})
 
 
 def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,

@@ -17,14 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, ShardConfig
+from clusterscale.config import Config, Fingerprint, ShardConfig
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.train.data import row_group_rows_for
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
 GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
@@ -147,10 +148,10 @@ class WriteClusterShard:
     """Ray Data map_groups fn: one call per (shard, sub-group); sorts by pair_id, permutes with a seeded RNG,
     writes files of at most target_rows_per_file rows."""
 
-    def __init__(self, run_uri: str, k: int, seed: int, target_rows_per_file: int, num_samples: int,
+    def __init__(self, run_uri: str, k: int, seed: int, rows_per_file: int, row_group_rows: int, num_samples: int,
                  pool_id: int | None, columns: list[str]):
         self.run = RunDir(run_uri)
-        self.k, self.seed, self.rows_per_file = k, seed, target_rows_per_file
+        self.k, self.seed, self.rows_per_file, self.row_group_rows = k, seed, rows_per_file, row_group_rows
         self.num_samples, self.pool_id, self.columns = num_samples, pool_id, columns
 
     def __call__(self, group: pa.Table) -> pa.Table:
@@ -163,14 +164,16 @@ class WriteClusterShard:
         for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
             # sub-group then part in the name: a cluster's files sort into their manifest order
             rel = f"{shards_dir(self.k)}/cluster={name}/part-{sub:05d}-{part:05d}.parquet"
-            self.run.write_parquet(rel, group.slice(start, self.rows_per_file))
+            # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
+            self.run.write_parquet(rel, group.slice(start, self.rows_per_file), row_group_size=self.row_group_rows,
+                                   write_statistics=False)
             files.append(rel)
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
                          "files": [files], "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
-def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray,
-                 pool_id: int | None) -> dict[int, list[dict]]:
+def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
+                 rows_per_file: int, row_group_rows: int) -> dict[int, list[dict]]:
     """Shuffle text rows (no `emb` unless shard.keep_emb) by (shard, sub-group) and write them; returns the
     written groups of each shard, in sub-group order."""
     sc: ShardConfig = cfg.shard
@@ -188,7 +191,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
-        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, sc.target_rows_per_file,
+        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, rows_per_file, row_group_rows,
                                                 sc.num_samples, pool_id, columns),
         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors), **plan.options)
     progress, groups = ProgressLine("shard", n_rows), {}
@@ -211,15 +214,10 @@ def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: Clust
             "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
 
 
-def run_shard(cfg: Config, run: RunDir) -> dict:
+def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+    """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy, large ones in
+    sub-groups) and the manifest, which records the fingerprint."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard"),
-                                  extra={"global_batch_size": cfg.train.global_batch_size})
-    run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
-    out = shards_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.read_json(manifest_path(k))["stats"]
-    run.begin(out)
     started = time.time()
     n_assigned = run.done_stats(assign_dir(k)).get("rows")
     sums = cluster_stats(run, k, n_assigned or 0)
@@ -228,7 +226,9 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
-    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"])
+    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
+    rows_per_file = max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows  # whole groups
+    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
     n_total = sum(c["rows"] for c in clusters)
@@ -242,12 +242,12 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
              "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
     manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
+                "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
                 "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
                 "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
     run.write_json(manifest_path(k), manifest)
-    run.mark_done(out, fingerprint, stats)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
@@ -258,7 +258,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
               f"{'the pool' if plan['pool_id'] is not None else 'the nearest large cluster'}: the shards no longer "
               f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
               f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
-    return stats
+    return StageResult(stats)
 
 
 def cluster_table(manifest: dict, num_samples: int = 3) -> dict:
