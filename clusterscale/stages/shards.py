@@ -160,7 +160,7 @@ class WriteClusterShard:
         perm = np.random.default_rng([self.seed, self.k, shard_id, sub]).permutation(group.num_rows)
         group = group.take(pa.array(perm)).select(self.columns)
         name = "pool" if shard_id == self.pool_id else str(shard_id)
-        files = []
+        files, file_rows = [], []
         for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
             # sub-group then part in the name: a cluster's files sort into their manifest order
             rel = f"{shards_dir(self.k)}/cluster={name}/part-{sub:05d}-{part:05d}.parquet"
@@ -168,8 +168,9 @@ class WriteClusterShard:
             self.run.write_parquet(rel, group.slice(start, self.rows_per_file), row_group_size=self.row_group_rows,
                                    write_statistics=False)
             files.append(rel)
+            file_rows.append(min(self.rows_per_file, group.num_rows - start))
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
-                         "files": [files], "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
+                         "files": [files], "file_rows": [file_rows], "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
 def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
@@ -208,6 +209,7 @@ def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: Clust
     if rows != expected:
         raise RuntimeError(f"Shard {groups[0]['name']} holds {rows} rows, its clusters {expected}: rerun `shard`.")
     return {"cluster": shard, "name": groups[0]["name"], "rows": rows, "files": [f for g in groups for f in g["files"]],
+            "file_rows": [int(n) for g in groups for n in g["file_rows"]],
             "members": members.tolist(),
             "mean_intra_cosine": mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
             "mean_cos_to_centroid": float(sums.cos_sum[members].sum() / rows),

@@ -199,7 +199,9 @@ class ShardReader:
     def _file_starts(self, shard: int) -> tuple[np.ndarray, int]:
         """(first row of each file of a shard, plus its row count; bytes read to learn them)."""
         cluster = self.clusters[shard]
-        if self.rows_per_file:  # the shard stage's layout: every file but the last holds rows_per_file rows
+        if "file_rows" in cluster:  # each file's rows, as the shard stage wrote them (split clusters)
+            return np.cumsum([0] + cluster["file_rows"]), 0
+        if self.rows_per_file:  # every file but the last holds rows_per_file rows
             starts = np.arange(0, cluster["rows"], self.rows_per_file)
             return np.append(starts, cluster["rows"]), 0
         footers = [self._footer(f) for f in cluster["files"]]
