@@ -170,7 +170,8 @@ class WriteClusterShard:
             files.append(rel)
             file_rows.append(min(self.rows_per_file, group.num_rows - start))
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
-                         "files": [files], "file_rows": [file_rows], "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
+                         "files": [files], "file_rows": [file_rows],
+                         "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
 def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
