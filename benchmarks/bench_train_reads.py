@@ -28,45 +28,20 @@ from clusterscale.train import data, schedule  # noqa: E402
 COLUMNS = ["pair_id", "query", "passage"]
 
 
-class CountingFile:
-    """A Python file over a pyarrow input file, counting the bytes read through it."""
-
-    def __init__(self, native, counter: list[int]):
-        self.native, self.counter, self.closed = native, counter, False
-
-    def read(self, size: int = -1) -> bytes:
-        chunk = self.native.read(size)
-        self.counter[0] += len(chunk)
-        return chunk
-
-    def seek(self, position: int, whence: int = 0) -> int:
-        return self.native.seek(position, whence)
-
-    def tell(self) -> int:
-        return self.native.tell()
-
-    def size(self) -> int:
-        return self.native.size()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.native.close()
-        self.closed = True
-
-
 class CountingFS:
     """The run's filesystem with every input file counted."""
 
     def __init__(self, fs):
-        self.fs, self.counter = fs, [0]
+        self.fs, self.opened = fs, []
 
     def open_input_file(self, path: str):
-        return CountingFile(self.fs.open_input_file(path), self.counter)
+        counted = data._CountingFile(self.fs.open_input_file(path))  # the reader's own byte-counting file
+        self.opened.append(counted)
+        return counted
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.opened)
 
     def __getattr__(self, name):
         return getattr(self.fs, name)
@@ -100,14 +75,14 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer
     extra = {"block_rows": data.schedule_block_rows(manifest)} if hasattr(data, "schedule_block_rows") else {}
     per_step, total_read, total_used, started = [], 0, 0.0, time.time()
     for gb in schedule.iterate(sizes, batch, "clustered", seed, steps, **extra):
-        before = counted.fs.counter[0]
+        before = counted.fs.bytes_read
         used = 0.0
         for rank, reader in enumerate(readers):
             rows = gb.rank_rows(rank, world_size)
             table = reader.rows(gb.shard, rows)
             assert table.num_rows == len(rows)
             used += float(row_bytes[gb.shard][rows].sum())
-        read = counted.fs.counter[0] - before
+        read = counted.fs.bytes_read - before
         per_step.append(read / used)
         total_read, total_used = total_read + read, total_used + used
     warm = per_step[len(per_step) // 2:]
