@@ -6,7 +6,7 @@
 
 What is timed on the clusterscale side is `clusterscale.modeling.encoder.Encoder` (tokenise once, sort by
 length, token-budget batches, SDPA attention): the compute core that each actor of the `embed`
-stage runs on its work units. `--stage` additionally times the whole Ray stage (`run_embed`) on the
+stage runs on its work units. `--stage` additionally times the whole Ray stage (the embed stage) on the
 same texts, start-up included. Both sides embed the same texts with the same model and max length;
 the runs alternate (ST, clusterscale, ST, ...) and the best of `--repeats` is kept, so a noisy
 shared machine hurts both alike. MFU = useful model FLOPs (no padding) / peak FLOP/s.
@@ -95,13 +95,12 @@ def time_it(fn) -> float:
 
 
 def stage_rows_per_s(texts: list[str], model: str, max_length: int) -> float:
-    """The whole Ray stage on these texts as passages: ingest, then a timed `run_embed`."""
+    """The whole Ray stage on these texts as passages: ingest, then a timed embed stage."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from clusterscale import config as config_mod
-    from clusterscale.stages.embed import run_embed
-    from clusterscale.stages.ingest import run_ingest
+    from clusterscale.pipeline import run_stage
     from clusterscale.io.rundir import RunDir
     from clusterscale.runtime.session import init_ray
 
@@ -111,8 +110,8 @@ def stage_rows_per_s(texts: list[str], model: str, max_length: int) -> float:
                                      f"embed.model={model}", f"embed.max_length={max_length}"])
         init_ray(cfg.ray)
         run = RunDir(f"{tmp}/run")
-        run_ingest(cfg, run)
-        return run_embed(cfg, run)["rows_per_s"]
+        run_stage("ingest", cfg, run)
+        return run_stage("embed", cfg, run).stats["rows_per_s"]
 
 
 def main() -> None:
@@ -127,7 +126,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gpu", action="store_true", help="BERT-base random weights, ~60-word texts, bf16")
-    parser.add_argument("--stage", action="store_true", help="also time the Ray stage (run_embed)")
+    parser.add_argument("--stage", action="store_true", help="also time the Ray stage (embed)")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
 
@@ -185,7 +184,7 @@ def main() -> None:
     print(f"clusterscale Encoder:  {cs_rps:8.1f} rows/s  MFU {result['clusterscale_mfu']:.1%}")
     print(f"ratio {result['ratio']:.3f}; min cosine to ST {min_cos:.5f}; peak = {peak_name} {peak / 1e9:.0f} GFLOP/s")
     if "stage_rows_per_s" in result:
-        print(f"Ray stage (run_embed, start-up included): {result['stage_rows_per_s']:.1f} rows/s")
+        print(f"Ray stage (embed, start-up included): {result['stage_rows_per_s']:.1f} rows/s")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
 

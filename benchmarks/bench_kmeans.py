@@ -122,13 +122,13 @@ def compare(args) -> dict:
 
 
 def scaling(args) -> list[dict]:
-    """Real stages (run_fit, run_assign, run_shard) on synthetic embeddings/ in a temp run dir."""
+    """Real stages (fit, assign, shard, through the pipeline's executor) on synthetic embeddings/ in a temp run dir."""
     import ray
 
     from clusterscale import config as config_mod
-    from clusterscale.stages.kmeans import ClusteringError, run_assign, run_fit
     from clusterscale.io.rundir import RunDir
-    from clusterscale.stages.shards import run_shard
+    from clusterscale.pipeline import run_stage
+    from clusterscale.stages.kmeans import ClusteringError
     from clusterscale.stages.synthetic import write_embeddings_stage
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
@@ -144,10 +144,10 @@ def scaling(args) -> list[dict]:
                 cfg = config_mod.load(None, ["data.path=synthetic", f"cluster.k={k}", f"cluster.niter={args.niter}",
                                              f"train.global_batch_size={args.batch}", "train.num_workers=1"])
                 row = {"n": n, "k": k, "dim": args.dim, "niter": args.niter}
-                for stage, fn in (("fit", run_fit), ("assign", run_assign), ("shard", run_shard)):
+                for stage in ("fit", "assign", "shard"):
                     started = time.perf_counter()
                     try:
-                        stats = fn(cfg, run)
+                        stats = run_stage(stage, cfg, run).stats
                     except ClusteringError as exc:  # e.g. every cluster smaller than one batch: a row, not a crash
                         row[f"{stage}_error"] = str(exc)
                         break

@@ -55,7 +55,7 @@ def loader_and_plain(run, cfg, steps: int) -> dict:
     model, tokenizer, pooling = build_student(tc)
     settings = StepSettings.from_train_config(tc, pooling, amp=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
-    reader = ShardReader(run, manifest, cache_size=len(sizes))
+    reader = ShardReader(run, manifest)
     streams = {s: schedule.iterate(sizes, tc.global_batch_size, s, tc.seed, steps + 2) for s in ("clustered", "random")}
     times: dict[str, dict[str, list[float]]] = {s: {"load": [], "step": [], "plain": []} for s in streams}
     for i in range(steps + 2):
@@ -102,11 +102,11 @@ def ray_train_step_s(run, cfg) -> float:
     """Median step_s of a real `clusterscale train` (Ray Train, 2 DDP workers) after 2 warm-up steps."""
     import ray
 
-    from clusterscale.train.loop import run_train
+    from clusterscale.pipeline import run_stage
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
     try:
-        run_train(cfg, run)
+        run_stage("train", cfg, run)
     finally:
         ray.shutdown()
     records = read_metrics(run, cfg.train_name())

@@ -22,7 +22,7 @@ import torch
 
 from clusterscale.io.builtin_data import builtin_docstrings_path
 from clusterscale.config import TrainConfig
-from clusterscale.train.loop import lr_at
+from clusterscale.train.optim import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student, embed
 from clusterscale.train.step import StepSettings, contrastive_backward

@@ -94,9 +94,9 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_synth_verb(args) -> None:
-    from clusterscale.pipeline import open_run
+    from clusterscale.pipeline import execute, open_run, synth_stage
     from clusterscale.runtime.session import init_ray
-    from clusterscale.stages.synthetic import SynthSpec, run_synth
+    from clusterscale.stages.synthetic import SynthSpec
 
     spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed)
     spec.check()
@@ -105,10 +105,9 @@ def run_synth_verb(args) -> None:
         extra.append(f"data.heldout_fraction={args.heldout_fraction}")
     cfg, run = open_run(args.run_dir, args.config, args.overrides + extra)
     init_ray(cfg.ray)
-    with run.lock("pairs"):
-        if run.config_in_force() is None:
-            run.write_config(cfg)
-        run_synth(cfg, run, spec)
+    if run.config_in_force() is None:
+        run.write_config(cfg)
+    execute(synth_stage(spec), cfg, run)
 
 
 def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:

@@ -165,8 +165,9 @@ class ClusterConfig(Section):
     k: int = knob(8, "Number of clusters.", bounds=POSITIVE)
     niter: int = knob(20, "Lloyd iterations.", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
-    max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (chosen by a seeded "
-                                             "hash of pair_id), like FAISS.", bounds=POSITIVE)
+    max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (seeded row groups of "
+                                             "embeddings/, then a seeded hash of pair_id), like FAISS.",
+                                        bounds=POSITIVE)
     fit_sample: str = knob("capped", "'capped' = fit on the max_points_per_centroid x k sample; 'all' = fit "
                                      "on every embedded row.", ("capped", "all"))
     num_workers: int = knob(0, "Ray actors of the data-parallel fit, each holding a slice of the sample; "
@@ -187,6 +188,13 @@ class ShardConfig(Section):
                                               "one mixed remainder shard.", ("merge", "pool"))
     target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.", bounds=POSITIVE)
     num_samples: int = knob(5, "Sample queries per cluster kept in the manifest for inspection.")
+    max_group_rows: int = knob(1_000_000, "Largest group of rows one shard actor sorts and shuffles at once: a "
+                                          "cluster with more rows is split into about rows / max_group_rows "
+                                          "groups by a seeded hash of pair_id (same cluster, more files). It "
+                                          "sets each actor's memory request; lower it if shard actors run out "
+                                          "of memory.", bounds=POSITIVE)
+    keep_emb: bool = knob(False, "Also write the `emb` column into the shard files (training never reads "
+                                 "it; off, the shuffle moves text only, ~1/4 of the bytes at 768-d).")
 
 
 @dataclass

@@ -18,9 +18,8 @@ from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.kmeans import ClusteringError
 from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, fit_stats_path, manifest_path, train_dir
-from clusterscale.pipeline import pipeline, run_stages
+from clusterscale.pipeline import pipeline, run_stage, run_stages
 from clusterscale.redact import redact_uri
-from clusterscale.stages.report import run_report
 from clusterscale.io.rundir import RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.train.schedule import SAMPLERS
@@ -74,7 +73,7 @@ def _train_and_evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
     name = cfg.train_name()
     results = run_stages(cfg, run, ("train", "evaluate"), write_config=False, **stage_options,
                          cost_keys={"evaluate": f"evaluate:{name}"})
-    return results["evaluate"]["results"]
+    return results["evaluate"].outputs["results"]
 
 
 # --- compare ------------------------------------------------------------------------------------------
@@ -152,7 +151,7 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     summary = summarize_compare(cfg, run, arms, metrics, frozen)
     summary["wall_s"] = round(time.time() - started, 1)
     run.write_json("report/compare.json", summary)
-    run_report(cfg, run)
+    run_stage("report", cfg, run)
     return summary
 
 
@@ -276,8 +275,8 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         run.write_json("report/cost_points.json", [p for p in cost_points if p["run"] != run.uri])
         if run.uri != top.uri:
             run.write_json("report/sweep.json", sweep)
-        run_report(variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
+        run_stage("report", variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{cfg.train.sampler}-k{report_k}", cfg.train.seed)}), run)
     if len(sizes) > 1:
-        run_report(variant(cfg, cluster={"k": report_k}), top)
+        run_stage("report", variant(cfg, cluster={"k": report_k}), top)
     return sweep

@@ -1,99 +1,259 @@
-"""The pipeline: which stages a config runs, and the runner every entry point shares (CLI, jobs, compare, sweep).
+"""The pipeline: the one list of stages, and the executor every entry point shares (CLI, jobs, compare, sweep,
+re-clustering).
 
-run_stages takes each stage's output lock, replaces or refuses an output made with another config, runs
-the stage and records its cost in report/costs.json. The stage names and their order are layout.STAGES.
+A stage is a record (Stage): the folders it reads, the folder it writes, the config sections its output
+depends on, the resources its Ray work asks for, and a run function returning a StageResult. `execute` owns
+the rest: the output's lock, the input check, the fingerprint, reuse of an output made with the same config
+(refusal or replacement of one made with another), clearing an interrupted attempt, the done marker and the
+cost record in report/costs.json. No stage module does any of that itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from clusterscale import config as config_mod
+from clusterscale.config import Config, Fingerprint
+from clusterscale.io import layout
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
+                                    train_dir)
+from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
-from clusterscale.config import Config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
-from clusterscale.io.layout import (EVAL, NEGATIVES, STAGES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path,
-                                    shards_dir, train_dir)
 from clusterscale.stages.mine import run_mine
 from clusterscale.stages.report import run_report
-from clusterscale.io.rundir import ConfigMismatchError, RunDir
 from clusterscale.stages.shards import run_shard
-from clusterscale.train.loop import run_train
+from clusterscale.stages.synthetic import SynthSpec, run_synth
+from clusterscale.train import loop, recluster
+from clusterscale.train.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
 
-STAGE_FUNCTIONS: dict[str, Callable] = {
-    "ingest": run_ingest, "embed": run_embed, "fit": run_fit, "assign": run_assign, "shard": run_shard,
-    "mine": run_mine, "train": run_train, "evaluate": run_evaluate, "report": run_report}
-
-
-def pipeline(cfg: Config, first: str = STAGES[0], last: str = STAGES[-1]) -> tuple[str, ...]:
-    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives."""
-    chosen = STAGES[STAGES.index(first):STAGES.index(last) + 1]
-    return tuple(s for s in chosen if s != "mine" or cfg.train.negatives_per_query)
+PerConfig = str | Callable[[Config], str]  # a folder or text that may depend on the config (kmeans/k=<k>)
 
 
-def stage_output(cfg: Config, verb: str) -> str:
-    """The folder of the run that `verb` writes with `cfg` (what it locks and what --replace removes)."""
-    k = cfg.cluster.k
-    return {"ingest": "pairs", "embed": "embeddings", "fit": kmeans_dir(k), "assign": assign_dir(k),
-            "shard": shards_dir(k), "mine": NEGATIVES, "train": train_dir(cfg.train_name()), "evaluate": EVAL,
-            "report": "report"}[verb]
+def _resolve(value: PerConfig, cfg: Config) -> str:
+    return value(cfg) if callable(value) else value
 
 
-def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tuple[Config, RunDir]:
-    """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
-    default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
-    relative to this working directory reaches a Ray worker."""
-    run = RunDir(run_dir)
-    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What one Ray actor or task of a stage asks for (the runtime sizes pools from the cluster's resources).
+    gpus_per_actor applies when the cluster has GPUs; 0 = the stage never uses one."""
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
 
 
-def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
-               cost_keys: dict[str, str] | None = None, replace: str = "", command: str = "") -> dict:
-    """Run stages in order, each holding the lock of its output folder, recording each one's cost;
-    returns {verb: result}. `resume`: train only.
-
-    cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
-    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
-    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
-    replace: "" refuses outputs made with another config; "changed" replaces them (and what was made from
-    them); "always" also replaces outputs made with this config. command: the user's command line, for the
-    advice of a refusal."""
-    session.init_ray(cfg.ray)
-    if write_config and (replace or run.config_in_force() is None):
-        run.write_config(cfg)
-    results = {}
-    for verb in verbs:
-        print(f"== {verb} ==", flush=True)
-        started = time.time()
-        with run.lock(stage_output(cfg, verb)):
-            if replace == "always":
-                _replace(run, stage_output(cfg, verb))
-            results[verb] = _run_stage(STAGE_FUNCTIONS[verb], verb, cfg, run, resume, replace, command)
-        if verb not in ("report",):
-            stats = results[verb]["stats"] if verb == "evaluate" else results[verb]
-            key = f"train:{cfg.train_name()}" if verb == "train" else verb
-            run.record_cost((cost_keys or {}).get(verb, key),
-                            {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
-                            | {"invocation_s": round(time.time() - started, 3)})
-    return results
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """A folder a stage reads: it must carry a done marker; otherwise the user is told to run `verb` first."""
+    folder: PerConfig
+    verb: str
+    what: PerConfig
 
 
-def _run_stage(function: Callable, verb: str, cfg: Config, run: RunDir, resume: bool, replace: str, command: str):
-    """One stage; an output made with another config is replaced (replace set) or refused with the way on."""
-    call = (lambda: function(cfg, run, resume=True)) if verb == "train" and resume else (lambda: function(cfg, run))
-    try:
-        return call()
-    except ConfigMismatchError as exc:
-        if not replace or not exc.stage_dir:
-            again = command or f"clusterscale {verb} --run-dir {run.uri} [your CONFIG and --set keys]"
-            raise ConfigMismatchError(
-                f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and every "
-                f"output made from it: {again} --replace", exc.stage_dir) from None
-        _replace(run, exc.stage_dir)
-        return call()
+@dataclasses.dataclass(frozen=True)
+class ExtraOutput:
+    """A folder written besides the stage's output and marked done with it (ingest: heldout/, quarantine/).
+    Its marker stats come from result.outputs[folder] (a StageResult)."""
+    folder: str
+    sections: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCall:
+    """What a stage's run function gets. source: the run directory its inputs are read from (a child run
+    directory re-embeds its parent's pairs); resume and fail_at_step: train only."""
+    cfg: Config
+    run: RunDir
+    source: RunDir
+    fingerprint: Fingerprint | None = None
+    resume: bool = False
+    fail_at_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline.
+
+    sections (+ extra): what the output's fingerprint covers; () = the stage writes no done marker (evaluate
+    caches per model, report is rewritten each time). keeps_units: the stage resumes an interrupted attempt from
+    its own unit plan, so the executor does not clear its output. after_done: work that needs the marker."""
+    name: str
+    run: Callable[[StageCall], StageResult]
+    output: PerConfig
+    inputs: tuple[Input, ...] = ()
+    sections: tuple[str, ...] = ()
+    extra: Callable[[Config, RunDir], dict | None] | None = None
+    extra_outputs: tuple[ExtraOutput, ...] = ()
+    keeps_units: bool = False
+    resources: Resources = Resources()
+    cost_key: PerConfig | None = None  # the entry in report/costs.json (default: the name)
+    records_cost: bool = True
+    after_done: Callable[[Config, RunDir, StageResult], None] | None = None
+    refusal_hint: str = ""  # said instead of the --replace advice when the stage cannot be replaced
+
+    def output_of(self, cfg: Config) -> str:
+        return _resolve(self.output, cfg)
+
+    def fingerprint_of(self, cfg: Config, run: RunDir) -> Fingerprint:
+        return cfg.fingerprint(self.sections, extra=self.extra(cfg, run) if self.extra else None)
+
+
+# --- the stages ----------------------------------------------------------------------------------------------
+def _train_dir(cfg: Config) -> str:
+    return train_dir(cfg.train_name())
+
+
+def _train_extra(cfg: Config, run: RunDir) -> dict | None:
+    """Training with mined negatives depends on the negatives/ it reads."""
+    return {"negatives": mine_fingerprint(cfg, run)} if cfg.train.negatives_per_query else None
+
+
+def _mine(call: StageCall) -> StageResult:
+    """Mine; a non-frozen mine.encoder first re-embeds the pairs into a child run with the embed stage."""
+    def embed_into(child_cfg: Config, child: RunDir) -> dict:
+        return execute(STAGES["embed"], child_cfg, child, source=call.run, cost_key="").stats
+
+    return run_mine(call.cfg, call.run, call.fingerprint, embed_into)
+
+
+def _train(call: StageCall) -> StageResult:
+    """Train in segments; between two segments (train.recluster_every) the pairs are re-clustered with the
+    model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
+    cfg, run = call.cfg, call.run
+    plan = loop.plan_training(cfg, run, call.resume)
+    shards_uri, recluster_s, result = run.uri, 0.0, None
+    for segment in loop.segments_to_train(run, plan):
+        if segment > 0:
+            started = time.time()
+            shards_uri = _recluster(cfg, run, plan.name, segment).uri
+            recluster_s += time.time() - started
+        result = loop.train_segment(cfg, run, plan, segment, shards_uri, call.resume or segment > 0,
+                                    call.fail_at_step)
+    return loop.finish_training(cfg, run, plan, result, recluster_s)
+
+
+def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
+    """Embed, fit, assign and shard the training pairs with the segment's encoder into its child run directory
+    (its own done markers; costs recorded in the parent run as recluster:<name>:seg-<s>:<stage>)."""
+    child = RunDir(run.child_uri(recluster.segment_dir(name, segment)))
+    # A URI (or local path) every node can read: embed actors copy an object-store model locally.
+    child_cfg = recluster.segment_config(cfg, run.child_uri(recluster.segment_dir(name, segment), "encoder"))
+    print(f"[recluster] segment {segment}: re-embedding, re-fitting (k={cfg.cluster.k}) and re-sharding the "
+          f"training pairs with the model after step {recluster.segment_start_step(cfg, segment)}", flush=True)
+    for verb in ("embed", "fit", "assign", "shard"):
+        execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
+                cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
+    return child
+
+
+def _report(call: StageCall) -> StageResult:
+    return StageResult({}, outputs={"report": run_report(call.cfg, call.run)})
+
+
+_CLUSTERING = ("data", "embed", "cluster")
+_ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
+
+# The stages in pipeline order (names: layout.STAGES, which costs and the report group by).
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("ingest", lambda c: run_ingest(c.cfg, c.run), "pairs", sections=("data",),
+          extra_outputs=(ExtraOutput("heldout", ("data",)), ExtraOutput("quarantine", ("data",)))),
+    Stage("embed", lambda c: run_embed(c.cfg, c.run, c.fingerprint, pairs_run=c.source), "embeddings",
+          inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data", "embed"), keeps_units=True,
+          resources=_ON_GPU),
+    Stage("fit", lambda c: run_fit(c.cfg, c.run), lambda cfg: kmeans_dir(cfg.cluster.k),
+          inputs=(Input("embeddings", "embed", "Embeddings"),), sections=_CLUSTERING, resources=_ON_GPU),
+    Stage("assign", lambda c: run_assign(c.cfg, c.run), lambda cfg: assign_dir(cfg.cluster.k),
+          inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
+          sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0)),
+    Stage("shard", lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
+          inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
+                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),),
+          sections=(*_CLUSTERING, "shard"), extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size},
+          resources=Resources(cpus_per_actor=0.5)),
+    Stage("mine", _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),), sections=MINE_SECTIONS,
+          extra=mine_extra, keeps_units=True, resources=_ON_GPU),
+    Stage("train", _train, _train_dir,
+          inputs=(Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg: f"Shards for k={cfg.cluster.k}"),),
+          sections=(*_CLUSTERING, "shard", "train"), extra=_train_extra, resources=_ON_GPU,
+          cost_key=lambda cfg: f"train:{cfg.train_name()}", after_done=loop.after_training),
+    Stage("evaluate", lambda c: run_evaluate(c.cfg, c.run), EVAL,
+          inputs=(Input("heldout", "ingest", "Held-out pairs"),
+                  Input(_train_dir, "train", lambda cfg: f"Trained model {cfg.train_name()!r}")), resources=_ON_GPU),
+    Stage("report", _report, "report", records_cost=False, resources=Resources(cpus_per_actor=0.0)),
+)}
+assert tuple(STAGES) == layout.STAGES, "the pipeline's stages and layout.STAGES must list the same names in order"
+
+
+def synth_stage(spec: SynthSpec, max_tasks_in_flight: int | None = None) -> Stage:
+    """`clusterscale synth`: the stage that writes what ingest and embed would, from a generator."""
+    return Stage("synth", lambda c: run_synth(c.cfg, c.run, spec, max_tasks_in_flight), "pairs", sections=("data",),
+                 extra_outputs=(ExtraOutput("heldout", ("data",)), ExtraOutput("quarantine", ("data",)),
+                                ExtraOutput("embeddings", ("data", "embed"))),
+                 refusal_hint="Write the synthetic run into a new --run-dir.")
+
+
+# --- the executor --------------------------------------------------------------------------------------------
+def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = None, resume: bool = False,
+            fail_at_step: int | None = None, replace: str = "", command: str = "", cost_key: str | None = None,
+            costs_run: RunDir | None = None) -> StageResult:
+    """Run one stage holding the lock of its output; record its cost.
+
+    replace: "" refuses an output made with another config; "changed" replaces it (and what was made from it);
+    "always" also replaces one made with this config. command: the user's command line, for the advice of a
+    refusal. cost_key: the entry in report/costs.json ("" = none; default: the stage's); costs_run: the run
+    whose report/costs.json gets it (default: run)."""
+    started = time.time()
+    call = StageCall(cfg, run, source or run, resume=resume, fail_at_step=fail_at_step)
+    with run.lock(stage.output_of(cfg)):
+        if replace == "always":
+            _replace(run, stage.output_of(cfg))
+        try:
+            result = _run_once(stage, call)
+        except ConfigMismatchError as exc:
+            if stage.refusal_hint:
+                raise ConfigMismatchError(f"{exc} {stage.refusal_hint}", exc.stage_dir) from None
+            if not replace or not exc.stage_dir:
+                again = command or f"clusterscale {stage.name} --run-dir {run.uri} [your CONFIG and --set keys]"
+                raise ConfigMismatchError(
+                    f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and "
+                    f"every output made from it: {again} --replace", exc.stage_dir) from None
+            _replace(run, exc.stage_dir)
+            result = _run_once(stage, call)
+    key = _resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
+    if key and stage.records_cost:
+        (costs_run or run).record_cost(key, {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
+                                       | {"invocation_s": round(time.time() - started, 3)})
+    return result
+
+
+def _run_once(stage: Stage, call: StageCall) -> StageResult:
+    """Inputs, then reuse, or clear + run + mark done."""
+    cfg, run = call.cfg, call.run
+    for need in stage.inputs:
+        call.source.require(_resolve(need.folder, cfg), need.verb, _resolve(need.what, cfg))
+    if not stage.sections:
+        return stage.run(call)
+    out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
+    extras = [(e.folder, cfg.fingerprint(e.sections), e.sections == stage.sections) for e in stage.extra_outputs]
+    # An extra output fingerprinted like the stage's own is said with it; one with its own sections is said too.
+    if run.is_done(out, fingerprint) and all(run.is_done(f, fp, quiet=same) for f, fp, same in extras):
+        return StageResult(run.done_stats(out))
+    if not (stage.keeps_units or call.resume):  # an interrupted attempt's partial output
+        for folder in (out, *(f for f, _, _ in extras)):
+            run.begin(folder)
+    result = stage.run(dataclasses.replace(call, fingerprint=fingerprint))
+    if result.complete:
+        for folder, extra_fingerprint, _ in extras:
+            marker = result.outputs[folder]
+            run.mark_done(folder, extra_fingerprint, marker.stats, marker.config)
+        run.mark_done(out, fingerprint, result.stats, result.config)
+        if stage.after_done:
+            stage.after_done(cfg, run, result)
+    return result
 
 
 def _replace(run: RunDir, stage_dir: str) -> None:
@@ -104,7 +264,46 @@ def _replace(run: RunDir, stage_dir: str) -> None:
     print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)
 
 
-def summary(cfg: Config, run: RunDir, results: dict) -> str:
+# --- entry points' helpers -----------------------------------------------------------------------------------
+def pipeline(cfg: Config, first: str = layout.STAGES[0], last: str = layout.STAGES[-1]) -> tuple[str, ...]:
+    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives."""
+    chosen = layout.STAGES[layout.STAGES.index(first):layout.STAGES.index(last) + 1]
+    return tuple(s for s in chosen if s != "mine" or cfg.train.negatives_per_query)
+
+
+def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tuple[Config, RunDir]:
+    """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
+    default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
+    relative to this working directory reaches a Ray worker."""
+    run = RunDir(run_dir)
+    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
+
+
+def run_stage(name: str, cfg: Config, run: RunDir, **options: Any) -> StageResult:
+    """One stage by name through the executor (the options of `execute`)."""
+    return execute(STAGES[name], cfg, run, **options)
+
+
+def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,
+               cost_keys: dict[str, str] | None = None, replace: str = "", command: str = "") -> dict[str, StageResult]:
+    """Run stages in order with the executor; returns {verb: StageResult}. `resume`: train only.
+
+    cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
+    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
+    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
+    replace and command: see execute."""
+    session.init_ray(cfg.ray)
+    if write_config and (replace or run.config_in_force() is None):
+        run.write_config(cfg)
+    results = {}
+    for verb in verbs:
+        print(f"== {verb} ==", flush=True)
+        results[verb] = execute(STAGES[verb], cfg, run, resume=resume and verb == "train", replace=replace,
+                                command=command, cost_key=(cost_keys or {}).get(verb))
+    return results
+
+
+def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
     lines = ["", "== summary =="]
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
@@ -116,7 +315,7 @@ def summary(cfg: Config, run: RunDir, results: dict) -> str:
             lines.append(f"k={cfg.cluster.k}: {shard_rows['shards']} shards, sizes {shard_rows['min_rows']}.."
                          f"{shard_rows['max_rows']}")
     if "evaluate" in results:
-        for name, r in results["evaluate"]["results"].items():
+        for name, r in results["evaluate"].outputs["results"].items():
             lines.append(f"held-out NDCG@10 {name}: {r['metrics']['ndcg_at_10']:.4f}")
     if run.exists("report/report.md"):
         lines.append(f"report: {run.path('report/report.md')}")

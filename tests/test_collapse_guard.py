@@ -9,7 +9,9 @@ import torch
 
 from clusterscale import config as config_mod
 from clusterscale.config import TrainConfig
-from clusterscale.train.loop import TrainingCollapsedError, lr_at, run_train
+from clusterscale.pipeline import run_stage
+from clusterscale.train.loop import TrainingCollapsedError
+from clusterscale.train.optim import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student
 from clusterscale.train.step import StepSettings, contrastive_backward
@@ -86,7 +88,7 @@ def test_collapsed_run_is_stopped_with_the_message(tmp_path, ray_local, capsys):
                                                           "warmup_steps": 2, "pooling": "cls"}).items()]
     cfg = config_mod.load(None, ["cluster.k=4", "train.steps=24"] + overrides)
     with pytest.raises(TrainingCollapsedError, match=r"looks collapsed at step \d+.*train.pooling=mean"):
-        run_train(cfg, run)
+        run_stage("train", cfg, run)
     record = json.loads(run.read_bytes(f"train/{cfg.train_name()}/collapse.json"))
     assert record["stopped"] and record["step"] < 24
     assert not run.exists(f"train/{cfg.train_name()}", "model") and not run.exists(f"train/{cfg.train_name()}",

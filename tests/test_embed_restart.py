@@ -17,9 +17,9 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.stages.embed import emb_matrix, run_embed
+from clusterscale.stages.embed import emb_matrix
 from clusterscale.modeling.encoder import Encoder
-from clusterscale.stages.ingest import run_ingest
+from clusterscale.pipeline import run_stage
 from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs
 from tests.test_embed import save_nan_model
@@ -50,7 +50,7 @@ def ingested(tmp_path_factory, ray_local) -> tuple[str, Path]:
     base = tmp_path_factory.mktemp("embed")
     pq.write_table(make_pairs(600), base / "pairs.parquet")
     data = str(base / "pairs.parquet")
-    run_ingest(config_mod.load(None, overrides(data)), RunDir(str(base / "ingested")))
+    run_stage("ingest", config_mod.load(None, overrides(data)), RunDir(str(base / "ingested")))
     return data, base / "ingested"
 
 
@@ -64,7 +64,7 @@ def fresh_copy(ingested, tmp_path: Path) -> RunDir:
 def reference(ingested, tmp_path_factory) -> dict[int, np.ndarray]:
     """An uninterrupted run: the vectors every interrupted run must reproduce."""
     run = fresh_copy(ingested, tmp_path_factory.mktemp("reference"))
-    stats = run_embed(config_mod.load(None, overrides(ingested[0])), run)
+    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
     assert stats["units"] == 12 and stats["units_skipped"] == 0 and stats["rows"] == 600
     assert stats["rows_per_s"] > 0 and stats["worker_s"] > 0
     return read_embeddings(run)
@@ -115,7 +115,7 @@ def test_sigkill_of_the_driver_then_rerun(ingested, reference, tmp_path, ray_loc
     survivors = len(run.files("embeddings"))
     assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json"), log.read_text()[-3000:]
 
-    stats = run_embed(config_mod.load(None, overrides(ingested[0])), run)
+    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
     assert stats["units_skipped"] >= survivors and stats["rows"] == 600
     got = read_embeddings(run)
     assert sorted(got) == sorted(reference) == pair_ids(run)
@@ -150,8 +150,8 @@ def _embed_unit_processes() -> list[int]:
 def test_killed_actor_is_retried_without_duplicates(ingested, reference, tmp_path):
     run = fresh_copy(ingested, tmp_path)
     result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(run_embed(config_mod.load(None, overrides(ingested[0])),
-                                                                      run)))
+    worker = threading.Thread(target=lambda: result.update(run_stage("embed", config_mod.load(None, overrides(ingested[0])),
+                                                                               run).stats))
     worker.start()
     killed, deadline = None, time.time() + 300
     while killed is None and worker.is_alive() and time.time() < deadline:
@@ -183,7 +183,7 @@ def test_nan_model_and_missing_weights_stop_with_a_message(ingested, tiny_model,
 
 def test_truncated_texts_are_counted(ingested, tiny_model, tmp_path):
     run = fresh_copy(ingested, tmp_path)
-    stats = run_embed(config_mod.load(None, overrides(ingested[0], tiny_model, "embed.max_length=12")), run)
+    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0], tiny_model, "embed.max_length=12")), run).stats
     passages = pads.dataset(run.files("pairs"), format="parquet").to_table().column("passage").to_pylist()
     tokenizer = Encoder(tiny_model, max_length=12, device="cpu").tokenizer
     expected = sum(len(ids) > 12 for ids in tokenizer(passages)["input_ids"])

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import config
-from clusterscale.stages.ingest import IngestError, is_heldout, normalise_text, run_ingest
+from clusterscale.pipeline import run_stage
+from clusterscale.stages.ingest import IngestError, is_heldout, normalise_text
 from clusterscale.io.rundir import RunDir
 
 
@@ -19,7 +20,7 @@ def _ingest(tmp_path, data_path, *extra):
     cfg = config.load(None, [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p",
                              "data.heldout_fraction=0.2", *extra])
     run = RunDir(str(tmp_path / "run"))
-    return run, run_ingest(cfg, run)
+    return run, run_stage("ingest", cfg, run).stats
 
 
 def _table(run, folder):
@@ -89,3 +90,92 @@ def test_all_rows_bad_is_a_clear_error(tmp_path, ray_local):
     pq.write_table(pa.table({"q": ["", None], "p": ["x", "y"]}), path)
     with pytest.raises(IngestError, match="No valid pairs"):
         _ingest(tmp_path, path)
+
+
+def _kinds_by_id(run) -> dict[int, tuple[str, str]]:
+    """pair_id -> (output folder, query text) over pairs/, heldout/ and quarantine/."""
+    out = {}
+    for kind in ("pairs", "heldout", "quarantine"):
+        table = _table(run, kind)
+        queries = table.column("query").to_pylist() if "query" in table.column_names else []
+        out |= {pid: (kind, q) for pid, q in zip(table.column("pair_id").to_pylist(), queries)}
+    return out
+
+
+def test_big_parquet_file_is_split_into_row_group_units_with_the_same_ids(tmp_path, ray_local):
+    from dataclasses import asdict
+
+    from clusterscale.stages.ingest import IngestUnit, file_units, ingest_unit, list_input_files
+
+    path = tmp_path / "big.parquet"
+    queries = [f"query {i}" if i % 97 else "" for i in range(1000)]  # some quarantined rows too
+    pq.write_table(pa.table({"q": queries, "p": [f"passage {i}" for i in range(1000)]}), path, row_group_size=100)
+    cfg = config.load(None, [f"data.path={path}", "data.query_column=q", "data.passage_column=p",
+                             "data.heldout_fraction=0.2", "data.rows_per_part=250"])
+    fs, files = list_input_files(cfg.data)
+    units = file_units(fs, 0, files[0], cfg.data)
+    assert [(u.row_start, u.rows, len(u.row_groups)) for u in units] == [(0, 300, 3), (300, 300, 3), (600, 300, 3),
+                                                                        (900, 100, 1)]
+    whole = RunDir(str(tmp_path / "whole"))
+    ingest_unit(whole.uri, fs, IngestUnit(0, files[0]), asdict(cfg.data))  # today's one task per file
+    run, stats = _ingest(tmp_path, path, "data.rows_per_part=250")
+    assert stats["rows_in"] == 1000 and stats["input_files"] == 1 and stats["quarantine"] == 11
+    assert _kinds_by_id(run) == _kinds_by_id(whole) and len(_kinds_by_id(run)) == 1000
+    assert {name.split("-")[2] for name in map(lambda f: f.rsplit("/", 1)[1], run.files("pairs"))} == \
+        {"00000", "00001", "00002", "00003"}  # four units wrote parts
+
+    limited, stats = _ingest(tmp_path / "limited", path, "data.rows_per_part=250", "data.limit=550")
+    assert stats["rows_in"] == 550 and set(_kinds_by_id(limited)) == set(range(550))
+
+
+def test_limit_over_text_and_parquet_files_reads_the_first_rows_in_file_order(tmp_path, ray_local):
+    folder = tmp_path / "in"
+    folder.mkdir()
+
+    def rows(name: str, n: int) -> dict:
+        return {"q": [f"{name} q{j}" for j in range(n)], "p": [f"{name} p{j}" for j in range(n)]}
+
+    (folder / "a.jsonl").write_text("".join(json.dumps({"q": q, "p": p}) + "\n" for q, p in zip(*rows("a", 10).values())))
+    pq.write_table(pa.table(rows("b", 30)), folder / "b.parquet", row_group_size=10)
+    (folder / "c.jsonl").write_text("".join(json.dumps({"q": q, "p": p}) + "\n" for q, p in zip(*rows("c", 10).values())))
+    pq.write_table(pa.table(rows("d", 10)), folder / "d.parquet")
+    # 2 CPUs: a.jsonl and c.jsonl are read at once, each with the most rows it could be allowed; c.jsonl
+    # reads 10, is allowed 5 once a and b are counted, and is re-read with 5.
+    run, stats = _ingest(tmp_path, folder, "data.rows_per_part=10", "data.limit=45")
+    assert stats["rows_in"] == 45 and stats["input_files"] == 3
+    expected = {(0 << 40) + j: f"a q{j}" for j in range(10)} | {(1 << 40) + j: f"b q{j}" for j in range(30)} \
+        | {(2 << 40) + j: f"c q{j}" for j in range(5)}
+    assert {pid: q for pid, (_, q) in _kinds_by_id(run).items()} == expected
+
+
+def test_limit_rules_rerun_units_read_too_far_or_cut_short():
+    from clusterscale.stages.ingest import IngestUnit, _Accepted, speculative_batch
+
+    units = [IngestUnit(0, "a.parquet", rows=10), IngestUnit(1, "b.jsonl"), IngestUnit(2, "c.parquet", rows=10)]
+    assert speculative_batch(units, 25, width=1) == [(units[0], 25), (units[1], 15)]
+    assert speculative_batch(units, 25, width=2) == [(units[0], 25), (units[1], 15), (units[2], 15)]
+    assert speculative_batch(units, None, width=1) == [(u, None) for u in units]
+
+    class Run:  # records what _Accepted deletes
+        removed: list[str] = []
+
+        def remove(self, name):
+            self.removed.append(name)
+
+    reruns = []
+
+    def rerun(unit, budget):
+        reruns.append((unit.file_index, budget))
+        return {"rows_in": budget, "written": [f"rerun-{unit.file_index}"]}
+
+    accepted = _Accepted(Run(), limit=25)
+    accepted.add(units[0], 25, {"rows_in": 0, "written": [], "bad_file": "broken"}, rerun)  # 0 rows, not 10
+    accepted.add(units[1], 15, {"rows_in": 15, "written": ["b"]}, rerun)  # cut at 15 while 25 are allowed
+    assert reruns == [(1, 25)] and Run.removed == ["b"] and accepted.full()
+    accepted.add(units[2], 15, {"rows_in": 10, "written": ["c"]}, rerun)  # past the limit: dropped
+    assert Run.removed == ["b", "c"] and [u.file_index for u, _ in accepted.results] == [0, 1]
+
+    accepted = _Accepted(Run(), limit=12)
+    accepted.add(units[1], 12, {"rows_in": 5, "written": ["b"]}, rerun)
+    accepted.add(IngestUnit(3, "d.jsonl"), 12, {"rows_in": 12, "written": ["d"]}, rerun)  # 7 allowed
+    assert reruns[-1] == (3, 7) and Run.removed[-1] == "d" and accepted.rows_in == 12

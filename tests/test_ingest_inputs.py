@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli, config
-from clusterscale.stages.ingest import IngestError, heldout_key, ingest_file, list_input_files
+from clusterscale.stages.ingest import IngestError, IngestUnit, heldout_key, ingest_unit, list_input_files
 from clusterscale.io.input_files import _json_array_items
 from clusterscale.io.rundir import RunDir
 
@@ -22,12 +22,12 @@ KINDS = ("pairs", "heldout", "quarantine")
 
 
 def _ingest(tmp_path, data_path, *extra) -> tuple[dict, list[dict]]:
-    """Every input file through ingest_file (the Ray task's body, run here without Ray)."""
+    """Every input file as one unit through ingest_unit (the Ray task's body, run here without Ray)."""
     cfg = config.load(None, [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p",
                              "data.heldout_fraction=0.3", *extra])
     run = RunDir(str(tmp_path / "run"))
     fs, files = list_input_files(cfg.data)
-    counts = [ingest_file(run.uri, i, fs, f, asdict(cfg.data), None) for i, f in enumerate(files)]
+    counts = [ingest_unit(run.uri, fs, IngestUnit(i, f), asdict(cfg.data)) for i, f in enumerate(files)]
     return _conserved(run, counts), counts
 
 
@@ -234,3 +234,18 @@ def test_cli_bad_file_exits_2_naming_it_then_quarantine_lists_it(tmp_path, ray_l
     assert stats["rows_in"] == 30 == stats["pairs"] + stats["heldout"] + stats["quarantine"]
     assert [b["path"] for b in run.read_json("quarantine/bad_files.json")] == [str(folder / "zero.parquet")]
     assert stats["bad_files"][0]["error"].startswith("ArrowInvalid: Parquet file size is 0 bytes")
+
+
+def test_bad_late_row_group_drops_every_unit_of_its_file(tmp_path, ray_local):
+    from clusterscale.pipeline import run_stage
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"q": ["a", "b"], "p": ["c", "d"]}), folder / "a_good.parquet")
+    (folder / "late_corrupt.parquet").write_bytes(_corrupt_late_row_group(_parquet_bytes(4_000, 1_000)))
+    cfg = config.load(None, [f"data.path={folder}", "data.query_column=q", "data.passage_column=p",
+                             "data.rows_per_part=1000", "data.bad_files=quarantine"])
+    run = RunDir(str(tmp_path / "run"))
+    stats = run_stage("ingest", cfg, run).stats  # four units of the corrupt file: three read fine, the last one fails
+    assert stats["rows_in"] == 2 and [b["path"] for b in stats["bad_files"]] == [str(folder / "late_corrupt.parquet")]
+    assert sum(pq.read_metadata(f).num_rows for k in KINDS for f in run.files(k)) == 2

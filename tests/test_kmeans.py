@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from clusterscale import config as config_mod
-from clusterscale.stages.kmeans import load_centroids, run_assign, run_fit
+from clusterscale.pipeline import run_stage
+from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import assign_dir, kmeans_dir
 from clusterscale.runtime.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,
                                       nearest_centroid, update_centroids)
@@ -91,7 +92,7 @@ def synthetic_run(tmp_path_factory):
 def fit_in(run: RunDir, cfg) -> tuple[np.ndarray, dict]:
     if run.exists(kmeans_dir(cfg.cluster.k)):
         run.remove(kmeans_dir(cfg.cluster.k))
-    stats = run_fit(cfg, run)
+    stats = run_stage("fit", cfg, run).stats
     return load_centroids(run, cfg.cluster.k), stats
 
 
@@ -128,6 +129,53 @@ def test_ray_fit_sample_is_seeded_and_capped(tmp_path, synthetic_run, ray_local)
     assert stats["n_sample"] == int((hash_unit(np.arange(3000), salt=0) < 500 / 3000).sum())
 
 
+@pytest.fixture(scope="module")
+def many_groups_run(tmp_path_factory, synthetic_run):
+    """The same 3,000 vectors in 75 files of 2 row groups of 20 rows."""
+    run = RunDir(str(tmp_path_factory.mktemp("kmeans_groups") / "run"))
+    write_embeddings_stage(run, synthetic_run[1], rows_per_file=40, texts=False)
+    return run
+
+
+def test_fit_sample_reads_whole_seeded_row_groups_only(many_groups_run):
+    from clusterscale.runtime.fit_sample import choose_sample_units, read_sample_rows, row_group_units
+
+    units = row_group_units(many_groups_run)
+    assert len(units) == 150 and sum(u.rows for u in units) == 3000
+    chosen, fraction = choose_sample_units(units, 500, seed=0, min_groups=64, spread=1)
+    assert len(chosen) == 64 and sum(u.rows for u in chosen) == 1280 and fraction == 500 / 1280
+    assert chosen == sorted(chosen, key=lambda u: (u.name, u.group))  # read in file order
+    assert {(u.name, u.group) for u in choose_sample_units(units, 500, seed=1, min_groups=64, spread=1)[0]} != \
+        {(u.name, u.group) for u in chosen}  # the seed picks the groups
+    few, _ = choose_sample_units(units, 500, seed=0, min_groups=4, spread=1)  # groups until >= 500 rows
+    assert len(few) == 25 and set(few) <= set(units)
+    spread, _ = choose_sample_units(units, 500, seed=0, min_groups=4, spread=2)  # until >= 2 x 500 rows
+    assert len(spread) == 50 and set(few) < set(spread)
+    assert choose_sample_units(units, 3000, seed=0) == (units, 1.0)  # everything wanted: everything read
+    ids, chunks = read_sample_rows(many_groups_run, chosen, fraction, seed=0)
+    in_chosen = np.concatenate([np.arange(20) + 40 * int(u.name[5:10]) + 20 * u.group for u in chosen])
+    from clusterscale.runtime.hashing import hash_unit
+
+    np.testing.assert_array_equal(np.sort(ids), np.sort(in_chosen[hash_unit(in_chosen, salt=0) < fraction]))
+    assert sum(len(c) for c in chunks) == len(ids) and chunks[0].dtype == np.float32
+
+
+def test_ray_fit_on_row_group_sample_same_for_one_and_two_workers(many_groups_run, synthetic_run, ray_local):
+    from clusterscale.runtime.fit_sample import choose_sample_units, read_sample_rows, row_group_units
+
+    cfgs = [cfg_with(k=10, niter=4, seed=2, max_points_per_centroid=50, num_workers=w) for w in (1, 2)]
+    (c1, s1), (c2, s2) = [fit_in(many_groups_run, cfg) for cfg in cfgs]
+    assert (s1["num_workers"], s2["num_workers"]) == (1, 2)
+    np.testing.assert_array_equal(c1, c2)
+    # 50 x 10 rows wanted: groups of 20 rows until they hold 4 x 500 (SPREAD_FACTOR), 100 of the 150
+    assert s1["n_sample"] == s2["n_sample"] and s1["sample_row_groups"] == 100 and s1["row_groups"] == 150
+    assert s1["sample_rows_read"] == 2000 and s1["sample_bytes_read"] < 0.7 * s1["embeddings_bytes"]
+    chosen, fraction = choose_sample_units(row_group_units(many_groups_run), 500, seed=2)
+    ids, chunks = read_sample_rows(many_groups_run, chosen, fraction, seed=2)
+    assert len(ids) == s1["n_sample"]
+    np.testing.assert_array_equal(c1, fit_spherical_kmeans(np.concatenate(chunks), 10, 4, 2, ids=ids)[0])
+
+
 @pytest.mark.parametrize("index", ["flat", "ivf"])
 def test_assign_index_matches_brute_force(synthetic_run, index):
     import pyarrow.parquet as pq
@@ -150,7 +198,7 @@ def test_ray_assign_streams_every_row(synthetic_run, fits):
     cfg = cfg_with(k=10, niter=8, seed=3, fit_sample="all", assign_index="ivf", ivf_nprobe=4)
     if run.exists(assign_dir(10)):
         run.remove(assign_dir(10))
-    run_assign(cfg, run)
+    run_stage("assign", cfg, run)
     table = pads.dataset(run.files(assign_dir(10)), format="parquet").to_table().sort_by("pair_id")
     sims, labels = nearest_centroid(x, load_centroids(run, 10))
     assert table.num_rows == 3000

@@ -7,7 +7,8 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.stages.kmeans import AssignBatches, build_assign_index, run_fit
+from clusterscale.pipeline import run_stage
+from clusterscale.stages.kmeans import AssignBatches, build_assign_index
 from clusterscale.runtime.kmeans_core import ClusteringError
 from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
@@ -28,7 +29,7 @@ def test_k_larger_than_rows(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     write_embeddings_stage(run, clustered_unit_vectors(20, 8, 2)[0])
     with pytest.raises(ClusteringError, match=r"cluster.k=50 is larger than the number of embedded pairs \(20\)"):
-        run_fit(cfg_with("cluster.k=50"), run)
+        run_stage("fit", cfg_with("cluster.k=50"), run)
 
 
 def test_k_larger_than_rows_through_the_cli(tmp_path, capsys, ray_local):
@@ -40,7 +41,7 @@ def test_k_larger_than_rows_through_the_cli(tmp_path, capsys, ray_local):
 
 def test_missing_embeddings(tmp_path):
     with pytest.raises(StageMissingError, match="run `clusterscale embed`"):
-        run_fit(cfg_with("cluster.k=2"), RunDir(str(tmp_path / "run")))
+        run_stage("fit", cfg_with("cluster.k=2"), RunDir(str(tmp_path / "run")))
 
 
 def test_empty_embeddings(tmp_path):
@@ -48,7 +49,7 @@ def test_empty_embeddings(tmp_path):
     run.begin("embeddings")
     run.mark_done("embeddings", "x", {"rows": 0})
     with pytest.raises(ClusteringError, match="holds no rows"):
-        run_fit(cfg_with("cluster.k=2"), run)
+        run_stage("fit", cfg_with("cluster.k=2"), run)
 
 
 def test_nan_vectors(tmp_path, ray_local):
@@ -58,7 +59,7 @@ def test_nan_vectors(tmp_path, ray_local):
     x[7, 2] = np.inf
     write_embeddings_stage(run, x, rows_per_file=100)
     with pytest.raises(ClusteringError, match="3 sampled embedding rows hold NaN/inf.*Re-run `clusterscale embed`"):
-        run_fit(cfg_with("cluster.k=2", "cluster.num_workers=2"), run)
+        run_stage("fit", cfg_with("cluster.k=2", "cluster.num_workers=2"), run)
 
 
 def test_mixed_dimensions(tmp_path, ray_local):
@@ -68,7 +69,7 @@ def test_mixed_dimensions(tmp_path, ray_local):
     write_embeddings_stage(other, clustered_unit_vectors(100, 16, 2)[0], first_id=100)
     run.write_bytes("embeddings/part-00001.parquet", other.read_bytes("embeddings/part-00000.parquet"))
     with pytest.raises(ClusteringError, match=r"mixes vectors of dimensions \[8, 16\]"):
-        run_fit(cfg_with("cluster.k=2", "cluster.num_workers=1"), run)
+        run_stage("fit", cfg_with("cluster.k=2", "cluster.num_workers=1"), run)
 
 
 def test_assign_with_centroids_of_another_dimension(tmp_path):

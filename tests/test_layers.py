@@ -12,9 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
     ("orchestration", ["clusterscale.pipeline", "clusterscale.experiments"]),
-    # train.loop is the train stage's entry and train.recluster re-runs embed/fit/assign/shard for it.
-    ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop",
-                "clusterscale.train.recluster"]),
+    # train.loop is the train stage's body (plan, segments, finish); the pipeline drives its segments.
+    ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
     ("runtime", ["clusterscale.runtime", "clusterscale.runtime.*"]),

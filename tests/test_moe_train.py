@@ -9,7 +9,7 @@ import torch
 
 from clusterscale import config as config_mod
 from clusterscale.modeling.encoder import Encoder
-from clusterscale.train.loop import run_train
+from clusterscale.pipeline import run_stage
 from clusterscale.modeling.moe import moe_layers
 from tests.conftest import make_pairs
 from tests.train_data import make_sharded_run, train_overrides
@@ -19,7 +19,7 @@ def test_moe_run_trains_and_exports_a_loadable_model(tmp_path, tiny_model, ray_l
     run = make_sharded_run(tmp_path / "run")
     cfg = config_mod.load(None, train_overrides(tiny_model, steps=4) + [
         "train.name=moe", "train.moe_experts=3", "train.moe_top_k=1", "train.grad_cache_chunk=3"])
-    run_train(cfg, run)
+    run_stage("train", cfg, run)
     metrics = [json.loads(line) for line in run.read_bytes("train/moe/metrics.jsonl").decode().splitlines()]
     assert len(metrics) == 4 and all(math.isfinite(m["loss"]) for m in metrics)
     model_dir = run.path("train/moe/model")

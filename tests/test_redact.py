@@ -37,7 +37,8 @@ def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
 
     seen = {}
 
-    def ingest(cfg, run):
+    def ingest(call):
+        cfg, run = call.cfg, call.run
         seen["path"] = cfg.data.path
         run.mark_done("pairs", cfg.fingerprint(("data",)), {"rows_in": 0, "input": cfg.data.path},
                       {"data": dataclasses.asdict(cfg.data)})
@@ -45,7 +46,7 @@ def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
         raise IngestError(f"No input files found at data.path {cfg.data.path!r}.")
 
     monkeypatch.setattr(clusterscale.runtime.session, "init_ray", lambda ray_cfg: None)
-    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "ingest", ingest)
+    monkeypatch.setitem(pipeline.STAGES, "ingest", dataclasses.replace(pipeline.STAGES["ingest"], run=ingest))
     run_dir = tmp_path / "run"
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", f"data.path={SECRET_URI}"]) == 2
     assert seen["path"] == SECRET_URI  # the run itself uses the real URI

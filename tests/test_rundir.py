@@ -1,7 +1,8 @@
 """The run-directory layer without Ray: absolute paths, starting from RUN/config.yaml, refusals that name the
-changed keys, --replace, and stage locks. Stages are stand-ins that follow the real stages' marker protocol."""
+changed keys, --replace, and stage locks. Stages are stand-ins run by the real executor."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,31 +20,26 @@ from clusterscale import config as config_mod
 from clusterscale.runtime import session
 from clusterscale.experiments import run_compare
 from clusterscale.io.layout import kmeans_dir, shards_dir
-from clusterscale.io.rundir import RunDir, StageLockedError
+from clusterscale.io.rundir import RunDir, StageLockedError, StageResult
 from tests.test_jobs_local import run_job
 
 BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "train.steps=3"]
 
 
-def fake_fit(calls: list, verb: str = "fit"):
-    """A stage with the real marker protocol: reuse when done, refuse another config, write rows then mark."""
-    def fit(cfg, run):
-        out, fingerprint = pipeline.stage_output(cfg, verb), cfg.fingerprint(("data", "embed", "cluster"))
-        if run.is_done(out, fingerprint):
-            return run.done_stats(out)
-        run.begin(out)
-        run.write_json(f"{out}/rows.json", list(range(10)))
-        calls.append(cfg)
-        run.mark_done(out, fingerprint, {"rows": 10})
-        return {"rows": 10}
-    return fit
+def fake_stage(calls: list, verb: str = "fit") -> pipeline.Stage:
+    """The stage `verb` without inputs, with a stand-in run function that writes rows; the executor does the rest."""
+    def write_rows(call):
+        call.run.write_json(f"{pipeline.STAGES[verb].output_of(call.cfg)}/rows.json", list(range(10)))
+        calls.append(call.cfg)
+        return StageResult({"rows": 10})
+    return dataclasses.replace(pipeline.STAGES[verb], run=write_rows, inputs=(), after_done=None)
 
 
 @pytest.fixture
 def no_ray(monkeypatch):
     calls: list = []
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
-    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "fit", fake_fit(calls))
+    monkeypatch.setitem(pipeline.STAGES, "fit", fake_stage(calls))
     return calls
 
 
@@ -80,7 +76,8 @@ def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
     seen = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
-    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "evaluate", lambda cfg, run: {"stats": {}, "results": {}})
+    monkeypatch.setitem(pipeline.STAGES, "evaluate", dataclasses.replace(
+        pipeline.STAGES["evaluate"], run=lambda call: StageResult({}, {"results": {}}), inputs=()))
     monkeypatch.setattr("clusterscale.stages.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
     assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
     assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
@@ -209,7 +206,7 @@ def test_arm_names_never_replace_the_main_training(tmp_path):
 def test_job_with_relative_run_dir_refuses_then_replaces(existing_run, no_ray, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(existing_run.root.rsplit("/", 1)[0])
     monkeypatch.setattr(session, "check_run_dir_shared", lambda run: None)
-    monkeypatch.setitem(pipeline.STAGE_FUNCTIONS, "train", fake_fit(no_ray, "train"))
+    monkeypatch.setitem(pipeline.STAGES, "train", fake_stage(no_ray, "train"))
     assert run_job(monkeypatch, "train", "--run-dir", "run") == 0
     assert no_ray[0].data.path == "/data/pairs.parquet" and existing_run.exists("train/clustered-seed0/_DONE.json")
     assert run_job(monkeypatch, "train", "--run-dir", "run", "--set", "cluster.niter=3") == 2

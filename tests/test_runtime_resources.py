@@ -34,3 +34,12 @@ def test_gpu_actors_one_per_gpu():
     assert plan_actors(Resources(gpus=1, cpus_with_gpu=None), max_actors=2, cluster=GPU_CLUSTER).options == {"num_gpus": 1}
     assert not plan_actors(Resources(cpus=1), cluster=GPU_CLUSTER).on_gpu  # a CPU-only stage stays on CPUs
     assert not plan_actors(Resources(gpus=1), use_gpu=False, cluster=GPU_CLUSTER).on_gpu  # faiss without GPU support
+
+
+def test_memory_request_capped_at_the_largest_node():
+    node = ClusterResources(cpus=64, gpus=0, nodes=4, node_memory_bytes=8e9)
+    plan = plan_actors(Resources(cpus=0.5, memory_bytes=2e9), cpu_actors=64, work_units=200, cluster=node)
+    assert (plan.actors, plan.options) == (64, {"num_cpus": 0.5, "memory": 2_000_000_000})
+    capped = plan_actors(Resources(cpus=0.5, memory_bytes=3e10), cluster=node)  # never unschedulable
+    assert capped.options["memory"] == 8_000_000_000
+    assert "memory" not in plan_actors(Resources(cpus=0.5), cluster=node).options

@@ -16,16 +16,20 @@ from clusterscale import config as config_mod
 from clusterscale.io.layout import assign_dir, kmeans_dir, shards_dir
 from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
 from clusterscale.io.rundir import RunDir
-from clusterscale.stages.shards import mean_pairwise_cosine, plan_small_clusters, run_shard
+from clusterscale.pipeline import run_stage
+from clusterscale.runtime.vectors import emb_array, emb_matrix
+from clusterscale.stages.shards import (block_cluster_stats, groups_per_shard, mean_pairwise_cosine,
+                                        plan_small_clusters, sub_groups)
 from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
+from clusterscale.train.data import ShardReader
 
 N, K = 1200, 8
 
 
-def cfg_with(policy: str = "merge", batch: int = 64, rows_per_file: int = 100, k: int = K):
+def cfg_with(policy: str = "merge", batch: int = 64, rows_per_file: int = 100, k: int = K, extra: tuple = ()):
     return config_mod.load(None, ["data.path=unused.parquet", f"cluster.k={k}", "cluster.niter=6",
                                   f"shard.small_cluster_policy={policy}", f"train.global_batch_size={batch}",
-                                  f"shard.target_rows_per_file={rows_per_file}", "train.num_workers=1"])
+                                  f"shard.target_rows_per_file={rows_per_file}", "train.num_workers=1", *extra])
 
 
 def assigned_run(path, x: np.ndarray, k: int = K) -> tuple[RunDir, np.ndarray, np.ndarray]:
@@ -75,7 +79,7 @@ def merged(tmp_path_factory, data, ray_local):
     run, centroids, labels = assigned_run(tmp_path_factory.mktemp("merge") / "run", data)
     counts = np.bincount(labels, minlength=K)
     batch = int(np.sort(counts)[2]) + 1  # at least the two smallest clusters are small
-    run_shard(cfg_with("merge", batch), run)
+    run_stage("shard", cfg_with("merge", batch), run)
     return run, centroids, labels, batch
 
 
@@ -106,7 +110,7 @@ def test_merge_policy_manifest_files_and_rows(merged, data):
 def test_pool_policy_and_determinism(tmp_path, merged, data):
     run_a, _, labels, batch = merged
     run_b, _, _ = assigned_run(tmp_path / "b", data)
-    run_shard(cfg_with("pool", batch), run_b)
+    run_stage("shard", cfg_with("pool", batch), run_b)
     manifest = run_b.read_json(f"{shards_dir(K)}/manifest.json")
     counts = np.bincount(labels, minlength=K)
     small = sorted(int(c) for c in np.flatnonzero((counts > 0) & (counts < batch)))
@@ -144,15 +148,91 @@ def test_inspect_prints_table_and_writes_json(merged, data, capsys, tmp_path):
 
 
 def test_k_sweep_reuses_embeddings_and_writes_beside(merged):
-    from clusterscale.stages.kmeans import run_assign, run_fit
 
     run, _, _, _ = merged
     before = run.read_bytes("embeddings/_DONE.json")
     cfg = cfg_with("merge", 16, k=3)
-    run_fit(cfg, run)
-    run_assign(cfg, run)
-    run_shard(cfg, run)
+    run_stage("fit", cfg, run)
+    run_stage("assign", cfg, run)
+    run_stage("shard", cfg, run)
     assert run.read_bytes("embeddings/_DONE.json") == before
     assert run.exists(shards_dir(K), "manifest.json") and run.exists(shards_dir(3), "manifest.json")
     assert run.read_json(f"{shards_dir(3)}/manifest.json")["stats"]["rows"] == N
     assert run.listdir("kmeans") == [f"k={K}", "k=3"] or sorted(run.listdir("kmeans")) == ["k=3", f"k={K}"]
+
+
+def test_block_stats_add_up_to_the_whole(data):
+    labels = np.random.default_rng(0).integers(0, 5, len(data))
+    vectors = data.astype(np.float16)
+    table = pa.table({"cluster": labels, "cos": np.linspace(0, 1, len(data)), "emb": emb_array(vectors)})
+    parts = [block_cluster_stats(table.slice(a, 500)) for a in range(0, len(data), 500)]
+    sums = np.zeros((5, data.shape[1]))
+    rows, cos = np.zeros(5, np.int64), np.zeros(5)
+    for p in parts:
+        np.add.at(sums, p.column("cluster").to_numpy(), emb_matrix(p.column("vector_sum"), np.float64))
+        np.add.at(rows, p.column("cluster").to_numpy(), p.column("rows").to_numpy())
+        np.add.at(cos, p.column("cluster").to_numpy(), p.column("cos_sum").to_numpy())
+    for c in range(5):
+        mine = labels == c
+        assert rows[c] == mine.sum() and cos[c] == pytest.approx(np.linspace(0, 1, len(data))[mine].sum())
+        np.testing.assert_allclose(sums[c], vectors[mine].astype(np.float64).sum(0), rtol=1e-9, atol=1e-9)
+    assert block_cluster_stats(table.slice(0, 0)).num_rows == 0
+
+
+def test_sub_groups_are_a_balanced_seeded_hash():
+    assert groups_per_shard(np.array([0, 1, 100, 101, 250]), 100).tolist() == [0, 1, 1, 2, 3]
+    ids = np.arange(30_000)
+    subs = sub_groups(ids, np.full(len(ids), 3), seed=5)
+    assert np.bincount(subs).tolist() == pytest.approx([10_000] * 3, rel=0.05)
+    assert (sub_groups(ids[::-1], np.full(len(ids), 3), seed=5) == subs[::-1]).all()  # per row, any batching
+    assert (sub_groups(ids, np.full(len(ids), 3), seed=6) != subs).mean() > 0.5
+    assert (sub_groups(ids, np.ones(len(ids), np.int64), seed=5) == 0).all()
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory, data, merged):
+    """Two reruns with clusters split into groups of ~60 rows: one keeps `emb`, one does not."""
+    batch = merged[3]
+    runs = []
+    for keep in (True, False):
+        run, _, _ = assigned_run(tmp_path_factory.mktemp(f"split{keep}") / "run", data)
+        cfg = cfg_with("merge", batch, rows_per_file=40,
+                       extra=("shard.max_group_rows=60", f"shard.keep_emb={str(keep).lower()}"))
+        run_stage("shard", cfg, run)
+        runs.append(run)
+    return runs
+
+
+def test_split_groups_hold_the_same_rows_and_stats(split_runs, merged, data):
+    run_whole = merged[0]
+    whole = {c["name"]: c for c in run_whole.read_json(f"{shards_dir(K)}/manifest.json")["clusters"]}
+    manifest = split_runs[0].read_json(f"{shards_dir(K)}/manifest.json")
+    assert any(c["groups"] > 1 for c in manifest["clusters"])
+    assert manifest["stats"]["rows"] == N and manifest["keep_emb"] and manifest["max_group_rows"] == 60
+    for c in manifest["clusters"]:
+        twin = whole[c["name"]]
+        table = read_shard(split_runs[0], c["files"])
+        ids = table.column("pair_id").to_numpy()
+        assert sorted(ids) == sorted(read_shard(run_whole, twin["files"]).column("pair_id").to_numpy())
+        assert c["groups"] == math.ceil(c["rows"] / 60) and c["files"] == sorted(c["files"])
+        assert all(pads.dataset(split_runs[0].path(f), format="parquet").count_rows() <= 40 for f in c["files"])
+        for key in ("rows", "members"):
+            assert c[key] == twin[key]
+        for key in ("mean_intra_cosine", "mean_cos_to_centroid"):
+            assert c[key] == pytest.approx(twin[key], rel=1e-7)
+        assert c["samples"] == table.column("query").slice(0, len(c["samples"])).to_pylist()
+        np.testing.assert_array_equal(emb_matrix(table.column("emb")), data[ids].astype(np.float16))
+        assert c["file_rows"] == [pq.ParquetFile(split_runs[0].path(f)).metadata.num_rows for f in c["files"]]
+        rows = np.random.default_rng(0).permutation(c["rows"])[:50]  # training reads through the file_rows
+        got = ShardReader(split_runs[0], manifest).read(manifest["clusters"].index(c), rows)[0]
+        assert got.column("pair_id").to_numpy().tolist() == ids[rows].tolist()
+
+
+def test_split_rerun_is_identical_and_drops_emb_by_default(split_runs):
+    run_emb, run_text = split_runs
+    with_emb, without = (r.read_json(f"{shards_dir(K)}/manifest.json") for r in split_runs)
+    assert [c["files"] for c in with_emb["clusters"]] == [c["files"] for c in without["clusters"]]
+    for a, b in zip(with_emb["clusters"], without["clusters"]):
+        table = read_shard(run_text, b["files"])
+        assert table.column_names == ["pair_id", "query", "passage", "source", "cluster", "cos"]
+        assert read_shard(run_emb, a["files"]).drop_columns(["emb"]).equals(table)

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pytest
 
 from clusterscale import cli
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
@@ -60,6 +61,33 @@ def test_part_splits_like_ingest_and_embeddings_hold_the_pairs(tmp_path):
     assert emb.select(PAIR_SCHEMA.names).equals(pairs)
 
 
+def test_query_vectors_sit_near_their_passages_and_leave_emb_unchanged(tmp_path):
+    spec = SynthSpec(rows=600, dim=32, topics=3)
+    synth_part(str(tmp_path / "p"), vars(spec), 0, 0, 600, heldout_fraction=0.1)
+    synth_part(str(tmp_path / "b"), vars(spec), 0, 0, 600, heldout_fraction=0.1, query_vectors=True)
+    plain = pads.dataset(str(tmp_path / "p" / "embeddings")).to_table()
+    both = pads.dataset(str(tmp_path / "b" / "embeddings")).to_table()
+    assert both.column_names == ["pair_id", "query", "passage", "source", "emb", "truncated", "emb_query",
+                                 "truncated_query"]  # embed.side=both's columns
+    assert both.select(plain.column_names).equals(plain)
+    p, q = emb_matrix(both.column("emb")), emb_matrix(both.column("emb_query"))
+    assert np.allclose(np.linalg.norm(q, axis=1), 1.0, atol=1e-2)
+    scores = q @ p.T
+    assert (scores.argmax(axis=1) == np.arange(len(q))).mean() > 0.95  # its own passage is the nearest
+
+
+def test_mine_frozen_refuses_a_synth_run_without_query_vectors(tmp_path):
+    from clusterscale.config import ConfigError, load
+    from clusterscale.stages.mine import resolve_encoder
+    from clusterscale.io.rundir import RunDir
+
+    run = RunDir(str(tmp_path))
+    run.mark_done("embeddings", "fp", {"rows": 1}, {"synth": vars(SynthSpec(rows=1))})
+    with pytest.raises(ConfigError, match="embed.side=both"):
+        resolve_encoder(load(None, []), run)
+    assert resolve_encoder(load(None, ["embed.side=both"]), run) is None
+
+
 def test_synth_refuses_bad_sizes(tmp_path, capsys):
     assert cli.main(["synth", "--run-dir", str(tmp_path / "run"), "--rows", "0"]) == 2
     assert "synth --rows must be a positive integer, got 0" in capsys.readouterr().err
@@ -78,7 +106,7 @@ def _files(root) -> dict[str, bytes]:
 def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, ray_local, capsys):
     from clusterscale.config import load
     from clusterscale.io.rundir import RunDir
-    from clusterscale.stages.synthetic import run_synth
+    from clusterscale.pipeline import execute, synth_stage
 
     run_dir = str(tmp_path / "run")
     sets = [f"embed.model={tiny_model}", "embed.max_length=32", "data.rows_per_part=300", "cluster.k=4",
@@ -103,7 +131,7 @@ def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, r
         spec = SynthSpec(rows=900, dim=16, topics=4, seed=7)
         cfg = load(None, [f"data.path={spec.data_path()}", "data.heldout_fraction=0.1",
                           f"data.rows_per_part={rows_per_part}", f"embed.model={tiny_model}", "embed.max_length=32"])
-        run_synth(cfg, RunDir(str(tmp_path / name)), spec, max_tasks_in_flight=in_flight)
+        execute(synth_stage(spec, max_tasks_in_flight=in_flight), cfg, RunDir(str(tmp_path / name)))
     original = _files(run_dir)
     assert len(original) == 9 and original == _files(tmp_path / "one") == _files(tmp_path / "two")
     for folder in ("pairs", "heldout", "embeddings"):

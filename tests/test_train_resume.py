@@ -8,7 +8,7 @@ import pytest
 
 from clusterscale import config as config_mod
 from clusterscale.io.layout import batches_path, model_dir, train_dir
-from clusterscale.train.loop import run_train
+from clusterscale.pipeline import run_stage
 from clusterscale.train.metrics import read_metrics
 from tests.train_data import make_sharded_run, train_overrides
 
@@ -17,7 +17,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    return make_sharded_run(tmp_path_factory.mktemp("train") / "run")
+    return make_sharded_run(tmp_path_factory.mktemp("train") / "run", row_group_rows=4)  # the shard stage's layout
 
 
 def _cfg(model: str, name: str, *extra: str):
@@ -35,7 +35,7 @@ def _batches(run, name):
 
 @pytest.fixture(scope="module")
 def uninterrupted(sharded, tiny_model, ray_local):
-    run_train(_cfg(tiny_model, "full"), sharded)
+    run_stage("train", _cfg(tiny_model, "full"), sharded)
     return _batches(sharded, "full"), read_metrics(sharded, "full")
 
 
@@ -53,11 +53,11 @@ def _assert_same_run(run, name, uninterrupted):
 
 
 def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
-    stats = run_train(_cfg(tiny_model, "resumed", "train.stop_after_steps=3"), sharded)
+    stats = run_stage("train", _cfg(tiny_model, "resumed", "train.stop_after_steps=3"), sharded).stats
     assert stats["stopped_at_step"] == 3 and not sharded.exists("train/resumed/_DONE.json")
     assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
     assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 3
-    run_train(_cfg(tiny_model, "resumed"), sharded, resume=True)
+    run_stage("train", _cfg(tiny_model, "resumed"), sharded, resume=True)
     _assert_same_run(sharded, "resumed", uninterrupted)
 
 
@@ -65,12 +65,12 @@ def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninte
     # Metrics-only reports (every step) between the checkpoints must not disturb the restart.
     cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1",
                "train.log_every_steps=1")
-    run_train(cfg, sharded, fail_at_step=3)
+    run_stage("train", cfg, sharded, fail_at_step=3)
     _assert_same_run(sharded, "failed", uninterrupted)
 
 
 def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):
-    run_train(_cfg(tiny_model, "source", "train.sampler=source", "train.cluster_weighting=uniform",
+    run_stage("train", _cfg(tiny_model, "source", "train.sampler=source", "train.cluster_weighting=uniform",
                    "train.grad_cache_chunk=3", "train.steps=4"), sharded)
     source_of = {}
     for rows in sharded.read_json("shards/k=4/manifest.json")["clusters"]:

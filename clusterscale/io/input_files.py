@@ -125,13 +125,14 @@ def _read_hf_json(fs: pafs.FileSystem, path: str) -> dict:
                           f"dataset again with save_to_disk, or point data.path at its .arrow files.") from None
 
 
-def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], data: DataConfig
-                 ) -> Iterator[list[dict]]:
-    """Lists of row dicts (the wanted columns) from one file, streaming."""
+def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], data: DataConfig,
+                 row_groups: tuple[int, ...] | None = None) -> Iterator[list[dict]]:
+    """Lists of row dicts (the wanted columns) from one file, streaming; of some row groups only (Parquet)."""
     if fmt == "parquet":
         pf = pq.ParquetFile(fs.open_input_file(path))
         check_columns(pf.schema_arrow.names, path, data)
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+        groups = range(pf.num_row_groups) if row_groups is None else row_groups
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=list(groups), columns=columns):
             yield batch.to_pylist()
     elif fmt == "arrow":
         yield from _arrow_records(fs, path, columns, data)

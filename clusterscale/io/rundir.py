@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -30,6 +31,21 @@ from clusterscale.config import Config, to_yaml
 from clusterscale.redact import redact_uri, redact_values
 
 DONE = "_DONE.json"
+
+
+@dataclass
+class StageResult:
+    """What a stage's run function returns (the one shape of every stage).
+
+    stats: the stage's figures, written to its done marker and its cost record. outputs: what callers use
+    beyond the stats (evaluate: the results per model; report: the report path; a stage that writes more
+    than one marked folder: a StageResult per extra folder, marked with the same protocol). config: the
+    config values recorded in the done marker. complete: False when the stage stopped early on purpose
+    (train.stop_after_steps), so no done marker is written."""
+    stats: dict
+    outputs: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    complete: bool = True
 
 
 class StageMissingError(UserError, RuntimeError):
@@ -178,8 +194,9 @@ class RunDir:
         self.write_bytes(rel, redact_uri(text).encode())
 
     # stage markers -----------------------------------------------------------------------------
-    def is_done(self, stage_dir: str, fingerprint: str) -> bool:
-        """True when `stage_dir` is complete for this fingerprint; raises if made by another config."""
+    def is_done(self, stage_dir: str, fingerprint: str, quiet: bool = False) -> bool:
+        """True when `stage_dir` is complete for this fingerprint (said unless quiet); raises if made by another
+        config."""
         marker = posixpath.join(stage_dir, DONE)
         if not self.exists(marker):
             return False
@@ -189,7 +206,8 @@ class RunDir:
                 f"{self.path(stage_dir)} was made with a different config; changed: "
                 f"{changed_keys(done.get('covers'), getattr(fingerprint, 'values', None))}. "
                 f"Outputs are never mixed.", stage_dir)
-        print(f"[{stage_dir}] reused (done at {done.get('finished_at')})", flush=True)
+        if not quiet:
+            print(f"[{stage_dir}] reused (done at {done.get('finished_at')})", flush=True)
         return True
 
     def begin(self, stage_dir: str) -> None:

@@ -13,15 +13,9 @@ from clusterscale.modeling.moe import add_moe, freeze_all_but_intermediate, moe_
 def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
     """(model, tokenizer, pooling). Unused heads (BERT's pooler) are frozen so DDP sees no idle params."""
     if cfg.init == "scratch":
-        from transformers import BertConfig, BertModel
-
         tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer))
         torch.manual_seed(cfg.seed)
-        model = BertModel(BertConfig(
-            vocab_size=len(tokenizer), hidden_size=cfg.scratch_hidden_size,
-            num_hidden_layers=cfg.scratch_num_layers, num_attention_heads=cfg.scratch_num_heads,
-            intermediate_size=cfg.scratch_intermediate_size,
-            max_position_embeddings=max(512, cfg.passage_max_length)), add_pooling_layer=False)
+        model = scratch_bert(cfg, len(tokenizer))
         # Mean, not the paper's CLS: a BERT from scratch with CLS pooling collapsed (loss at chance, every text one
         # direction) under every lr, temperature, warm-up, depth, width and init scale tried; mean pooling learned
         # under all of them (benchmarks/collapse_causes.py, RESULTS.md).
@@ -36,6 +30,17 @@ def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
             param.requires_grad_(False)
     apply_moe_options(model, cfg)
     return model, tokenizer, pooling
+
+
+def scratch_bert(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The randomly initialised BERT of train.init=scratch (train.scratch_*), without a pooler: the student pools
+    itself. Built under `torch.device("meta")` it gives the parameter count without memory (the cost model)."""
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(
+        vocab_size=vocab_size, hidden_size=cfg.scratch_hidden_size, num_hidden_layers=cfg.scratch_num_layers,
+        num_attention_heads=cfg.scratch_num_heads, intermediate_size=cfg.scratch_intermediate_size,
+        max_position_embeddings=max(512, cfg.passage_max_length)), add_pooling_layer=False)
 
 
 def apply_moe_options(model: torch.nn.Module, cfg: TrainConfig) -> None:

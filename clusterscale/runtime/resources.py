@@ -18,12 +18,16 @@ class ClusterResources:
     cpus: int
     gpus: int
     nodes: int
+    node_memory_bytes: float = 0.0
+    """Ray's `memory` resource of the largest node (0: unknown)."""
 
     @classmethod
     def current(cls) -> ClusterResources:
         totals = ray.cluster_resources()
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU"))
-        return cls(cpus=max(1, int(totals.get("CPU", 1))), gpus=int(totals.get("GPU", 0)), nodes=max(1, nodes))
+        alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        nodes = sum(1 for r in alive if r.get("CPU"))
+        return cls(cpus=max(1, int(totals.get("CPU", 1))), gpus=int(totals.get("GPU", 0)), nodes=max(1, nodes),
+                   node_memory_bytes=max((r.get("memory", 0.0) for r in alive), default=0.0))
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Resources:
     """GPUs per actor where the cluster has GPUs; 0: the stage runs on CPUs only."""
     cpus_with_gpu: float | None = 1.0
     """CPUs reserved by each GPU actor; None: leave Ray's default."""
+    memory_bytes: float | None = None
+    """Heap memory each actor reserves (Ray's `memory`), capped at the largest node's; None: no request."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class ActorPlan:
     threads: int
     num_cpus: float | None
     num_gpus: float
+    memory_bytes: float | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -60,7 +67,8 @@ class ActorPlan:
     def options(self) -> dict:
         """Keyword options of `ray.remote(...).options` and of Ray Data's `map_batches`."""
         return ({"num_gpus": self.num_gpus} if self.on_gpu else {}) | (
-            {"num_cpus": self.num_cpus} if self.num_cpus is not None else {})
+            {"num_cpus": self.num_cpus} if self.num_cpus is not None else {}) | (
+            {"memory": int(self.memory_bytes)} if self.memory_bytes else {})
 
     @property
     def resources_per_worker(self) -> dict:
@@ -86,7 +94,8 @@ def plan_actors(need: Resources, max_actors: int = 0, work_units: int | None = N
     if need.cpus is not None:
         num_cpus = min(need.cpus, cluster.cpus)
         actors = max_actors or cpu_actors or max(1, int(cluster.cpus // num_cpus))
-        return ActorPlan(_clamp(actors, work_units), max(1, int(num_cpus)), num_cpus, 0)
+        memory = min(need.memory_bytes, cluster.node_memory_bytes or need.memory_bytes) if need.memory_bytes else None
+        return ActorPlan(_clamp(actors, work_units), max(1, int(num_cpus)), num_cpus, 0, memory)
     actors = _clamp(max_actors or cpu_actors or 1, work_units)
     threads = max(1, cluster.cpus // actors)
     return ActorPlan(actors, threads, min(threads, cluster.cpus / actors), 0)

@@ -8,11 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from clusterscale.config import Config
 from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
 from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, manifest_path
 from clusterscale.io.rundir import RunDir
+from clusterscale.modeling.student import scratch_bert
 from clusterscale.train import schedule
 from clusterscale.train.data import strata_inputs
 from clusterscale.train.metrics import read_metrics
@@ -48,19 +50,12 @@ def student_param_count(cfg: Config) -> int | None:
     """Parameters of the student: its init weights, or a from-scratch BERT built on the meta device (no memory)."""
     if cfg.train.init != "scratch":
         return param_count(cfg.train.init)
-    import torch
-    from transformers import BertConfig, BertModel
-
     try:
         vocab = len(load_tokenizer(resolve_model_path(cfg.train.tokenizer)))
     except Exception:
         return None
-    tc = cfg.train
     with torch.device("meta"):
-        model = BertModel(BertConfig(vocab_size=vocab, hidden_size=tc.scratch_hidden_size,
-                                     num_hidden_layers=tc.scratch_num_layers, num_attention_heads=tc.scratch_num_heads,
-                                     intermediate_size=tc.scratch_intermediate_size,
-                                     max_position_embeddings=max(512, tc.passage_max_length)), add_pooling_layer=False)
+        model = scratch_bert(cfg.train, vocab)
     return sum(p.numel() for p in model.parameters())
 
 

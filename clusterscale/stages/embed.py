@@ -23,14 +23,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, EmbedConfig
+from clusterscale.config import Config, EmbedConfig, Fingerprint
 from clusterscale.errors import UserError
 from clusterscale.modeling.encoder import Encoder, check_encoder
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
-from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
 PLAN = "embeddings/_units.json"
 
@@ -98,7 +98,7 @@ class EmbedWorker:
         for (_, suffix), v, t in zip(sides, vectors, tokens):
             table = table.append_column(f"emb{suffix}", emb_array(v))
             table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
-        self.run.write_parquet(unit["output"], table)
+        self.run.write_parquet(unit["output"], table, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
         return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
                 "busy_s": time.time() - started}
 
@@ -168,16 +168,12 @@ def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:
     return rows, truncated
 
 
-def run_embed(cfg: Config, run: RunDir, pairs_run: RunDir | None = None) -> dict:
-    """Embed every pair not embedded yet, then mark the stage done. Returns the stage stats.
+def run_embed(cfg: Config, run: RunDir, fingerprint: Fingerprint, pairs_run: RunDir | None = None) -> StageResult:
+    """Embed every pair not embedded yet (the units of an interrupted attempt with this fingerprint are kept).
 
     pairs_run: read pairs/ from this run directory instead of `run` (re-embedding the same pairs with
     another encoder into a child run directory: mining with a trained model, re-clustering)."""
-    fingerprint = cfg.fingerprint(("data", "embed"))
     pairs_run = pairs_run or run
-    pairs_run.require("pairs", "ingest", "Ingested pairs")
-    if run.is_done("embeddings", fingerprint):
-        return run.done_stats("embeddings")
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
     pool = actor_pool_size(cfg.embed)
     plan = load_or_make_plan(run, "embeddings", PLAN, fingerprint, "embedding",
@@ -202,9 +198,7 @@ def run_embed(cfg: Config, run: RunDir, pairs_run: RunDir | None = None) -> dict
              "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device}
     if device == "gpu":
         stats["gpu_s"] = stats["worker_s"]
-    run.mark_done("embeddings", fingerprint, stats, {"embed": cfg.to_dict()["embed"],
-                                                     "rows_per_unit": plan["rows_per_unit"]})
     print(f"[embed] {embedded} rows in {wall:.1f}s ({stats['rows_per_s']:.1f} rows/s, {stats['actors']} actor(s), "
           f"{worker_s:.0f} {device}-actor-seconds, {stats['busy_s']:.0f} busy); {len(done)} unit(s) reused; "
           f"{stats['truncated']} texts truncated at {cfg.embed.max_length} tokens", flush=True)
-    return stats
+    return StageResult(stats, config={"embed": cfg.to_dict()["embed"], "rows_per_unit": plan["rows_per_unit"]})

@@ -22,12 +22,12 @@ from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.ingest import heldout_key
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
-                                    model_dir, train_dir)
+                                    model_dir)
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import Resources, plan_actors
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 EVAL_SALT = 0xE7A1
@@ -305,21 +305,20 @@ def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -
     return out
 
 
-def run_evaluate(cfg: Config, run: RunDir, include_trained: bool = True) -> dict:
-    run.require("heldout", "ingest", "Held-out pairs")
+def run_evaluate(cfg: Config, run: RunDir) -> StageResult:
+    """Held-out metrics of the frozen encoder and of train/<name>/ (each cached per model in eval/<name>.json);
+    outputs: {"results": per model, "by_cluster": NDCG@10 per cluster or None}."""
     started = time.time()
     eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
     lengths = {"query_max_length": cfg.train.query_max_length, "passage_max_length": cfg.train.passage_max_length}
     results = {"frozen": evaluate_model(cfg, run, "frozen", cfg.embed.model, cfg.embed.pooling, eval_set,
                                         cfg.fingerprint(("data", "embed", "eval"), extra=lengths))}
     name = cfg.train_name()
-    if include_trained:
-        run.require(train_dir(name), "train", f"Trained model {name!r}")
-        # A URI, not a driver-local copy: the encoding task may run on another node.
-        results[name] = evaluate_model(cfg, run, name, run.child_uri(model_dir(name)), "auto", eval_set,
-                                       cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
-        write_model_card(cfg, run, name)  # the card now carries the held-out metrics
+    # A URI, not a driver-local copy: the encoding task may run on another node.
+    results[name] = evaluate_model(cfg, run, name, run.child_uri(model_dir(name)), "auto", eval_set,
+                                   cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
+    write_model_card(cfg, run, name)  # the card now carries the held-out metrics
     by_cluster = cluster_breakdown(cfg, run, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]
-    return {"stats": stats, "results": results, "by_cluster": by_cluster}
+    return StageResult(stats, outputs={"results": results, "by_cluster": by_cluster})

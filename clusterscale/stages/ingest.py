@@ -1,9 +1,16 @@
 """Ingest: read user pairs (Parquet/JSONL/JSON/CSV/Arrow, local or object store), validate, normalise, split.
 
-One Ray task per input file. Every input row ends in exactly one of pairs/, heldout/ or
-quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped
-whole and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row
-index in the file: stable, unique and independent of how the work is split. Run with `clusterscale ingest [CONFIG] --run-dir R`.
+One Ray task per work unit: a run of Parquet row groups of about data.rows_per_part rows (planned from the
+footers, so one big Parquet file is read by many tasks), or a whole file of the other formats (their rows
+can only be numbered by reading them). Every input row ends in exactly one of pairs/, heldout/ or
+quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped whole
+and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in the
+file: stable, unique and independent of how the work is split.
+
+data.limit: Parquet units get their exact row budget from the footers and all run at once. A unit of
+unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
+the most rows it could be allowed; units that turn out to lie past the limit are discarded, and the one
+that crosses it is re-read with its exact budget. Run with `clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
 
@@ -11,10 +18,12 @@ import hashlib
 import json
 import time
 import unicodedata
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
@@ -22,7 +31,8 @@ from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
 from clusterscale.redact import redact_uri
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.resources import ClusterResources
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])
@@ -30,6 +40,7 @@ QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()),
                                ("passage", pa.string()), ("source", pa.string()), ("input_file", pa.string()),
                                ("input_row", pa.int64())])
 BAD_FILES = "quarantine/bad_files.json"
+FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
 # C0/C1 control characters except tab and newline; they break tokenizers and terminals.
 _CONTROL = {c: " " for c in list(range(0, 9)) + [11, 12] + list(range(14, 32)) + list(range(127, 160))}
 
@@ -66,12 +77,51 @@ def normalise_text(value) -> tuple[str | None, str | None]:
     return text, None
 
 
-class _PartWriter:
-    """Rows of one input file buffered per output folder, written as fixed-size parts named by the
-    file's index: a rerun of the file overwrites the same names, so nothing is duplicated."""
+@dataclass(frozen=True)
+class IngestUnit:
+    """One task's share of the input: row groups of a Parquet file, or a whole file (row_groups None)."""
 
-    def __init__(self, run: RunDir, file_index: int, rows_per_part: int):
-        self.run, self.file_index, self.rows_per_part = run, file_index, rows_per_part
+    file_index: int  # the file's place in sorted order: the high bits of its pair_ids
+    path: str
+    unit_index: int = 0  # the unit's place in its file
+    row_start: int = 0  # index in the file of the unit's first row
+    row_groups: tuple[int, ...] | None = None
+    rows: int | None = None  # known from the Parquet footer; None for other formats
+
+
+def plan_units(fs: pafs.FileSystem, files: list[str], data: DataConfig) -> list[IngestUnit]:
+    """The work units of every input file, in file order (footers read in threads)."""
+    with ThreadPoolExecutor(FOOTER_READ_THREADS) as pool:
+        per_file = pool.map(lambda item: file_units(fs, item[0], item[1], data), enumerate(files))
+        return [unit for units in per_file for unit in units]
+
+
+def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig) -> list[IngestUnit]:
+    """A Parquet file as runs of whole row groups of >= data.rows_per_part rows (the last may be smaller);
+    any other file, or one whose footer cannot be read (its task reports that), as one unit."""
+    if infer_format(path, data.format) != "parquet":
+        return [IngestUnit(file_index, path)]
+    try:
+        with fs.open_input_file(path) as f:
+            meta = pq.ParquetFile(f).metadata
+    except UNREADABLE:
+        return [IngestUnit(file_index, path)]
+    units, groups, rows, start = [], [], 0, 0
+    for g in range(meta.num_row_groups):
+        groups.append(g)
+        rows += meta.row_group(g).num_rows
+        if rows >= data.rows_per_part or g == meta.num_row_groups - 1:
+            units.append(IngestUnit(file_index, path, len(units), start, tuple(groups), rows))
+            start, groups, rows = start + rows, [], 0
+    return units or [IngestUnit(file_index, path, row_groups=(), rows=0)]
+
+
+class _PartWriter:
+    """Rows of one work unit buffered per output folder, written as fixed-size parts named by the
+    unit's file and place in it: a rerun of the unit overwrites the same names, so nothing is duplicated."""
+
+    def __init__(self, run: RunDir, unit: IngestUnit, rows_per_part: int):
+        self.run, self.unit, self.rows_per_part = run, unit, rows_per_part
         self.buffers: dict[str, list[dict]] = {"pairs": [], "heldout": [], "quarantine": []}
         self.parts = dict.fromkeys(self.buffers, 0)
 
@@ -87,57 +137,62 @@ class _PartWriter:
                 self.parts[kind] += 1
             self.buffers[kind] = rows
 
+    def written(self) -> list[str]:
+        """The parts written so far (run-relative names)."""
+        return [self._name(kind, part) for kind, written in self.parts.items() for part in range(written)]
+
     def discard(self) -> None:
-        """Remove what this file wrote so far: a file quarantined whole leaves no rows behind."""
-        for kind, written in self.parts.items():
-            for part in range(written):
-                self.run.fs.delete_file(self.run.path(self._name(kind, part)))
+        """Remove what this unit wrote so far: a file quarantined whole leaves no rows behind."""
+        for name in self.written():
+            self.run.remove(name)
         self.buffers = {kind: [] for kind in self.buffers}
         self.parts = dict.fromkeys(self.buffers, 0)
 
     def _name(self, kind: str, part: int) -> str:
-        return f"{kind}/part-{self.file_index:05d}-{part:05d}.parquet"
+        return f"{kind}/part-{self.unit.file_index:05d}-{self.unit.unit_index:05d}-{part:05d}.parquet"
 
 
-def ingest_file(run_uri: str, file_index: int, fs: pafs.FileSystem, path: str, data_dict: dict,
-                row_budget: int | None) -> dict:
-    """Process one input file; write its pairs/heldout/quarantine parts. Returns its counts.
+def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data_dict: dict,
+                row_budget: int | None = None) -> dict:
+    """Process one work unit (its first row_budget rows, if given); write its pairs/heldout/quarantine
+    parts. Returns its counts and the run-relative names of everything it wrote ("written").
 
-    A file that cannot be read is an IngestError naming it (data.bad_files=error), or is skipped
-    whole and reported under "bad_file" (data.bad_files=quarantine)."""
+    A file that cannot be read is an IngestError naming it (data.bad_files=error), or its unit writes
+    nothing and reports the error under "bad_file" (data.bad_files=quarantine)."""
     data = DataConfig(**data_dict)
     run = RunDir(run_uri)
-    fmt = infer_format(path, data.format)
-    writer = _PartWriter(run, file_index, data.rows_per_part)
+    fmt = infer_format(unit.path, data.format)
+    writer = _PartWriter(run, unit, data.rows_per_part)
     try:
-        counts = _route_file(fs, path, fmt, file_index, data, writer, row_budget)
+        counts = _route_unit(fs, unit, fmt, data, writer, row_budget)
     except UNREADABLE as err:
         found = f"{type(err).__name__}: {err}"
         if data.bad_files == "error":
-            raise IngestError(f"{path}: cannot be read as {fmt} ({found}). Repair or remove the file, or set "
+            raise IngestError(f"{unit.path}: cannot be read as {fmt} ({found}). Repair or remove the file, or set "
                               f"data.bad_files=quarantine to skip unreadable files (they are listed in "
                               f"{BAD_FILES}).") from None
         writer.discard()
         counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}, "bad_file": found}
-    run.write_json(f"pairs/_units/{file_index:05d}.json", {"path": path, **counts})
-    return counts
+    marker = f"pairs/_units/{unit.file_index:05d}-{unit.unit_index:05d}.json"
+    run.write_json(marker, {"path": unit.path, "row_start": unit.row_start, **counts})
+    return counts | {"written": writer.written() + [marker]}
 
 
-def _route_file(fs: pafs.FileSystem, path: str, fmt: str, file_index: int, data: DataConfig,
-                writer: _PartWriter, row_budget: int | None) -> dict:
-    """Send every record of one file to pairs, heldout or quarantine; returns the counts."""
+def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfig, writer: _PartWriter,
+                row_budget: int | None) -> dict:
+    """Send every record of one unit to pairs, heldout or quarantine; returns the counts."""
     columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
-    row_index = 0
-    for records in iter_records(fs, path, fmt, columns, data):
+    row_index = 0  # in the unit
+    for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups):
         if row_budget is not None:
             records = records[:max(0, row_budget - row_index)]
         if not records:
             break
-        for row, rec in enumerate(records, start=row_index):
-            kind, out = _route_record(rec, (file_index << ROW_BITS) | row, data)
+        for row, rec in enumerate(records, start=unit.row_start + row_index):
+            kind, out = _route_record(rec, (unit.file_index << ROW_BITS) | row, data)
             if kind == "quarantine":
-                out.update(input_file=path, input_row=row)
+                out.update(input_file=unit.path, input_row=row)
                 reason = out["reason"].split(":")[0]
                 counts["reasons"][reason] = counts["reasons"].get(reason, 0) + 1
             writer.add(kind, out)
@@ -191,36 +246,18 @@ def effective_data_config(cfg: Config) -> DataConfig:
     return data
 
 
-def run_ingest(cfg: Config, run: RunDir) -> dict:
-    """Ingest every input file (one Ray task each); idempotent per file. Returns the stage stats."""
-    fingerprint = cfg.fingerprint(("data",))
-    if run.is_done("pairs", fingerprint):
-        return run.done_stats("pairs")
+def run_ingest(cfg: Config, run: RunDir) -> StageResult:
+    """Ingest every input file (one Ray task each) into pairs/, heldout/ and quarantine/ (cleared by the
+    executor, which marks all three done)."""
     data = effective_data_config(cfg)
     fs, files = list_input_files(data)
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
-    for kind in ("pairs", "heldout", "quarantine"):  # partial output of an interrupted attempt
-        run.begin(kind)
-    task = ray.remote(num_cpus=1, max_retries=2)(ingest_file)
-    print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}", flush=True)
-    results: list[dict] = []
-    if data.limit is not None:  # row budget flows in file order, so files are done one by one
-        remaining = data.limit
-        for i, f in enumerate(files):
-            if remaining <= 0:
-                break
-            results.append(ray.get(task.remote(run.uri, i, fs, f, asdict(data), remaining)))
-            remaining -= results[-1]["rows_in"]
-    else:
-        refs = [task.remote(run.uri, i, fs, f, asdict(data), None) for i, f in enumerate(files)]
-        pending = list(refs)
-        while pending:
-            _, pending = ray.wait(pending, num_returns=1)
-            print(f"[ingest] files done: {len(files) - len(pending)}/{len(files)}", flush=True)
-        results = ray.get(refs)
-    stats = _total(results, files)
+    units = plan_units(fs, files, data)
+    print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
+    results = run_units(run, fs, units, data)
+    stats = _total(results)
     if stats["bad_files"]:
         run.write_json(BAD_FILES, stats["bad_files"])
     if stats["pairs"] == 0:
@@ -229,26 +266,120 @@ def run_ingest(cfg: Config, run: RunDir) -> dict:
                           f"unreadable file(s) skipped; see {run.path('quarantine')}.")
     stats["wall_s"] = round(time.time() - started, 3)
     stats["worker_s"] = stats["wall_s"]
-    for kind in ("heldout", "quarantine"):
-        run.mark_done(kind, fingerprint, {"rows": stats[kind]})
-    run.mark_done("pairs", fingerprint, stats, {"data": asdict(data)})
     print(f"[ingest] rows in {stats['rows_in']}: pairs {stats['pairs']}, held out {stats['heldout']}, "
           f"quarantined {stats['quarantine']}" + (f" {stats['reasons']}" if stats["reasons"] else ""), flush=True)
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
-    return stats
+    return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
+                       config={"data": asdict(data)})
 
 
-def _total(results: list[dict], files: list[str]) -> dict:
-    """The stage stats: the per-file counts summed, and the files skipped as unreadable with their errors."""
-    stats = {"input_files": len(results), "rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {},
-             "bad_files": []}
-    for path, r in zip(files, results):
+def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig
+              ) -> list[tuple[IngestUnit, dict]]:
+    """Every unit through a Ray task, in rounds under data.limit (see the module docstring); the accepted
+    (unit, counts) in unit order."""
+    task = ray.remote(num_cpus=1, max_retries=2)(ingest_unit)
+    width = ClusterResources.current().cpus
+
+    def rerun(unit: IngestUnit, budget: int) -> dict:
+        return ray.get(task.remote(run.uri, fs, unit, asdict(data), budget))
+
+    accepted, start = _Accepted(run, data.limit), 0
+    while start < len(units) and not accepted.full():
+        batch = speculative_batch(units[start:], accepted.remaining(), width)
+        refs = [task.remote(run.uri, fs, unit, asdict(data), budget) for unit, budget in batch]
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=1)
+            print(f"[ingest] units done: {start + len(refs) - len(pending)}/{len(units)}", flush=True)
+        for (unit, budget), result in zip(batch, ray.get(refs)):
+            accepted.add(unit, budget, result, rerun)
+        start += len(batch)
+    return accepted.results
+
+
+def speculative_batch(units: list[IngestUnit], remaining: int | None, width: int
+                      ) -> list[tuple[IngestUnit, int | None]]:
+    """The next units to run at once, each with the most rows it may read: every unit when there is no
+    limit; else units until the rows they surely read reach `remaining`, at most `width` of unknown size."""
+    if remaining is None:
+        return [(unit, None) for unit in units]
+    batch, surely_before, unknown = [], 0, 0
+    for unit in units:
+        if surely_before >= remaining or unknown == width:
+            break
+        batch.append((unit, remaining - surely_before))
+        if unit.rows is None:
+            unknown += 1
+        else:
+            surely_before += unit.rows
+    return batch
+
+
+class _Accepted:
+    """The unit results kept so far, in unit order, and how many rows of data.limit they used.
+
+    A result is kept when it read exactly the rows its unit is allowed given the units before it;
+    otherwise its output is deleted and the unit re-run with that exact budget (or dropped when the
+    limit is already reached). A file quarantined whole (data.bad_files) drops every unit of it."""
+
+    def __init__(self, run: RunDir, limit: int | None):
+        self.run, self.limit = run, limit
+        self.results: list[tuple[IngestUnit, dict]] = []
+        self.rows_in = 0
+        self.bad_files: set[int] = set()
+
+    def remaining(self) -> int | None:
+        return None if self.limit is None else self.limit - self.rows_in
+
+    def full(self) -> bool:
+        return self.limit is not None and self.rows_in >= self.limit
+
+    def add(self, unit: IngestUnit, given: int | None, result: dict, rerun) -> None:
+        """Keep, redo or drop one unit's result; `given` is the budget it ran with."""
+        if unit.file_index in self.bad_files:
+            self._discard(result)
+        elif "bad_file" in result:
+            self._drop_file(unit.file_index)
+            self.results.append((unit, result))
+        elif self._exact(given, result["rows_in"]):
+            self.results.append((unit, result))
+            self.rows_in += result["rows_in"]
+        else:
+            self._discard(result)
+            if self.remaining() > 0:
+                self.add(unit, self.remaining(), rerun(unit, self.remaining()), rerun)
+
+    def _exact(self, given: int | None, rows_in: int) -> bool:
+        """Whether a unit that ran with budget `given` and read `rows_in` rows read what it is allowed."""
+        allowed = self.remaining()
+        if allowed is None:
+            return True
+        cut_short = given is not None and given < allowed and rows_in >= given  # it may hold more rows
+        return rows_in <= allowed and not cut_short
+
+    def _drop_file(self, file_index: int) -> None:
+        self.bad_files.add(file_index)
+        for unit, result in [item for item in self.results if item[0].file_index == file_index]:
+            self._discard(result)
+            self.rows_in -= result["rows_in"]
+        self.results = [item for item in self.results if item[0].file_index != file_index]
+
+    def _discard(self, result: dict) -> None:
+        for name in result["written"]:
+            self.run.remove(name)
+
+
+def _total(results: list[tuple[IngestUnit, dict]]) -> dict:
+    """The stage stats: the per-unit counts summed, and the files skipped as unreadable with their errors."""
+    stats = {"input_files": len({unit.file_index for unit, _ in results}), "rows_in": 0, "pairs": 0,
+             "heldout": 0, "quarantine": 0, "reasons": {}, "bad_files": []}
+    for unit, r in results:
         for key in ("rows_in", "pairs", "heldout", "quarantine"):
             stats[key] += r[key]
         for reason, n in r["reasons"].items():
             stats["reasons"][reason] = stats["reasons"].get(reason, 0) + n
         if "bad_file" in r:
-            stats["bad_files"].append({"path": path, "error": r["bad_file"]})
+            stats["bad_files"].append({"path": unit.path, "error": r["bad_file"]})
     return stats

@@ -14,18 +14,17 @@ import time
 import faiss
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.runtime.hashing import hash_unit
-from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path, kmeans_dir
+from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
+from clusterscale.runtime.fit_sample import RowGroupUnit, choose_sample_units, read_sample_rows, row_group_units
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.vectors import emb_matrix
 
@@ -34,42 +33,23 @@ __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
 
 
 # --- fit ------------------------------------------------------------------------------------------------
-def row_group_units(run: RunDir) -> list[tuple[str, int, int]]:
-    """(file, row group, rows) of embeddings/ from the Parquet footers only: the actors' work units."""
-    units = []
-    for path in run.files("embeddings"):
-        with run.fs.open_input_file(path) as f:
-            meta = pq.ParquetFile(f).metadata
-        units += [(path, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)]
-    return units
-
-
-def split_units(units: list, workers: int) -> list[list]:
+def split_units(units: list[RowGroupUnit], workers: int) -> list[list[RowGroupUnit]]:
     """Contiguous runs of units with about equal rows per worker (fewer workers if there are few units)."""
-    total = sum(u[2] for u in units)
+    total = sum(u.rows for u in units)
     slices, current, acc = [], [], 0
     for unit in units:
         current.append(unit)
-        acc += unit[2]
+        acc += unit.rows
         if acc >= total * (len(slices) + 1) / workers and len(slices) < workers - 1:
             slices.append(current)
             current = []
     return [s for s in slices + [current] if s]
 
 
-def read_sample_slice(run_uri: str, units: list, keep_fraction: float, seed: int) -> tuple[np.ndarray, list]:
-    """Rows of `units` whose seeded hash of pair_id is < keep_fraction: (pair_ids, [fp32 matrices])."""
-    run = RunDir(run_uri)
-    ids, chunks = [], []
-    for path, group, _ in units:
-        with run.fs.open_input_file(path) as f:
-            table = pq.ParquetFile(f).read_row_group(group, columns=["pair_id", "emb"])
-        pid = table.column("pair_id").to_numpy()
-        keep = hash_unit(pid, salt=seed) < keep_fraction if keep_fraction < 1 else np.ones(len(pid), bool)
-        if keep.any():
-            ids.append(pid[keep])
-            chunks.append(emb_matrix(table.column("emb"))[keep])
-    return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), chunks
+def read_sample_slice(run_uri: str, units: list[RowGroupUnit], keep_fraction: float, seed: int
+                      ) -> tuple[np.ndarray, list]:
+    """One worker's part of the fit sample (runs in the actor): see clusterscale/runtime/fit_sample.py."""
+    return read_sample_rows(RunDir(run_uri), units, keep_fraction, seed)
 
 
 class SampleShard:
@@ -138,28 +118,23 @@ def check_sample(descriptions: list[dict], k: int) -> int:
     return rows
 
 
-def run_fit(cfg: Config, run: RunDir) -> dict:
+def run_fit(cfg: Config, run: RunDir) -> StageResult:
+    """Fit spherical k-means on a seeded sample of embeddings/ into kmeans/k=<k>/ (centroids, fit_stats)."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster"))
-    run.require("embeddings", "embed", "Embeddings")
-    out = kmeans_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.done_stats(out)
     n_rows = int(run.done_stats("embeddings").get("rows", 0))
     units = row_group_units(run)
-    n_files_rows = sum(u[2] for u in units)
+    n_files_rows = sum(u.rows for u in units)
     if n_rows == 0 or n_files_rows == 0:
         raise ClusteringError(f"embeddings/ in {run.path()} holds no rows: ingest kept no pairs or embed wrote "
                               f"nothing. Check `clusterscale ingest` output (pairs/, quarantine/) and re-run embed.")
     if k > n_files_rows:
         raise ClusteringError(f"cluster.k={k} is larger than the number of embedded pairs ({n_files_rows}): "
                               f"lower cluster.k or ingest more data.")
-    run.begin(out)
     started = time.time()
     wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
-    keep_fraction = min(1.0, wanted / n_files_rows)
-    plan = fit_resources(cfg.cluster.num_workers, len(units))
-    slices = split_units(units, plan.actors)
+    sample_units, keep_fraction = choose_sample_units(units, wanted, cfg.cluster.seed)
+    plan = fit_resources(cfg.cluster.num_workers, len(sample_units))
+    slices = split_units(sample_units, plan.actors)
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
     actors = start_sample_shards(loads, plan)
     try:
@@ -176,15 +151,17 @@ def run_fit(cfg: Config, run: RunDir) -> dict:
     run.write_bytes(centroids_path(k), buf.getvalue())
     wall = time.time() - started
     stats.update({"k": k, "niter": cfg.cluster.niter, "seed": cfg.cluster.seed, "n_sample": n_sample,
-                  "sample_fraction": round(keep_fraction, 6), "dim": dim, "num_workers": len(actors),
+                  "sample_fraction": round(keep_fraction, 6), "sample_row_groups": len(sample_units),
+                  "row_groups": len(units), "sample_rows_read": sum(u.rows for u in sample_units),
+                  "sample_bytes_read": sum(u.sample_bytes for u in sample_units),
+                  "embeddings_bytes": sum(u.sample_bytes for u in units), "dim": dim, "num_workers": len(actors),
                   "threads_per_worker": plan.threads, "device": plan.device,
                   "load_s": round(load_s, 3), "wall_s": round(wall, 3),
                   "worker_s": round(wall * len(actors), 3)})
     run.write_json(fit_stats_path(k), stats)
-    run.mark_done(out, fingerprint, stats, {"cluster": cfg.to_dict()["cluster"]})
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
-    return stats
+    return StageResult(stats, config={"cluster": cfg.to_dict()["cluster"]})
 
 
 def load_centroids(run: RunDir, k: int) -> np.ndarray:
@@ -239,14 +216,10 @@ class AssignAndWrite(AssignBatches):
         return pa.table({"rows": [batch.num_rows]})
 
 
-def run_assign(cfg: Config, run: RunDir) -> dict:
+def run_assign(cfg: Config, run: RunDir) -> StageResult:
+    """Assign every embedded pair to its nearest centroid of kmeans/k=<k>/, into assign/k=<k>/."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster"))
-    run.require(kmeans_dir(k), "fit", f"Centroids for k={k}")
     out = assign_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.done_stats(out)
-    run.begin(out)
     started = time.time()
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
     n_rows = run.done_stats("embeddings")["rows"]
@@ -268,6 +241,5 @@ def run_assign(cfg: Config, run: RunDir) -> dict:
     wall = time.time() - started
     stats = {"k": k, "rows": n_rows, "index": cfg.cluster.assign_index, "wall_s": round(wall, 3),
              "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3)}
-    run.mark_done(out, fingerprint, stats)
     print(f"[assign] {n_rows} rows to {k} centroids in {wall:.1f}s", flush=True)
-    return stats
+    return StageResult(stats)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -29,22 +30,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, ConfigError, MineConfig, from_dict, variant
-from clusterscale.stages.embed import run_embed
+from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_search import DROP_REASONS, merge_candidates, route_rows, search_cluster
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
-from clusterscale.train.negatives import mine_fingerprint
+from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
+EmbedInto = Callable[[Config, RunDir], dict]  # (config, child run) -> the embed stage's stats
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -55,6 +56,11 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
         if cfg.embed.side == "query":
             raise ConfigError("mine.encoder=frozen needs passage vectors in embeddings/, but embed.side=query: "
                               "use embed.side=passage or both (new --run-dir), or set mine.encoder to a model.")
+        if cfg.embed.side != "both" and synthetic_embeddings(run):
+            raise ConfigError("mine.encoder=frozen on a synthetic run (`clusterscale synth`) needs the synthetic "
+                              f"query vectors, but this run has embed.side={cfg.embed.side}: {cfg.embed.model} "
+                              "cannot embed queries into the space of synthetic passage vectors. Write the synth "
+                              "run with --set embed.side=both (new --run-dir).")
         return None
     if encoder.startswith("train:"):
         name = encoder.split(":", 1)[1]
@@ -65,15 +71,15 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
     return encoder
 
 
-def vectors_run(cfg: Config, run: RunDir, encoder: str | None) -> tuple[RunDir, dict]:
-    """(the run directory whose embeddings/ is mined, the cost of making it: {} when reused)."""
-    run.require("embeddings", "embed", "Embeddings")
+def vectors_run(cfg: Config, run: RunDir, encoder: str | None, embed: EmbedInto) -> tuple[RunDir, dict]:
+    """(the run directory whose embeddings/ is mined, the stats of making it). `embed` runs the embed stage
+    (the pipeline's executor, so the child run has its own done marker) into a child run reading run's pairs."""
     if encoder is None:
         return run, {}
     child = RunDir(run.child_uri(ENCODER_RUN))
     child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
     print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
-    return child, run_embed(child_cfg, child, pairs_run=run)
+    return child, embed(child_cfg, child)
 
 
 # --- the pairs with their vectors and cluster ---------------------------------------------------------------
@@ -196,16 +202,14 @@ def write_empty_buckets(run: RunDir, plan: dict) -> None:
         run.write_parquet(unit["output"], schema.empty_table())
 
 
-def run_mine(cfg: Config, run: RunDir) -> dict:
-    """Mine negatives for every training query, then mark negatives/ done."""
-    fingerprint = mine_fingerprint(cfg, run)
-    if run.is_done(NEGATIVES, fingerprint):
-        return run.done_stats(NEGATIVES)
+def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInto) -> StageResult:
+    """Mine negatives for every training query (an interrupted attempt with this fingerprint reruns whole, into
+    the same files). `embed`: see vectors_run."""
     started = time.time()
     k = cfg.cluster.k
     run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
     encoder = resolve_encoder(cfg, run)
-    source, embed_cost = vectors_run(cfg, run, encoder)
+    source, embed_cost = vectors_run(cfg, run, encoder, embed)
     n_rows = int(run.done_stats(assign_dir(k))["rows"])
     plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(n_rows, cfg))
     _, todo = split_done(run, NEGATIVES, plan["units"])
@@ -219,12 +223,11 @@ def run_mine(cfg: Config, run: RunDir) -> dict:
         write_empty_buckets(run, plan)
         worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
-    run.mark_done(NEGATIVES, fingerprint, stats, {"mine": cfg.to_dict()["mine"]})
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
           flush=True)
-    return stats
+    return StageResult(stats, config={"mine": cfg.to_dict()["mine"]})
 
 
 def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,

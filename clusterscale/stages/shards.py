@@ -1,26 +1,37 @@
 """Shard: write the assigned rows as one seeded-shuffled Parquet set per cluster, then the manifest.
 
-shards/k=<k>/cluster=<c>/part-*.parquet and shards/k=<k>/manifest.json (written last).
-Clusters smaller than one global batch follow shard.small_cluster_policy (merge | pool).
+shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.json (written last).
+Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
+the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
+by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
 Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`).
 """
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
+from clusterscale.config import Config, Fingerprint, ShardConfig
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
+from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.train.data import row_group_rows_for
 
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
+GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
+STATS_BATCH_ROWS = 16_384  # rows per stats batch: its fp32 copy of emb stays ~50 MB at 768-d
+MIN_PARTITIONS = 200  # Ray Data's default hash-shuffle parallelism: enough tasks to keep every CPU busy
+ACTOR_MEMORY_FACTOR = 3  # a writer holds its partition block plus a sorted and a permuted copy of one group
 
 
 def mean_pairwise_cosine(vector_sum: np.ndarray, n: int) -> float | None:
@@ -61,90 +72,185 @@ def plan_small_clusters(counts: np.ndarray, centroids: np.ndarray, min_rows: int
     return {"target": target, "pool_id": pool_id, "moved": moved}
 
 
-def cluster_counts(run: RunDir, k: int) -> np.ndarray:
-    dataset = pads.dataset(run.files(assign_dir(k)), filesystem=run.fs, format="parquet")
-    counts = np.zeros(k, dtype=np.int64)
-    for batch in dataset.to_batches(columns=["cluster"]):
-        counts += np.bincount(batch.column("cluster").to_numpy(), minlength=k)
-    return counts
+@dataclass
+class ClusterStats:
+    """Per original cluster: rows, sum of cos to the centroid and sum of the unit vectors (O(k x d))."""
+
+    rows: np.ndarray
+    cos_sum: np.ndarray
+    vector_sum: np.ndarray
+
+
+def block_cluster_stats(batch: pa.Table) -> pa.Table:
+    """Map step: one row per cluster present in the batch, with its row count, cos sum and fp64 vector sum."""
+    labels = batch.column("cluster").to_numpy()
+    order = np.argsort(labels, kind="stable")
+    present, starts = np.unique(labels[order], return_index=True)
+    emb = emb_matrix(batch.column("emb"))[order]
+    vector_sum = np.add.reduceat(emb, starts, axis=0, dtype=np.float64) if len(order) else emb.astype(np.float64)
+    cos = batch.column("cos").to_numpy().astype(np.float64)[order]
+    return pa.table({"cluster": present.astype(np.int64), "rows": np.diff(np.append(starts, len(order))),
+                     "cos_sum": np.add.reduceat(cos, starts) if len(order) else cos,
+                     "vector_sum": pa.FixedSizeListArray.from_arrays(pa.array(vector_sum.reshape(-1)),
+                                                                   emb.shape[1])})
+
+
+def cluster_stats(run: RunDir, k: int, n_rows: int) -> ClusterStats:
+    """Per-cluster sums from a Ray Data pass over cluster, cos and emb only, reduced (k x d) on the driver."""
+    ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs).select_columns(["cluster", "cos", "emb"])
+    ds = ds.map_batches(block_cluster_stats, batch_size=STATS_BATCH_ROWS, batch_format="pyarrow")
+    stats, progress = None, ProgressLine("shard stats", n_rows)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        labels, rows = batch.column("cluster").to_numpy(), batch.column("rows").to_numpy()
+        vectors = emb_matrix(batch.column("vector_sum"), dtype=np.float64)
+        if stats is None:
+            stats = ClusterStats(np.zeros(k, np.int64), np.zeros(k), np.zeros((k, vectors.shape[1])))
+        np.add.at(stats.rows, labels, rows)
+        np.add.at(stats.cos_sum, labels, batch.column("cos_sum").to_numpy())
+        np.add.at(stats.vector_sum, labels, vectors)
+        progress.advance(int(rows.sum()))
+    if stats is None:
+        raise ClusteringError(f"{assign_dir(k)}/ holds no rows: rerun `clusterscale assign`.")
+    return stats
+
+
+def groups_per_shard(shard_rows: np.ndarray, max_group_rows: int) -> np.ndarray:
+    """How many sub-groups each shard is split into: ceil(rows / max_group_rows), 0 for an empty shard."""
+    return -(-shard_rows // max_group_rows)
+
+
+def sub_groups(pair_ids: np.ndarray, num_groups: np.ndarray, seed: int) -> np.ndarray:
+    """The sub-group of each row: a seeded hash of its pair_id, so any number of workers agrees on it."""
+    return np.minimum(hash_unit(pair_ids, salt=seed ^ GROUP_SALT) * num_groups, num_groups - 1).astype(np.int64)
+
+
+def add_group_keys(batch: pa.Table, target: np.ndarray, num_groups: np.ndarray, seed: int) -> pa.Table:
+    """Map step: the shard (after the small-cluster policy) and the sub-group of every row."""
+    shard = target[batch.column("cluster").to_numpy()]
+    sub = sub_groups(batch.column("pair_id").to_numpy(), num_groups[shard], seed)
+    return batch.append_column("shard", pa.array(shard)).append_column("sub", pa.array(sub))
+
+
+def bytes_per_row(run: RunDir, files: list[str], columns: list[str], max_files: int = 4) -> float:
+    """Uncompressed bytes per row of `columns`, from the Parquet footers of the first few files."""
+    size = rows = 0
+    for path in files[:max_files]:
+        meta = pq.ParquetFile(run.fs.open_input_file(path)).metadata
+        rows += meta.num_rows
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            size += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                        if group.column(c).path_in_schema.split(".")[0] in columns)
+    return size / max(1, rows)
 
 
 class WriteClusterShard:
-    """Ray Data map_groups fn: one call per shard; sorts by pair_id, permutes with a seeded RNG, writes."""
+    """Ray Data map_groups fn: one call per (shard, sub-group); sorts by pair_id, permutes with a seeded RNG,
+    writes files of at most target_rows_per_file rows."""
 
-    def __init__(self, run_uri: str, k: int, seed: int, target_rows_per_file: int, num_samples: int,
-                 pool_id: int | None):
+    def __init__(self, run_uri: str, k: int, seed: int, rows_per_file: int, row_group_rows: int, num_samples: int,
+                 pool_id: int | None, columns: list[str]):
         self.run = RunDir(run_uri)
-        self.k, self.seed, self.rows_per_file = k, seed, target_rows_per_file
-        self.num_samples, self.pool_id = num_samples, pool_id
+        self.k, self.seed, self.rows_per_file, self.row_group_rows = k, seed, rows_per_file, row_group_rows
+        self.num_samples, self.pool_id, self.columns = num_samples, pool_id, columns
 
     def __call__(self, group: pa.Table) -> pa.Table:
-        shard_id = int(group.column("shard")[0].as_py())
+        shard_id, sub = int(group.column("shard")[0].as_py()), int(group.column("sub")[0].as_py())
         group = group.sort_by("pair_id")  # arrival order after the shuffle is not deterministic
-        perm = np.random.default_rng([self.seed, self.k, shard_id]).permutation(group.num_rows)
-        group = group.take(pa.array(perm))
+        perm = np.random.default_rng([self.seed, self.k, shard_id, sub]).permutation(group.num_rows)
+        group = group.take(pa.array(perm)).select(self.columns)
         name = "pool" if shard_id == self.pool_id else str(shard_id)
-        files = []
+        files, file_rows = [], []
         for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
-            rel = f"{shards_dir(self.k)}/cluster={name}/part-{part:05d}.parquet"
-            self.run.write_parquet(rel, group.slice(start, self.rows_per_file).select(SHARD_COLUMNS))
+            # sub-group then part in the name: a cluster's files sort into their manifest order
+            rel = f"{shards_dir(self.k)}/cluster={name}/part-{sub:05d}-{part:05d}.parquet"
+            # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
+            self.run.write_parquet(rel, group.slice(start, self.rows_per_file), row_group_size=self.row_group_rows,
+                                   write_statistics=False)
             files.append(rel)
-        vector_sum = emb_matrix(group.column("emb"), dtype=np.float64).sum(axis=0)
-        return pa.table({"shard": [shard_id], "name": [name], "rows": [group.num_rows], "files": [files],
-                         "members": [sorted(set(group.column("cluster").to_pylist()))],
-                         "vector_sum": [vector_sum.tolist()],
-                         "mean_cos_to_centroid": [float(np.mean(group.column("cos").to_numpy()))],
+            file_rows.append(min(self.rows_per_file, group.num_rows - start))
+        return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
+                         "files": [files], "file_rows": [file_rows],
                          "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
 
 
-def run_shard(cfg: Config, run: RunDir) -> dict:
+def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
+                 rows_per_file: int, row_group_rows: int) -> dict[int, list[dict]]:
+    """Shuffle text rows (no `emb` unless shard.keep_emb) by (shard, sub-group) and write them; returns the
+    written groups of each shard, in sub-group order."""
+    sc: ShardConfig = cfg.shard
+    k, files, n_rows = cfg.cluster.k, run.files(assign_dir(cfg.cluster.k)), int(shard_rows.sum())
+    columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
+    num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
+    partitions = min(int(num_groups.sum()), max(MIN_PARTITIONS, math.ceil(2 * n_rows / sc.max_group_rows)))
+    largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
+    rows_held = max(largest_group, math.ceil(n_rows / partitions))
+    memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, files, columns) * rows_held)
+    cluster = ClusterResources.current()
+    # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
+    plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
+                       cluster=cluster)
+    ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
+    ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
+    written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
+        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, rows_per_file, row_group_rows,
+                                                sc.num_samples, pool_id, columns),
+        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors), **plan.options)
+    progress, groups = ProgressLine("shard", n_rows), {}
+    for r in written.iter_rows():
+        groups.setdefault(r["shard"], []).append(r)
+        progress.advance(r["rows"])
+    return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
+
+
+def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats, num_samples: int) -> dict:
+    """The manifest entry of one shard from its written groups and its member clusters' sums."""
+    rows = sum(g["rows"] for g in groups)
+    expected = int(sums.rows[members].sum())
+    if rows != expected:
+        raise RuntimeError(f"Shard {groups[0]['name']} holds {rows} rows, its clusters {expected}: rerun `shard`.")
+    return {"cluster": shard, "name": groups[0]["name"], "rows": rows, "files": [f for g in groups for f in g["files"]],
+            "file_rows": [int(n) for g in groups for n in g["file_rows"]],
+            "members": members.tolist(),
+            "mean_intra_cosine": mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
+            "mean_cos_to_centroid": float(sums.cos_sum[members].sum() / rows),
+            "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
+
+
+def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+    """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy, large ones in
+    sub-groups) and the manifest, which records the fingerprint."""
     k = cfg.cluster.k
-    fingerprint = cfg.fingerprint(("data", "embed", "cluster", "shard"),
-                                  extra={"global_batch_size": cfg.train.global_batch_size})
-    run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
-    out = shards_dir(k)
-    if run.is_done(out, fingerprint):
-        return run.read_json(manifest_path(k))["stats"]
-    run.begin(out)
     started = time.time()
-    counts = cluster_counts(run, k)
+    n_assigned = run.done_stats(assign_dir(k)).get("rows")
+    sums = cluster_stats(run, k, n_assigned or 0)
+    counts = sums.rows
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
-    ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs)
-    ds = ds.map_batches(lambda b: b.append_column("shard", pa.array(target[b.column("cluster").to_numpy()])),
-                        batch_format="pyarrow")
-    written = ds.groupby("shard", num_partitions=max(1, min(200, int((target >= 0).sum())))).map_groups(
-        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, cfg.shard.target_rows_per_file,
-                                                cfg.shard.num_samples, plan["pool_id"]),
-        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=2), num_cpus=0.5)
-    progress, rows = ProgressLine("shard", int(counts.sum())), []
-    for r in written.iter_rows():
-        rows.append(r)
-        progress.advance(r["rows"])
-    rows.sort(key=lambda r: r["shard"])
-    clusters, total_sum, n_total = [], None, 0
-    for r in rows:
-        vec = np.asarray(r["vector_sum"], dtype=np.float64)
-        total_sum = vec if total_sum is None else total_sum + vec
-        n_total += r["rows"]
-        clusters.append({"cluster": r["shard"], "name": r["name"], "rows": r["rows"], "files": list(r["files"]),
-                         "members": [int(m) for m in r["members"]],
-                         "mean_intra_cosine": mean_pairwise_cosine(vec, r["rows"]),
-                         "mean_cos_to_centroid": r["mean_cos_to_centroid"],
-                         "samples": list(r["samples"])})
-    if n_total != int(counts.sum()):
-        raise RuntimeError(f"Shard row count {n_total} != assigned rows {int(counts.sum())}: rerun `shard`.")
+    shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
+    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
+    rows_per_file = max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows  # whole groups
+    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
+    clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
+                            cfg.shard.num_samples) for shard in sorted(groups)]
+    n_total = sum(c["rows"] for c in clusters)
+    for expected in (int(counts.sum()), n_assigned if n_assigned is not None else n_total):
+        if n_total != expected:
+            raise RuntimeError(f"Shard row count {n_total} != assigned rows {expected}: rerun `shard`.")
     stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c["files"]) for c in clusters),
              "min_rows": min(c["rows"] for c in clusters), "max_rows": max(c["rows"] for c in clusters),
-             "overall_mean_cosine": mean_pairwise_cosine(total_sum, n_total), "wall_s": round(time.time() - started, 3)}
+             "groups": sum(c["groups"] for c in clusters),
+             "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
+             "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
     manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
+                "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
                 "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
+                "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
     run.write_json(manifest_path(k), manifest)
-    run.mark_done(out, fingerprint, stats)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
@@ -155,7 +261,7 @@ def run_shard(cfg: Config, run: RunDir) -> dict:
               f"{'the pool' if plan['pool_id'] is not None else 'the nearest large cluster'}: the shards no longer "
               f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
               f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
-    return stats
+    return StageResult(stats)
 
 
 def cluster_table(manifest: dict, num_samples: int = 3) -> dict:

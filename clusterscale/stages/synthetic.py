@@ -4,7 +4,9 @@
 with their done markers and RUN/config.yaml, one Ray task per data.rows_per_part rows, so fit, assign,
 shard, mine, train and evaluate can be dry-run (and sized, and benchmarked) at any N without an encoder.
 Every row is a pure function of (seed, row index): the output does not depend on how many tasks or
-workers made it. `write_embeddings_stage` is the in-process shortcut that tests and benchmarks use.
+workers made it. With --set embed.side=both, embeddings/ also holds `emb_query` (synthetic query vectors near
+their passages'), which mine.encoder=frozen needs on a synthetic run. `write_embeddings_stage` is the
+in-process shortcut that tests and benchmarks use.
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ import ray
 
 from clusterscale.config import Config, ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
-from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
-from clusterscale.runtime.vectors import emb_array
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
 BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split
+QUERY_SPREAD = 0.3  # noise norm of a query's vector around its passage's (cosine ~0.96): closer than topic mates
 WORDS_PER_TOPIC = 48
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
@@ -111,12 +114,14 @@ def topic_vocabularies(n_topics: int, seed: int) -> list[np.ndarray]:
     return out
 
 
-def synth_block(spec: SynthSpec, block: int) -> pa.Table:
-    """Rows [block * BLOCK_ROWS, +BLOCK_ROWS) of the synthetic corpus: pair columns and `emb`.
+def synth_block(spec: SynthSpec, block: int, query_vectors: bool = False) -> pa.Table:
+    """Rows [block * BLOCK_ROWS, +BLOCK_ROWS) of the synthetic corpus: pair columns and `emb`
+    (and `emb_query` with query_vectors, as embed.side=both writes it).
 
     A passage is 12-40 words of its topic's vocabulary and its pair_id; the query is 3-6 of the passage's
     words and a code unique to the pair (a bijection of pair_id), so texts are distinct without the query
-    naming its passage's id. The vector is noise around the topic's center."""
+    naming its passage's id. The vector is noise around the topic's center; the query's vector is noise
+    around its passage's, drawn from a generator of its own so `emb` does not depend on query_vectors."""
     rng = np.random.default_rng([spec.seed, 0, block])
     ids = np.arange(block * BLOCK_ROWS, min(spec.rows, (block + 1) * BLOCK_ROWS), dtype=np.int64)
     n = len(ids)
@@ -134,24 +139,30 @@ def synth_block(spec: SynthSpec, block: int) -> pa.Table:
         passages.append(f"{' '.join(passage_words)} {ids[i]}")
         queries.append(f"{' '.join(passage_words[picks[i, :query_len[i]]])} {codes[i]:08x}")
     x = vectors_around(topic_centers(spec.dim, spec.topics, spec.seed), topic, noise, spec.spread)
-    return pa.table({"pair_id": pa.array(ids), "query": pa.array(queries), "passage": pa.array(passages),
-                     "source": pa.array([f"topic-{t}" for t in topic]), "emb": emb_array(x)})
+    table = pa.table({"pair_id": pa.array(ids), "query": pa.array(queries), "passage": pa.array(passages),
+                      "source": pa.array([f"topic-{t}" for t in topic]), "emb": emb_array(x)})
+    if query_vectors:
+        query_noise = np.random.default_rng([spec.seed, 2, block]).standard_normal((n, spec.dim))
+        table = table.append_column("emb_query", emb_array(vectors_around(x, np.arange(n), query_noise, QUERY_SPREAD)))
+    return table
 
 
-def synth_rows(spec: SynthSpec, start: int, stop: int) -> pa.Table:
+def synth_rows(spec: SynthSpec, start: int, stop: int, query_vectors: bool = False) -> pa.Table:
     """Rows [start, stop) of the corpus, whatever range they are asked for in."""
-    blocks = [synth_block(spec, b) for b in range(start // BLOCK_ROWS, (stop - 1) // BLOCK_ROWS + 1)]
+    blocks = [synth_block(spec, b, query_vectors) for b in range(start // BLOCK_ROWS, (stop - 1) // BLOCK_ROWS + 1)]
     first = (start // BLOCK_ROWS) * BLOCK_ROWS
     return pa.concat_tables(blocks).slice(start - first, stop - start)
 
 
-def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldout_fraction: float) -> dict:
-    """One part: pairs/ and heldout/ rows split as ingest splits them, and the embeddings/ file of the pairs.
+def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldout_fraction: float,
+               query_vectors: bool = False) -> dict:
+    """One part: pairs/ and heldout/ rows split as ingest splits them, and the embeddings/ file of the pairs
+    (with `emb_query` / `truncated_query` when query_vectors, the columns of embed.side=both).
 
     File names follow ingest (one input file, index `part`) and embed (one unit per pairs/ part), so a
     rerun overwrites the same names."""
     run = RunDir(run_uri)
-    table = synth_rows(SynthSpec(**spec), start, stop)
+    table = synth_rows(SynthSpec(**spec), start, stop, query_vectors)
     held = np.array([is_heldout(q, heldout_fraction) for q in table.column("query").to_pylist()], dtype=bool)
     pairs = table.filter(pa.array(~held))
     stem = f"part-{part:05d}-00000"
@@ -160,8 +171,12 @@ def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldo
                           table.filter(pa.array(held)).select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
     if pairs.num_rows:
         run.write_parquet(f"pairs/{stem}.parquet", pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
-        embedded = pairs.append_column("truncated", pa.array(np.zeros(pairs.num_rows, dtype=bool)))
-        run.write_parquet(f"embeddings/{stem}-00000.parquet", embedded)
+        not_truncated = pa.array(np.zeros(pairs.num_rows, dtype=bool))
+        embedded = pairs.select([*PAIR_SCHEMA.names, "emb"]).append_column("truncated", not_truncated)
+        if query_vectors:
+            embedded = embedded.append_column("emb_query", pairs.column("emb_query")) \
+                .append_column("truncated_query", not_truncated)
+        run.write_parquet(f"embeddings/{stem}-00000.parquet", embedded, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
     return {"rows": table.num_rows, "pairs": pairs.num_rows, "heldout": int(held.sum())}
 
 
@@ -172,20 +187,13 @@ def synthetic_embeddings(run: RunDir) -> dict | None:
     return run.read_json("embeddings/_DONE.json").get("config", {}).get("synth")
 
 
-def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> dict:
-    """Write the synthetic run (Ray must be initialised); reused when done with the same config.
+def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> StageResult:
+    """Write the synthetic run (Ray must be initialised) into pairs/, heldout/, quarantine/ and embeddings/;
+    the stats are those of pairs/, the other folders' come as outputs (the executor marks all four done).
 
     cfg.data.path must be spec.data_path(). max_tasks_in_flight: parts generated at once (default: the
     cluster's CPUs); it changes nothing in the output."""
-    pairs_fp, embed_fp = cfg.fingerprint(("data",)), cfg.fingerprint(("data", "embed"))
-    try:
-        if run.is_done("pairs", pairs_fp) and run.is_done("embeddings", embed_fp):
-            return run.done_stats("pairs")
-    except ConfigMismatchError as exc:
-        raise ConfigMismatchError(f"{exc} Write the synthetic run into a new --run-dir.", exc.stage_dir) from None
     started = time.time()
-    for kind in ("pairs", "heldout", "quarantine", "embeddings"):
-        run.begin(kind)
     rows_per_part = cfg.data.rows_per_part
     ranges = [(p, s, min(spec.rows, s + rows_per_part)) for p, s in enumerate(range(0, spec.rows, rows_per_part))]
     window = max_tasks_in_flight or ClusterResources.current().cpus
@@ -197,20 +205,19 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
         if len(pending) >= window:
             done, pending = ray.wait(pending, num_returns=1)
             results += ray.get(done)
-        pending.append(task.remote(run.uri, asdict(spec), p, s, e, cfg.data.heldout_fraction))
+        pending.append(task.remote(run.uri, asdict(spec), p, s, e, cfg.data.heldout_fraction,
+                                   cfg.embed.side == "both"))
     results += ray.get(pending)
     wall = round(time.time() - started, 3)
     stats = {"input_files": 0, "rows_in": spec.rows, "pairs": sum(r["pairs"] for r in results),
              "heldout": sum(r["heldout"] for r in results), "quarantine": 0, "reasons": {}, "bad_files": [],
-             "synthetic": True, "wall_s": wall, "worker_s": wall}
-    run.mark_done("heldout", pairs_fp, {"rows": stats["heldout"]})
-    run.mark_done("quarantine", pairs_fp, {"rows": 0})
-    run.mark_done("pairs", pairs_fp, stats, {"data": cfg.to_dict()["data"]})
-    run.mark_done("embeddings", embed_fp, {"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges),
-                                           "truncated": 0, "synthetic": True, "wall_s": wall},
-                  {"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
-    run.record_cost("synth", {"rows": spec.rows, "parts": len(ranges), "wall_s": wall, "worker_s": wall * min(window, len(ranges)),
-                              "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0})
+             "synthetic": True, "rows": spec.rows, "parts": len(ranges), "wall_s": wall,
+             "worker_s": wall * min(window, len(ranges)), "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0}
+    embeddings = StageResult({"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges), "truncated": 0,
+                              "synthetic": True, "wall_s": wall},
+                             config={"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
     print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
           flush=True)
-    return stats
+    return StageResult(stats, outputs={"heldout": StageResult({"rows": stats["heldout"]}),
+                                       "quarantine": StageResult({"rows": 0}), "embeddings": embeddings},
+                       config={"data": cfg.to_dict()["data"]})

@@ -1,5 +1,6 @@
 """Resumable checkpoints: weights (safetensors), optimizer + scheduler state, and the data cursor.
 
+`Checkpointer` writes and restores one rank's state in a checkpoint folder (Ray Train moves the folders).
 The cursor is the next global step; with the schedule a pure function of (seed, epoch) and dropout
 seeded per (step, rank), a resumed run continues with exactly the batches and masks it would have had.
 """
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_model, save_model
 
+from clusterscale.modeling.encoder import save_sentence_transformers_dir
+
 WEIGHTS, OPTIMIZER, CURSOR = "weights.safetensors", "optimizer.pt", "cursor.json"
+MODEL = "model"  # the exported encoder in a final checkpoint (a sentence-transformers folder)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,3 +49,34 @@ def check_cursor(cursor: dict, expected: dict) -> None:
         if cursor.get(key) != value:
             raise ValueError(f"The checkpoint to resume was made with {key}={cursor.get(key)!r}, this run has "
                              f"{value!r}: resume with the original config, or start afresh without --resume.")
+
+
+@dataclass(frozen=True)
+class ModelExport:
+    """What a final checkpoint needs to export the encoder besides its weights."""
+
+    tokenizer: object
+    pooling: str
+    max_length: int
+
+
+class Checkpointer:
+    """Saves and restores the training state of one run: weights, optimizer, scheduler and the cursor
+    (`cursor` holds what a checkpoint must match to continue this run; the step and epoch are added)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, scheduler, cursor: dict, export: ModelExport):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cursor, self.export = cursor, export
+
+    def restore(self, directory: str, device: torch.device) -> int:
+        """Load a checkpoint folder in place; returns the step to continue at. Refuses another run's checkpoint."""
+        cursor = load_state(directory, self.model, self.optimizer, self.scheduler, device)
+        check_cursor(cursor, self.cursor)
+        return cursor["step"]
+
+    def write(self, directory: str, step: int, epoch: int, final: bool) -> None:
+        """The state at `step` into `directory`; `final` adds the exported encoder under model/."""
+        save_state(directory, self.model, self.optimizer, self.scheduler, {**self.cursor, "step": step, "epoch": epoch})
+        if final:
+            save_sentence_transformers_dir(unwrap(self.model), self.export.tokenizer, os.path.join(directory, MODEL),
+                                           self.export.pooling, self.export.max_length)

@@ -1,7 +1,11 @@
-"""Reading training rows from the shards: the manifest checks, a row reader, and source labels."""
+"""Reading training rows from the shards: the manifest checks, source labels, and a row-group reader with prefetch."""
 from __future__ import annotations
 
+import queue
+import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +14,9 @@ import pyarrow.parquet as pq
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.io.layout import load_manifest, manifest_path, shards_dir
+from clusterscale.train.schedule import GlobalBatch
+
+READ_COLUMNS = ["pair_id", "query", "passage"]
 
 
 class TrainDataError(UserError, ValueError):
@@ -69,29 +76,234 @@ def strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int],
     return sizes, codes, names
 
 
+def row_group_rows_for(global_batch_size: int) -> int:
+    """The Parquet row-group size of the shards: the largest divisor of the global batch that is at most
+    max(32, global_batch_size // 64) rows.
+
+    The world size is not known when the shards are written. A global batch is whole row groups, so rank r's
+    slice of b = global_batch_size / world_size rows is whole row groups whenever world_size divides
+    global_batch_size / row_group_rows (any power of two up to 64 for a batch that 64 divides), and otherwise
+    touches at most b / row_group_rows + 1 groups: <= 2x the bytes used while b >= 2 x row_group_rows. The floor
+    of 32 rows keeps the footer (~0.4 KB per row group) small next to the data when batches are small; the price
+    is whole-group reads when a rank's slice is under 32 rows."""
+    cap = max(32, global_batch_size // 64)
+    return max(d for d in range(1, min(cap, global_batch_size) + 1) if global_batch_size % d == 0)
+
+
+class _CountingFile:
+    """A file object over a pyarrow input file that counts the bytes read through it (pyarrow reads Python
+    file objects with ranged seek + read, so this is exactly what the filesystem served)."""
+
+    def __init__(self, native):
+        self.native, self.bytes_read, self.closed = native, 0, False
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.native.read(size)
+        self.bytes_read += len(data)
+        return data
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        return self.native.seek(position, whence)
+
+    def tell(self) -> int:
+        return self.native.tell()
+
+    def size(self) -> int:
+        return self.native.size()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.native.close()
+        self.closed = True
+
+
+def _chunk_bytes(metadata: pq.FileMetaData, groups: Iterable[int]) -> int:
+    """On-disk (compressed) bytes of READ_COLUMNS in these row groups."""
+    names = [metadata.schema.column(i).name for i in range(metadata.num_columns)]
+    columns = [names.index(c) for c in READ_COLUMNS]
+    return sum(metadata.row_group(g).column(c).total_compressed_size for g in groups for c in columns)
+
+
+def _read_footer(handle: _CountingFile) -> pq.FileMetaData:
+    """A Parquet file's metadata from exactly its footer bytes (pyarrow would fetch the last 64 KB, more than a
+    rank's rows of a step when footers are small): the 8-byte tail gives the footer's length, then one ranged
+    read of the footer, parsed as a file made of the magic and that tail."""
+    size = handle.size()
+    handle.seek(size - 8)
+    tail = handle.read(8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or length + 12 > size:  # not a plain Parquet footer: let pyarrow read it
+        handle.seek(0)
+        return pq.ParquetFile(handle).metadata
+    handle.seek(size - 8 - length)
+    return pq.ParquetFile(pa.BufferReader(b"PAR1" + handle.read(length) + tail)).metadata
+
+
+@dataclass(frozen=True)
+class _Footer:
+    metadata: pq.FileMetaData
+    group_starts: np.ndarray    # first row of each row group in the file, plus the file's row count
+
+
+@dataclass(frozen=True)
+class RankRows:
+    """One rank's rows of one global batch, with what reading them cost."""
+    batch: GlobalBatch
+    table: pa.Table
+    bytes_read: int             # fetched from the filesystem (footers included)
+    bytes_used: int             # the on-disk bytes of the rows returned (their share of the groups read)
+
+
 class ShardReader:
-    """Reads rows of a shard by index; keeps the last few shards in memory."""
+    """Reads training rows from the shards. Shard-local rows (the clustered sampler) come from the Parquet row
+    groups holding them, and nothing else (`ParquetFile.read_row_groups` through the run's filesystem: ranged
+    reads on object stores); footers are kept in an LRU of `footer_cache_bytes`. Global row indices (the other
+    samplers) read every shard once. `bytes_read` / `bytes_used` count the whole life of the reader."""
 
-    def __init__(self, run: RunDir, manifest: dict, cache_size: int = 2):
-        self.run, self.clusters, self.cache, self.cache_size = run, manifest["clusters"], OrderedDict(), cache_size
+    def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20):
+        self.run, self.clusters = run, manifest["clusters"]
+        self.rows_per_file = manifest.get("rows_per_file")
+        self.footers: OrderedDict[str, _Footer] = OrderedDict()
+        self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
+        self.bytes_read = self.bytes_used = 0
         self._all: pa.Table | None = None
+        self._bytes_per_row = 0.0
+        self._lock = threading.Lock()  # prefetch reads in a thread; rows() may be called beside it
 
-    def _read(self, files: list[str]) -> pa.Table:
-        tables = [pq.read_table(self.run.fs.open_input_file(self.run.path(f)),
-                                columns=["pair_id", "query", "passage"]) for f in files]
-        return pa.concat_tables(tables)
+    def _open(self, rel: str) -> _CountingFile:
+        return _CountingFile(self.run.fs.open_input_file(self.run.path(rel)))
 
-    def shard(self, index: int) -> pa.Table:
-        if index not in self.cache:
-            self.cache[index] = self._read(self.clusters[index]["files"])
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        self.cache.move_to_end(index)
-        return self.cache[index]
+    def _footer(self, rel: str) -> tuple[_Footer, int]:
+        """(footer of a shard file, bytes read to get it: 0 when cached)."""
+        if rel in self.footers:
+            self.footers.move_to_end(rel)
+            return self.footers[rel], 0
+        handle = self._open(rel)
+        try:
+            md = _read_footer(handle)
+        finally:
+            handle.close()
+        counts = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+        footer = _Footer(md, np.cumsum([0] + counts))
+        self.footers[rel] = footer
+        self._footer_bytes += md.serialized_size
+        while self._footer_bytes > self.footer_cache_bytes and len(self.footers) > 1:
+            self._footer_bytes -= self.footers.popitem(last=False)[1].metadata.serialized_size
+        return footer, handle.bytes_read
+
+    def _file_starts(self, shard: int) -> tuple[np.ndarray, int]:
+        """(first row of each file of a shard, plus its row count; bytes read to learn them)."""
+        cluster = self.clusters[shard]
+        if "file_rows" in cluster:  # each file's rows, as the shard stage wrote them (split clusters)
+            return np.cumsum([0] + cluster["file_rows"]), 0
+        if self.rows_per_file:  # every file but the last holds rows_per_file rows
+            starts = np.arange(0, cluster["rows"], self.rows_per_file)
+            return np.append(starts, cluster["rows"]), 0
+        footers = [self._footer(f) for f in cluster["files"]]
+        counts = [int(f.group_starts[-1]) for f, _ in footers]
+        return np.cumsum([0] + counts), sum(n for _, n in footers)
+
+    def _read_shard_rows(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
+        """(rows of a shard in the order asked, bytes read, bytes used): only the row groups holding them."""
+        file_starts, read = self._file_starts(shard)
+        files = np.searchsorted(file_starts, rows, side="right") - 1
+        pieces, offset, where, used = [], 0, np.empty(len(rows), dtype=np.int64), 0.0
+        for index in np.unique(files).tolist():
+            rel = self.clusters[shard]["files"][index]
+            footer, footer_read = self._footer(rel)
+            mine = np.flatnonzero(files == index)
+            local = rows[mine] - file_starts[index]
+            groups_of_rows = np.searchsorted(footer.group_starts, local, side="right") - 1
+            groups = np.unique(groups_of_rows)
+            handle = self._open(rel)
+            try:
+                pieces.append(pq.ParquetFile(handle, metadata=footer.metadata).read_row_groups(
+                    groups.tolist(), columns=READ_COLUMNS, use_threads=False))
+            finally:
+                handle.close()
+            sizes = footer.group_starts[groups + 1] - footer.group_starts[groups]
+            group_offsets = offset + np.cumsum(np.concatenate([[0], sizes[:-1]]))
+            slot = np.searchsorted(groups, groups_of_rows)
+            where[mine] = group_offsets[slot] + local - footer.group_starts[groups_of_rows]
+            for group, n_rows in zip(groups.tolist(), np.bincount(slot, minlength=len(groups)).tolist()):
+                used += _chunk_bytes(footer.metadata, [group]) * n_rows / footer.metadata.row_group(group).num_rows
+            offset += int(sizes.sum())
+            read += footer_read + handle.bytes_read
+        return pa.concat_tables(pieces).take(pa.array(where)), read, int(round(used))
+
+    def _read_global_rows(self, rows: np.ndarray) -> tuple[pa.Table, int, int]:
+        read = 0
+        if self._all is None:  # global row indices: the shards concatenated in manifest order
+            tables, on_disk = [], 0
+            for rel in (f for c in self.clusters for f in c["files"]):
+                handle = self._open(rel)
+                try:
+                    parquet = pq.ParquetFile(handle)
+                    tables.append(parquet.read(columns=READ_COLUMNS, use_threads=False))
+                finally:
+                    handle.close()
+                on_disk += _chunk_bytes(parquet.metadata, range(parquet.metadata.num_row_groups))
+                read += handle.bytes_read
+            self._all = pa.concat_tables(tables)
+            self._bytes_per_row = on_disk / max(1, self._all.num_rows)
+        return self._all.take(pa.array(rows)), read, int(round(len(rows) * self._bytes_per_row))
+
+    def read(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
+        """(pair_id, query, passage of `rows`; bytes read; bytes used). Rows are shard-local when shard >= 0,
+        else global (shards concatenated in manifest order)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        with self._lock:
+            table, read, used = self._read_shard_rows(shard, rows) if shard >= 0 else self._read_global_rows(rows)
+            self.bytes_read += read
+            self.bytes_used += used
+        return table, read, used
 
     def rows(self, shard: int, rows: np.ndarray) -> pa.Table:
-        if shard >= 0:
-            return self.shard(shard).take(pa.array(rows))
-        if self._all is None:  # global row indices: the shards concatenated in manifest order
-            self._all = self._read([f for c in self.clusters for f in c["files"]])
-        return self._all.take(pa.array(rows))
+        return self.read(shard, rows)[0]
+
+    def prefetch(self, batches: Iterable[GlobalBatch], rank: int, world_size: int,
+                 depth: int = 2) -> Iterator[RankRows]:
+        """This rank's rows of each batch, read up to `depth` batches ahead in a background thread."""
+        ready: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work() -> None:
+            try:
+                for gb in batches:
+                    table, read, used = self.read(gb.shard, gb.rank_rows(rank, world_size))
+                    if not put(RankRows(gb, table, read, used)):
+                        return
+                put(None)
+            except BaseException as error:  # handed to the consumer, raised there
+                put(error)
+
+        worker = threading.Thread(target=work, name=f"shard-prefetch-{rank}", daemon=True)
+        worker.start()
+        try:
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            worker.join(timeout=5)
+
+
+def schedule_block_rows(manifest: dict) -> int:
+    """The `block_rows` of the schedule for these shards: their row-group size (1 for shards written before
+    the shard stage recorded it, whose row groups are whole files)."""
+    return int(manifest.get("row_group_rows", 1))

@@ -1,18 +1,28 @@
-"""Per-step training logs: metrics.jsonl (rank 0), batches/rank-<r>.jsonl, MFU, optional TensorBoard."""
+"""Per-step training figures: the all-reduce across ranks, metrics.jsonl (rank 0), batches/rank-<r>.jsonl, MFU,
+optional TensorBoard, the printed line and the collapse guard; read back with `read_metrics`."""
 from __future__ import annotations
 
 import json
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
-from clusterscale.io.layout import metrics_path
+from clusterscale.config import TrainConfig
+from clusterscale.io.layout import batches_path, collapse_path, metrics_path, train_dir
 from clusterscale.io.rundir import RunDir
+from clusterscale.train.schedule import GlobalBatch
 
 # Dense bf16 peak TFLOP/s per GPU (vendor datasheets, no sparsity), matched on the device name.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0,
                    "A10": 125.0, "V100": 125.0, "T4": 65.0}
+# A step's figures: means over ranks (every rank's queries count) and sums of counts. The optional ones exist
+# only with some options (mined negatives, CLP, MoE).
+MEANS = ("pos_cos", "neg_cos_mean", "neg_cos_max")
+SUMS = ("masked_false_negatives", "tokens")
+OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss")
+OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded")
 
 
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:
@@ -127,3 +137,126 @@ def chance_loss(global_batch_size: int, negatives_per_query: int = 0, loss: str 
     """InfoNCE of an encoder that cannot tell texts apart: ln(candidates per query)."""
     chance = math.log(global_batch_size * (1 + negatives_per_query))
     return (1 - clp_lambda) * chance if loss == "clp" else chance
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """A global step's loss and figures, the same on every rank after the all-reduce."""
+
+    loss: float
+    means: dict[str, float]
+    sums: dict[str, float]
+
+    def values(self) -> dict[str, float]:
+        return {**self.means, **self.sums}
+
+
+def reduce_step_figures(loss: torch.Tensor, stats: dict, world: int) -> StepFigures:
+    """This rank's loss share and step stats (step.contrastive_backward) -> the global figures, in one small
+    all-reduce. Which optional figures exist depends only on the config, so all ranks send the same layout."""
+    means = [*MEANS, *(k for k in OPTIONAL_MEANS if k in stats)]
+    sums = [*SUMS, *(k for k in OPTIONAL_SUMS if k in stats)]
+    values = torch.stack([loss.detach().float()] + [torch.as_tensor(stats[k], dtype=torch.float32).to(loss.device)
+                                                    for k in means + sums])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(values)
+        values[:1 + len(means)] /= world
+    values = values.tolist()
+    return StepFigures(values[0], dict(zip(means, values[1:])), dict(zip(sums, values[1 + len(means):])))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one global step hands the logs; all but pair_ids are the same on every rank."""
+
+    batch: GlobalBatch
+    group: tuple[int | None, str]  # (cluster, cluster_name) of the stratum the batch came from
+    figures: StepFigures
+    lr: float  # the learning rate this step used
+    grad_norm: float  # before clipping
+    flops: float  # of the whole global batch
+    step_s: float
+    pair_ids: list[int] | None  # this rank's rows, when train.log_batches
+
+
+class MetricsProcessor:
+    """One rank's per-step logs. Every rank: batches/rank-<r>.jsonl (train.log_batches) and the collapse guard,
+    fed the same all-reduced figures so that all ranks reach the same verdict. Rank 0: metrics.jsonl,
+    TensorBoard, and a printed line every train.log_every_steps. Logs are flushed at those lines and by the
+    caller before each checkpoint; on resume they keep only the steps before the checkpoint's."""
+
+    def __init__(self, run: RunDir, name: str, tc: TrainConfig, rank: int, world: int, *, peak: float | None,
+                 resume_step: int | None, num_steps: int, stop_step: int, segment: int):
+        self.run, self.name, self.tc, self.rank, self.world, self.peak = run, name, tc, rank, world, peak
+        self.num_steps, self.stop_step, self.segment = num_steps, stop_step, segment
+        self.metrics = JsonlLog(run, metrics_path(name), resume_step) if rank == 0 else None
+        self.batches = JsonlLog(run, batches_path(name, rank), resume_step) if tc.log_batches else None
+        self.board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if tc.tensorboard and rank == 0 else None
+        self.guard = CollapseGuard(chance_loss(tc.global_batch_size, tc.negatives_per_query, tc.loss, tc.clp_lambda),
+                                   tc.warmup_steps, tc.log_every_steps)
+        self.progress: dict = {}  # the latest figures, for Ray's reports
+        self.started = self.last_print = time.time()
+
+    def log(self, result: StepResult) -> None:
+        """Append a step to the logs; rank 0 flushes and prints every train.log_every_steps and at the stop."""
+        gb, figures = result.batch, result.figures
+        if self.batches is not None:
+            self.batches.append({"step": gb.step, "epoch": gb.epoch, "shard": gb.shard, "group": gb.group,
+                                 "pair_ids": result.pair_ids})
+        self.progress = {"epoch": gb.epoch, "loss": figures.loss, "lr": result.lr, **figures.values()}
+        if self.rank != 0:
+            return
+        record = self.record(result)
+        self.metrics.append(record)
+        if self.board is not None:
+            self.board.log(record)
+        if (gb.step + 1) % self.tc.log_every_steps == 0 or gb.step + 1 == self.stop_step:
+            self.flush()
+            self._print(record)
+
+    def record(self, result: StepResult) -> dict:
+        """A step's line of metrics.jsonl."""
+        gb, figures, tc = result.batch, result.figures, self.tc
+        flops_per_s = result.flops / result.step_s
+        record = {"step": gb.step, "epoch": gb.epoch, "cluster": result.group[0], "cluster_name": result.group[1],
+                  "loss": figures.loss, "lr": result.lr, "grad_norm": result.grad_norm, **figures.means,
+                  **{k: int(v) for k, v in figures.sums.items()},
+                  "pairs_per_s": tc.global_batch_size / result.step_s, "step_s": result.step_s,
+                  "tflops_per_s": flops_per_s / 1e12, "mfu": flops_per_s / (self.peak * self.world) if self.peak else None}
+        if tc.recluster_every:
+            record["segment"] = self.segment
+        return record
+
+    def _print(self, record: dict) -> None:
+        now = time.time()
+        pairs_per_s = self.tc.log_every_steps * self.tc.global_batch_size / max(now - self.last_print, 1e-9)
+        self.last_print = now
+        mfu = f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+        print(f"[train] step {record['step'] + 1}/{self.num_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
+              f"lr {record['lr']:.2e} neg_cos {record['neg_cos_mean']:.3f} {pairs_per_s:.1f} pairs/s{mfu}", flush=True)
+
+    def check(self, result: StepResult) -> str | None:
+        """Raise on a non-finite loss; the collapse guard's verdict the first time it judges the run collapsed
+        (rank 0 prints it and writes train/<name>/collapse.json)."""
+        loss, step = result.figures.loss, result.batch.step
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"Loss became {loss} at step {step}: lower train.lr or raise train.temperature.")
+        verdict = self.guard.observe(step, loss, result.figures.means["neg_cos_mean"])
+        if verdict is not None and self.rank == 0:
+            print(f"[train] WARNING: {verdict}", flush=True)
+            self.run.write_json(collapse_path(self.name),
+                                {"step": step + 1, "stopped": self.tc.stop_on_collapse, "message": verdict})
+        return verdict
+
+    def report(self, step: int) -> dict:
+        """The metrics of a Ray Train report at `step` (the cursor: the next step to run)."""
+        return {**self.progress, "step": step, "train_s": time.time() - self.started}
+
+    def flush(self) -> None:
+        for log in (self.metrics, self.batches):
+            if log is not None:
+                log.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()

@@ -17,15 +17,21 @@ from clusterscale.io.layout import NEGATIVES, train_dir
 from clusterscale.io.rundir import RunDir
 
 
+MINE_SECTIONS = ("data", "embed", "cluster", "mine")  # the config sections negatives/ depends on (mining is
+# sharded by the clusters of cluster.k)
+
+
+def mine_extra(cfg: Config, run: RunDir) -> dict | None:
+    """The fingerprint of the training run whose model mines (mine.encoder=train:<name>); None otherwise."""
+    if not cfg.mine.encoder.startswith("train:"):
+        return None
+    done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
+    return {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
+
+
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:
-    """The fingerprint of negatives/: the data, embed, cluster and mine config, and the training run when mining
-    with its model."""
-    extra = None
-    if cfg.mine.encoder.startswith("train:"):
-        name = cfg.mine.encoder.split(":", 1)[1]
-        done = f"{train_dir(name)}/_DONE.json"
-        extra = {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
-    return cfg.fingerprint(("data", "embed", "cluster", "mine"), extra=extra)  # mining is sharded by cluster
+    """The fingerprint of negatives/: MINE_SECTIONS, and the training run when mining with its model."""
+    return cfg.fingerprint(MINE_SECTIONS, extra=mine_extra(cfg, run))
 
 
 def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -1,0 +1,279 @@
+"""Peak memory per process of fit, assign, shard, mine and evaluate at N and 4N rows (the bounded-memory rule).
+
+    python benchmarks/bench_scale.py [--rows 150000 --dim 384 --k 100 --topics 100 --rows-per-part 50000]
+                                     [--out-dir DIR] [--keep] [--json OUT]
+
+For N and 4N it writes a synthetic run (`clusterscale synth --set embed.side=both`, so mine has query
+vectors without an encoder), then runs each stage as its own CLI process (`python -m clusterscale.cli VERB
+--run-dir R --set cluster.k=K ...`; each starts its own local Ray) and samples, every --interval seconds, the
+memory of every process of that command's tree: the CLI process (the driver), the gcs_server and raylet it
+starts, and the raylet's children (Ray workers: tasks and actors, Ray Data operators).
+
+Memory figure: USS (unique set size, psutil memory_full_info().uss from /proc/PID/smaps_rollup, ~2 ms a
+process). RSS counts the object-store pages a worker maps (zero-copy reads of shared Arrow/numpy objects) in
+every process that touches them, so a worker reading a large shared object looks as big as the object, and
+the sum over processes counts those pages many times; USS counts only the pages a process alone holds, which
+is what the per-process rule bounds. The object store itself (shared memory) is in tree_peak_pss_mb: PSS
+divides each shared page among its users, so the tree's PSS sum counts every page once. RSS peaks are kept
+too (*_rss_mb), for reference.
+
+`peak_rss_mb` (the key the goal names) is therefore the peak USS of the largest single process of the stage
+(driver, gcs_server, raylet or one worker); `growth` = its value at 4N / at N (goal <= 1.25);
+`max_memory_growth` = the largest growth over the stages. rows_per_s = N / the stage's own wall time from
+RUN/report/costs.json (without Ray's start-up, which the process time `seconds` includes).
+
+Training (`train`, a 2-step tiny from-scratch model) runs before evaluate only because evaluate scores a
+trained model; it is sampled and reported under "setup", not in max_memory_growth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+try:
+    import psutil
+except ImportError:  # Ray ships psutil in ray/thirdparty_files and puts that folder on sys.path at import
+    import ray  # noqa: F401
+    import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("fit", "assign", "shard", "mine", "evaluate")
+MB = 1024 * 1024
+# Stage settings: IVF passage index in mine (a flat one costs 2 N^2 d flops: 2.8e14 at 600k, >12 min here);
+# a tiny from-scratch student so the setup training takes seconds; a smaller evaluation set than the default
+# (1,000 queries, 2,000 distractors), which only shortens the frozen encoder's pass: its size does not vary with N.
+STAGE_KEYS = ["mine.index=ivf", "train.init=scratch", "train.scratch_hidden_size=32", "train.scratch_num_layers=1",
+              "train.scratch_num_heads=2", "train.scratch_intermediate_size=64", "train.steps=2",
+              "train.warmup_steps=1", "train.name=bench",
+              "eval.max_queries=300", "eval.num_distractors=1000"]
+
+
+# --- the sampler --------------------------------------------------------------------------------------------
+def process_kind(proc: psutil.Process, root_pid: int) -> tuple[str, str]:
+    """(kind, title): driver, gcs_server, raylet, worker (a process titled `ray::<task or actor>`: Ray tasks,
+    actors, Ray Data operators, and Ray's own agent actors) or ray_other (log monitor, dashboard, ...)."""
+    if proc.pid == root_pid:
+        return "driver", "driver"
+    name = proc.name()
+    cmdline = " ".join(proc.cmdline())
+    title = (cmdline or name)[:80]
+    if "gcs_server" in name or "gcs_server" in cmdline[:200]:
+        return "gcs_server", "gcs_server"
+    if name == "raylet" or cmdline.split(" ", 1)[0].endswith("/raylet"):
+        return "raylet", "raylet"
+    if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
+        return "worker", title.split("(")[0].strip()
+    return "ray_other", title
+
+
+class TreeSampler:
+    """Samples the memory of a process and all its descendants every `interval` seconds in a thread."""
+
+    def __init__(self, root_pid: int, interval: float = 0.2):
+        self.root_pid, self.interval = root_pid, interval
+        self.peaks: dict[str, dict] = {}        # kind -> {"uss", "rss", "title"} of its largest single process
+        self.titles: dict[str, float] = {}      # worker title -> peak USS of one process with that title
+        self.work: dict[int, str] = {}          # worker pid -> its latest title other than ray::IDLE
+        self.tree_uss = self.tree_pss = self.tree_rss = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        try:
+            root = psutil.Process(self.root_pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        total_uss = total_pss = total_rss = 0
+        for proc in procs:
+            try:
+                mem = proc.memory_full_info()
+                kind, title = process_kind(proc, self.root_pid)
+                if kind == "worker" and title != "ray::IDLE":
+                    self.work[proc.pid] = title
+                title = self.work.get(proc.pid, title)  # an idle worker keeps the memory of its last work
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue  # exited between the listing and the read
+            total_uss, total_pss, total_rss = total_uss + mem.uss, total_pss + mem.pss, total_rss + mem.rss
+            peak = self.peaks.setdefault(kind, {"uss": 0, "rss": 0, "title": title})
+            if mem.uss > peak["uss"]:
+                peak.update(uss=mem.uss, title=title)
+            peak["rss"] = max(peak["rss"], mem.rss)
+            if kind == "worker":
+                self.titles[title] = max(self.titles.get(title, 0), mem.uss)
+        self.tree_uss, self.tree_pss = max(self.tree_uss, total_uss), max(self.tree_pss, total_pss)
+        self.tree_rss = max(self.tree_rss, total_rss)
+        self.samples += 1
+
+    def summary(self) -> dict:
+        """Peaks in MB: per kind (largest single process), the largest process overall, the tree's totals."""
+        largest = max(self.peaks.items(), key=lambda kv: kv[1]["uss"], default=("none", {"uss": 0, "title": ""}))
+        out = {"peak_uss_mb": round(largest[1]["uss"] / MB, 1),
+               "largest_process": f"{largest[0]}: {largest[1]['title']}"}
+        for kind, peak in sorted(self.peaks.items()):
+            out[f"{kind}_peak_uss_mb"] = round(peak["uss"] / MB, 1)
+            out[f"{kind}_peak_rss_mb"] = round(peak["rss"] / MB, 1)
+        top = sorted(self.titles.items(), key=lambda kv: -kv[1])[:5]
+        out["worker_peaks_by_title_mb"] = {t: round(v / MB, 1) for t, v in top}
+        out |= {"tree_peak_uss_mb": round(self.tree_uss / MB, 1), "tree_peak_pss_mb": round(self.tree_pss / MB, 1),
+                "tree_peak_rss_mb": round(self.tree_rss / MB, 1), "samples": self.samples}
+        return out
+
+
+# --- one command ---------------------------------------------------------------------------------------------
+def run_sampled(argv: list[str], log_path: str, interval: float) -> dict:
+    """Run argv (cwd = the repo, this checkout first on PYTHONPATH), sampling its tree; summary + seconds + rc."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    started = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with TreeSampler(proc.pid, interval) as sampler:
+            rc = proc.wait()
+    out = sampler.summary() | {"seconds": round(time.time() - started, 2), "returncode": rc}
+    if rc != 0:
+        with open(log_path) as f:
+            out["error"] = "".join(f.readlines()[-15:]).strip()
+    return out
+
+
+def stage_wall_s(run_dir: str, stage: str) -> float | None:
+    """The stage's own wall time from RUN/report/costs.json (None when it recorded none)."""
+    path = os.path.join(run_dir, "report", "costs.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        entry = json.load(f).get("train:bench" if stage == "train" else stage)
+    return entry.get("wall_s") if isinstance(entry, dict) else None
+
+
+def cli(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys]
+
+
+def measure_scale(rows: int, args, root: str) -> dict:
+    """Synth, then every stage (and the setup training) at `rows`; {stage: measurement}."""
+    run_dir = os.path.join(root, f"rows={rows}")
+    logs = os.path.join(root, f"logs-{rows}")
+    os.makedirs(logs, exist_ok=True)
+    keys = [f"cluster.k={args.k}", "embed.side=both", f"data.rows_per_part={args.rows_per_part}", *STAGE_KEYS]
+    out = {}
+    order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
+                                                    "--topics", str(args.topics)])),
+             *[(s, cli(s, run_dir, keys)) for s in STAGES[:4]], ("train", cli("train", run_dir, keys)),
+             ("evaluate", cli("evaluate", run_dir, keys))]
+    for stage, argv in order:
+        print(f"[bench_scale] rows={rows} {stage} ...", flush=True)
+        result = run_sampled(argv, os.path.join(logs, f"{stage}.log"), args.interval)
+        result["stage_wall_s"] = stage_wall_s(run_dir, stage)
+        out[stage] = result
+        with open(os.path.join(root, f"raw-{rows}.json"), "w") as f:  # kept if a later stage or scale fails
+            json.dump(out, f, indent=2)
+        print(f"[bench_scale] rows={rows} {stage}: {result['seconds']}s, largest process {result['peak_uss_mb']} MB "
+              f"({result['largest_process']}){' ERROR' if result['returncode'] else ''}", flush=True)
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+DETAIL_KEYS = ("driver_peak_uss_mb", "worker_peak_uss_mb", "raylet_peak_uss_mb", "gcs_server_peak_uss_mb",
+               "tree_peak_uss_mb", "tree_peak_pss_mb", "driver_peak_rss_mb", "worker_peak_rss_mb", "tree_peak_rss_mb",
+               "largest_process", "worker_peaks_by_title_mb", "seconds", "stage_wall_s", "samples")
+
+
+def stage_entry(rows: list[int], runs: list[dict]) -> dict:
+    """The per-stage JSON entry over the scales: the goal's keys, then the per-process detail."""
+    peaks = [r["peak_uss_mb"] for r in runs]
+    walls = [r["stage_wall_s"] or r["seconds"] for r in runs]
+    entry = {"rows": rows, "peak_rss_mb": peaks, "growth": round(peaks[-1] / peaks[0], 3) if peaks[0] else None,
+             "rows_per_s": [round(n / w, 1) if w else None for n, w in zip(rows, walls)]}
+    for key in DETAIL_KEYS:
+        entry[key] = [r.get(key) for r in runs]
+    for kind in ("driver", "worker"):  # which process grows
+        first, last = entry[f"{kind}_peak_uss_mb"][0], entry[f"{kind}_peak_uss_mb"][-1]
+        entry[f"{kind}_growth"] = round(last / first, 3) if first and last else None
+    errors = [r.get("error") for r in runs]
+    if any(errors):
+        entry["error"] = errors
+    return entry
+
+
+def markdown_table(result: dict) -> str:
+    """The RESULTS.md table: per stage the largest process's peak at N and 4N, growth, rows/s, which process."""
+    lines = ["| stage | rows | peak MB (largest process) | growth | rows/s | largest process at 4N | driver MB |",
+             "|---|---|---|---|---|---|---|"]
+    for stage in (*STAGES, "synth", "train"):
+        e = result[stage] if stage in STAGES else result["setup"][stage]
+        mark = " (error)" if "error" in e else ""
+        lines.append(f"| {stage}{'' if stage in STAGES else ' (setup)'}{mark} | {e['rows'][0]:,} / {e['rows'][1]:,} | "
+                     f"{e['peak_rss_mb'][0]:,.0f} / {e['peak_rss_mb'][1]:,.0f} | {e['growth']} | "
+                     f"{e['rows_per_s'][0]:,.0f} / {e['rows_per_s'][1]:,.0f} | {e['largest_process'][1]} | "
+                     f"{e['driver_peak_uss_mb'][0]:,.0f} / {e['driver_peak_uss_mb'][1]:,.0f} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return {"cpu_count": os.cpu_count(), "ram_gb": round(psutil.virtual_memory().total / 1024 ** 3, 1),
+            "uptime": uptime, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=150_000, help="N; the second scale is 4N (default 150000).")
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--topics", type=int, default=100)
+    parser.add_argument("--rows-per-part", type=int, default=50_000,
+                        help="data.rows_per_part of the synth runs: the files (work units) of both scales are the "
+                             "same size, so a stage whose memory is O(a work unit) shows growth 1.0 (default 50000; "
+                             "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
+    parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
+    parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
+    parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
+    parser.add_argument("--json", dest="json_path", help="Write the results here.")
+    args = parser.parse_args()
+    root = os.path.abspath(args.out_dir) if args.out_dir else tempfile.mkdtemp(prefix="bench_scale-")
+    os.makedirs(root, exist_ok=True)
+    scales = [args.rows, 4 * args.rows]
+    before = machine()
+    runs = [measure_scale(n, args, root) for n in scales]
+    result = {stage: stage_entry(scales, [r[stage] for r in runs]) for stage in STAGES}
+    growths = [e["growth"] for e in result.values() if e["growth"] is not None and "error" not in e]
+    result["max_memory_growth"] = max(growths) if growths else None
+    result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train")}
+    result["memory_measure"] = "USS (private pages) of one process; tree_peak_pss_mb counts shared pages once"
+    result["machine"] = before | {"uptime_after": machine()["uptime"]}
+    result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+    result["logs"] = root
+    text = json.dumps(result, indent=2)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    print(markdown_table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Training read amplification: bytes a rank reads per step / on-disk bytes of the rows it trains on.
+
+    PYTHONPATH=. python benchmarks/bench_train_reads.py --run-dir R --k 32 [--world-size 8] [--steps 100]
+
+R is a sharded run (`clusterscale synth` + fit + assign + shard). Every rank of a DDP run is simulated
+in this process with its own ShardReader, fed by the schedule, exactly as training reads. Bytes read
+are counted at the filesystem (every file opened through the run's pyarrow filesystem); bytes used
+are each returned row's share of its row group's compressed column chunks (pair_id, query, passage).
+Runs against any checkout (the pre-row-group reader included), so before/after use one script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from clusterscale.io.rundir import RunDir  # noqa: E402
+from clusterscale.train import data, schedule  # noqa: E402
+
+COLUMNS = ["pair_id", "query", "passage"]
+
+
+class CountingFS:
+    """The run's filesystem with every input file counted."""
+
+    def __init__(self, fs):
+        self.fs, self.opened = fs, []
+
+    def open_input_file(self, path: str):
+        counted = data._CountingFile(self.fs.open_input_file(path))  # the reader's own byte-counting file
+        self.opened.append(counted)
+        return counted
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.opened)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def bytes_per_row(run: RunDir, manifest: dict) -> list[np.ndarray]:
+    """Per shard, the on-disk bytes of each row's (pair_id, query, passage): its row group's share."""
+    out = []
+    for cluster in manifest["clusters"]:
+        parts = []
+        for rel in cluster["files"]:
+            md = pq.read_metadata(run.fs.open_input_file(run.path(rel)))
+            names = [md.schema.column(i).name for i in range(md.num_columns)]
+            for g in range(md.num_row_groups):
+                group = md.row_group(g)
+                chunk = sum(group.column(names.index(c)).total_compressed_size for c in COLUMNS)
+                parts.append(np.full(group.num_rows, chunk / group.num_rows))
+        out.append(np.concatenate(parts))
+    return out
+
+
+def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None) -> dict:
+    run = RunDir(run_dir)
+    manifest = run.read_json(f"shards/k={k}/manifest.json")
+    sizes, batch = [c["rows"] for c in manifest["clusters"]], manifest["global_batch_size"]
+    row_bytes = bytes_per_row(run, manifest)
+    counted = RunDir(run_dir)
+    counted.fs = CountingFS(counted.fs)
+    options = {} if footer_cache_mb is None else {"footer_cache_bytes": int(footer_cache_mb * 2 ** 20)}
+    readers = [data.ShardReader(counted, manifest, **options) for _ in range(world_size)]
+    extra = {"block_rows": data.schedule_block_rows(manifest)} if hasattr(data, "schedule_block_rows") else {}
+    per_step, total_read, total_used, started = [], 0, 0.0, time.time()
+    for gb in schedule.iterate(sizes, batch, "clustered", seed, steps, **extra):
+        before = counted.fs.bytes_read
+        used = 0.0
+        for rank, reader in enumerate(readers):
+            rows = gb.rank_rows(rank, world_size)
+            table = reader.rows(gb.shard, rows)
+            assert table.num_rows == len(rows)
+            used += float(row_bytes[gb.shard][rows].sum())
+        read = counted.fs.bytes_read - before
+        per_step.append(read / used)
+        total_read, total_used = total_read + read, total_used + used
+    warm = per_step[len(per_step) // 2:]
+    return {"rows": int(sum(sizes)), "k": k, "shards": len(sizes), "global_batch_size": batch,
+            "world_size": world_size, "steps": len(per_step), "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
+            "files": sum(len(c["files"]) for c in manifest["clusters"]),
+            "bytes_read_per_rank_step": total_read / len(per_step) / world_size,
+            "bytes_used_per_rank_step": total_used / len(per_step) / world_size,
+            "train_read_amplification": total_read / total_used,
+            "train_read_amplification_second_half": sum(warm) / len(warm),
+            "median_step_amplification": statistics.median(per_step), "wall_s": round(time.time() - started, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--k", type=int, required=True)
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--footer-cache-mb", type=float,
+                        help="ShardReader's footer cache (row-group reader only); small values emulate the cache "
+                             "misses of a run with many more files than the cache holds")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = measure(args.run_dir, args.k, args.world_size, args.steps, args.seed, args.footer_cache_mb)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

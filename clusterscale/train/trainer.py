@@ -1,0 +1,239 @@
+"""The per-rank trainer that Ray Train runs: setup, one global step, logging and checkpointing as separate pieces.
+
+`train_loop_per_worker` is Ray Train's entry on every worker (train/loop.py's driver starts it once per
+segment of the run): it builds a Trainer and calls `fit`. The step's math is train/step.py, the metrics
+all-reduce and logs train/metrics.py, the checkpoint state train/checkpoint.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import pyarrow as pa
+import ray.train
+import ray.train.torch as rt_torch
+import torch
+
+from clusterscale.config import Config, from_dict
+from clusterscale.io.rundir import RunDir
+from clusterscale.modeling.student import build_student, matmul_params
+from clusterscale.train import schedule
+from clusterscale.train.checkpoint import Checkpointer, ModelExport
+from clusterscale.train.data import RankRows, ShardReader, checked_manifest, schedule_block_rows, strata_inputs
+from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
+from clusterscale.train.negatives import MinedNegatives
+from clusterscale.train.optim import build_optimizer
+from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train's per-worker entry: this rank's share of one segment, from the plain dict the driver sent."""
+    torch.set_num_threads(max(1, int(config.get("threads_per_worker", 1))))
+    context = ray.train.get_context()
+    Trainer(SegmentJob.from_loop_config(config), context.get_world_rank(), context.get_world_size()).fit()
+
+
+@dataclass(frozen=True)
+class SegmentJob:
+    """What the driver asks of every worker: the run, the steps of one segment (all steps without
+    re-clustering), whether a checkpoint must exist, and a test hook."""
+
+    cfg: Config
+    run: RunDir
+    shards_run: RunDir  # the run's own shards, or a re-clustering's child run directory
+    name: str
+    num_steps: int  # of the whole run
+    segment: int
+    seg_start: int
+    seg_stop: int
+    resume: bool  # --resume, or a segment after the first: a checkpoint must exist
+    fail_at_step: int | None = None  # test hook: rank 0 fails once there, unless it restored a checkpoint
+
+    @classmethod
+    def from_loop_config(cls, config: dict) -> SegmentJob:
+        segment, seg_start, seg_stop = config.get("segment", (0, 0, config["num_steps"]))
+        return cls(from_dict(config["cfg"]), RunDir(config["run_uri"]),
+                   RunDir(config.get("shards_uri") or config["run_uri"]), config["name"], config["num_steps"],
+                   segment, seg_start, seg_stop, bool(config.get("resume")), config.get("fail_at_step"))
+
+    @property
+    def stop_step(self) -> int:
+        """The step this worker stops at: the segment's end, or train.stop_after_steps when earlier."""
+        return min(self.num_steps, self.cfg.train.stop_after_steps or self.num_steps, self.seg_stop)
+
+    def cursor(self) -> dict:
+        """What a checkpoint must have been made with to continue this run (checkpoint.check_cursor)."""
+        tc = self.cfg.train
+        cursor = {"num_steps": self.num_steps, "sampler": tc.sampler, "seed": tc.seed,
+                  "cluster_weighting": tc.cluster_weighting, "global_batch_size": tc.global_batch_size}
+        if tc.recluster_every:
+            cursor["recluster_every"] = tc.recluster_every
+        return cursor
+
+    def check_start(self, start_step: int, restored: bool) -> None:
+        """Refuse a start the segment cannot continue from: no checkpoint to resume, or one outside the segment."""
+        name = self.name
+        if not restored and self.resume and self.segment > 0:
+            raise RuntimeError(f"train/{name}: segment {self.segment} (re-clustering) found no checkpoint of the "
+                               f"previous segment in train/{name}/ray; delete train/{name}/ and start afresh.")
+        if not restored and self.resume:
+            raise RuntimeError(f"--resume: Ray Train found no checkpoint of train/{name}; start without --resume.")
+        if start_step > self.stop_step:
+            raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, past this run's stop at step "
+                               f"{self.stop_step} (train.stop_after_steps lowered?): raise it, or delete train/{name}/.")
+        if start_step < self.seg_start:
+            raise RuntimeError(f"train/{name}: the checkpoint is at step {start_step}, before segment {self.segment} "
+                               f"(steps {self.seg_start}..{self.seg_stop}); delete train/{name}/ and start afresh.")
+
+
+class TrainData:
+    """A segment's strata and batch schedule, the reader of a rank's rows, and the optional mined negatives."""
+
+    def __init__(self, job: SegmentJob):
+        tc = self.tc = job.cfg.train
+        self.job = job
+        self.manifest = checked_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size)
+        self.sizes, self.codes, self.sources = strata_inputs(job.shards_run, self.manifest, tc.sampler)
+        self.reader = ShardReader(job.shards_run, self.manifest)
+        self.negatives = None
+        if tc.negatives_per_query:
+            self.negatives = MinedNegatives(job.run, self.manifest, job.shards_run, tc.negatives_per_query, tc.seed)
+
+    def epoch_at(self, step: int) -> int:
+        """The epoch (counted within the segment) that `step` falls in."""
+        per_epoch = schedule.batches_per_epoch(self.sizes, self.tc.global_batch_size, self.tc.sampler, self.codes)
+        return (step - self.job.seg_start) // max(1, per_epoch)
+
+    def batches(self, start_step: int) -> Iterator[schedule.GlobalBatch]:
+        """The global batches from start_step to the stop, numbered in run steps (the segment's schedule counts
+        from its own start, with its own seed)."""
+        job, tc = self.job, self.tc
+        for local in schedule.iterate(self.sizes, tc.global_batch_size, tc.sampler,
+                                      schedule.segment_seed(tc.seed, job.segment), job.stop_step - job.seg_start,
+                                      start_step - job.seg_start, tc.cluster_weighting, self.codes,
+                                      block_rows=schedule_block_rows(self.manifest)):
+            yield dataclasses.replace(local, step=local.step + job.seg_start)
+
+    def rank_rows(self, start_step: int, rank: int, world: int) -> Iterator[RankRows]:
+        """This rank's contiguous slice of each global batch (pair_id, query, passage), read ahead in a thread."""
+        return self.reader.prefetch(self.batches(start_step), rank, world)
+
+    def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
+        """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
+        if self.tc.sampler == "clustered":
+            shard = self.manifest["clusters"][gb.shard]
+            return shard["cluster"], shard["name"]
+        if self.tc.sampler == "source":
+            return gb.group, self.sources[gb.group]
+        if self.tc.sampler == "random_clusters":
+            return gb.group, f"random-{gb.group}"
+        return None, "random"
+
+
+class Trainer:
+    """One rank's training of one segment: set up in __init__, one global step in `train_step`, `fit` to the stop."""
+
+    def __init__(self, job: SegmentJob, rank: int, world: int):
+        tc = self.tc = job.cfg.train
+        self.job, self.rank, self.world = job, rank, world
+        self.device = rt_torch.get_device()
+        self.data = TrainData(job)
+        model, self.tokenizer, pooling = build_student(tc)
+        self.flops_params = matmul_params(model)
+        self.model = rt_torch.prepare_model(model)  # MoE: idle experts stay in the graph (moe.py), no unused parameters
+        self.optimizer, self.scheduler = build_optimizer(self.model, tc, job.num_steps)
+        self.settings = StepSettings.from_train_config(tc, pooling, amp=self.device.type == "cuda")
+        self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler, job.cursor(),
+                                         ModelExport(self.tokenizer, pooling, tc.passage_max_length))
+        self.start_step, self.restored = self._restore()
+        self.metrics = MetricsProcessor(job.run, job.name, tc, rank, world,
+                                        peak=peak_flops(self.device, tc.peak_tflops) if rank == 0 else None,
+                                        resume_step=self.start_step if self.restored else None,
+                                        num_steps=job.num_steps, stop_step=job.stop_step, segment=job.segment)
+
+    def _restore(self) -> tuple[int, bool]:
+        """(start step, whether a checkpoint was restored): Ray Train's latest checkpoint of this run, if any."""
+        checkpoint, start_step = ray.train.get_checkpoint(), 0
+        if checkpoint is not None:
+            with checkpoint.as_directory() as local:
+                start_step = self.checkpointer.restore(local, self.device)
+        self.job.check_start(start_step, restored=checkpoint is not None)
+        return start_step, checkpoint is not None
+
+    def fit(self) -> None:
+        """Train from the start step to the stop. The last report carries a checkpoint, with the exported model
+        at the run's (or segment's) end; a collapsed run (train.stop_on_collapse) ends with a checkpoint only."""
+        job = self.job
+        if self.start_step:
+            print(f"[train] rank {self.rank}: resuming at step {self.start_step}/{job.num_steps}", flush=True)
+        epoch = self.data.epoch_at(self.start_step)
+        for item in self.data.rank_rows(self.start_step, self.rank, self.world):
+            gb = item.batch
+            if job.fail_at_step == gb.step and not self.restored and self.rank == 0:
+                raise RuntimeError(f"injected failure at step {gb.step} (test hook)")
+            epoch = gb.epoch
+            result = self.train_step(gb, item.table)
+            self.metrics.log(result)
+            verdict = self.metrics.check(result)  # the same on every rank: they stop together
+            if verdict is not None and self.tc.stop_on_collapse:
+                self.metrics.close()  # the driver ends the run with the verdict
+                self.save(gb.step + 1, epoch, final=False, note={"collapsed": verdict})
+                return
+            self._report(gb.step + 1, epoch)
+        self.metrics.close()
+        self.save(job.stop_step, epoch, final=job.stop_step in (job.num_steps, job.seg_stop))
+
+    def train_step(self, gb: schedule.GlobalBatch, table: pa.Table) -> StepResult:
+        """One global step: this rank's rows forward and backward (the loss sees every rank's batch), gradient
+        clipping, optimizer and LR step; then the figures all-reduced, so every rank holds the same ones."""
+        started = time.time()
+        torch.manual_seed(step_seed(self.tc.seed, gb.step, self.rank))  # a resumed run replays the dropout masks
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, stats = self._backward(table, gb.step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        figures = reduce_step_figures(loss, stats, self.world)
+        step_s = time.time() - started
+        pair_ids = table.column("pair_id").to_pylist() if self.tc.log_batches else None
+        return StepResult(gb, self.data.label(gb), figures, lr, float(grad_norm),
+                          stats["flops_per_param_token"] * self.flops_params * figures.sums["tokens"], step_s, pair_ids)
+
+    def _backward(self, table: pa.Table, step: int) -> tuple[torch.Tensor, dict]:
+        """contrastive_backward on this rank's rows, with their mined negatives when train.negatives_per_query."""
+        queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
+        if self.data.negatives is None:
+            return contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device)
+        neg_passages, neg_queries, padded = self.data.negatives.for_rows(table.column("pair_id").to_numpy(), step)
+        loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device,
+                                           negatives=neg_passages, negative_queries=neg_queries)
+        stats["negatives_padded"] = torch.tensor(float(padded))
+        return loss, stats
+
+    def _report(self, done: int, epoch: int) -> None:
+        """After a step before the stop: a checkpoint every train.checkpoint_every_steps, else the metrics every
+        logging step (Ray's dashboard and Result.metrics see them between checkpoints too)."""
+        if done >= self.job.stop_step:
+            return
+        if self.tc.checkpoint_every_steps and done % self.tc.checkpoint_every_steps == 0:
+            self.save(done, epoch, final=False)
+        elif done % self.tc.log_every_steps == 0:
+            ray.train.report(self.metrics.report(done))
+
+    def save(self, step: int, epoch: int, final: bool, note: dict | None = None) -> None:
+        """All ranks report (a barrier); rank 0 attaches the checkpoint, with the exported model when `final`."""
+        self.metrics.flush()
+        directory, attached = tempfile.mkdtemp(prefix="clusterscale-ckpt-"), None
+        try:  # Ray Train copies the checkpoint into storage; the local copy goes even if that fails
+            if self.rank == 0:
+                self.checkpointer.write(directory, step, epoch, final)
+                attached = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report({**self.metrics.report(step), **(note or {})}, checkpoint=attached)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,31 @@
+"""benchmarks/bench_scale.py's sampler: it sees the command's whole process tree and each process's own memory."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+SPEC = importlib.util.spec_from_file_location(
+    "bench_scale", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                "bench_scale.py"))
+bench_scale = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(bench_scale)
+
+# A parent that starts a child holding 200 MB of private memory, then both wait a little.
+CHILD = "import time; x = bytearray(200 * 1024 * 1024); time.sleep(1.5)"
+PARENT = f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); p.wait()"
+
+
+def test_sampler_sees_the_child_and_counts_its_private_memory():
+    proc = subprocess.Popen([sys.executable, "-c", PARENT])
+    with bench_scale.TreeSampler(proc.pid, interval=0.05) as sampler:
+        proc.wait()
+        time.sleep(0.1)
+    summary = sampler.summary()
+    assert summary["samples"] > 5
+    assert 190 <= summary["ray_other_peak_uss_mb"] < 260  # the child, not a Ray process: kind ray_other
+    assert summary["driver_peak_uss_mb"] < 100            # the parent holds none of it
+    assert summary["peak_uss_mb"] == summary["ray_other_peak_uss_mb"]
+    assert summary["tree_peak_uss_mb"] >= summary["ray_other_peak_uss_mb"] + summary["driver_peak_uss_mb"] - 1

@@ -1,0 +1,85 @@
+"""The pipeline's executor without Ray: markers of a stage and its extra outputs, reuse, clearing an interrupted
+attempt, an early stop without a marker, cost records; and the rule that no stage module runs the marker sequence."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale import pipeline
+from clusterscale.io import layout
+from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stage(calls: list, complete: bool = True) -> pipeline.Stage:
+    """An ingest-like stage: pairs/ plus heldout/ marked with it; reads nothing."""
+    def write(call):
+        assert not call.run.exists("pairs", "stale.json")  # an interrupted attempt's output was cleared
+        call.run.write_json("pairs/rows.json", [1, 2, 3])
+        calls.append(call.fingerprint)
+        return StageResult({"rows": 3, "note": ["not a scalar"]}, outputs={"heldout": StageResult({"rows": 1})},
+                           config={"data": {"limit": call.cfg.data.limit}}, complete=complete)
+    return pipeline.Stage("toy", write, "pairs", sections=("data",),
+                          extra_outputs=(pipeline.ExtraOutput("heldout", ("data",)),))
+
+
+def test_marks_reuses_and_records_cost(tmp_path, capsys):
+    run, cfg, calls = RunDir(str(tmp_path / "run")), config_mod.load(None, []), []
+    run.write_json("pairs/stale.json", {})
+    first = pipeline.execute(_stage(calls), cfg, run)
+    assert first.stats["rows"] == 3 and len(calls) == 1
+    assert run.done_stats("heldout") == {"rows": 1}
+    assert run.read_json("pairs/_DONE.json")["config"] == {"data": {"limit": cfg.data.limit}}
+    costs = run.read_json("report/costs.json")["toy"]
+    assert costs["rows"] == 3 and "note" not in costs and costs["invocation_s"] >= 0
+    capsys.readouterr()
+    again = pipeline.execute(_stage(calls), cfg, run, cost_key="")
+    assert len(calls) == 1 and again.stats["rows"] == 3
+    assert capsys.readouterr().out.count("reused") == 1  # the extra output is said with its stage
+
+
+def test_other_config_is_refused_then_replaced(tmp_path):
+    run, calls, cfg = RunDir(str(tmp_path / "run")), [], config_mod.load(None, [])
+    pipeline.execute(_stage(calls), cfg, run)
+    other = config_mod.load(None, ["data.limit=5"])
+    with pytest.raises(ConfigMismatchError, match=rf"data.limit {cfg.data.limit} -> 5.*--replace"):
+        pipeline.execute(_stage(calls), other, run, command="clusterscale toy")
+    pipeline.execute(_stage(calls), other, run, replace="changed")
+    assert len(calls) == 2 and run.read_json("pairs/_DONE.json")["covers"]["data"]["limit"] == 5
+
+
+def test_incomplete_result_writes_no_marker(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    result = pipeline.execute(_stage([], complete=False), config_mod.load(None, []), run)
+    assert result.stats["rows"] == 3 and not run.exists("pairs", "_DONE.json") and not run.exists("heldout", "_DONE.json")
+
+
+def test_missing_input_names_the_verb(tmp_path):
+    with pytest.raises(StageMissingError, match="Centroids for k=4 not found.*run `clusterscale fit`"):
+        pipeline.run_stage("assign", config_mod.load(None, ["cluster.k=4"]), RunDir(str(tmp_path / "run")))
+
+
+def test_one_stage_list():
+    assert tuple(pipeline.STAGES) == layout.STAGES
+    cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
+    assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
+        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "shards/k=7", "negatives", "train/x", "eval", "report"]
+
+
+# Calls that would mean a stage module runs the marker protocol itself, with the ones allowed and why.
+MARKER_CALLS = {"is_done", "mark_done"}
+ALLOWED = {("clusterscale/stages/synthetic.py", "mark_done"),  # write_embeddings_stage: the tests' in-process shortcut
+           ("clusterscale/train/loop.py", "is_done")}  # _check_negatives: an input check of mined negatives
+
+
+def test_no_stage_module_runs_the_marker_sequence():
+    found = set()
+    for path in [*(ROOT / "clusterscale" / "stages").glob("*.py"), *(ROOT / "clusterscale" / "train").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in MARKER_CALLS:
+                found.add((str(path.relative_to(ROOT)), node.attr))
+    assert found <= ALLOWED, sorted(found - ALLOWED)

@@ -1,0 +1,94 @@
+"""The trainer's metrics processor: the all-reduce of a step's figures on 2 gloo ranks equals one process;
+the records, printed lines and collapse verdict of a few steps."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from clusterscale.config import TrainConfig
+from clusterscale.io.rundir import RunDir
+from clusterscale.train.metrics import MetricsProcessor, StepFigures, StepResult, reduce_step_figures
+from clusterscale.train.schedule import GlobalBatch
+from clusterscale.train.step import contrastive_backward
+from tests.test_train_grad import N, _model, _settings, _texts, spawn_two_ranks
+
+
+def _reduce_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    queries, passages = _texts()
+    mine = slice(rank * N // world, (rank + 1) * N // world)
+    model, tokenizer = _model(path, dropout=False)
+    loss, stats = contrastive_backward(DistributedDataParallel(model), tokenizer, queries[mine], passages[mine],
+                                       _settings(), torch.device("cpu"))
+    figures = reduce_step_figures(loss, stats, world)
+    if rank == 0:
+        torch.save({"loss": figures.loss, **figures.values()}, os.path.join(out_dir, "reduced.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_rank_figures_equal_one_process(tiny_model, tmp_path):
+    reduced = spawn_two_ranks(_reduce_worker, tiny_model, tmp_path, ["reduced"])["reduced"]
+    model, tokenizer = _model(tiny_model, dropout=False)
+    queries, passages = _texts()
+    loss, stats = contrastive_backward(model, tokenizer, queries, passages, _settings(), torch.device("cpu"))
+    assert reduced["loss"] == pytest.approx(float(loss), rel=1e-5)
+    # means over every query and sums of counts; neg_cos_mean averages the ranks' means (masks differ slightly)
+    for key in ("pos_cos", "neg_cos_max"):
+        assert reduced[key] == pytest.approx(float(stats[key]), rel=1e-5), key
+    assert reduced["neg_cos_mean"] == pytest.approx(float(stats["neg_cos_mean"]), abs=2e-3)
+    assert reduced["masked_false_negatives"] == float(stats["masked_false_negatives"]) > 0
+    assert reduced["mined_negatives"] == 0 and "negatives_padded" not in reduced
+
+
+def test_one_process_figures_keep_the_optional_ones_that_exist():
+    stats = {"pos_cos": 0.5, "neg_cos_mean": 0.1, "neg_cos_max": 0.3, "masked_false_negatives": 1, "tokens": 40,
+             "moe_aux_loss": 0.25, "clp_skipped": 2}
+    figures = reduce_step_figures(torch.tensor(2.0), stats, world=1)
+    assert figures.loss == 2.0
+    assert figures.means == {"pos_cos": 0.5, "neg_cos_mean": pytest.approx(0.1), "neg_cos_max": pytest.approx(0.3),
+                             "moe_aux_loss": 0.25}
+    assert figures.sums == {"masked_false_negatives": 1, "tokens": 40, "clp_skipped": 2}
+
+
+def _result(step: int, loss: float, neg_cos: float) -> StepResult:
+    figures = StepFigures(loss, {"pos_cos": 0.5, "neg_cos_mean": neg_cos, "neg_cos_max": 0.99},
+                          {"masked_false_negatives": 0.0, "tokens": 64.0})
+    batch = GlobalBatch(step, 0, 1, np.arange(4), 1)
+    return StepResult(batch, (7, "cluster-7"), figures, 1e-3, 0.5, 2e9, 0.5, [step * 10, step * 10 + 1])
+
+
+def test_records_printed_lines_and_collapse(tmp_path, capsys):
+    run = RunDir(str(tmp_path))
+    tc = TrainConfig(global_batch_size=4, log_every_steps=2, warmup_steps=0, log_batches=True)
+    processor = MetricsProcessor(run, "t", tc, rank=0, world=2, peak=1e9, resume_step=None, num_steps=6,
+                                 stop_step=6, segment=0)
+    verdicts = []
+    for step in range(6):  # chance loss with every text in one direction: collapsed after 3 intervals of 2 steps
+        result = _result(step, math.log(4), 0.95)
+        processor.log(result)
+        verdicts.append(processor.check(result))
+    assert verdicts[:5] == [None] * 5 and "looks collapsed at step 6" in verdicts[5]
+    records = [json.loads(line) for line in run.read_bytes("train/t/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))  # flushed at the last logging step
+    assert list(records[0]) == ["step", "epoch", "cluster", "cluster_name", "loss", "lr", "grad_norm", "pos_cos",
+                                "neg_cos_mean", "neg_cos_max", "masked_false_negatives", "tokens", "pairs_per_s",
+                                "step_s", "tflops_per_s", "mfu"]
+    assert records[0]["tokens"] == 64 and isinstance(records[0]["tokens"], int)
+    assert records[0]["mfu"] == pytest.approx(2e9 / 0.5 / 2e9) and records[0]["pairs_per_s"] == 8.0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step")]
+    assert len(lines) == 3 and lines[0].startswith("[train] step 2/6 epoch 0 loss 1.3863 lr 1.00e-03 neg_cos 0.950 ")
+    assert lines[0].endswith("pairs/s MFU 200.0%")
+    assert run.read_json("train/t/collapse.json")["step"] == 6
+    batches = run.read_bytes("train/t/batches/rank-0.jsonl").decode().splitlines()
+    assert json.loads(batches[2]) == {"step": 2, "epoch": 0, "shard": 1, "group": 1, "pair_ids": [20, 21]}
+    assert processor.report(6)["loss"] == pytest.approx(math.log(4)) and processor.report(6)["step"] == 6

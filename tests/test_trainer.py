@@ -1,0 +1,33 @@
+"""The trainer's job: what the driver's dict becomes on a worker, and the starts a segment refuses."""
+from __future__ import annotations
+
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale.train.trainer import SegmentJob
+
+
+def _job(tmp_path, *extra: str, segment=(1, 4, 8), resume=True) -> SegmentJob:
+    cfg = config_mod.load(None, ["train.recluster_every=4", *extra])
+    return SegmentJob.from_loop_config({"cfg": cfg.to_dict(), "run_uri": str(tmp_path), "name": "t", "num_steps": 8,
+                                        "segment": segment, "resume": resume, "shards_uri": str(tmp_path / "c")})
+
+
+def test_job_from_the_driver_dict(tmp_path):
+    job = _job(tmp_path, "train.stop_after_steps=6")
+    assert (job.segment, job.seg_start, job.seg_stop, job.stop_step) == (1, 4, 8, 6)
+    assert job.shards_run.uri.endswith("/c") and job.fail_at_step is None
+    assert job.cursor()["recluster_every"] == 4 and job.cursor()["num_steps"] == 8
+
+
+@pytest.mark.parametrize("start, restored, segment, resume, message", [
+    (0, False, (1, 4, 8), True, "segment 1 \\(re-clustering\\) found no checkpoint of the previous segment"),
+    (0, False, (0, 0, 8), True, "--resume: Ray Train found no checkpoint of train/t"),
+    (7, True, (1, 4, 8), True, "at step 7, past this run's stop at step 6"),
+    (2, True, (1, 4, 8), True, "at step 2, before segment 1 \\(steps 4..8\\)"),
+])
+def test_refused_starts_say_what_to_do(tmp_path, start, restored, segment, resume, message):
+    job = _job(tmp_path, "train.stop_after_steps=6", segment=segment, resume=resume)
+    with pytest.raises(RuntimeError, match=message):
+        job.check_start(start, restored)
+    _job(tmp_path, segment=(0, 0, 8), resume=False).check_start(0, restored=False)  # a fresh start is fine
