@@ -32,7 +32,7 @@ def test_clustered_batches_are_whole_blocks_each_row_once_per_epoch_and_epochs_d
     compositions = []
     for epoch in range(2):
         batches = schedule.epoch_global_batches(SIZES, B, "clustered", 0, epoch, block_rows=g)
-        assert len(batches) == schedule.batches_per_epoch(SIZES, B, "clustered")
+        assert len(batches) == schedule.batches_per_epoch(SIZES, B)
         for b in batches:
             blocks = b.rows.reshape(-1, g)
             assert (blocks == blocks[:, :1] + np.arange(g)).all() and (blocks[:, 0] % g == 0).all()
