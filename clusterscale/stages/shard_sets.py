@@ -41,13 +41,14 @@ class SetKeys:
 
     random / random_clusters: a row at position p of the clustered shards (concatenated in manifest order)
     lands at perm(p) of the set, a seeded permutation; strata are consecutive ranges of that order (`starts`)
-    and sub-groups ranges of max_group_rows inside them. source: the code of its source (index in `names`)
+    and sub-groups ranges of `group_rows` inside them (whole row groups, so that only a stratum's last file
+    ends on a partial row group and a global batch stays whole row groups). source: the code of its source (index in `names`)
     and a seeded hash of pair_id into `num_groups` sub-groups, as the clustered shards split a cluster."""
 
     sampler: str
     total: int
     seed: int
-    max_group_rows: int
+    group_rows: int
     starts: np.ndarray | None = None      # first set position of each stratum (permuted samplers)
     names: tuple[str, ...] = ()           # source names, sorted (source)
     num_groups: np.ndarray | None = None  # sub-groups per source (source)
@@ -60,7 +61,7 @@ class SetKeys:
                                                       self.seed)
         where = SeededPermutation(self.total, [self.seed, PERMUTATION_SALT[self.sampler]])(positions)
         shard = np.searchsorted(self.starts, where, side="right") - 1
-        return shard, (where - self.starts[shard]) // self.max_group_rows
+        return shard, (where - self.starts[shard]) // self.group_rows
 
 
 def read_keyed_files(batch: dict, run_uri: str, keys: SetKeys, columns: list[str]) -> pa.Table:
@@ -93,7 +94,7 @@ def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]
     if "source" not in schema.names:
         raise TrainDataError("train.sampler=source needs a `source` column in the shards, and they have none: "
                              "set data.source_column when ingesting (in a new --run-dir), or use another sampler.")
-    ds = ray.data.read_parquet([run.path(f) for f in files], filesystem=run.fs, columns=["source"])
+    ds = ray.data.read_parquet([run.path(f) for f in files], filesystem=run.fs).select_columns(["source"])
     ds = ds.map_batches(lambda t: pa.table({"source": t.column("source").fill_null(NO_SOURCE)}),
                         batch_format="pyarrow")
     counts = sorted((r["source"], int(r["count()"])) for r in ds.groupby("source").count().take_all())
@@ -106,6 +107,7 @@ def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]
 def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarray, list[str]]:
     """(row keys, rows per stratum, stratum names) of the set of cfg.train.sampler."""
     sampler, seed, max_group = cfg.train.sampler, cfg.cluster.seed, cfg.shard.max_group_rows
+    row_group_rows = file_sizes(cfg)[1]
     base_sizes = np.array(strata_sizes(base), dtype=np.int64)
     total = int(base_sizes.sum())
     if sampler == "source":
@@ -113,7 +115,8 @@ def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarra
         keys = SetKeys(sampler, total, seed, max_group, names=tuple(names), num_groups=-(-sizes // max_group))
         return keys, sizes, names
     sizes = np.array([total]) if sampler == "random" else base_sizes
-    keys = SetKeys(sampler, total, seed, max_group, starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+    group_rows = max(1, max_group // row_group_rows) * row_group_rows
+    keys = SetKeys(sampler, total, seed, group_rows, starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]))
     names = ["random"] if sampler == "random" else [f"random-{s}" for s in range(len(sizes))]
     return keys, sizes, names
 
@@ -133,10 +136,11 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
     rows_per_file, row_group_rows = file_sizes(cfg)
     layout = SetLayout(shard_set_dir(k, sampler), "stratum", cfg.cluster.seed, rows_per_file, row_group_rows,
                        cfg.shard.num_samples)
-    num_groups = -(-sizes // cfg.shard.max_group_rows)
+    num_groups = -(-sizes // keys.group_rows)
     group_sizes = GroupSizes(keys.total, int(num_groups.sum()), int((sizes / np.maximum(num_groups, 1)).max()),
                              cfg.shard.max_group_rows)
-    groups = write_groups(ds, run, k, layout, columns, group_sizes, [f["file"] for f in files], f"shard {sampler}")
+    groups = write_groups(ds, run, k, layout, columns, group_sizes, [run.path(f["file"]) for f in files],
+                          f"shard {sampler}")
     strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s])) for s in range(len(sizes))]
     stats = {"k": k, "sampler": sampler, "shards": len(strata), "rows": keys.total,
              "files": sum(len(c["files"]) for c in strata), "min_rows": int(sizes.min()),
