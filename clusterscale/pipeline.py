@@ -16,8 +16,8 @@ from typing import Any, Callable
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io import layout
-from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shard_set_dir,
-                                    shards_dir, train_dir)
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path,
+                                    shard_set_dir, shards_dir, train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.stages.embed import run_embed

@@ -38,7 +38,8 @@ def _rows(run, entry) -> pa.Table:
 
 
 def _clustered_ids(run) -> list[set]:
-    return [set(_rows(run, c).column("pair_id").to_pylist()) for c in run.read_json(f"shards/k={K}/manifest.json")["clusters"]]
+    manifest = run.read_json(f"shards/k={K}/manifest.json")
+    return [set(_rows(run, c).column("pair_id").to_pylist()) for c in manifest["clusters"]]
 
 
 def test_random_clusters_keep_the_sizes_not_the_members(sets):
@@ -74,7 +75,8 @@ def test_set_files_are_row_groups_of_the_batch_slice_and_listed_in_the_manifest(
         for entry in manifest["clusters"]:
             for rel, rows in zip(entry["files"], entry["file_rows"]):
                 md = pq.read_metadata(run.path(rel))
-                assert md.num_rows == rows <= 16 and {md.row_group(i).num_rows for i in range(md.num_row_groups - 1)} <= {g}
+                assert md.num_rows == rows <= 16
+                assert {md.row_group(i).num_rows for i in range(md.num_row_groups - 1)} <= {g}
         assert len(shard_set_files(manifest)) == manifest["stats"]["files"]
 
 
