@@ -40,6 +40,10 @@ def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> dict:
         raise TrainDataError(f"The manifest in {shards_dir(k)}/ was written for cluster.k={manifest.get('k')}, not "
                              f"cluster.k={k}: it was copied or moved; rerun `clusterscale shard` with cluster.k={k}.")
     _check_set(run, manifest, shards_dir(k), global_batch_size, "clusterscale shard")
+    sizes = strata_sizes(manifest)
+    if not sizes or max(sizes) < global_batch_size:
+        raise TrainDataError(f"train.global_batch_size={global_batch_size} is larger than every shard (largest "
+                             f"{max(sizes, default=0)} rows): lower it or cluster.k.")
     return manifest
 
 
@@ -52,10 +56,6 @@ def _check_set(run: RunDir, manifest: dict, folder: str, global_batch_size: int,
     if missing:
         raise StageMissingError(f"{len(missing)} shard file(s) listed in the manifest are missing (first: "
                                 f"{run.path(missing[0])}): delete {folder}/ and rerun `{rerun}`.")
-    sizes = strata_sizes(manifest)
-    if not sizes or max(sizes) < global_batch_size:
-        raise TrainDataError(f"train.global_batch_size={global_batch_size} is larger than every shard (largest "
-                             f"{max(sizes, default=0)} rows): lower it or cluster.k.")
 
 
 def shard_set_manifest(run: RunDir, k: int, global_batch_size: int, sampler: str, check_files: bool = True) -> dict:
