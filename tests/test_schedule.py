@@ -96,10 +96,12 @@ def test_ranks_split_each_batch_and_exhaust_together(world_size):
     assert [b.epoch for b in per_rank[0]] == [s // per_epoch for s in range(steps)]
 
 
-def test_resume_from_any_step_continues_the_same_sequence():
-    full = list(schedule.iterate(SIZES, B, "clustered", 3, 30, weighting="uniform"))
+@pytest.mark.parametrize("sampler", schedule.SAMPLERS)
+def test_resume_from_any_step_continues_the_same_sequence(sampler):
+    sizes = _sizes(sampler)
+    full = list(schedule.iterate(sizes, B, sampler, 3, 30, weighting="uniform", block_rows=4))
     for start in (0, 7, 11, 25):
-        tail = list(schedule.iterate(SIZES, B, "clustered", 3, 30, start, "uniform"))
+        tail = list(schedule.iterate(sizes, B, sampler, 3, 30, start, "uniform", block_rows=4))
         assert [(b.step, b.shard, b.rows.tolist()) for b in tail] == \
                [(b.step, b.shard, b.rows.tolist()) for b in full[start:]]
 
