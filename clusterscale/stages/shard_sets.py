@@ -141,7 +141,8 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
                              cfg.shard.max_group_rows)
     groups = write_groups(ds, run, k, layout, columns, group_sizes, [run.path(f["file"]) for f in files],
                           f"shard {sampler}")
-    strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s])) for s in range(len(sizes))]
+    strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s]), cfg.shard.num_samples)
+              for s in range(len(sizes))]
     stats = {"k": k, "sampler": sampler, "shards": len(strata), "rows": keys.total,
              "files": sum(len(c["files"]) for c in strata), "min_rows": int(sizes.min()),
              "max_rows": int(sizes.max()), "wall_s": round(time.time() - started, 3)}
@@ -155,11 +156,11 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
     return StageResult(stats)
 
 
-def set_entry(stratum: int, name: str, groups: list[dict], expected: int) -> dict:
+def set_entry(stratum: int, name: str, groups: list[dict], expected: int, num_samples: int) -> dict:
     """The manifest entry of one shard of a set (the clustered manifest's keys, so one reader reads both)."""
     rows = sum(g["rows"] for g in groups)
     if rows != expected:
         raise RuntimeError(f"Shard {name!r} of the set holds {rows} rows, expected {expected}: rerun `train`.")
     return {"cluster": stratum, "name": name, "rows": rows, "files": [f for g in groups for f in g["files"]],
             "file_rows": [int(n) for g in groups for n in g["file_rows"]], "groups": len(groups),
-            "samples": [q for g in groups for q in g["samples"]]}
+            "samples": [q for g in groups for q in g["samples"]][:num_samples]}
