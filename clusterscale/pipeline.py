@@ -16,8 +16,8 @@ from typing import Any, Callable
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io import layout
-from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
-                                    train_dir)
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, load_manifest,
+                                    manifest_path, shards_dir, train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.stages.embed import run_embed
@@ -25,6 +25,7 @@ from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
+from clusterscale.stages.mine_rows import write_sidecars
 from clusterscale.stages.report import run_report
 from clusterscale.stages.shards import run_shard
 from clusterscale.stages.synthetic import SynthSpec, run_synth
@@ -147,6 +148,8 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     for verb in ("embed", "fit", "assign", "shard"):
         execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
                 cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
+    if cfg.train.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
+        write_sidecars(run, child, load_manifest(child, cfg.cluster.k), cfg.mine.range_max - cfg.mine.range_min)
     return child
 
 
@@ -176,7 +179,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           resources=Resources(cpus_per_actor=0.5)),
     Stage("mine", _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
                                             Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
-                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}")),
+                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                                            Input(lambda cfg: shards_dir(cfg.cluster.k), "shard",
+                                                  lambda cfg: f"Shards for k={cfg.cluster.k}")),
           sections=MINE_SECTIONS,
           extra=mine_extra, keeps_units=True, resources=_ON_GPU),
     Stage("train", _train, _train_dir,
