@@ -16,8 +16,8 @@ from typing import Any, Callable
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io import layout
-from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, load_manifest,
-                                    manifest_path, shards_dir, train_dir)
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
+                                    train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.stages.embed import run_embed
@@ -25,7 +25,7 @@ from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
-from clusterscale.stages.mine_rows import write_sidecars
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.report import run_report
 from clusterscale.stages.shards import run_shard
 from clusterscale.stages.synthetic import SynthSpec, run_synth
@@ -126,6 +126,8 @@ def _train(call: StageCall) -> StageResult:
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
     plan = loop.plan_training(cfg, run, call.resume)
+    if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
+        sidecars_for_training(cfg, run, run)
     shards_uri, recluster_s, result = run.uri, 0.0, None
     for segment in loop.segments_to_train(run, plan):
         if segment > 0:
@@ -149,7 +151,7 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
         execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
                 cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
     if cfg.train.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
-        write_sidecars(run, child, load_manifest(child, cfg.cluster.k), cfg.mine.range_max - cfg.mine.range_min)
+        sidecars_for_training(cfg, run, child)
     return child
 
 

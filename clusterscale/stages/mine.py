@@ -33,7 +33,7 @@ import ray
 
 from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.stages.kmeans import load_centroids
-from clusterscale.stages.mine_rows import write_sidecars
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import DROP_REASONS, merge_candidates, route_rows, search_cluster
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
@@ -43,7 +43,6 @@ from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resource
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
-from clusterscale.train.negatives import training_manifest
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
@@ -211,10 +210,6 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
     started = time.time()
     k = cfg.cluster.k
     run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
-    manifest = training_manifest(cfg, run)
-    if manifest is None:
-        raise StageMissingError(f"Mined negatives travel with the shard rows: run `clusterscale shard` (cluster.k={k}) "
-                                f"before `clusterscale mine`.")
     encoder = resolve_encoder(cfg, run)
     source, embed_cost = vectors_run(cfg, run, encoder, embed)
     n_rows = int(run.done_stats(assign_dir(k))["rows"])
@@ -228,7 +223,7 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
     if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
         results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
         write_empty_buckets(run, plan)
-    sidecars = write_sidecars(run, run, manifest, cfg.mine.range_max - cfg.mine.range_min)
+    sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
     stats |= sidecars

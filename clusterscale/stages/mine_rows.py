@@ -1,5 +1,6 @@
 """Mined negatives to the rows: the sidecar pieces aligned to the shard files, and the padding pool (the last
-step of `clusterscale mine`, and of a re-clustering segment when training uses mined negatives).
+step of `clusterscale mine`; training writes those of its shard set when missing, and a re-clustering segment
+those of its new shards).
 
 Ray Data, with no process holding every text or every candidate list:
   1. read the shard files piece by piece (one task per piece of SIDECAR_PIECE_ROWS rows): pair_id, query,
@@ -15,6 +16,7 @@ threshold (about 2 x PADDING_POOL_ROWS rows in all), and the driver keeps the PA
 from __future__ import annotations
 
 import math
+import posixpath
 
 import numpy as np
 import pyarrow as pa
@@ -22,10 +24,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.io.rundir import RunDir
+from clusterscale.config import Config
+from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, candidate_files, groups_per_piece,
-                                          shard_files, sidecar_path, sidecar_table)
+                                          shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
 
 PADDING_SALT = 0x6E6567  # the padding pool's hash salt ("neg")
 JOIN_ROWS_PER_PARTITION = 250_000  # (anchor, candidate) rows per hash partition of the joins
@@ -109,15 +112,30 @@ def _missing(run: RunDir, units: list[dict]) -> list[int]:
     return [i for i, u in enumerate(units) if not run.exists(sidecar_path(u["file"], u["piece"]))]
 
 
-def write_sidecars(neg_run: RunDir, shards_run: RunDir, manifest: dict, candidates_per_row: int) -> dict:
-    """Write the sidecar pieces of every shard file of `manifest` (in shards_run) that are missing, from the
-    candidates in neg_run's negatives/, and neg_run's padding pool when missing; their counts.
-    candidates_per_row: at most how many candidates a row has (mine.range_max - mine.range_min), to size the
-    hash partitions of the joins."""
-    units = piece_units(manifest)
-    todo = _missing(shards_run, units)
+def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> dict:
+    """The sidecars of the shard set cfg trains from (in shards_run), from neg_run's negatives/: written where
+    missing or made for other shards, else left as they are (one marker read); their counts."""
+    found = training_manifest(cfg, shards_run)
+    if found is None:
+        raise StageMissingError(f"Mined negatives travel with the shard rows: run `clusterscale shard` "
+                                f"(cluster.k={cfg.cluster.k}) before `clusterscale mine`.")
+    set_dir, manifest = found
+    return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
+
+
+def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: dict, candidates_per_row: int) -> dict:
+    """Write the sidecar pieces of every shard file of the set under set_dir (in shards_run) from the candidates
+    in neg_run's negatives/, and neg_run's padding pool when missing; their counts. Pieces written for another
+    manifest of the set (the shards were rewritten) are removed first. candidates_per_row: at most how many
+    candidates a row has (mine.range_max - mine.range_min), to size the hash partitions of the joins."""
+    marker, units = sidecar_marker(set_dir), piece_units(manifest)
+    recorded = shards_run.read_json(marker)["shards"] if shards_run.exists(marker) else None
+    if recorded is not None and recorded != manifest.get("fingerprint"):
+        shards_run.remove(posixpath.dirname(marker))
+        recorded = None
+    todo = [] if recorded is not None else _missing(shards_run, units)  # an interrupted attempt: the rest
     pool_missing = not neg_run.exists(PADDING_PATH)
-    if not todo and not pool_missing:
+    if recorded is not None and not pool_missing:
         return {"sidecar_pieces": len(units), "sidecar_pieces_written": 0}
     n_rows = sum(rows for _, rows in shard_files(manifest))
     pool_fraction = min(1.0, 2 * PADDING_POOL_ROWS / max(1, n_rows))
@@ -148,6 +166,7 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, manifest: dict, candidat
                     write_empty_pieces, fn_kwargs={"run_uri": shards_run.uri, "units": units},
                     batch_format="numpy").iter_rows():
                 counts["rows"] += row["rows"]
+    shards_run.write_json(marker, {"shards": manifest.get("fingerprint")})
     return {"sidecar_pieces": len(units), "sidecar_pieces_written": len(todo),
             "sidecar_rows_written": counts["rows"], "sidecar_negatives_written": counts["negatives"]}
 

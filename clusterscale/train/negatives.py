@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, manifest_path, train_dir
+from clusterscale.io.layout import NEGATIVES, manifest_path, shards_dir, train_dir
 from clusterscale.io.rundir import RunDir
 
 
 MINE_SECTIONS = ("data", "embed", "cluster", "mine")  # the config sections negatives/ depends on (mining is
-# sharded by the clusters of cluster.k); the shard set the sidecars follow enters through mine_extra
+# sharded by the clusters of cluster.k); the sidecars follow whichever shard set training reads (sidecar_marker)
 SIDECAR_DIR = f"{NEGATIVES}/rows"
 PADDING_PATH = f"{NEGATIVES}/padding.parquet"
 PADDING_POOL_ROWS = 4096  # random training passages every rank holds for topping up short candidate lists
@@ -40,10 +40,10 @@ class NegativesError(UserError, ValueError):
 
 
 # --- which shards, and the fingerprint --------------------------------------------------------------------
-def training_manifest(cfg: Config, run: RunDir) -> dict | None:
-    """The manifest of the shard set training reads (None before the shard stage wrote it)."""
-    path = manifest_path(cfg.cluster.k)
-    return run.read_json(path) if run.exists(path) else None
+def training_manifest(cfg: Config, run: RunDir) -> tuple[str, dict] | None:
+    """(folder, manifest) of the shard set training reads; None before the shard stage wrote it."""
+    folder, path = shards_dir(cfg.cluster.k), manifest_path(cfg.cluster.k)
+    return (folder, run.read_json(path)) if run.exists(path) else None
 
 
 def shard_files(manifest: dict) -> list[tuple[str, int]]:
@@ -58,19 +58,16 @@ def shard_files(manifest: dict) -> list[tuple[str, int]]:
     return out
 
 
-def mine_extra(cfg: Config, run: RunDir) -> dict:
-    """What negatives/ depends on besides MINE_SECTIONS: the shard set its sidecars follow, and the training
-    run whose model mines (mine.encoder=train:<name>)."""
-    manifest = training_manifest(cfg, run)
-    extra = {"shards": manifest.get("fingerprint") if manifest else None}
-    if cfg.mine.encoder.startswith("train:"):
-        done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
-        extra["encoder_run"] = run.read_json(done)["fingerprint"] if run.exists(done) else None
-    return extra
+def mine_extra(cfg: Config, run: RunDir) -> dict | None:
+    """The fingerprint of the training run whose model mines (mine.encoder=train:<name>); None otherwise."""
+    if not cfg.mine.encoder.startswith("train:"):
+        return None
+    done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
+    return {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
 
 
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:
-    """The fingerprint of negatives/: MINE_SECTIONS and mine_extra."""
+    """The fingerprint of negatives/: MINE_SECTIONS, and the training run when mining with its model."""
     return cfg.fingerprint(MINE_SECTIONS, extra=mine_extra(cfg, run))
 
 
@@ -98,6 +95,11 @@ def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
 def groups_per_piece(manifest: dict) -> int:
     """Row groups per sidecar piece for shards written with the manifest's row-group size."""
     return max(1, SIDECAR_PIECE_ROWS // int(manifest.get("row_group_rows", 1)))
+
+
+def sidecar_marker(set_dir: str) -> str:
+    """Records the manifest fingerprint of the shard set under set_dir that its sidecars were written for."""
+    return f"{SIDECAR_DIR}/{set_dir}/_SHARDS.json"
 
 
 def sidecar_path(shard_file: str, piece: int) -> str:
