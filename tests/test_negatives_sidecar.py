@@ -92,6 +92,8 @@ def test_draw_is_seeded_never_the_pair_and_padded_from_the_pool(shard_run):
     passages, queries, padded = negatives.for_rows(table, step=5)
     assert (passages, queries, padded) == negatives.for_rows(table, step=5)
     assert negatives.for_rows(table, step=6)[0] != passages
+    part = negatives.for_rows(table.slice(3, 5), step=5)  # a row's draw does not depend on the rows beside it
+    assert part[:2] == (passages[6:16], queries[6:16])
     assert len(passages) == len(queries) == 2 * ROWS
     expected_padding = sum(max(0, 2 - len(_candidates(p - 100))) for p in table.column("pair_id").to_pylist())
     assert padded == expected_padding > 0

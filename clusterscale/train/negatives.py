@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clusterscale.config import Config
@@ -179,22 +180,22 @@ class MinedNegatives:
     def for_rows(self, rows: pa.Table, step: int) -> tuple[list[str], list[str], int]:
         """(negative passages, their pairs' queries), M per row grouped by row; and how many were padded.
         `rows`: pair_id and the sidecar columns (NegativeSidecars.attach)."""
-        passages, queries, padded = [], [], 0
-        cand_passages = rows.column("neg_passages").combine_chunks()
-        cand_queries = rows.column("neg_queries").combine_chunks()
-        offsets = np.asarray(cand_passages.offsets)
-        flat_passages, flat_queries = cand_passages.values, cand_queries.values
+        chosen, padded = [], 0  # >= 0: a candidate (index into the flattened lists); < 0: pool row -1 - value
+        lengths = pc.list_value_length(rows.column("neg_passages")).to_numpy(zero_copy_only=False)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])  # into the flattened lists (same lengths in both)
         for i, pid in enumerate(rows.column("pair_id").to_numpy().tolist()):
             rng = np.random.default_rng([self.seed, step, pid >> 32, pid & 0xFFFF_FFFF])
             count = int(offsets[i + 1] - offsets[i])
             take = rng.choice(count, size=min(self.per_query, count), replace=False) if count else []
-            at = pa.array(offsets[i] + np.sort(np.asarray(take, dtype=np.int64)))  # best-first order kept
-            passages += flat_passages.take(at).to_pylist()
-            queries += flat_queries.take(at).to_pylist()
-            while len(passages) < (i + 1) * self.per_query:
-                other = int(rng.integers(len(self.pool_ids)))  # a random training passage; masking handles
-                if self.pool_ids[other] != pid:                # any collision
-                    passages.append(self.pool_passages[other])
-                    queries.append(self.pool_queries[other])
+            chosen += (int(offsets[i]) + np.sort(np.asarray(take, dtype=np.int64))).tolist()  # best first kept
+            while len(chosen) < (i + 1) * self.per_query:
+                other = int(rng.integers(len(self.pool_ids)))
+                if self.pool_ids[other] != pid:  # a random training passage; masking handles any collision
+                    chosen.append(-1 - other)
                     padded += 1
+        mined = pa.array([c for c in chosen if c >= 0], type=pa.int64())
+        texts = {name: iter(rows.column(name).combine_chunks().flatten().take(mined).to_pylist())
+                 for name in ("neg_passages", "neg_queries")}
+        passages = [next(texts["neg_passages"]) if c >= 0 else self.pool_passages[-1 - c] for c in chosen]
+        queries = [next(texts["neg_queries"]) if c >= 0 else self.pool_queries[-1 - c] for c in chosen]
         return passages, queries, padded
