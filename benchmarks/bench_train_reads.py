@@ -104,8 +104,8 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer
         total_read, total_used = total_read + read, total_used + used
     warm = per_step[len(per_step) // 2:]
     return {"sampler": sampler, "set_write_s": set_write_s, "rows": int(sum(sizes)), "k": k, "shards": len(sizes),
-            "global_batch_size": batch,
-            "world_size": world_size, "steps": len(per_step), "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
+            "global_batch_size": batch, "world_size": world_size, "steps": len(per_step),
+            "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
             "files": sum(len(c["files"]) for c in manifest["clusters"]),
             "bytes_read_per_rank_step": total_read / len(per_step) / world_size,
             "bytes_used_per_rank_step": total_used / len(per_step) / world_size,

@@ -43,7 +43,8 @@ class SetKeys:
     lands at perm(p) of the set, a seeded permutation; strata are consecutive ranges of that order (`starts`)
     and sub-groups ranges of `group_rows` inside them (whole row groups, so that only a stratum's last file
     ends on a partial row group and a global batch stays whole row groups). source: the code of its source
-    (index in `names`) and a seeded hash of pair_id into `num_groups` sub-groups, as the clustered shards split a cluster."""
+    (index in `names`) and a seeded hash of pair_id into `num_groups` sub-groups, as the clustered shards split
+    a cluster."""
 
     sampler: str
     total: int
