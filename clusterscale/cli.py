@@ -22,6 +22,7 @@ VERBS = {
     "embed": "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
     "fit": "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
     "assign": "Assign every embedded pair to its nearest centroid (Ray Data pass).",
+    "dedup": "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
     "shard": "Write one shuffled Parquet shard set per cluster and the manifest.",
     "mine": "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
     "train": "Train the student with Ray Train DDP, every global batch from one cluster.",

@@ -83,7 +83,7 @@ class Section:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata["bounds"] is not None and value is not None:
-                f.metadata["bounds"].check(self.key(f.name), value)
+                f.metadata["bounds"].check(f"{self.section}.{f.name}", value)  # (dedup has a field named key)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class DedupConfig(Section):
     def validate(self) -> None:
         super().validate()
         if self.semantic_threshold > 1:
-            raise ConfigError(f"{self.key('semantic_threshold')} is a cosine: it must be in (0, 1], or 0 = off; got "
+            raise ConfigError(f"dedup.semantic_threshold is a cosine: it must be in (0, 1], or 0 = off; got "
                               f"{self.semantic_threshold}.")
 
     @property

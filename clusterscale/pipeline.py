@@ -20,6 +20,7 @@ from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_pat
                                     train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
+from clusterscale.stages.dedup import DEDUP, KEPT_DIR, run_dedup, shard_input
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
@@ -150,11 +151,18 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     return child
 
 
+def _shard_extra(cfg: Config, run: RunDir) -> dict:
+    """Shards depend on the batch size (small-cluster policy) and, with dedup on, on the dedup keys."""
+    extra = {"global_batch_size": cfg.train.global_batch_size}
+    return extra | ({"dedup": config_mod.output_keys(cfg.dedup)} if cfg.dedup.enabled else {})
+
+
 def _report(call: StageCall) -> StageResult:
     return StageResult({}, outputs={"report": run_report(call.cfg, call.run)})
 
 
 _CLUSTERING = ("data", "embed", "cluster")
+_DEDUP = (*_CLUSTERING, "dedup")  # dedup/ depends on cluster.k: its semantic pass is per cluster
 _ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
 
 # The stages in pipeline order (names: layout.STAGES, which costs and the report group by).
@@ -169,10 +177,16 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("assign", lambda c: run_assign(c.cfg, c.run), lambda cfg: assign_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
           sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0)),
+    Stage("dedup", lambda c: run_dedup(c.cfg, c.run), DEDUP,
+          inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
+                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                  Input("heldout", "ingest", "Held-out pairs")),
+          sections=_DEDUP, extra_outputs=(ExtraOutput(KEPT_DIR, _DEDUP),), resources=Resources(cpus_per_actor=1.0)),
     Stage("shard", lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
-                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),),
-          sections=(*_CLUSTERING, "shard"), extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size},
+                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                  Input(shard_input, "dedup", "Deduplicated pairs (dedup is on)")),
+          sections=(*_CLUSTERING, "shard"), extra=_shard_extra,
           resources=Resources(cpus_per_actor=0.5)),
     Stage("mine", _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
                                             Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
@@ -269,9 +283,11 @@ def _replace(run: RunDir, stage_dir: str) -> None:
 
 # --- entry points' helpers -----------------------------------------------------------------------------------
 def pipeline(cfg: Config, first: str = layout.STAGES[0], last: str = layout.STAGES[-1]) -> tuple[str, ...]:
-    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives."""
+    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives, `dedup`
+    only when it is on."""
     chosen = layout.STAGES[layout.STAGES.index(first):layout.STAGES.index(last) + 1]
-    return tuple(s for s in chosen if s != "mine" or cfg.train.negatives_per_query)
+    return tuple(s for s in chosen if (s != "mine" or cfg.train.negatives_per_query)
+                 and (s != "dedup" or cfg.dedup.enabled))
 
 
 def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tuple[Config, RunDir]:

@@ -8,9 +8,9 @@ import tempfile
 from clusterscale.io.rundir import RunDir
 
 # The stages in pipeline order (clusterscale.pipeline runs them; costs and the report group by them).
-STAGES = ("ingest", "embed", "fit", "assign", "shard", "mine", "train", "evaluate", "report")
+STAGES = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate", "report")
 PREPROCESS = STAGES[:STAGES.index("mine")]  # what compare and sweep share across their arms
-PER_K_STAGES = STAGES[STAGES.index("fit"):STAGES.index("mine")]  # one output per cluster.k (kmeans/k=<k>/ ...)
+PER_K_STAGES = ("fit", "assign", "shard")  # one output per cluster.k (kmeans/k=<k>/ ...); dedup/ is not per k
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
 EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/

@@ -44,7 +44,8 @@ NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
 
 
 def shard_input(cfg: Config) -> str:
-    """The folder the shard stage reads: dedup/kept/ when dedup is on, else assign/k=<k>/."""
+    """The folder the shard stage reads (its done marker counts its rows): dedup/kept/ when dedup is on, else
+    assign/k=<k>/."""
     return KEPT_DIR if cfg.dedup.enabled else assign_dir(cfg.cluster.k)
 
 
@@ -272,7 +273,8 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
-    return StageResult(stats, config={"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]})
+    config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
+    return StageResult(stats, outputs={KEPT_DIR: StageResult({"rows": stats["rows"]}, config=config)}, config=config)
 
 
 def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
