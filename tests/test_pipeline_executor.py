@@ -67,7 +67,7 @@ def test_one_stage_list():
     assert tuple(pipeline.STAGES) == layout.STAGES
     cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
-        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "shards/k=7", "negatives", "train/x", "eval", "report"]
+        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "negatives", "train/x", "eval", "report"]
 
 
 # Calls that would mean a stage module runs the marker protocol itself, with the ones allowed and why.
