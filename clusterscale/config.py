@@ -213,7 +213,7 @@ class DedupConfig(Section):
                              "'easy' = nearest, 'random' = a hash of pair_id seeded by dedup.seed; ties by pair_id.",
                      ("hard", "easy", "random"))
     seed: int = knob(0, "Seed of dedup.keep=random.")
-    block_rows: int = knob(4096, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
+    block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
                                  "8 bytes); the result does not depend on it.", affects_output=False,
                            bounds=POSITIVE)
 

@@ -85,18 +85,17 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[n
 
     Returns (kept: bool (n,), duplicate_of: the index of a removed row's kept duplicate, -1 when kept,
     best: each row's highest cosine to a row kept before it, -inf when none). Cosines in float64, so the
-    result does not depend on the blocking (nor on the BLAS)."""
-    x = np.asarray(x, np.float64)
+    result does not depend on the blocking (nor on the BLAS). x stays in its own dtype; only blocks are widened."""
     n = len(x)
     kept = np.zeros(n, bool)
     best, best_of = np.full(n, -np.inf), np.full(n, -1, np.int64)
     for start in range(0, n, block_rows):
         stop = min(n, start + block_rows)
-        block, rows = x[start:stop], np.arange(start, stop)
+        block, rows = np.asarray(x[start:stop], np.float64), np.arange(start, stop)
         earlier = np.flatnonzero(kept[:start])
         for c in range(0, len(earlier), block_rows):
             columns = earlier[c:c + block_rows]
-            _take_better(best[start:stop], best_of[start:stop], block @ x[columns].T, columns)
+            _take_better(best[start:stop], best_of[start:stop], block @ np.asarray(x[columns], np.float64).T, columns)
         within = block @ block.T
         before = np.tri(len(rows), k=-1, dtype=bool).T  # before[i, j]: row i precedes row j
         alive = best[start:stop] < threshold

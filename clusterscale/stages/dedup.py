@@ -176,7 +176,7 @@ def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
         alive = np.flatnonzero(reason == core.KEPT)
         pair_ids = group.column("pair_id").to_numpy()
         rows = alive[core.keep_order(pair_ids[alive], group.column("rank").to_numpy()[alive])]
-        x = emb_matrix(group.column("emb").take(pa.array(rows)), dtype=np.float64)
+        x = emb_matrix(group.column("emb").take(pa.array(rows)))
         kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows)
         removed = rows[~kept]
         reason[removed] = core.SEMANTIC

@@ -1,6 +1,6 @@
 """Synthetic runs: topical pairs and clustered unit vectors, written as ingest and embed would write them.
 
-`clusterscale synth --run-dir R --rows N` fills pairs/, heldout/, quarantine/ (empty) and embeddings/
+`clusterscale synth --run-dir R --rows N` fills pairs/, heldout/ (with its vectors), quarantine/ (empty) and embeddings/
 with their done markers and RUN/config.yaml, one Ray task per data.rows_per_part rows, so fit, assign,
 shard, mine, train and evaluate can be dry-run (and sized, and benchmarked) at any N without an encoder.
 Every row is a pure function of (seed, row index): the output does not depend on how many tasks or
