@@ -76,7 +76,8 @@ def test_exact_removes_every_planted_copy_and_nothing_else():
 
 def _rows(x, cluster, pair_ids, cos, queries=None, passages=None) -> pa.Table:
     return pa.table({"pair_id": pa.array(pair_ids, pa.int64()),
-                     "query": queries or [f"q{i}" for i in pair_ids], "passage": passages or [f"p{i}" for i in pair_ids],
+                     "query": queries or [f"q{i}" for i in pair_ids],
+                     "passage": passages or [f"p{i}" for i in pair_ids],
                      "emb": emb_array(x), "cluster": pa.array(cluster.astype(np.int32)),
                      "cos": pa.array(np.asarray(cos, np.float32))})
 

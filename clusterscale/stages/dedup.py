@@ -287,7 +287,8 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
                            f"assign/k={cfg.cluster.k}/ holds {n_rows}: rerun `clusterscale dedup`.")
     edges, _ = core.histogram_near(np.zeros(0), cfg.dedup.semantic_threshold)
     histogram = np.sum([r["histogram"] for r in results], axis=0).astype(int).tolist() if results else []
-    examples = sorted((json.loads(r["example"]) for r in results if r["example"]), key=lambda e: (-e["size"], e["cluster"]))
+    examples = sorted((json.loads(r["example"]) for r in results if r["example"]),
+                      key=lambda e: (-e["size"], e["cluster"]))
     return {"rows": totals["kept"], "assigned": n_rows, "removed": removed,
             **{name: totals[name] for name in core.REASONS.values()}, "heldout_pairs": n_heldout,
             "removed_per_cluster": {str(r["cluster"]): r["rows"] - r["kept"] for r in sorted(
