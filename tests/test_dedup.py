@@ -15,7 +15,7 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array, emb_matrix
-from clusterscale.stages.dedup import KEPT_DIR, removed_table, run_dedup
+from clusterscale.stages.dedup import KEPT_DIR, removed_table, report_lines, run_dedup
 from clusterscale.stages.synthetic import SynthSpec
 
 from tests.dedup_reference import brute_force_exact, brute_force_semantic, unit
@@ -121,6 +121,9 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
     assert stats["rows"] + stats["removed"] == assigned == ROWS - run.done_stats("heldout")["rows"] + 4 * PLANTED
     assert stats["removed"] == len(got) and run.done_stats(KEPT_DIR)["rows"] == stats["rows"]
     assert len(stats["examples"]) == 3 and sum(stats["similarity_histogram"]["counts"]) > 0
+    report = "\n".join(report_lines(run))
+    assert f"kept {stats['rows']}, removed {stats['removed']}" in report and report.count("Group of") == 3
+    assert " removed | " in report  # the histogram's bins at or above the threshold
 
     run_stage("shard", cfg, run, replace="changed")
     manifest = run.read_json(manifest_path(K))
@@ -152,3 +155,17 @@ def test_dedup_verb(planted_run, capsys):
     assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.exact=true", "dedup.key=passage", "--replace"]) == 0
     assert "[dedup]" in capsys.readouterr().out
     assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
+
+
+def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model, ray_local, tmp_path):
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.stages.dedup import heldout_vectors
+
+    cfg = load(None, ["data.path=unused.parquet", f"embed.model={tiny_model}", "embed.side=both",
+                      "embed.max_length=32"])
+    held = pa.table({"pair_id": [1, 2], "query": ["star orbit", "bake bread"], "passage": ["a comet", "an oven"]})
+    vectors = heldout_vectors(cfg, RunDir(str(tmp_path / "run")), held)
+    encoder = Encoder(tiny_model, max_length=32)
+    assert set(vectors) == {"emb", "emb_query"}
+    np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)
+    np.testing.assert_allclose(vectors["emb_query"], encoder.encode(["star orbit", "bake bread"]), atol=1e-5)

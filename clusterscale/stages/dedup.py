@@ -296,3 +296,34 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
             "similarity_histogram": {"edges": edges, "counts": histogram} if cfg.dedup.semantic_threshold else None,
             "examples": examples[:NUM_EXAMPLES], "k": cfg.cluster.k, "wall_s": round(wall, 3),
             "worker_s": round(wall, 3)}
+
+
+# --- the report's section ----------------------------------------------------------------------------------
+def report_lines(run: RunDir, max_clusters: int = 20) -> list[str]:
+    """Markdown of the dedup/ results: counts per reason, removed per cluster (the most first), the histogram of
+    each pair's highest cosine to an earlier kept pair around the threshold, and example groups."""
+    done = run.read_json(f"{DEDUP}/_DONE.json")
+    s, dc = done["stats"], done["config"]["dedup"]
+    lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
+             f"semantic_threshold={dc['semantic_threshold']})",
+             f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
+             f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
+             f"pairs). Removed rows: `dedup/removed/`.", ""]
+    per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
+    lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
+    if len(per_cluster) > max_clusters:
+        lines.append(f"| ({len(per_cluster) - max_clusters} more) | {sum(n for _, n in per_cluster[max_clusters:])} |")
+    histogram = s.get("similarity_histogram")
+    if histogram:
+        edges, counts = histogram["edges"], histogram["counts"]
+        lines += ["", "Highest cosine of each pair to a pair kept before it in its cluster (>= threshold: removed):",
+                  "", "| cosine | pairs |", "|---|---|"]
+        lines += [f"| [{a:.3f}, {b:.3f}){' removed' if a >= dc['semantic_threshold'] else ''} | {n} |"
+                  for a, b, n in zip(edges, edges[1:], counts)]
+    for example in s.get("examples", []):
+        kept = example["kept"]
+        lines += ["", f"Group of {example['size']} in cluster {example['cluster']}: kept pair {kept['pair_id']} "
+                      f"({kept['query']!r} -> {kept['passage'][:80]!r})"]
+        lines += [f"- removed {r['pair_id']} (cosine {r['similarity']}): {r['query']!r} -> {r['passage'][:80]!r}"
+                  for r in example["removed"]]
+    return lines + [""]
