@@ -37,6 +37,7 @@ DEDUP = "dedup"
 KEPT_DIR, REMOVED_DIR = f"{DEDUP}/kept", f"{DEDUP}/removed"
 ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
 KEPT_ROWS_PER_FILE = 200_000
+MARK_BATCH_ROWS = 4096  # rows per map batch: its held-out similarity block is MARK_BATCH_ROWS x block_rows
 HELPER_COLUMNS = ["key_hi", "key_lo", "rank", "bucket", "reason", "duplicate_of", "similarity", "best"]
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
                             ("reason", pa.string()), ("cluster", pa.int32())])
@@ -244,7 +245,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
     ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
     ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
-                        batch_format="pyarrow")
+                        batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
     if cfg.dedup.exact:
         ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact, batch_format="pyarrow")
     ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
