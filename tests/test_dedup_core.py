@@ -8,7 +8,7 @@ import pytest
 from clusterscale.config import DedupConfig
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array
-from clusterscale.stages.dedup import mark_rows, resolve_exact, semantic_pass
+from clusterscale.stages.dedup import heldout_keys, mark_rows, resolve_exact, semantic_pass
 
 from tests.dedup_reference import brute_force_exact, brute_force_semantic, planted_vectors
 
@@ -82,8 +82,8 @@ def _rows(x, cluster, pair_ids, cos, queries=None, passages=None) -> pa.Table:
                      "cos": pa.array(np.asarray(cos, np.float32))})
 
 
-NO_HELDOUT = {"pair_id": np.zeros(0, np.int64), "query": np.zeros((0, 2), np.int64),
-              "passage": np.zeros((0, 2), np.int64), "vectors": {}}
+NO_HELDOUT = heldout_keys(pa.table({"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()),
+                                    "passage": pa.array([], pa.string())})) | {"vectors": {}}
 
 
 def test_group_steps_do_not_depend_on_row_arrival(planted):
@@ -109,8 +109,8 @@ def test_heldout_leaks_are_marked():
     x, cluster, _ = planted_vectors(50, D, 1, 0, seed=5)
     pair_ids = np.arange(50, dtype=np.int64)
     held_x = np.concatenate([x[:2], np.eye(D, dtype=np.float32)[:1]])  # rows 0 and 1 leak by vector
-    heldout = {"pair_id": np.array([900, 901, 902]), "query": core.text_keys(["hq0", "hq1", "HQ2"]),
-               "passage": core.text_keys(["hp0", "hp1", "p7 "]), "vectors": {"emb": held_x}}
+    heldout = heldout_keys(pa.table({"pair_id": [900, 901, 902], "query": ["hq0", "hq1", "HQ2"],
+                                     "passage": ["hp0", "hp1", "p7 "]})) | {"vectors": {"emb": held_x}}
     queries = [f"q{i}" for i in range(50)]
     queries[5] = "hq2"  # leaks by query text (normalised)
     dedup = vars(DedupConfig(semantic_threshold=0.999))

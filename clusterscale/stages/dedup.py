@@ -38,7 +38,6 @@ KEPT_DIR, REMOVED_DIR = f"{DEDUP}/kept", f"{DEDUP}/removed"
 ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
 KEPT_ROWS_PER_FILE = 200_000
 MARK_BATCH_ROWS = 4096  # rows per map batch: its held-out similarity block is MARK_BATCH_ROWS x block_rows
-HELPER_COLUMNS = ["key_hi", "key_lo", "rank", "bucket", "reason", "duplicate_of", "similarity", "best"]
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
                             ("reason", pa.string()), ("cluster", pa.int32())])
 NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
@@ -86,22 +85,29 @@ def _embed_texts(embed: dict, texts: dict[str, list[str]]) -> dict[str, np.ndarr
 
 
 def load_heldout(cfg: Config, run: RunDir) -> dict:
-    """Sorted text keys of the held-out queries and passages (with their pair_ids) and, with a semantic threshold,
-    the held-out vectors."""
+    """The held-out pairs as every task needs them: pair_id; per side ('query', 'passage') the text keys sorted,
+    with the pair_id of each (equal keys in file order); with a semantic threshold, the vectors by column."""
     files = run.files("heldout")
-    if not files:
-        return {"pair_id": np.zeros(0, np.int64), "query": np.zeros((0, 2), np.int64),
-                "passage": np.zeros((0, 2), np.int64), "vectors": {}}
-    held = pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
-    out = {"pair_id": held.column("pair_id").to_numpy()}
+    held = pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files]) if files else pa.table(
+        {"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()), "passage": pa.array([], pa.string())})
+    vectors = heldout_vectors(cfg, run, held) if cfg.dedup.semantic_threshold > 0 and held.num_rows else {}
+    return heldout_keys(held) | {"vectors": vectors}
+
+
+def heldout_keys(held: pa.Table) -> dict:
+    """pair_id, and per side the sorted text keys with the pair_id of each (equal keys: in table order)."""
+    pair_ids = held.column("pair_id").to_numpy()
+    out = {"pair_id": pair_ids}
     for side in ("query", "passage"):
-        out[side] = core.text_keys(held.column(side).to_pylist())
-    out["vectors"] = heldout_vectors(cfg, run, held) if cfg.dedup.semantic_threshold > 0 else {}
+        keys = core.text_keys(held.column(side).to_pylist())
+        order = np.lexsort((keys[:, 1], keys[:, 0]))
+        out[side], out[f"{side}_pair_id"] = keys[order], pair_ids[order]
     return out
 
 
-def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(duplicate_of: the held-out pair_id a row duplicates or -1, similarity, best cosine to a held-out vector)."""
+def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(duplicate_of: the held-out pair_id a row duplicates or -1, similarity): the query's text, then the
+    passage's text, then each vector column in turn; the first match counts."""
     n = batch.num_rows
     dup_of, similarity = np.full(n, -1, np.int64), np.zeros(n, np.float32)
     for side in ("query", "passage"):
@@ -109,27 +115,25 @@ def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.n
         if not len(held_keys):
             continue
         keys = core.text_keys(batch.column(side).to_pylist())
-        order = np.lexsort((held_keys[:, 1], held_keys[:, 0]))
-        at = np.minimum(np.searchsorted(held_keys[order, 0], keys[:, 0]), len(order) - 1)
-        hit = (held_keys[order[at]] == keys).all(axis=1) & (dup_of < 0)
-        dup_of[hit], similarity[hit] = heldout["pair_id"][order[at[hit]]], 1.0
-    best_all = np.full(n, -np.inf)
+        at = np.minimum(np.searchsorted(held_keys[:, 0], keys[:, 0]), len(held_keys) - 1)
+        hit = (held_keys[at] == keys).all(axis=1) & (dup_of < 0)
+        dup_of[hit], similarity[hit] = heldout[f"{side}_pair_id"][at[hit]], 1.0
     for column, held_x in heldout["vectors"].items():
         best_of, best = core.heldout_matches(emb_matrix(batch.column(column)), held_x, dc.block_rows)
         hit = (best >= dc.semantic_threshold) & (dup_of < 0)
         dup_of[hit], similarity[hit] = heldout["pair_id"][best_of[hit]], best[hit]
-        best_all = np.maximum(best_all, best)
-    return dup_of, similarity, best_all
+    return dup_of, similarity
 
 
 # --- step 1: keys, keep rank and held-out leaks per row ------------------------------------------------------
 def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.Table:
-    """Map step: the helper columns of every row (HELPER_COLUMNS)."""
+    """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (of the exact grouping),
+    reason (KEPT, or HELDOUT_LEAK), duplicate_of, similarity and best (set by the semantic pass)."""
     dc = DedupConfig(**dedup)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))
-    leak_of, leak_sim, _ = heldout_leaks(batch, heldout, dc)
+    leak_of, leak_sim = heldout_leaks(batch, heldout, dc)
     leaked = leak_of >= 0
     columns = {
         "key_hi": keys[:, 0], "key_lo": keys[:, 1],
