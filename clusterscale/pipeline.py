@@ -25,6 +25,7 @@ from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.report import run_report
 from clusterscale.stages.shards import run_shard
 from clusterscale.stages.synthetic import SynthSpec, run_synth
@@ -128,6 +129,8 @@ def _train(call: StageCall) -> StageResult:
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
     plan = loop.plan_training(cfg, run, call.resume)
+    if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
+        sidecars_for_training(cfg, run, run)
     shards_uri, recluster_s, result = run.uri, 0.0, None
     for segment in loop.segments_to_train(run, plan):
         if segment > 0:
@@ -150,6 +153,8 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     for verb in ("embed", "fit", "assign", "shard"):
         execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
                 cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
+    if cfg.train.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
+        sidecars_for_training(cfg, run, child)
     return child
 
 
@@ -201,7 +206,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
           _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
                                             Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
-                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}")),
+                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                                            Input(lambda cfg: shards_dir(cfg.cluster.k), "shard",
+                                                  lambda cfg: f"Shards for k={cfg.cluster.k}")),
           sections=MINE_SECTIONS,
           extra=mine_extra, keeps_units=True, resources=_ON_GPU),
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.",
