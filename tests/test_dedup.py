@@ -144,9 +144,6 @@ def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run, tmp_p
     assert "dedup" in pipeline(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]))
     with pytest.raises(UserError, match="Dedup is off"):
         run_dedup(cfg, run)
-    with pytest.raises(UserError, match="mined negatives"):
-        run_dedup(load(None, [f"data.path={spec.data_path()}", *settings(exact="true"), "train.negatives_per_query=2"]),
-                  run)
     with pytest.raises(ConfigError, match="sweep does not support dedup"):
         from clusterscale.experiments import run_sweep
         run_sweep(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]), str(tmp_path), [2, 4],

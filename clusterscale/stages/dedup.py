@@ -262,14 +262,10 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
 
 
 def check_config(cfg: Config) -> None:
-    """Refuse a config the stage cannot serve: dedup off, or mined negatives (mine still reads assign/)."""
+    """Refuse to run with dedup off (nothing to do)."""
     if not cfg.dedup.enabled:
         raise UserError("Dedup is off: set dedup.exact=true and/or dedup.semantic_threshold (a cosine in (0, 1]), "
                         "e.g. `clusterscale dedup --run-dir R --set dedup.exact=true`.")
-    if cfg.train.negatives_per_query:
-        raise UserError("Dedup does not work with mined negatives yet: `mine` searches every assigned pair, so it "
-                        "would pick negatives that dedup removed from the shards. Set train.negatives_per_query=0, "
-                        "or turn dedup off (dedup.exact=false, dedup.semantic_threshold=0).")
 
 
 def run_dedup(cfg: Config, run: RunDir) -> StageResult:
