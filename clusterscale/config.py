@@ -83,7 +83,7 @@ class Section:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata["bounds"] is not None and value is not None:
-                f.metadata["bounds"].check(self.key(f.name), value)
+                f.metadata["bounds"].check(f"{self.section}.{f.name}", value)  # (dedup has a field named key)
 
 
 @dataclass
@@ -195,6 +195,38 @@ class ShardConfig(Section):
                                           "of memory.", bounds=POSITIVE)
     keep_emb: bool = knob(False, "Also write the `emb` column into the shard files (training never reads "
                                  "it; off, the shuffle moves text only, ~1/4 of the bytes at 768-d).")
+
+
+@dataclass
+class DedupConfig(Section):
+    section: ClassVar[str] = "dedup"
+    exact: bool = knob(False, "Remove pairs whose normalised dedup.key text (case-folded, runs of spaces as one) "
+                              "equals another pair's, across the whole corpus (a distributed hash grouping).")
+    key: str = knob("pair", "The text exact dedup compares: 'pair' (query and passage), 'passage' or 'query'.",
+                    ("pair", "passage", "query"))
+    semantic_threshold: float = knob(0.0, "Remove a pair whose clustered vector (`emb`) has cosine >= this to a "
+                                          "pair kept before it in its cluster (greedy in dedup.keep order, per "
+                                          "cluster of cluster.k); training pairs this close to a held-out pair "
+                                          "are removed too (heldout_leak). 0 = off, else in (0, 1].",
+                                     bounds=zero_means("off"))
+    keep: str = knob("hard", "Which member of a duplicate group stays: 'hard' = farthest from its centroid, "
+                             "'easy' = nearest, 'random' = a hash of pair_id seeded by dedup.seed; ties by pair_id.",
+                     ("hard", "easy", "random"))
+    seed: int = knob(0, "Seed of dedup.keep=random.")
+    block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
+                                 "8 bytes); the result does not depend on it.", affects_output=False,
+                           bounds=POSITIVE)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.semantic_threshold > 1:
+            raise ConfigError(f"dedup.semantic_threshold is a cosine: it must be in (0, 1], or 0 = off; got "
+                              f"{self.semantic_threshold}.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the dedup stage runs (between assign and shard)."""
+        return self.exact or self.semantic_threshold > 0
 
 
 @dataclass
@@ -432,6 +464,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mine: MineConfig = field(default_factory=MineConfig)
@@ -462,7 +495,7 @@ class Config:
         return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"
 
 
-SECTIONS = ("data", "embed", "cluster", "shard", "train", "mine", "eval", "ray")
+SECTIONS = ("data", "embed", "cluster", "dedup", "shard", "train", "mine", "eval", "ray")
 
 
 def output_keys(section_obj) -> dict:

@@ -137,7 +137,7 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     started = time.time()
     mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
     stage_options = stage_options or {}
-    run_stages(cfg, run, PREPROCESS, **stage_options)
+    run_stages(cfg, run, pipeline(cfg, last=PREPROCESS[-1]), **stage_options)
     if mining:  # one mining pass serves every arm with mined negatives (same mine config)
         run_stages(mining[0], run, ("mine",), write_config=False, **stage_options)
     metrics: dict[str, dict[str, list]] = {}
@@ -231,6 +231,10 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     stage_options = stage_options or {}
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
+    if cfg.dedup.enabled:  # dedup/ holds one k's result (its semantic pass is per cluster)
+        raise ConfigError("sweep does not support dedup yet: dedup/ is made for one cluster.k. Sweep with "
+                          "dedup.exact=false and dedup.semantic_threshold=0, or run `clusterscale run` per k into "
+                          "its own --run-dir.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
     check_arm_names(cfg, [arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in ks])
     sizes = [(n, RunDir(join_uri(run_dir, f"limit={n}"))) for n in limits] if limits \

@@ -19,6 +19,7 @@ from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_pat
                                     shard_set_dir, shards_dir, train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
+from clusterscale.stages.dedup import DEDUP, KEPT_DIR, run_dedup, shard_input
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
@@ -160,11 +161,18 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     return child
 
 
+def _shard_extra(cfg: Config, run: RunDir) -> dict:
+    """Shards depend on the batch size (small-cluster policy) and, with dedup on, on the dedup keys."""
+    extra = {"global_batch_size": cfg.train.global_batch_size}
+    return extra | ({"dedup": config_mod.output_keys(cfg.dedup)} if cfg.dedup.enabled else {})
+
+
 def _report(call: StageCall) -> StageResult:
     return StageResult({}, outputs={"report": run_report(call.cfg, call.run)})
 
 
 _CLUSTERING = ("data", "embed", "cluster")
+_DEDUP = (*_CLUSTERING, "dedup")  # dedup/ depends on cluster.k: its semantic pass is per cluster
 _ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
 
 # The stages in pipeline order: the one list of them.
@@ -184,11 +192,19 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           lambda c: run_assign(c.cfg, c.run), lambda cfg: assign_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
           sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0), shared=True, per_k=True),
+    Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
+          lambda c: run_dedup(c.cfg, c.run), DEDUP,
+          inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
+                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                  Input("heldout", "ingest", "Held-out pairs")),
+          sections=_DEDUP, extra_outputs=(ExtraOutput(KEPT_DIR, _DEDUP),), resources=Resources(cpus_per_actor=1.0),
+          shared=True),
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.",
           lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
-                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),),
-          sections=(*_CLUSTERING, "shard"), extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size},
+                        lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                  Input(shard_input, "dedup", "Deduplicated pairs (dedup is on)")),
+          sections=(*_CLUSTERING, "shard"), extra=_shard_extra,
           resources=Resources(cpus_per_actor=0.5), shared=True, per_k=True),
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
           _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
@@ -306,10 +322,12 @@ def _replace(run: RunDir, stage_dir: str) -> None:
 
 # --- entry points' helpers -----------------------------------------------------------------------------------
 def pipeline(cfg: Config, first: str = "ingest", last: str = "report") -> tuple[str, ...]:
-    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives."""
+    """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives, `dedup`
+    only when it is on."""
     names = list(STAGES)
     chosen = names[names.index(first):names.index(last) + 1]
-    return tuple(s for s in chosen if s != "mine" or cfg.train.negatives_per_query)
+    return tuple(s for s in chosen if (s != "mine" or cfg.train.negatives_per_query)
+                 and (s != "dedup" or cfg.dedup.enabled))
 
 
 def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tuple[Config, RunDir]:

@@ -1,4 +1,4 @@
-"""Ray job: preprocessing only (ingest, embed, fit, assign, shard); ends with shards/k=<k>/manifest.json.
+"""Ray job: preprocessing only (ingest, embed, fit, assign, [dedup,] shard); ends with shards/k=<k>/manifest.json.
 
     ray job submit --working-dir . -- python jobs/preprocess.py CONFIG --run-dir URI [--set KEY=VALUE ...]
 """
@@ -6,7 +6,7 @@ import sys
 
 from _job import stages_job
 
-from clusterscale.pipeline import PREPROCESS
+from clusterscale.pipeline import PREPROCESS, pipeline
 
 if __name__ == "__main__":
-    sys.exit(stages_job(__doc__, PREPROCESS))
+    sys.exit(stages_job(__doc__, lambda cfg: pipeline(cfg, last=PREPROCESS[-1])))  # dedup only when on

@@ -4,7 +4,7 @@ shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.j
 Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
 the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
 by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
-Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`).
+Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/kept/ when dedup is on).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, Fingerprint, ShardConfig
+from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
+from clusterscale.io.layout import manifest_path, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
@@ -95,9 +96,10 @@ def block_cluster_stats(batch: pa.Table) -> pa.Table:
                                                                    emb.shape[1])})
 
 
-def cluster_stats(run: RunDir, k: int, n_rows: int) -> ClusterStats:
-    """Per-cluster sums from a Ray Data pass over cluster, cos and emb only, reduced (k x d) on the driver."""
-    ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs).select_columns(["cluster", "cos", "emb"])
+def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str) -> ClusterStats:
+    """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, reduced (k x d) on
+    the driver."""
+    ds = ray.data.read_parquet(run.files(folder), filesystem=run.fs).select_columns(["cluster", "cos", "emb"])
     ds = ds.map_batches(block_cluster_stats, batch_size=STATS_BATCH_ROWS, batch_format="pyarrow")
     stats, progress = None, ProgressLine("shard stats", n_rows)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -110,7 +112,7 @@ def cluster_stats(run: RunDir, k: int, n_rows: int) -> ClusterStats:
         np.add.at(stats.vector_sum, labels, vectors)
         progress.advance(int(rows.sum()))
     if stats is None:
-        raise ClusteringError(f"{assign_dir(k)}/ holds no rows: rerun `clusterscale assign`.")
+        raise ClusteringError(f"{folder}/ holds no rows: rerun `clusterscale assign` (and `dedup`, when on).")
     return stats
 
 
@@ -222,7 +224,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     """Shuffle text rows (no `emb` unless shard.keep_emb) by (shard, sub-group) and write them; returns the
     written groups of each shard, in sub-group order."""
     sc: ShardConfig = cfg.shard
-    k, files, n_rows = cfg.cluster.k, run.files(assign_dir(cfg.cluster.k)), int(shard_rows.sum())
+    k, files, n_rows = cfg.cluster.k, run.files(shard_input(cfg)), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
@@ -260,8 +262,8 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     sub-groups) and the manifest, which records the fingerprint."""
     k = cfg.cluster.k
     started = time.time()
-    n_assigned = run.done_stats(assign_dir(k)).get("rows")
-    sums = cluster_stats(run, k, n_assigned or 0)
+    n_assigned = run.done_stats(shard_input(cfg)).get("rows")  # dedup on: the kept rows
+    sums = cluster_stats(run, k, n_assigned or 0, shard_input(cfg))
     counts = sums.rows
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)

@@ -1,6 +1,6 @@
 """Synthetic runs: topical pairs and clustered unit vectors, written as ingest and embed would write them.
 
-`clusterscale synth --run-dir R --rows N` fills pairs/, heldout/, quarantine/ (empty) and embeddings/
+`clusterscale synth --run-dir R --rows N` fills pairs/, heldout/ (with its vectors), quarantine/ (empty) and embeddings/
 with their done markers and RUN/config.yaml, one Ray task per data.rows_per_part rows, so fit, assign,
 shard, mine, train and evaluate can be dry-run (and sized, and benchmarked) at any N without an encoder.
 Every row is a pure function of (seed, row index): the output does not depend on how many tasks or
@@ -166,9 +166,12 @@ def synth_part(run_uri: str, spec: dict, part: int, start: int, stop: int, heldo
     held = np.array([is_heldout(q, heldout_fraction) for q in table.column("query").to_pylist()], dtype=bool)
     pairs = table.filter(pa.array(~held))
     stem = f"part-{part:05d}-00000"
-    if held.any():
-        run.write_parquet(f"heldout/{stem}.parquet",
-                          table.filter(pa.array(held)).select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
+    if held.any():  # with its vectors, so dedup can check training pairs against held-out ones
+        held_rows = table.filter(pa.array(held))
+        vectors = [c for c in ("emb", "emb_query") if c in held_rows.column_names]
+        run.write_parquet(f"heldout/{stem}.parquet", pa.Table.from_arrays(
+            [*held_rows.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA).columns, *held_rows.select(vectors).columns],
+            names=[*PAIR_SCHEMA.names, *vectors]))
     if pairs.num_rows:
         run.write_parquet(f"pairs/{stem}.parquet", pairs.select(PAIR_SCHEMA.names).cast(PAIR_SCHEMA))
         not_truncated = pa.array(np.zeros(pairs.num_rows, dtype=bool))

@@ -1,0 +1,128 @@
+"""The compute core of `dedup`, numpy only: the keep order, exact groups by text key, semantic groups inside one
+cluster, and matches against held-out pairs. stages/dedup.py distributes them over Ray Data.
+
+Semantic groups, precisely: sort a cluster's rows into keep order; walk it; a row is removed when its cosine to
+a row kept before it is >= the threshold, else it is kept. A removed row's duplicate_of is the kept row before it
+with the highest cosine (equal cosines: the earliest in keep order). `semantic_greedy` computes exactly that in
+blocks of rows, so its memory does not grow with the square of the cluster.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from clusterscale.runtime.hashing import hash_unit
+
+KEPT, HELDOUT_LEAK, EXACT, SEMANTIC = 0, 1, 2, 3  # the `reason` code of a row
+REASONS = {HELDOUT_LEAK: "heldout_leak", EXACT: "exact", SEMANTIC: "semantic"}
+KEY_SEPARATOR = "\x1f"  # between query and passage in a pair key (ingest turns control characters into spaces)
+
+
+def normalised(text: str) -> str:
+    """The text dedup compares: case-folded, runs of whitespace as one space (ingest already applied NFC)."""
+    return " ".join(text.casefold().split())
+
+
+def text_keys(texts: list[str]) -> np.ndarray:
+    """(n, 2) int64: a 128-bit hash of each normalised text (64 bits collide about once in 4e9 texts)."""
+    digests = b"".join(hashlib.blake2b(normalised(t).encode(), digest_size=16, person=b"dedup").digest()
+                       for t in texts)
+    return np.frombuffer(digests, dtype="<i8").reshape(-1, 2).copy()
+
+
+def pair_texts(queries: list[str], passages: list[str], key: str) -> list[str]:
+    """The texts dedup.key compares: 'pair' (both), 'passage' or 'query'."""
+    if key == "query":
+        return queries
+    if key == "passage":
+        return passages
+    return [f"{normalised(q)}{KEY_SEPARATOR}{normalised(p)}" for q, p in zip(queries, passages)]
+
+
+def keep_rank(pair_ids: np.ndarray, cos: np.ndarray, rule: str, seed: int) -> np.ndarray:
+    """The primary keep key of each row (lower = kept first; ties by pair_id): 'hard' keeps the row farthest from
+    its centroid (lowest cos), 'easy' the nearest, 'random' a seeded hash of pair_id."""
+    if rule == "hard":
+        return np.asarray(cos, np.float64)
+    if rule == "easy":
+        return -np.asarray(cos, np.float64)
+    return hash_unit(pair_ids, salt=seed)
+
+
+def keep_order(pair_ids: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Indices of the rows in keep order: by rank, then pair_id (a total order, whatever the rows' arrival)."""
+    return np.lexsort((pair_ids, rank))
+
+
+def exact_duplicates(keys: np.ndarray, pair_ids: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """duplicate_of per row: -1 for the first row of its key in keep order (kept), else that row's pair_id."""
+    n = len(pair_ids)
+    position = np.empty(n, np.int64)
+    position[keep_order(pair_ids, rank)] = np.arange(n)
+    order = np.lexsort((position, keys[:, 1], keys[:, 0]))
+    sorted_keys = keys[order]
+    first = np.r_[True, (sorted_keys[1:] != sorted_keys[:-1]).any(axis=1)] if n else np.zeros(0, bool)
+    head = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))] if n else order
+    dup_of = np.full(n, -1, np.int64)
+    dup_of[order[~first]] = pair_ids[head[~first]]
+    return dup_of
+
+
+def _take_better(best: np.ndarray, best_of: np.ndarray, sims: np.ndarray, columns: np.ndarray) -> None:
+    """Raise best (and best_of) where a column of sims beats it; equal values keep the earlier column."""
+    if sims.shape[1] == 0:
+        return
+    j = np.argmax(sims, axis=1)  # the first maximum: the earliest column among equals
+    top = sims[np.arange(len(j)), j]
+    better = top > best
+    best[better] = top[better]
+    best_of[better] = columns[j[better]]
+
+
+def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Semantic groups (module docstring) of unit vectors x already in keep order, block_rows rows at a time.
+
+    Returns (kept: bool (n,), duplicate_of: the index of a removed row's kept duplicate, -1 when kept,
+    best: each row's highest cosine to a row kept before it, -inf when none). Cosines in float64, so the
+    result does not depend on the blocking (nor on the BLAS). x stays in its own dtype; only blocks are widened."""
+    n = len(x)
+    kept = np.zeros(n, bool)
+    best, best_of = np.full(n, -np.inf), np.full(n, -1, np.int64)
+    for start in range(0, n, block_rows):
+        stop = min(n, start + block_rows)
+        block, rows = np.asarray(x[start:stop], np.float64), np.arange(start, stop)
+        earlier = np.flatnonzero(kept[:start])
+        for c in range(0, len(earlier), block_rows):
+            columns = earlier[c:c + block_rows]
+            _take_better(best[start:stop], best_of[start:stop], block @ np.asarray(x[columns], np.float64).T, columns)
+        within = block @ block.T
+        before = np.tri(len(rows), k=-1, dtype=bool).T  # before[i, j]: row i precedes row j
+        alive = best[start:stop] < threshold
+        hits = before & (within >= threshold) & alive[:, None] & alive[None, :]
+        for i in np.flatnonzero(hits.any(axis=1)):  # in keep order: a row still alive here is kept
+            if alive[i]:
+                alive[hits[i]] = False
+        kept[start:stop] = alive
+        # best over the block's own kept rows before each row (columns = the kept rows, rows of `within`)
+        sims = np.where(before & alive[:, None], within, -np.inf).T
+        _take_better(best[start:stop], best_of[start:stop], sims, rows)
+    return kept, np.where(kept, -1, best_of), best
+
+
+def heldout_matches(x: np.ndarray, heldout: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the most similar held-out vector, its cosine) for each row of x; (-1, -inf) with no held-out."""
+    best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
+    x = np.asarray(x, np.float32)
+    for start in range(0, len(heldout), block_rows):
+        columns = np.arange(start, min(len(heldout), start + block_rows))
+        _take_better(best, best_of, (x @ np.asarray(heldout[columns], np.float32).T).astype(np.float64), columns)
+    return best_of, best
+
+
+def histogram_near(best: np.ndarray, threshold: float, bins: int = 20, width: float = 0.1) -> tuple[list, list]:
+    """Counts of `best` in `bins` equal bins over [threshold - width, 1] (edges, counts): how many rows sit just
+    below the threshold (kept) and just above it (removed)."""
+    edges = np.linspace(max(-1.0, threshold - width), 1.0, bins + 1)
+    counts, _ = np.histogram(best[np.isfinite(best)], bins=edges)
+    return edges.round(6).tolist(), counts.tolist()

@@ -1,0 +1,335 @@
+"""Dedup: remove exact and semantic duplicates, and training pairs that duplicate held-out ones, before sharding.
+
+Run with `clusterscale dedup [CONFIG] --run-dir R` (after `assign`; `run` runs it when dedup.exact or
+dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/, none of which holds all rows:
+  1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), and whether
+     its query or passage duplicates a held-out pair (equal normalised text, or cosine >= the threshold to a
+     held-out vector: the held-out set is small, every task holds it);
+  2. group by a hash bucket of the key (dedup.exact): in each key, the first row in keep order stays;
+  3. group by cluster: semantic groups within the cluster (runtime/dedup_core.py, in blocks), then the
+     cluster's kept rows go to dedup/kept/ and its removed rows to dedup/removed/ (pair_id, duplicate_of,
+     similarity, reason, cluster); the task returns the cluster's counts.
+The shard stage reads dedup/kept/ instead of assign/k=<k>/ when dedup is on (shard_input). The output depends
+on cluster.k (the semantic pass is per cluster), so dedup/ records it in its fingerprint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from clusterscale.config import Config, DedupConfig
+from clusterscale.errors import UserError
+from clusterscale.io.layout import assign_dir
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.hashing import splitmix64
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
+from clusterscale.stages.synthetic import synthetic_embeddings
+
+DEDUP = "dedup"
+KEPT_DIR, REMOVED_DIR = f"{DEDUP}/kept", f"{DEDUP}/removed"
+ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
+KEPT_ROWS_PER_FILE = 200_000
+MARK_BATCH_ROWS = 4096  # rows per map batch: its held-out similarity block is MARK_BATCH_ROWS x block_rows
+REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
+                            ("reason", pa.string()), ("cluster", pa.int32())])
+NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
+
+
+def shard_input(cfg: Config) -> str:
+    """The folder the shard stage reads (its done marker counts its rows): dedup/kept/ when dedup is on, else
+    assign/k=<k>/."""
+    return KEPT_DIR if cfg.dedup.enabled else assign_dir(cfg.cluster.k)
+
+
+def removed_table(run: RunDir) -> pa.Table:
+    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of a finished dedup stage."""
+    files = run.files(REMOVED_DIR)
+    if not files:
+        return REMOVED_SCHEMA.empty_table()
+    return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
+
+
+# --- held-out pairs: their keys and vectors (small: every task holds them) -----------------------------------
+def heldout_vectors(cfg: Config, run: RunDir, held: pa.Table) -> dict[str, np.ndarray]:
+    """The held-out vectors to compare with each training vector column ('emb', and 'emb_query' when embedded):
+    stored in heldout/ (synthetic runs), else embedded with the frozen encoder embed.model in one Ray task."""
+    columns = [c for c in ("emb", "emb_query") if c in held.column_names]
+    if columns:
+        return {c: emb_matrix(held.column(c)) for c in columns}
+    if synthetic_embeddings(run):
+        raise UserError("This synthetic run's heldout/ holds no vectors (written before `clusterscale synth` "
+                        "stored them), so dedup.semantic_threshold cannot check held-out leaks: write the synthetic "
+                        "run again into a new --run-dir.")
+    sides = {"passage": {"emb": "passage"}, "query": {"emb": "query"},
+             "both": {"emb": "passage", "emb_query": "query"}}[cfg.embed.side]
+    texts = {column: held.column(side).to_pylist() for column, side in sides.items()}
+    return ray.get(ray.remote(num_cpus=1)(_embed_texts).remote(cfg.to_dict()["embed"], texts))
+
+
+def _embed_texts(embed: dict, texts: dict[str, list[str]]) -> dict[str, np.ndarray]:
+    """Ray task: the frozen encoder's vectors of each list of texts."""
+    from clusterscale.modeling.encoder import Encoder
+
+    encoder = Encoder(embed["model"], pooling=embed["pooling"], max_length=embed["max_length"],
+                      trust_remote_code=embed["trust_remote_code"],
+                      max_tokens_per_batch=embed["max_tokens_per_batch"])
+    return {column: encoder.encode(values, embed["batch_size"]) for column, values in texts.items()}
+
+
+def load_heldout(cfg: Config, run: RunDir) -> dict:
+    """The held-out pairs as every task needs them: pair_id; per side ('query', 'passage') the text keys sorted,
+    with the pair_id of each (equal keys in file order); with a semantic threshold, the vectors by column."""
+    files = run.files("heldout")
+    held = pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files]) if files else pa.table(
+        {"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()), "passage": pa.array([], pa.string())})
+    vectors = heldout_vectors(cfg, run, held) if cfg.dedup.semantic_threshold > 0 and held.num_rows else {}
+    return heldout_keys(held) | {"vectors": vectors}
+
+
+def heldout_keys(held: pa.Table) -> dict:
+    """pair_id, and per side the sorted text keys with the pair_id of each (equal keys: in table order)."""
+    pair_ids = held.column("pair_id").to_numpy()
+    out = {"pair_id": pair_ids}
+    for side in ("query", "passage"):
+        keys = core.text_keys(held.column(side).to_pylist())
+        order = np.lexsort((keys[:, 1], keys[:, 0]))
+        out[side], out[f"{side}_pair_id"] = keys[order], pair_ids[order]
+    return out
+
+
+def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(duplicate_of: the held-out pair_id a row duplicates or -1, similarity): the query's text, then the
+    passage's text, then each vector column in turn; the first match counts."""
+    n = batch.num_rows
+    dup_of, similarity = np.full(n, -1, np.int64), np.zeros(n, np.float32)
+    for side in ("query", "passage"):
+        held_keys = heldout[side]
+        if not len(held_keys):
+            continue
+        keys = core.text_keys(batch.column(side).to_pylist())
+        at = np.minimum(np.searchsorted(held_keys[:, 0], keys[:, 0]), len(held_keys) - 1)
+        hit = (held_keys[at] == keys).all(axis=1) & (dup_of < 0)
+        dup_of[hit], similarity[hit] = heldout[f"{side}_pair_id"][at[hit]], 1.0
+    for column, held_x in heldout["vectors"].items():
+        best_of, best = core.heldout_matches(emb_matrix(batch.column(column)), held_x, dc.block_rows)
+        hit = (best >= dc.semantic_threshold) & (dup_of < 0)
+        dup_of[hit], similarity[hit] = heldout["pair_id"][best_of[hit]], best[hit]
+    return dup_of, similarity
+
+
+# --- step 1: keys, keep rank and held-out leaks per row ------------------------------------------------------
+def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.Table:
+    """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (of the exact grouping),
+    reason (KEPT, or HELDOUT_LEAK), duplicate_of, similarity and best (set by the semantic pass)."""
+    dc = DedupConfig(**dedup)
+    pair_ids = batch.column("pair_id").to_numpy()
+    keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
+                                          dc.key))
+    leak_of, leak_sim = heldout_leaks(batch, heldout, dc)
+    leaked = leak_of >= 0
+    columns = {
+        "key_hi": keys[:, 0], "key_lo": keys[:, 1],
+        "rank": core.keep_rank(pair_ids, batch.column("cos").to_numpy(), dc.keep, dc.seed),
+        "bucket": (splitmix64(keys[:, 0]) % np.uint64(buckets)).astype(np.int32),
+        "reason": np.where(leaked, core.HELDOUT_LEAK, core.KEPT).astype(np.int8),
+        "duplicate_of": leak_of, "similarity": leak_sim.astype(np.float32),
+        "best": np.full(batch.num_rows, -np.inf)}
+    for name, values in columns.items():
+        batch = batch.append_column(name, pa.array(values))
+    return batch
+
+
+# --- step 2: exact duplicates, one hash bucket of keys at a time --------------------------------------------
+def resolve_exact(group: pa.Table) -> pa.Table:
+    """Group step: in each key among the rows not already removed, rows after the first in keep order are
+    removed (reason exact, similarity 1)."""
+    group = group.sort_by("pair_id")
+    reason = group.column("reason").to_numpy().copy()
+    alive = np.flatnonzero(reason == core.KEPT)
+    keys = np.stack([group.column("key_hi").to_numpy(), group.column("key_lo").to_numpy()], axis=1)[alive]
+    dup_of = core.exact_duplicates(keys, group.column("pair_id").to_numpy()[alive],
+                                   group.column("rank").to_numpy()[alive])
+    removed = alive[dup_of >= 0]
+    duplicate_of = group.column("duplicate_of").to_numpy().copy()
+    similarity = group.column("similarity").to_numpy().copy()
+    reason[removed], duplicate_of[removed], similarity[removed] = core.EXACT, dup_of[dup_of >= 0], 1.0
+    return _replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity)
+
+
+def _replace_columns(table: pa.Table, **columns: np.ndarray) -> pa.Table:
+    for name, values in columns.items():
+        table = table.set_column(table.column_names.index(name), name, pa.array(values))
+    return table
+
+
+# --- step 3: semantic duplicates within one cluster, and the cluster's output files --------------------------
+def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
+    """The cluster's rows (sorted by pair_id) with semantic removals marked among the rows not already removed."""
+    reason = group.column("reason").to_numpy().copy()
+    duplicate_of = group.column("duplicate_of").to_numpy().copy()
+    similarity = group.column("similarity").to_numpy().copy()
+    best = group.column("best").to_numpy().copy()
+    if dc.semantic_threshold > 0:
+        alive = np.flatnonzero(reason == core.KEPT)
+        pair_ids = group.column("pair_id").to_numpy()
+        rows = alive[core.keep_order(pair_ids[alive], group.column("rank").to_numpy()[alive])]
+        x = emb_matrix(group.column("emb").take(pa.array(rows)))
+        kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows)
+        removed = rows[~kept]
+        reason[removed] = core.SEMANTIC
+        duplicate_of[removed] = pair_ids[rows[dup_index[~kept]]]
+        similarity[removed] = row_best[~kept]
+        best[rows] = row_best
+    return _replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity, best=best)
+
+
+def example_group(group: pa.Table) -> dict | None:
+    """The cluster's largest semantic group: its kept pair and up to 3 removed ones (for the report)."""
+    reason = group.column("reason").to_numpy()
+    semantic = np.flatnonzero(reason == core.SEMANTIC)
+    if not len(semantic):
+        return None
+    dup_of = group.column("duplicate_of").to_numpy()[semantic]
+    heads, counts = np.unique(dup_of, return_counts=True)
+    head = heads[np.argmax(counts)]  # equal sizes: the lowest pair_id
+    members = semantic[dup_of == head][:3]
+    pair_ids = group.column("pair_id").to_numpy()
+    kept_row = int(np.flatnonzero(pair_ids == head)[0])
+    texts = {side: group.column(side) for side in ("query", "passage")}
+    return {"cluster": int(group.column("cluster")[0].as_py()), "size": int(counts.max()) + 1,
+            "kept": {"pair_id": int(head), "query": texts["query"][kept_row].as_py(),
+                     "passage": texts["passage"][kept_row].as_py()[:200]},
+            "removed": [{"pair_id": int(pair_ids[r]), "similarity": round(float(
+                group.column("similarity")[int(r)].as_py()), 4), "query": texts["query"][int(r)].as_py(),
+                "passage": texts["passage"][int(r)].as_py()[:200]} for r in members]}
+
+
+def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]) -> pa.Table:
+    """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
+    rows are written; returns the cluster's counts and histogram of best cosines (one row)."""
+    dc = DedupConfig(**dedup)
+    group = semantic_pass(group.sort_by("pair_id"), dc)
+    cluster = int(group.column("cluster")[0].as_py())
+    reason = group.column("reason").to_numpy()
+    run = RunDir(run_uri)
+    kept = group.filter(pa.array(reason == core.KEPT)).select(columns)
+    for part, start in enumerate(range(0, kept.num_rows, KEPT_ROWS_PER_FILE)):
+        run.write_parquet(f"{KEPT_DIR}/part-c{cluster:06d}-{part:05d}.parquet", kept.slice(start, KEPT_ROWS_PER_FILE),
+                          row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
+    removed = group.filter(pa.array(reason != core.KEPT))
+    if removed.num_rows:
+        names = np.array([core.REASONS.get(int(r), "") for r in range(max(core.REASONS) + 1)], dtype=object)
+        run.write_parquet(f"{REMOVED_DIR}/part-c{cluster:06d}.parquet", pa.table({
+            "pair_id": removed.column("pair_id"), "duplicate_of": removed.column("duplicate_of"),
+            "similarity": removed.column("similarity"),
+            "reason": pa.array(names[removed.column("reason").to_numpy()].tolist(), pa.string()),
+            "cluster": pa.array(np.full(removed.num_rows, cluster, np.int32))}, schema=REMOVED_SCHEMA))
+    _, histogram = core.histogram_near(group.column("best").to_numpy(), dc.semantic_threshold)
+    example = example_group(group)
+    return pa.table({"cluster": [cluster], "rows": [group.num_rows], "kept": [kept.num_rows],
+                     **{name: [int((reason == code).sum())] for code, name in core.REASONS.items()},
+                     "histogram": [histogram], "example": [json.dumps(example) if example else ""]})
+
+
+# --- the stage ---------------------------------------------------------------------------------------------
+def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
+    """Run mark -> exact by key bucket -> semantic and write by cluster; the per-cluster results."""
+    files = run.files(assign_dir(cfg.cluster.k))
+    with run.fs.open_input_file(files[0]) as f:
+        columns = pq.read_schema(f).names
+    dedup = cfg.to_dict()["dedup"]
+    buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
+    ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
+    ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
+                        batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
+    if cfg.dedup.exact:
+        ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact, batch_format="pyarrow")
+    ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
+        dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns}, batch_format="pyarrow")
+    progress, results = ProgressLine("dedup", n_rows), []
+    for result in ds.iter_rows():
+        results.append(result)
+        progress.advance(result["rows"])
+    return results
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse to run with dedup off (nothing to do)."""
+    if not cfg.dedup.enabled:
+        raise UserError("Dedup is off: set dedup.exact=true and/or dedup.semantic_threshold (a cosine in (0, 1]), "
+                        "e.g. `clusterscale dedup --run-dir R --set dedup.exact=true`.")
+
+
+def run_dedup(cfg: Config, run: RunDir) -> StageResult:
+    """Write dedup/kept/ and dedup/removed/ from assign/k=<k>/ and held-out/; kept + removed = assigned."""
+    check_config(cfg)
+    started = time.time()
+    n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
+    heldout = load_heldout(cfg, run)
+    results = dedup_all(cfg, run, heldout, n_rows)
+    stats = stage_stats(cfg, results, n_rows, len(heldout["pair_id"]), time.time() - started)
+    print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
+          f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
+          flush=True)
+    config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
+    return StageResult(stats, outputs={KEPT_DIR: StageResult({"rows": stats["rows"]}, config=config)}, config=config)
+
+
+def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
+    """The done marker's figures: rows = kept (what shard reads), removed per reason and per cluster, the histogram
+    of best cosines near the threshold, example groups; raises when kept + removed != assigned."""
+    totals = {name: sum(r[name] for r in results) for name in ("rows", "kept", *core.REASONS.values())}
+    removed = sum(totals[name] for name in core.REASONS.values())
+    if totals["rows"] != n_rows or totals["kept"] + removed != n_rows:
+        raise RuntimeError(f"dedup saw {totals['rows']} rows (kept {totals['kept']}, removed {removed}) but "
+                           f"assign/k={cfg.cluster.k}/ holds {n_rows}: rerun `clusterscale dedup`.")
+    edges, _ = core.histogram_near(np.zeros(0), cfg.dedup.semantic_threshold)
+    histogram = np.sum([r["histogram"] for r in results], axis=0).astype(int).tolist() if results else []
+    examples = sorted((json.loads(r["example"]) for r in results if r["example"]),
+                      key=lambda e: (-e["size"], e["cluster"]))
+    return {"rows": totals["kept"], "assigned": n_rows, "removed": removed,
+            **{name: totals[name] for name in core.REASONS.values()}, "heldout_pairs": n_heldout,
+            "removed_per_cluster": {str(r["cluster"]): r["rows"] - r["kept"] for r in sorted(
+                results, key=lambda r: r["cluster"])},
+            "similarity_histogram": {"edges": edges, "counts": histogram} if cfg.dedup.semantic_threshold else None,
+            "examples": examples[:NUM_EXAMPLES], "k": cfg.cluster.k, "wall_s": round(wall, 3),
+            "worker_s": round(wall, 3)}
+
+
+# --- the report's section ----------------------------------------------------------------------------------
+def report_lines(run: RunDir, max_clusters: int = 20) -> list[str]:
+    """Markdown of the dedup/ results: counts per reason, removed per cluster (the most first), the histogram of
+    each pair's highest cosine to an earlier kept pair around the threshold, and example groups."""
+    done = run.read_json(f"{DEDUP}/_DONE.json")
+    s, dc = done["stats"], done["config"]["dedup"]
+    lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
+             f"semantic_threshold={dc['semantic_threshold']})",
+             f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
+             f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
+             f"pairs). Removed rows: `dedup/removed/`.", ""]
+    per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
+    lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
+    if len(per_cluster) > max_clusters:
+        lines.append(f"| ({len(per_cluster) - max_clusters} more) | {sum(n for _, n in per_cluster[max_clusters:])} |")
+    histogram = s.get("similarity_histogram")
+    if histogram:
+        edges, counts = histogram["edges"], histogram["counts"]
+        lines += ["", "Highest cosine of each pair to a pair kept before it in its cluster (>= threshold: removed):",
+                  "", "| cosine | pairs |", "|---|---|"]
+        lines += [f"| [{a:.3f}, {b:.3f}){' removed' if a >= dc['semantic_threshold'] else ''} | {n} |"
+                  for a, b, n in zip(edges, edges[1:], counts)]
+    for example in s.get("examples", []):
+        kept = example["kept"]
+        lines += ["", f"Group of {example['size']} in cluster {example['cluster']}: kept pair {kept['pair_id']} "
+                      f"({kept['query']!r} -> {kept['passage'][:80]!r})"]
+        lines += [f"- removed {r['pair_id']} (cosine {r['similarity']}): {r['query']!r} -> {r['passage'][:80]!r}"
+                  for r in example["removed"]]
+    return lines + [""]

@@ -1,0 +1,171 @@
+"""The dedup stage on a local Ray: a synthetic run with planted duplicates and held-out leaks, checked against a
+brute-force one-process reference; then shard builds from the kept rows only."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pytest
+
+from clusterscale import cli
+from clusterscale.config import ConfigError, load
+from clusterscale.errors import UserError
+from clusterscale.io.layout import assign_dir, manifest_path
+from clusterscale.io.rundir import RunDir
+from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
+from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.vectors import emb_array, emb_matrix
+from clusterscale.stages.dedup import KEPT_DIR, removed_table, report_lines, run_dedup
+from clusterscale.stages.synthetic import SynthSpec
+
+from tests.dedup_reference import brute_force_exact, brute_force_semantic, unit
+
+ROWS, K, THRESHOLD = 2400, 4, 0.97
+PLANTED = 10  # of each kind: exact copies, near copies, exact held-out leaks, semantic held-out leaks
+
+
+def settings(**dedup) -> list[str]:
+    return ["data.heldout_fraction=0.1", "data.rows_per_part=800", f"cluster.k={K}", "cluster.niter=5",
+            "train.global_batch_size=16", "train.num_workers=1", "shard.target_rows_per_file=400",
+            *[f"dedup.{key}={value}" for key, value in dedup.items()]]
+
+
+def plant(run: RunDir) -> dict[str, list[int]]:
+    """Append planted rows to embeddings/ (one more file; the marker's count follows): exact copies of a pair's
+    passage text, near copies of a pair's vector, and copies of held-out passages (text) and vectors."""
+    pairs = pads.dataset(run.files("embeddings"), filesystem=run.fs).to_table()
+    held = pads.dataset(run.files("heldout"), filesystem=run.fs).to_table()
+    rng = np.random.default_rng(0)
+    x, hx = emb_matrix(pairs.column("emb")), emb_matrix(held.column("emb"))
+    src, hsrc = rng.choice(pairs.num_rows, 2 * PLANTED, replace=False), rng.choice(held.num_rows, 2 * PLANTED,
+                                                                                    replace=False)
+    near = unit(x[src[PLANTED:]] + 0.05 * rng.standard_normal((PLANTED, x.shape[1])) / np.sqrt(x.shape[1]))
+    far = unit(rng.standard_normal((PLANTED, x.shape[1])))  # the exact held-out leaks: text only
+    vectors = np.concatenate([x[src[:PLANTED]], near, far, hx[hsrc[PLANTED:]]])
+    passages = (pairs.column("passage").take(src[:PLANTED]).to_pylist()
+                + [f"planted near copy {i}" for i in range(PLANTED)]
+                + [p.upper() + "  " for p in held.column("passage").take(hsrc[:PLANTED]).to_pylist()]
+                + [f"planted leak {i}" for i in range(PLANTED)])
+    ids = np.arange(4 * PLANTED, dtype=np.int64) + 10_000_000
+    n = len(ids)
+    table = pa.table({"pair_id": ids, "query": [f"planted query {i}" for i in range(n)], "passage": passages,
+                      "source": ["planted"] * n, "emb": emb_array(vectors),
+                      "truncated": pa.array(np.zeros(n, bool))})
+    run.write_parquet("embeddings/part-99999-00000-00000.parquet", table.cast(pairs.schema))
+    done = run.read_json("embeddings/_DONE.json")
+    done["stats"]["rows"] += n
+    run.write_json("embeddings/_DONE.json", done)
+    return {name: ids[i * PLANTED:(i + 1) * PLANTED].tolist() for i, name in enumerate(("exact", "near", "leak_text",
+                                                                                        "leak_vector"))}
+
+
+def reference(run: RunDir, rule: str) -> dict[int, tuple[str, int]]:
+    """{removed pair_id: (reason, duplicate_of)} by brute force over every assigned row in one process."""
+    rows = pads.dataset(run.files(assign_dir(K)), filesystem=run.fs).to_table()
+    held = pads.dataset(run.files("heldout"), filesystem=run.fs).to_table()
+    ids, cos = rows.column("pair_id").to_numpy(), rows.column("cos").to_numpy()
+    x, hx = emb_matrix(rows.column("emb")).astype(np.float64), emb_matrix(held.column("emb")).astype(np.float64)
+    out = {}
+    held_text = {side: {} for side in ("query", "passage")}
+    for side, texts in held_text.items():
+        for t, pid in zip(held.column(side).to_pylist(), held.column("pair_id").to_pylist()):
+            texts.setdefault(core.normalised(t), pid)
+    sims = x @ hx.T
+    for i, texts in enumerate(zip(rows.column("query").to_pylist(), rows.column("passage").to_pylist())):
+        for side, t in zip(("query", "passage"), texts):
+            if core.normalised(t) in held_text[side] and ids[i] not in out:
+                out[ids[i]] = ("heldout_leak", held_text[side][core.normalised(t)])
+        if ids[i] not in out and sims[i].max() >= THRESHOLD:
+            out[ids[i]] = ("heldout_leak", int(held.column("pair_id")[int(sims[i].argmax())].as_py()))
+    rest = np.array([pid not in out for pid in ids])
+    passages = [p for p, r in zip(rows.column("passage").to_pylist(), rest) if r]
+    out |= {pid: ("exact", dup) for pid, dup in brute_force_exact(passages, ids[rest], cos[rest], rule, 0).items()}
+    rest = np.array([pid not in out for pid in ids])
+    semantic = brute_force_semantic(x[rest], rows.column("cluster").to_numpy()[rest], ids[rest], cos[rest], rule, 0,
+                                    THRESHOLD)
+    return out | {pid: ("semantic", dup) for pid, (dup, _) in semantic.items()}
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory, ray_local):
+    root = tmp_path_factory.mktemp("dedup")
+    spec = SynthSpec(rows=ROWS, dim=16, topics=K, seed=3, spread=0.5)
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
+    run = RunDir(str(root / "run"))
+    execute(synth_stage(spec), cfg, run)
+    run.write_config(cfg)
+    planted = plant(run)
+    for verb in ("fit", "assign"):
+        run_stage(verb, cfg, run)
+    return run, planted, spec
+
+
+@pytest.mark.parametrize("rule", ["hard", "random"])
+def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
+    run, planted, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep=rule,
+                                                                 semantic_threshold=THRESHOLD, block_rows=64)])
+    run_stage("dedup", cfg, run, replace="changed")
+    removed = removed_table(run)
+    got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
+                                                             for c in ("pair_id", "reason", "duplicate_of")))}
+    assert got == reference(run, rule)
+    reasons = {name: {p for p, (r, _) in got.items() if r == name} for name in ("exact", "semantic", "heldout_leak")}
+    # every planted exact copy (or its original: equal cos, the lower pair_id stays) and nothing else
+    assert len(reasons["exact"]) == PLANTED
+    assert set(planted["leak_text"]) | set(planted["leak_vector"]) <= reasons["heldout_leak"]
+    assert len(reasons["semantic"]) >= PLANTED
+
+    stats = run.done_stats("dedup")
+    assigned = run.done_stats(assign_dir(K))["rows"]
+    assert stats["rows"] + stats["removed"] == assigned == ROWS - run.done_stats("heldout")["rows"] + 4 * PLANTED
+    assert stats["removed"] == len(got) and run.done_stats(KEPT_DIR)["rows"] == stats["rows"]
+    assert len(stats["examples"]) == 3 and sum(stats["similarity_histogram"]["counts"]) > 0
+    report = "\n".join(report_lines(run))
+    assert f"kept {stats['rows']}, removed {stats['removed']}" in report and report.count("Group of") == 3
+    assert " removed | " in report  # the histogram's bins at or above the threshold
+
+    run_stage("shard", cfg, run, replace="changed")
+    manifest = run.read_json(manifest_path(K))
+    shards = pads.dataset([run.path(f) for c in manifest["clusters"] for f in c["files"]]).to_table()
+    assert manifest["stats"]["rows"] == shards.num_rows == stats["rows"]
+    assert not set(shards.column("pair_id").to_pylist()) & set(got)
+    keys = [core.normalised(p) for p in shards.column("passage").to_pylist()]
+    assert len(set(keys)) == len(keys)
+    held = pads.dataset(run.files("heldout"), filesystem=run.fs).to_table()
+    held_texts = {core.normalised(t) for side in ("query", "passage") for t in held.column(side).to_pylist()}
+    assert not held_texts & ({core.normalised(q) for q in shards.column("query").to_pylist()} | set(keys))
+
+
+def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run, tmp_path):
+    run, _, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
+    assert "dedup" not in pipeline(cfg)
+    assert "dedup" in pipeline(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]))
+    with pytest.raises(UserError, match="Dedup is off"):
+        run_dedup(cfg, run)
+    with pytest.raises(ConfigError, match="sweep does not support dedup"):
+        from clusterscale.experiments import run_sweep
+        run_sweep(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]), str(tmp_path), [2, 4],
+                  None, True)
+
+
+def test_dedup_verb(planted_run, capsys):
+    run, _, _ = planted_run
+    assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.exact=true", "dedup.key=passage", "--replace"]) == 0
+    assert "[dedup]" in capsys.readouterr().out
+    assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
+
+
+def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model, ray_local, tmp_path):
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.stages.dedup import heldout_vectors
+
+    cfg = load(None, ["data.path=unused.parquet", f"embed.model={tiny_model}", "embed.side=both",
+                      "embed.max_length=32"])
+    held = pa.table({"pair_id": [1, 2], "query": ["star orbit", "bake bread"], "passage": ["a comet", "an oven"]})
+    vectors = heldout_vectors(cfg, RunDir(str(tmp_path / "run")), held)
+    encoder = Encoder(tiny_model, max_length=32)
+    assert set(vectors) == {"emb", "emb_query"}
+    np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)
+    np.testing.assert_allclose(vectors["emb_query"], encoder.encode(["star orbit", "bake bread"]), atol=1e-5)
