@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py [--rows 150000 --dim 384 --k 100 --topics 100 --rows-per-part 50000]
                                      [--out-dir DIR] [--keep] [--json OUT]
+                                     [--train [--train-rows 40000 ...]]
 
 For N and 4N it writes a synthetic run (`clusterscale synth --set embed.side=both`, so mine has query
 vectors without an encoder), then runs each stage as its own CLI process (`python -m clusterscale.cli VERB
@@ -24,6 +25,10 @@ RUN/report/costs.json (without Ray's start-up, which the process time `seconds` 
 
 Training (`train`, a 2-step tiny from-scratch model) runs before evaluate only because evaluate scores a
 trained model; it is sampled and reported under "setup", not in max_memory_growth.
+
+--train adds the training part (benchmarks/bench_scale_train.py, its own scales and options --train-*): per
+sampler and with mined negatives, a training rank's peak at N and 4N and its read amplification, in the JSON's
+"train" block and max_train_memory_growth.
 """
 from __future__ import annotations
 
@@ -240,6 +245,9 @@ def machine() -> dict:
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_scale_train  # the training part (--train); here, as it imports this module's sampler
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=150_000, help="N; the second scale is 4N (default 150000).")
     parser.add_argument("--dim", type=int, default=384)
@@ -253,7 +261,11 @@ def main() -> None:
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
     parser.add_argument("--json", dest="json_path", help="Write the results here.")
+    parser.add_argument("--train", action="store_true",
+                        help="Also measure training (bench_scale_train.py) with the --train-* options.")
+    bench_scale_train.add_arguments(parser, prefix="train-")
     args = parser.parse_args()
+    train_options = bench_scale_train.train_args(args, prefix="train-") if args.train else None
     root = os.path.abspath(args.out_dir) if args.out_dir else tempfile.mkdtemp(prefix="bench_scale-")
     os.makedirs(root, exist_ok=True)
     scales = [args.rows, 4 * args.rows]
@@ -263,6 +275,8 @@ def main() -> None:
     growths = [e["growth"] for e in result.values() if e["growth"] is not None and "error" not in e]
     result["max_memory_growth"] = max(growths) if growths else None
     result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train")}
+    if train_options is not None:
+        result |= bench_scale_train.run(train_options, root)
     result["memory_measure"] = "USS (private pages) of one process; tree_peak_pss_mb counts shared pages once"
     result["machine"] = before | {"uptime_after": machine()["uptime"]}
     result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
@@ -273,6 +287,8 @@ def main() -> None:
             f.write(text + "\n")
     print(text)
     print(markdown_table(result))
+    if train_options is not None:
+        print(bench_scale_train.markdown_table(result))
 
 
 if __name__ == "__main__":

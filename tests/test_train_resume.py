@@ -85,4 +85,5 @@ def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model
     for m in metrics:
         assert m["mfu"] is not None and 0 < m["mfu"] < 1 and m["tokens"] > 0 and m["tflops_per_s"] > 0
         assert set(m) >= {"step", "epoch", "cluster", "loss", "lr", "grad_norm", "neg_cos_mean", "neg_cos_max",
-                          "pos_cos", "masked_false_negatives", "pairs_per_s"}
+                          "pos_cos", "masked_false_negatives", "pairs_per_s", "bytes_read", "bytes_used"}
+        assert m["bytes_used"] > 0

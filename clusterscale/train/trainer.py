@@ -175,7 +175,7 @@ class Trainer:
             if job.fail_at_step == gb.step and not self.restored and self.rank == 0:
                 raise RuntimeError(f"injected failure at step {gb.step} (test hook)")
             epoch = gb.epoch
-            result = self.train_step(gb, item.table)
+            result = self.train_step(item)
             self.metrics.log(result)
             verdict = self.metrics.check(result)  # the same on every rank: they stop together
             if verdict is not None and self.tc.stop_on_collapse:
@@ -186,14 +186,16 @@ class Trainer:
         self.metrics.close()
         self.save(job.stop_step, epoch, final=job.stop_step in (job.num_steps, job.seg_stop))
 
-    def train_step(self, gb: schedule.GlobalBatch, table: pa.Table) -> StepResult:
+    def train_step(self, item: RankRows) -> StepResult:
         """One global step: this rank's rows forward and backward (the loss sees every rank's batch), gradient
-        clipping, optimizer and LR step; then the figures all-reduced, so every rank holds the same ones."""
-        started = time.time()
+        clipping, optimizer and LR step; then the figures all-reduced (with the bytes read for the rows), so every
+        rank holds the same ones."""
+        gb, table, started = item.batch, item.table, time.time()
         torch.manual_seed(step_seed(self.tc.seed, gb.step, self.rank))  # a resumed run replays the dropout masks
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._backward(table, gb.step)
+        stats |= {"bytes_read": float(item.bytes_read), "bytes_used": float(item.bytes_used)}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
         self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
