@@ -9,7 +9,8 @@ import pytest
 from clusterscale.config import MineConfig
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.runtime.vectors import emb_array
-from clusterscale.stages.mine_search import merge_candidates, route_rows, search_cluster
+from clusterscale.stages.mine_search import (SearchGroups, cluster_counts, merge_candidates, route_rows,
+                                             search_cluster)
 
 N, D, K = 240, 16, 6
 
@@ -38,13 +39,14 @@ def pairs():
     return table, centroids
 
 
-def mine_in_one_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig, buckets: int = 3) -> dict:
-    """The stage's three steps without Ray: route per batch, group by cluster, group by bucket."""
-    routed = pa.concat_tables([route_rows(table.slice(s, 50), centroids, mc.nprobe, True)
+def mine_in_one_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig, buckets: int = 3,
+                        groups: SearchGroups | None = None) -> dict:
+    """The stage's three steps without Ray: route per batch, group by search group, group by bucket."""
+    routed = pa.concat_tables([route_rows(table.slice(s, 50), centroids, mc.nprobe, True, groups)
                                for s in range(0, table.num_rows, 50)])
-    clusters = routed.column("cluster").to_numpy()
-    found = pa.concat_tables([search_cluster(routed.filter(pa.array(clusters == c)), mc, buckets)
-                              for c in np.unique(clusters)])
+    keys = routed.column("group").to_numpy()
+    found = pa.concat_tables([search_cluster(routed.filter(pa.array(keys == g)), mc, buckets)
+                              for g in np.unique(keys)])
     out = {}
     for b in np.unique(found.column("bucket").to_numpy()):
         negatives, _ = merge_candidates(found.filter(pa.array(found.column("bucket").to_numpy() == b)), mc)
@@ -104,3 +106,20 @@ def test_same_output_whatever_the_batches_and_buckets(pairs):
     shuffled = table.take(pa.array(np.random.default_rng(1).permutation(N)))
     assert mine_in_one_process(table, centroids, mc, buckets=1) == mine_in_one_process(shuffled, centroids, mc,
                                                                                        buckets=4)
+
+
+def test_split_search_groups_give_the_same_negatives(pairs):
+    """Clusters split into passage x query parts (a small mine.max_group_rows): every group is bounded and
+    the merged negatives equal the unsplit search."""
+    table, centroids = pairs
+    mc = MineConfig(nprobe=K, range_max=12, margin=0.95)
+    passages, queries = cluster_counts(table, centroids, mc.nprobe)
+    assert passages.sum() == N and queries.sum() == N * K
+    groups = SearchGroups.plan(passages, queries, max_group_rows=25)
+    assert groups.num_groups > 4 * K and (groups.passage_parts > 1).any()
+    routed = route_rows(table, centroids, mc.nprobe, True, groups)
+    kind, keys = routed.column("kind").to_numpy(), routed.column("group").to_numpy()
+    assert (kind == 0).sum() == int((passages * groups.query_parts).sum())  # a copy per query part
+    largest = max(np.bincount(keys[kind == k]).max() for k in (0, 1))
+    assert largest <= 3 * 25  # hash parts: balanced in expectation
+    assert mine_in_one_process(table, centroids, mc, groups=groups) == mine_in_one_process(table, centroids, mc)

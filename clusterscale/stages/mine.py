@@ -2,16 +2,19 @@
 
 Run with `clusterscale mine [CONFIG] --run-dir R` (after `assign`). The search is split by the k-means
 clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
-k: exact search over all passages). Three Ray Data steps, none of which holds all passages:
-  1. route (map tasks over assign/k=<k>/): one passage row per pair in its own cluster, one query row per
-     probed cluster, each with the text keys of its pair (runtime/hashing.text_hashes, in the tasks);
-  2. group by cluster: one faiss index over that cluster's passages, searched by the queries routed there
+k: exact search over all passages). A counting pass (map tasks; k-vectors summed on the driver) gives each
+cluster's passages and probing queries, and a cluster with more than mine.max_group_rows of either is split
+into several search groups (mine_search.SearchGroups). Then three Ray Data steps, none of which holds all
+passages:
+  1. route (map tasks over assign/k=<k>/): each passage to the groups of its own cluster, each query to the
+     groups of every probed cluster, each row with the text keys of its pair (runtime/hashing.text_hashes);
+  2. group by search group: one faiss index over the group's passages, searched by the queries routed there
      (top mine.range_max, ties broken by pair_id);
-  3. group by a hash bucket of the query's pair_id: merge each query's top mine.range_max over its probed
-     clusters, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
+  3. group by a hash bucket of the query's pair_id: merge each query's top mine.range_max over its search
+     groups, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
      query text), not a duplicate of its positive passage text and, with mine.margin, score <= margin x the
      positive's score; write negatives/part-<bucket>.parquet atomically.
-The driver holds the centroids (k x d) and counters. Vectors: mine.encoder=frozen uses assign/ (the
+The driver holds the centroids (k x d) and counters; every other process holds O(a block) or O(a group). Vectors: mine.encoder=frozen uses assign/ (the
 queries' emb_query, or the queries embedded by an actor pool when embed.side=passage); any other encoder
 re-embeds every training pair into the child run mine_encoder/, joined to assign/ by pair_id, and a query
 then probes the clusters nearest to its own pair's centroid (the centroids live in the frozen space).
@@ -20,9 +23,10 @@ neg_scores list<float32> (best first), pos_score.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +36,8 @@ import ray
 
 from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.stages.kmeans import load_centroids
-from clusterscale.stages.mine_search import DROP_REASONS, merge_candidates, route_rows, search_cluster
+from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
+                                             queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
@@ -45,6 +50,9 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
+# Ray Data's hash shuffle coalesces input blocks up to this many bytes into one map task (its default, 1 GiB,
+# makes a map task that holds and partitions ~1 GiB of routed vectors): keep a map task near one block.
+SHUFFLE_MAP_BATCH_BYTES = 64 * 1024 * 1024
 EmbedInto = Callable[[Config, RunDir], dict]  # (config, child run) -> the embed stage's stats
 
 
@@ -138,9 +146,48 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
                           **options), True
 
 
+# --- the search groups ---------------------------------------------------------------------------------------
+def _count(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> pa.Table:
+    passages, queries = cluster_counts(batch, centroids, nprobe)
+    return pa.table({"passages": [passages.tolist()], "queries": [None if queries is None else queries.tolist()]})
+
+
+def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool) -> SearchGroups:
+    """Passages and probing queries per cluster (a pass over assign/; the driver sums k-vectors), split into
+    groups of at most mine.max_group_rows. count_queries: route each query by its emb_query in assign/;
+    otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an estimate when the
+    queries are embedded during the stage)."""
+    k = len(centroids)
+    ds = ray.data.read_parquet(run.files(assign_dir(cfg.cluster.k)), filesystem=run.fs).select_columns(
+        ["cluster"] + (["emb_query"] if count_queries else []))
+    env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
+    ds = ds.map_batches(_count, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe},
+                        batch_format="pyarrow", **env)
+    passages, queries = np.zeros(k, np.int64), np.zeros(k, np.int64)
+    for row in ds.iter_rows():
+        passages += np.asarray(row["passages"], np.int64)
+        if count_queries:
+            queries += np.asarray(row["queries"], np.int64)
+    if not count_queries:
+        queries = queries_from_neighbours(passages, centroids, cfg.mine.nprobe)
+    return SearchGroups.plan(passages, queries, cfg.mine.max_group_rows)
+
+
+@contextlib.contextmanager
+def bounded_shuffle_maps() -> Iterator[None]:
+    """Ray Data's hash-shuffle map tasks take about one block each (SHUFFLE_MAP_BATCH_BYTES) while inside."""
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.shuffle_input_batch_bytes
+    ctx.shuffle_input_batch_bytes = SHUFFLE_MAP_BATCH_BYTES
+    try:
+        yield
+    finally:
+        ctx.shuffle_input_batch_bytes = before
+
+
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
-def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool) -> pa.Table:
-    return route_rows(batch, centroids, nprobe, by_query)
+def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups) -> pa.Table:
+    return route_rows(batch, centroids, nprobe, by_query, groups)
 
 
 def _search(group: pa.Table, mine: dict, buckets: int) -> pa.Table:
@@ -167,22 +214,27 @@ def bucket_file(bucket: int) -> str:
 
 def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buckets: int, n_rows: int
              ) -> tuple[list[dict], int]:
-    """Run route -> search by cluster -> merge by bucket; (per-bucket counts, queries embedded here)."""
+    """Run route -> search by group -> merge by bucket; (per-bucket counts, queries embedded here)."""
     centroids = load_centroids(run, cfg.cluster.k)
     ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder)
+    groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     mine = cfg.to_dict()["mine"]
     ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
-                                           "by_query": encoder is None},
+                                           "by_query": encoder is None, "groups": groups},
                         batch_format="pyarrow", **env)
-    ds = ds.groupby("cluster").map_groups(_search, fn_kwargs={"mine": mine, "buckets": buckets},
-                                          batch_format="pyarrow", **env)
-    ds = ds.groupby("bucket").map_groups(_merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine},
-                                         batch_format="pyarrow")
+    # One shuffle partition per group / bucket: a partition's size then follows the bound, not N.
+    ds = ds.groupby("group", num_partitions=groups.num_groups).map_groups(
+        _search, fn_kwargs={"mine": mine, "buckets": buckets}, batch_format="pyarrow", **env)
+    ds = ds.groupby("bucket", num_partitions=buckets).map_groups(
+        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine}, batch_format="pyarrow")
     progress, results = ProgressLine("mine", n_rows), []
-    for result in ds.iter_rows():
-        results.append(result)
-        progress.advance(result["rows"])
+    with bounded_shuffle_maps():
+        for result in ds.iter_rows():
+            results.append(result)
+            progress.advance(result["rows"])
+    print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters "
+          f"(mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
     return results, n_rows if embeds_queries else 0
 
 
