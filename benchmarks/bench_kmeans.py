@@ -52,13 +52,14 @@ def in_memory_slice(ids: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, list]:
 def ray_fit(x: np.ndarray, k: int, niter: int, seed: int, workers: int, cpus: int) -> tuple[np.ndarray, float]:
     import ray
 
+    from clusterscale.runtime.resources import ActorPlan
     from clusterscale.stages.kmeans import fit_on_actors, start_sample_shards
 
     ids = np.arange(len(x), dtype=np.int64)
     bounds = np.linspace(0, len(x), workers + 1).astype(int)
     loads = [functools.partial(in_memory_slice, ids[a:b], x[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     threads = max(1, cpus // workers)
-    actors = start_sample_shards(loads, threads, {"num_cpus": threads})
+    actors = start_sample_shards(loads, ActorPlan(actors=workers, threads=threads, num_cpus=threads, num_gpus=0))
     ray.get([a.describe.remote() for a in actors])  # wait until the rows are loaded: not timed
     started = time.perf_counter()
     centroids, _ = fit_on_actors(actors, k, niter, seed)

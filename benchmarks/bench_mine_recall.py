@@ -34,6 +34,7 @@ from clusterscale.io.rundir import RunDir  # noqa: E402
 from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: E402
 from clusterscale.stages.kmeans import load_centroids  # noqa: E402
 from clusterscale.stages.mine_search import merge_candidates, route_rows, search_cluster  # noqa: E402
+from clusterscale.train.negatives import candidate_files  # noqa: E402
 
 QUERY_NOISE = 0.038  # per dimension at d=384: |noise| ~0.75, so cos(query, passage) ~0.8
 
@@ -57,7 +58,7 @@ def mine_in_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig) -> d
     """pair_id -> kept negatives (best first), by the stage's own route / search / merge functions."""
     routed = pa.concat_tables([route_rows(table.slice(s, 4096), centroids, mc.nprobe, True)
                                for s in range(0, table.num_rows, 4096)])
-    clusters = routed.column("cluster").to_numpy()
+    clusters = routed.column("group").to_numpy()  # one search group per cluster (no split groups)
     order = np.argsort(clusters, kind="stable")
     routed, clusters = routed.take(pa.array(order)), clusters[order]
     bounds = np.flatnonzero(np.diff(clusters)) + 1
@@ -99,7 +100,7 @@ def main() -> None:
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="bench-mine-")
     overrides = [f"cluster.k={args.k}", "ray.num_cpus=2"]
     assert cli.main(["synth", "--run-dir", run_dir, "--rows", str(args.rows), "--topics", str(args.topics)]) == 0
-    for verb in ("fit", "assign"):
+    for verb in ("fit", "assign", "shard"):  # mine writes the negatives' sidecars next to the shards
         assert cli.main([verb, "--run-dir", run_dir, "--set", *overrides]) == 0
     run = RunDir(run_dir)
     table = add_query_vectors(run, args.k)
@@ -118,7 +119,7 @@ def main() -> None:
         nprobe = args.nprobe[0]
         t0 = time.time()
         assert cli.main(["mine", "--run-dir", run_dir, "--set", *overrides, f"mine.nprobe={nprobe}"]) == 0
-        mined = pa.concat_tables([pq.read_table(f) for f in run.files("negatives")])
+        mined = pa.concat_tables([pq.read_table(f) for f in candidate_files(run)])
         staged = dict(zip(mined.column("pair_id").to_pylist(), mined.column("neg_pair_ids").to_pylist()))
         assert staged == mine_in_process(table, centroids, MineConfig(nprobe=nprobe)), "stage != in-process"
         result["stage"] = {"nprobe": nprobe, "wall_s": round(time.time() - t0, 2), "equal_to_in_process": True}

@@ -173,8 +173,8 @@ def cli(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> list
 
 def needed_stages(stages: list[str]) -> set[str]:
     """The stages to run for a --stages selection: the ones named and the ones they read from (fit before
-    assign, assign before shard and mine, train before evaluate); synth always."""
-    needs = {"assign": {"fit"}, "shard": {"fit", "assign"}, "mine": {"fit", "assign"},
+    assign, assign before shard, shard before mine, train before evaluate); synth always."""
+    needs = {"assign": {"fit"}, "shard": {"fit", "assign"}, "mine": {"fit", "assign", "shard"},
              "evaluate": {"fit", "assign", "shard", "train"}}
     return {"synth", *stages, *(d for s in stages for d in needs.get(s, ()))}
 

@@ -10,23 +10,21 @@ import time
 
 from clusterscale import __version__
 from clusterscale import config as config_mod
+from clusterscale import experiments, pipeline
 from clusterscale.errors import bounded_repr, user_message
-from clusterscale.io.layout import STAGES, load_manifest, shards_dir
+from clusterscale.io.layout import load_manifest, shards_dir
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir
+from clusterscale.pipeline import STAGES, execute, open_run, synth_stage
+from clusterscale.runtime.session import check_run_dir_shared, init_ray
+from clusterscale.stages.mteb_eval import LOCAL_PREFIX, run_mteb
+from clusterscale.stages.shards import cluster_table, format_cluster_table
+from clusterscale.stages.synthetic import SynthSpec
 
 VERBS = {
-    "run": "Run every stage in order: ingest, embed, fit, assign, shard, train, evaluate, report.",
+    "run": f"Run every stage in order: {', '.join(STAGES)} (mine only with train.negatives_per_query).",
     "synth": "Write a synthetic run (topical pairs, held-out split, clustered unit vectors) in place of ingest + embed.",
-    "ingest": "Read, validate and split the input pairs into pairs/, heldout/ and quarantine/.",
-    "embed": "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
-    "fit": "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
-    "assign": "Assign every embedded pair to its nearest centroid (Ray Data pass).",
-    "shard": "Write one shuffled Parquet shard set per cluster and the manifest.",
-    "mine": "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
-    "train": "Train the student with Ray Train DDP, every global batch from one cluster.",
-    "evaluate": "Held-out retrieval metrics of the frozen encoder and the trained model.",
-    "report": "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
+    **{name: stage.help for name, stage in STAGES.items()},
     "compare": "Train and evaluate every sampler x seed arm on the same shards; mean and spread per arm.",
     "sweep": "Cluster at several k (and data sizes) from one embedding pass each; optionally train and evaluate.",
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
@@ -75,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", *STAGES[:STAGES.index("evaluate")], "compare", "sweep")
+REPLACEABLE = ("run", *(name for name, stage in STAGES.items() if stage.sections), "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:
@@ -94,10 +92,6 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_synth_verb(args) -> None:
-    from clusterscale.pipeline import execute, open_run, synth_stage
-    from clusterscale.runtime.session import init_ray
-    from clusterscale.stages.synthetic import SynthSpec
-
     spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed)
     spec.check()
     extra = [f"data.path={spec.data_path()}"]
@@ -105,6 +99,7 @@ def run_synth_verb(args) -> None:
         extra.append(f"data.heldout_fraction={args.heldout_fraction}")
     cfg, run = open_run(args.run_dir, args.config, args.overrides + extra)
     init_ray(cfg.ray)
+    check_run_dir_shared(run, cfg.ray.shared_run_dir)
     if run.config_in_force() is None:
         run.write_config(cfg)
     execute(synth_stage(spec), cfg, run)
@@ -132,7 +127,6 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
 
 
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
-    from clusterscale import experiments  # imports every stage (see main)
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
@@ -163,7 +157,6 @@ def saved_k(run) -> int:
 
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
-    from clusterscale.stages.shards import cluster_table, format_cluster_table  # here: shards loads Ray and faiss
 
     run = RunDir(run_dir)
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
@@ -204,9 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             run_synth_verb(args)
             print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(args.run_dir)}", flush=True)
             return 0
-        # Imported here: the stages load torch, Ray and faiss (about 2.4 s), which config, inspect and --help skip.
-        from clusterscale import pipeline
-
         cfg, run = pipeline.open_run(args.run_dir, args.config, args.overrides)
         # A stage verb's --replace redoes that stage; run, compare and sweep replace what another config made.
         replace = ("always" if args.verb in STAGES else "changed") if getattr(args, "replace", False) \
@@ -222,12 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         results = pipeline.run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
-            from clusterscale.experiments import parse_list
-            from clusterscale.stages.mteb_eval import LOCAL_PREFIX, run_mteb
 
             # local:FOLDER is read by a Ray task, which runs in another working directory.
             specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
-                     for s in parse_list(args.mteb, "--mteb")]
+                     for s in experiments.parse_list(args.mteb, "--mteb")]
             run_mteb(cfg, run, specs)
         if args.verb in ("run", "evaluate", "report"):
             print(pipeline.summary(cfg, run, results))

@@ -417,6 +417,10 @@ class RayConfig(Section):
     num_cpus: int | None = knob(None, "CPUs of a local Ray; null = all.", affects_output=False)
     include_dashboard: bool = knob(False, "Start the dashboard of a local Ray (bound to 127.0.0.1).",
                                    affects_output=False)
+    shared_run_dir: bool = knob(False, "A local --run-dir is shared storage mounted at the same path on every "
+                                       "node, also on nodes an autoscaler adds later (NFS/EFS/Filestore): "
+                                       "run on a cluster that can add nodes instead of refusing. The nodes up "
+                                       "at the start are probed either way.", affects_output=False)
 
 
 class Fingerprint(str):

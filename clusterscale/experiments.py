@@ -17,8 +17,8 @@ import numpy as np
 from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.kmeans import ClusteringError
-from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, fit_stats_path, manifest_path, train_dir
-from clusterscale.pipeline import pipeline, run_stage, run_stages
+from clusterscale.io.layout import fit_stats_path, manifest_path, train_dir
+from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, pipeline, run_stage, run_stages
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
@@ -176,6 +176,7 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     out["preprocess_worker_s"] = {stage: costs[stage].get("worker_s", costs[stage].get("wall_s"))
                                   for stage in (*PREPROCESS, "mine") if stage in costs}
+    out["per_k_stages"] = list(PER_K_STAGES)
     for baseline in (b for b in PAIRED_BASELINES if b in arms):
         for sampler, arm_cfgs in arms.items():
             if sampler in PAIRED_BASELINES[:PAIRED_BASELINES.index(baseline) + 1]:

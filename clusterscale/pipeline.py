@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
-from clusterscale.io import layout
 from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
                                     train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
@@ -25,6 +24,7 @@ from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.report import run_report
 from clusterscale.stages.shards import run_shard
 from clusterscale.stages.synthetic import SynthSpec, run_synth
@@ -76,12 +76,13 @@ class StageCall:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One stage of the pipeline.
+    """One stage of the pipeline (help: its line in `clusterscale --help`).
 
     sections (+ extra): what the output's fingerprint covers; () = the stage writes no done marker (evaluate
     caches per model, report is rewritten each time). keeps_units: the stage resumes an interrupted attempt from
     its own unit plan, so the executor does not clear its output. after_done: work that needs the marker."""
     name: str
+    help: str
     run: Callable[[StageCall], StageResult]
     output: PerConfig
     inputs: tuple[Input, ...] = ()
@@ -94,6 +95,8 @@ class Stage:
     records_cost: bool = True
     after_done: Callable[[Config, RunDir, StageResult], None] | None = None
     refusal_hint: str = ""  # said instead of the --replace advice when the stage cannot be replaced
+    shared: bool = False  # preprocessing: made once and shared by compare's arms and sweep's values
+    per_k: bool = False  # one output per cluster.k (kmeans/k=<k>/ ...): a sweep runs it for every k
 
     def output_of(self, cfg: Config) -> str:
         return _resolve(self.output, cfg)
@@ -125,6 +128,8 @@ def _train(call: StageCall) -> StageResult:
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
     plan = loop.plan_training(cfg, run, call.resume)
+    if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
+        sidecars_for_training(cfg, run, run)
     shards_uri, recluster_s, result = run.uri, 0.0, None
     for segment in loop.segments_to_train(run, plan):
         if segment > 0:
@@ -147,6 +152,8 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     for verb in ("embed", "fit", "assign", "shard"):
         execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
                 cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
+    if cfg.train.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
+        sidecars_for_training(cfg, run, child)
     return child
 
 
@@ -157,43 +164,56 @@ def _report(call: StageCall) -> StageResult:
 _CLUSTERING = ("data", "embed", "cluster")
 _ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
 
-# The stages in pipeline order (names: layout.STAGES, which costs and the report group by).
+# The stages in pipeline order: the one list of them.
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("ingest", lambda c: run_ingest(c.cfg, c.run), "pairs", sections=("data",),
+    Stage("ingest", "Read, validate and split the input pairs into pairs/, heldout/ and quarantine/.",
+          lambda c: run_ingest(c.cfg, c.run), "pairs", sections=("data",), shared=True,
           extra_outputs=(ExtraOutput("heldout", ("data",)), ExtraOutput("quarantine", ("data",)))),
-    Stage("embed", lambda c: run_embed(c.cfg, c.run, c.fingerprint, pairs_run=c.source), "embeddings",
+    Stage("embed", "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
+          lambda c: run_embed(c.cfg, c.run, c.fingerprint, pairs_run=c.source), "embeddings",
           inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data", "embed"), keeps_units=True,
-          resources=_ON_GPU),
-    Stage("fit", lambda c: run_fit(c.cfg, c.run), lambda cfg: kmeans_dir(cfg.cluster.k),
-          inputs=(Input("embeddings", "embed", "Embeddings"),), sections=_CLUSTERING, resources=_ON_GPU),
-    Stage("assign", lambda c: run_assign(c.cfg, c.run), lambda cfg: assign_dir(cfg.cluster.k),
+          resources=_ON_GPU, shared=True),
+    Stage("fit", "Fit spherical k-means (faiss) on a seeded sample of the embeddings.",
+          lambda c: run_fit(c.cfg, c.run), lambda cfg: kmeans_dir(cfg.cluster.k),
+          inputs=(Input("embeddings", "embed", "Embeddings"),), sections=_CLUSTERING, resources=_ON_GPU,
+          shared=True, per_k=True),
+    Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).",
+          lambda c: run_assign(c.cfg, c.run), lambda cfg: assign_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
-          sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0)),
-    Stage("shard", lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
+          sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0), shared=True, per_k=True),
+    Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.",
+          lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
                         lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),),
           sections=(*_CLUSTERING, "shard"), extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size},
-          resources=Resources(cpus_per_actor=0.5)),
-    Stage("mine", _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
+          resources=Resources(cpus_per_actor=0.5), shared=True, per_k=True),
+    Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
+          _mine, NEGATIVES, inputs=(Input("embeddings", "embed", "Embeddings"),
                                             Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
-                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}")),
+                                                  lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
+                                            Input(lambda cfg: shards_dir(cfg.cluster.k), "shard",
+                                                  lambda cfg: f"Shards for k={cfg.cluster.k}")),
           sections=MINE_SECTIONS,
           extra=mine_extra, keeps_units=True, resources=_ON_GPU),
-    Stage("train", _train, _train_dir,
+    Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.",
+          _train, _train_dir,
           inputs=(Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg: f"Shards for k={cfg.cluster.k}"),),
           sections=(*_CLUSTERING, "shard", "train"), extra=_train_extra, resources=_ON_GPU,
           cost_key=lambda cfg: f"train:{cfg.train_name()}", after_done=loop.after_training),
-    Stage("evaluate", lambda c: run_evaluate(c.cfg, c.run), EVAL,
+    Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.",
+          lambda c: run_evaluate(c.cfg, c.run), EVAL,
           inputs=(Input("heldout", "ingest", "Held-out pairs"),
                   Input(_train_dir, "train", lambda cfg: f"Trained model {cfg.train_name()!r}")), resources=_ON_GPU),
-    Stage("report", _report, "report", records_cost=False, resources=Resources(cpus_per_actor=0.0)),
+    Stage("report", "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
+          _report, "report", records_cost=False, resources=Resources(cpus_per_actor=0.0)),
 )}
-assert tuple(STAGES) == layout.STAGES, "the pipeline's stages and layout.STAGES must list the same names in order"
+PREPROCESS = tuple(name for name, s in STAGES.items() if s.shared)  # what compare and sweep share across arms
+PER_K_STAGES = tuple(name for name, s in STAGES.items() if s.per_k)
 
 
 def synth_stage(spec: SynthSpec, max_tasks_in_flight: int | None = None) -> Stage:
     """`clusterscale synth`: the stage that writes what ingest and embed would, from a generator."""
-    return Stage("synth", lambda c: run_synth(c.cfg, c.run, spec, max_tasks_in_flight), "pairs", sections=("data",),
+    return Stage("synth", "Write a synthetic run in place of ingest + embed.", lambda c: run_synth(c.cfg, c.run, spec, max_tasks_in_flight), "pairs", sections=("data",),
                  extra_outputs=(ExtraOutput("heldout", ("data",)), ExtraOutput("quarantine", ("data",)),
                                 ExtraOutput("embeddings", ("data", "embed"))),
                  refusal_hint="Write the synthetic run into a new --run-dir.")
@@ -228,8 +248,11 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
             result = _run_once(stage, call)
     key = _resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
     if key and stage.records_cost:
-        (costs_run or run).record_cost(key, {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
-                                       | {"invocation_s": round(time.time() - started, 3)})
+        record = {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
+        record["invocation_s"] = round(time.time() - started, 3)
+        if stage.shared and key.split(":", 1)[0] == stage.name:  # not a re-clustering segment's (recluster:...)
+            record["preprocess"] = True  # what costs and the report count as preprocessing
+        (costs_run or run).record_cost(key, record)
     return result
 
 
@@ -268,9 +291,10 @@ def _replace(run: RunDir, stage_dir: str) -> None:
 
 
 # --- entry points' helpers -----------------------------------------------------------------------------------
-def pipeline(cfg: Config, first: str = layout.STAGES[0], last: str = layout.STAGES[-1]) -> tuple[str, ...]:
+def pipeline(cfg: Config, first: str = "ingest", last: str = "report") -> tuple[str, ...]:
     """The stages from `first` to `last` that cfg runs: `mine` only when training uses mined negatives."""
-    chosen = layout.STAGES[layout.STAGES.index(first):layout.STAGES.index(last) + 1]
+    names = list(STAGES)
+    chosen = names[names.index(first):names.index(last) + 1]
     return tuple(s for s in chosen if s != "mine" or cfg.train.negatives_per_query)
 
 
@@ -296,6 +320,7 @@ def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = 
     existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
     replace and command: see execute."""
     session.init_ray(cfg.ray)
+    session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
     if write_config and (replace or run.config_in_force() is None):
         run.write_config(cfg)
     results = {}

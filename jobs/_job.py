@@ -53,7 +53,7 @@ def run_job(description: str, body: Callable, argv: list[str] | None = None,
         session.init_ray(cfg.ray)
         address = session.cluster_address(cfg.ray)
         print(f"ray: {'joined ' + address if address else 'local instance'}", flush=True)
-        session.check_run_dir_shared(run)
+        session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
         body(cfg, run, args)
     except Exception as exc:  # noqa: BLE001 - a job must end with a status, never hang on an exception
         message = user_message(exc)

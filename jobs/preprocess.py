@@ -6,7 +6,7 @@ import sys
 
 from _job import stages_job
 
-from clusterscale.io.layout import PREPROCESS
+from clusterscale.pipeline import PREPROCESS
 
 if __name__ == "__main__":
     sys.exit(stages_job(__doc__, PREPROCESS))

@@ -70,6 +70,14 @@ def test_scale_config_has_hundreds_of_clusters_and_one_actor_per_gpu():
     assert 100_000_000 // cfg.cluster.k >= 10 * cfg.train.global_batch_size  # clusters yield many full batches
 
 
+@pytest.mark.parametrize("path", [p for p, _ in by_kind("pipeline")], ids=lambda p: p.name)
+def test_pipeline_configs_survive_a_preempted_node(path):
+    """Spot nodes: checkpoints every few percent of the run, and Ray Train restarts the workers from them."""
+    t = config_mod.load(path).train
+    steps = (100_000_000 if "100m" in path.name else 500_000) // t.global_batch_size * t.epochs
+    assert t.max_failures >= 1 and 0 < t.checkpoint_every_steps <= 0.1 * steps
+
+
 def test_launcher_has_gpu_workers_token_auth_loopback_dashboard_and_the_pinned_ray():
     (path, doc), = by_kind("launcher")
     assert doc["docker"]["image"].startswith(f"rayproject/ray:{ray_pin()}-")

@@ -119,7 +119,7 @@ def test_job_prints_one_paragraph_for_a_ray_wrapped_fault_and_redacts_tracebacks
                                                                                    no_ray):
     import clusterscale.runtime.session
 
-    monkeypatch.setattr(clusterscale.runtime.session, "check_run_dir_shared", lambda run: None)
+    monkeypatch.setattr(clusterscale.runtime.session, "check_run_dir_shared", lambda *args: None)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "jobs"))
     from _job import run_job
 

@@ -10,7 +10,7 @@ from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
 from clusterscale.stages.mine_search import filter_candidates
-from clusterscale.train.negatives import load_negatives
+from clusterscale.train.negatives import candidate_files, load_negatives
 from clusterscale.io.rundir import ConfigMismatchError, RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
@@ -81,7 +81,7 @@ def mined_run(tmp_path_factory, tiny_model, ray_local):
     overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["mine.range_max=12", "mine.margin=null",
                                                                            "data.rows_per_part=50"]
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", *overrides]) == 0
-    for verb in ("embed", "fit", "assign", "mine"):  # k = 4 = mine.nprobe: the search covers every passage
+    for verb in ("embed", "fit", "assign", "shard", "mine"):  # k = 4 = mine.nprobe: the search covers every passage
         assert cli.main([verb, "--run-dir", str(run_dir), "--set", *overrides]) == 0
     return run_dir, overrides
 
@@ -107,7 +107,7 @@ def test_mine_equals_brute_force_and_skips_positives(mined_run, tiny_model):
     expected = brute_force(q, p, np.arange(len(ids)), pk, qk, cfg.mine)
     pair_ids, negatives = load_negatives(run)
     assert pair_ids.tolist() == ids.tolist()  # every training query mined exactly once
-    mined = pa.concat_tables([pq.read_table(f) for f in run.files("negatives")])
+    mined = pa.concat_tables([pq.read_table(f) for f in candidate_files(run)])
     mined_scores = dict(zip(mined.column("pair_id").to_pylist(), mined.column("neg_scores").to_pylist()))
     texts = dict(zip(ids.tolist(), zip(table.column("query").to_pylist(), table.column("passage").to_pylist())))
     exact = 0
@@ -134,7 +134,7 @@ def test_mine_resumes_and_refuses_other_config(mined_run, capsys):
     run = RunDir(str(run_dir))
     before = load_negatives(run)
     first = sorted(run.listdir("negatives"))
-    victim = next(f for f in first if f.endswith(".parquet"))
+    victim = next(f for f in first if f.startswith("part-"))
     run.remove("negatives", victim)
     run.remove("negatives", "_DONE.json")
     assert cli.main(["mine", "--run-dir", str(run_dir), "--set", *overrides]) == 0
@@ -176,7 +176,7 @@ def test_redo_raises_no_ray_deprecation_and_done_stages_say_reused(mined_run, ca
     run = RunDir(str(run_dir))
     n_pairs = run.done_stats("pairs")["pairs"]
     for folder in ("embeddings", "negatives"):  # one lost output file each: the stage redoes that unit
-        run.remove(folder, next(f for f in run.listdir(folder) if f.endswith(".parquet")))
+        run.remove(folder, next(f for f in run.listdir(folder) if f.startswith("part-")))
         run.remove(folder, "_DONE.json")
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
@@ -207,7 +207,8 @@ def sharded_mined_run(mined_run):
 
 
 def test_train_with_mined_negatives_and_clp(sharded_mined_run):
-    from clusterscale.train.negatives import MinedNegatives
+    from clusterscale.train.data import ShardReader
+    from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
@@ -219,14 +220,22 @@ def test_train_with_mined_negatives_and_clp(sharded_mined_run):
         assert m["mined_negatives"] == 16 * 2
         assert 0.0 <= m["clp_penalty"] <= 2.0 and np.isfinite(m["loss"])
     assert run.exists("train/clp/model/model.safetensors")
-    # The draw is a pure function of (seed, step, pair_id) and never the pair itself.
+    # Every shard row carries its candidates from negatives/ (best first) with their texts, in the sidecars.
     manifest = run.read_json("shards/k=4/manifest.json")
-    negatives = MinedNegatives(run, manifest, run, 2, seed=0)
-    ids = np.array(sorted(negatives.text_ids)[:8])
-    first, again = negatives.for_rows(ids, 5), negatives.for_rows(ids, 5)
+    pair_ids, candidates = load_negatives(run)
+    expected = dict(zip(pair_ids.tolist(), (c.tolist() for c in candidates)))
+    reader = ShardReader(run, manifest, sidecars=NegativeSidecars(run, manifest))
+    rows = pa.concat_tables([reader.rows(s, np.arange(c["rows"])) for s, c in enumerate(manifest["clusters"])])
+    texts = dict(zip(rows.column("pair_id").to_pylist(), rows.column("passage").to_pylist()))
+    assert sorted(texts) == sorted(expected)
+    for pid, cands, passages in zip(*(rows.column(c).to_pylist() for c in ("pair_id", "neg_pair_ids", "neg_passages"))):
+        assert cands == expected[pid] and passages == [texts[c] for c in cands]
+    # The draw is a pure function of (seed, step, pair_id) and never the pair itself.
+    negatives = MinedNegatives(run, 2, seed=0)
+    first, again = negatives.for_rows(rows.slice(0, 8), 5), negatives.for_rows(rows.slice(0, 8), 5)
     assert first == again and len(first[0]) == len(first[1]) == 16
-    own = dict(zip(negatives.text_ids.tolist(), negatives.passages.to_pylist()))
-    assert all(p != own[int(i)] for i, p in zip(np.repeat(ids, 2), first[0]))
+    own = rows.column("passage").to_pylist()[:8]
+    assert all(p != own[i // 2] for i, p in enumerate(first[0]))
 
 
 def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
@@ -239,10 +248,11 @@ def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
 
 def test_recluster_during_training(sharded_mined_run):
     from clusterscale.io.layout import load_manifest
+    from clusterscale.train.negatives import sidecar_path
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
-    extra = ["train.recluster_every=2", "train.steps=4", "train.name=recl"]
+    extra = ["train.recluster_every=2", "train.steps=4", "train.name=recl", "train.negatives_per_query=1"]
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     metrics = _jsonl(run, "train/recl/metrics.jsonl")
     assert [(m["step"], m["segment"]) for m in metrics] == [(0, 0), (1, 0), (2, 1), (3, 1)]
@@ -258,6 +268,7 @@ def test_recluster_during_training(sharded_mined_run):
         if b0["step"] >= 2:  # segment 1 batches come from one cluster of the re-clustered shards
             assert len({cluster_of[p] for p in b0["pair_ids"] + b1["pair_ids"]}) == 1
     assert sorted(cluster_of) == sorted(load_negatives(run)[0].tolist())  # every training pair re-sharded
+    assert all(child.exists(sidecar_path(f, 0)) for c in manifest["clusters"] for f in c["files"])  # negatives too
     costs = run.read_json("report/costs.json")
     assert {"recluster:recl:seg-1:embed", "recluster:recl:seg-1:shard"} <= set(costs)
     assert run.done_stats("train/recl")["segments"] == 2

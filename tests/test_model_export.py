@@ -65,3 +65,7 @@ def test_warnings_for_unused_pairs_and_a_warmup_longer_than_the_run():
     assert unused.startswith("100 of 1000 pairs (10%) are unused per epoch")
     assert warmup.startswith("train.warmup_steps=50 >= the 40 steps of this run")
     assert training_warnings(_cfg("train.warmup_steps=4").train, 40, 99, 1000) == []
+    restart, = training_warnings(_cfg("train.warmup_steps=4", "train.max_failures=2").train, 400, 0, 1000)
+    assert "a restart begins again at step 0" in restart and "train.checkpoint_every_steps (e.g. 8)" in restart
+    assert training_warnings(_cfg("train.warmup_steps=4", "train.max_failures=2",
+                                  "train.checkpoint_every_steps=50").train, 400, 0, 1000) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterscale import config as config_mod
+from clusterscale import cli, config as config_mod
 from clusterscale import pipeline
 from clusterscale.io import layout
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult
@@ -23,7 +23,7 @@ def _stage(calls: list, complete: bool = True) -> pipeline.Stage:
         calls.append(call.fingerprint)
         return StageResult({"rows": 3, "note": ["not a scalar"]}, outputs={"heldout": StageResult({"rows": 1})},
                            config={"data": {"limit": call.cfg.data.limit}}, complete=complete)
-    return pipeline.Stage("toy", write, "pairs", sections=("data",),
+    return pipeline.Stage("toy", "A toy stage.", write, "pairs", sections=("data",),
                           extra_outputs=(pipeline.ExtraOutput("heldout", ("data",)),))
 
 
@@ -64,7 +64,11 @@ def test_missing_input_names_the_verb(tmp_path):
 
 
 def test_one_stage_list():
-    assert tuple(pipeline.STAGES) == layout.STAGES
+    """pipeline.STAGES is the only list of stage names: layout has none; the CLI and costs derive theirs."""
+    assert not hasattr(layout, "STAGES") and not hasattr(layout, "PREPROCESS")
+    assert pipeline.PREPROCESS == ("ingest", "embed", "fit", "assign", "shard")
+    assert pipeline.PER_K_STAGES == ("fit", "assign", "shard")
+    assert set(pipeline.STAGES) <= set(cli.VERBS) and set(pipeline.STAGES) - set(cli.REPLACEABLE) == {"evaluate", "report"}
     cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
         "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "shards/k=7", "negatives", "train/x", "eval", "report"]

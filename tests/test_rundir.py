@@ -66,8 +66,8 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
 def test_inspect_json_path_is_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "load_manifest", lambda run, k: {})
-    monkeypatch.setattr("clusterscale.stages.shards.cluster_table", lambda manifest: [{"cluster": 0}])
-    monkeypatch.setattr("clusterscale.stages.shards.format_cluster_table", lambda table: "table")
+    monkeypatch.setattr(cli, "cluster_table", lambda manifest: [{"cluster": 0}])
+    monkeypatch.setattr(cli, "format_cluster_table", lambda table: "table")
     cli.inspect_run(str(tmp_path), 4, "out/../table.json")
     assert json.loads((tmp_path / "table.json").read_text()) == [{"cluster": 0}]
 
@@ -78,7 +78,7 @@ def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
     monkeypatch.setattr(session, "init_ray", lambda ray_config: None)
     monkeypatch.setitem(pipeline.STAGES, "evaluate", dataclasses.replace(
         pipeline.STAGES["evaluate"], run=lambda call: StageResult({}, {"results": {}}), inputs=()))
-    monkeypatch.setattr("clusterscale.stages.mteb_eval.run_mteb", lambda cfg, run, specs: seen.extend(specs))
+    monkeypatch.setattr(cli, "run_mteb", lambda cfg, run, specs: seen.extend(specs))
     assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
     assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
 
@@ -205,7 +205,7 @@ def test_arm_names_never_replace_the_main_training(tmp_path):
 
 def test_job_with_relative_run_dir_refuses_then_replaces(existing_run, no_ray, monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(existing_run.root.rsplit("/", 1)[0])
-    monkeypatch.setattr(session, "check_run_dir_shared", lambda run: None)
+    monkeypatch.setattr(session, "check_run_dir_shared", lambda *args: None)
     monkeypatch.setitem(pipeline.STAGES, "train", fake_stage(no_ray, "train"))
     assert run_job(monkeypatch, "train", "--run-dir", "run") == 0
     assert no_ray[0].data.path == "/data/pairs.parquet" and existing_run.exists("train/clustered-seed0/_DONE.json")

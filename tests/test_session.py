@@ -63,3 +63,42 @@ def test_driver_drops_rays_repeated_worker_noise(ray_local, capfd):
         seen += out + err
     assert "a real warning from a worker" in seen
     assert "Failed to query" not in seen and "Reporting training result" not in seen
+
+
+HEAD_ONLY = [{"Alive": True, "NodeID": "h", "Resources": {"CPU": 0.0, "memory": 1e9}}]
+ONE_WORKER = [{"Alive": True, "NodeID": "h", "Resources": {"CPU": 8.0}}]
+
+
+def test_cluster_that_can_add_nodes_is_recognised(monkeypatch):
+    """A head without CPU/GPU (the shipped autoscaling config) or named autoscaler node types: it can grow."""
+    import json
+
+    import ray.experimental.internal_kv as kv
+
+    from clusterscale.runtime import session
+
+    assert "no CPU or GPU" in session.cluster_can_add_nodes(HEAD_ONLY)
+    status = {"autoscaler_report": {"node_type_mapping": {"a1": "node_a1"}}}  # a plain `ray start` node
+    monkeypatch.setattr(kv, "_internal_kv_get", lambda key: json.dumps(status).encode())
+    assert session.cluster_can_add_nodes(ONE_WORKER) == ""
+    status["autoscaler_report"]["node_type_mapping"]["b2"] = "ray.worker.gpu"
+    assert "ray.worker.gpu" in session.cluster_can_add_nodes(ONE_WORKER)
+
+
+def test_local_run_dir_is_refused_on_a_growing_cluster_unless_declared_shared(monkeypatch, tmp_path):
+    import pytest
+
+    from clusterscale.config import ConfigError
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.runtime import session
+
+    monkeypatch.setattr(session.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(session.ray, "nodes", lambda: HEAD_ONLY)
+    monkeypatch.setattr(session, "_local_workers_inherit_env", False)  # joined a cluster, not a local Ray
+    monkeypatch.setattr(session, "_checked_run_dirs", set())
+    with pytest.raises(ConfigError, match="can add nodes.*s3://.*ray.shared_run_dir=true"):
+        session.check_run_dir_shared(RunDir(str(tmp_path / "run")))
+    session.check_run_dir_shared(RunDir(str(tmp_path / "run")), declared_shared=True)  # one node up: nothing to probe
+    remote = RunDir(str(tmp_path / "remote"))
+    remote.is_local = False  # as for an object-store URI: shared by construction
+    session.check_run_dir_shared(remote)

@@ -1,4 +1,6 @@
-"""The stages by name and where their outputs live in a run directory: what every stage and reader agree on."""
+"""Where the stages' outputs live in a run directory: what every stage and reader agree on.
+
+The stages themselves are listed once, in clusterscale.pipeline.STAGES."""
 from __future__ import annotations
 
 import os
@@ -7,10 +9,6 @@ import tempfile
 
 from clusterscale.io.rundir import RunDir
 
-# The stages in pipeline order (clusterscale.pipeline runs them; costs and the report group by them).
-STAGES = ("ingest", "embed", "fit", "assign", "shard", "mine", "train", "evaluate", "report")
-PREPROCESS = STAGES[:STAGES.index("mine")]  # what compare and sweep share across their arms
-PER_K_STAGES = STAGES[STAGES.index("fit"):STAGES.index("mine")]  # one output per cluster.k (kmeans/k=<k>/ ...)
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
 EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/

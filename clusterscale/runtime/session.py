@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -147,15 +148,55 @@ def _sees(path: str) -> tuple[str, bool]:
     return ray.util.get_node_ip_address(), os.path.exists(path)
 
 
-def check_run_dir_shared(run) -> None:
-    """On a multi-node cluster, fail early when a local --run-dir is not the same folder on every node.
+def cluster_can_add_nodes(alive: list[dict]) -> str:
+    """Why this Ray cluster may start more nodes later ("" = it cannot, as far as Ray tells).
+
+    An autoscaling cluster may have only its head up when a run starts (the shipped aws-gpu-cluster.yaml:
+    head num_cpus 0, min_workers 0), so a probe over the nodes alive now proves nothing. Two signs: the
+    alive nodes have no CPU and no GPU for the work (it can only run on nodes still to come), or the
+    autoscaler reports configured node types (named worker types, not the per-node ones of a plain
+    `ray start` cluster or a local instance)."""
+    if not any(n.get("Resources", {}).get("CPU") or n.get("Resources", {}).get("GPU") for n in alive):
+        return "its nodes alive now have no CPU or GPU (the work waits for worker nodes the autoscaler adds)"
+    try:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        status = json.loads(_internal_kv_get("__autoscaling_status") or b"{}")
+    except Exception:  # noqa: BLE001 - no autoscaler status (older Ray, or none running): nothing to tell
+        return ""
+    report = status.get("autoscaler_report") or {}
+    types = {t for t in (report.get("node_type_mapping") or {}).values() if t and not t.startswith("node_")}
+    return f"its autoscaler runs node types {sorted(types)}" if types else ""
+
+
+_checked_run_dirs: set[str] = set()
+
+
+def check_run_dir_shared(run, declared_shared: bool = False) -> None:
+    """On a cluster, fail early when a local --run-dir is not the same folder on every node (once per run dir).
 
     Stages write from whichever node runs the work, so a folder on the head's own disk would scatter
-    the run over the nodes. Object-store URIs are shared by construction and are not checked.
+    the run over the nodes. Object-store URIs are shared by construction and are not checked. A local
+    Ray (started by this process) is one machine. On a cluster that can add nodes, the nodes of later
+    are not there to probe: a local folder is refused unless `declared_shared` (ray.shared_run_dir).
     """
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    if not run.is_local or len(alive) < 2:
+    if not run.is_local or run.uri in _checked_run_dirs or _local_workers_inherit_env or not ray.is_initialized():
         return
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    grows = "" if declared_shared else cluster_can_add_nodes(alive)
+    if grows:
+        raise ConfigError(
+            f"--run-dir {run.uri} is a local folder, and this Ray cluster can add nodes ({grows}): nodes that "
+            f"join later write their part of the run to their own disk. Use an object-store URI such as "
+            f"s3://bucket/runs/name, or shared storage mounted at the same path on every node (NFS/EFS/"
+            f"Filestore; the KubeRay manifests mount one at /mnt/runs) and set ray.shared_run_dir=true.")
+    if len(alive) >= 2:
+        _probe_nodes(run, alive)
+    _checked_run_dirs.add(run.uri)
+
+
+def _probe_nodes(run, alive: list[dict]) -> None:
+    """Raise ConfigError unless every alive node sees a file the driver writes into the run directory."""
     probe = f".node-probe-{uuid.uuid4().hex}"
     run.write_text(probe, "written by the driver")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -12,7 +12,7 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
-from clusterscale.io.layout import PER_K_STAGES, PREPROCESS, manifest_path
+from clusterscale.io.layout import manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.student import scratch_bert
 from clusterscale.train import schedule
@@ -143,14 +143,18 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
 
 
 def preprocess_cost(costs: dict, k: int) -> tuple[float, list[str]]:
-    """Worker-seconds of ingest + embed + fit/assign/shard at k, and the cost keys used."""
+    """Worker-seconds of the preprocessing stages at k (ingest + embed + fit/assign/shard: the records the
+    executor marked `preprocess`), and the cost keys used. A stage recorded at several k (a sweep: `fit:k=100`)
+    counts its record at k, else its plain one."""
     total, used = 0.0, []
-    for stage in PREPROCESS:
-        for key in ((f"{stage}:k={k}", stage) if stage in PER_K_STAGES else (stage,)):
-            if key in costs:
-                total += costs[key].get("worker_s", 0.0)
-                used.append(key)
-                break
+    for key, record in costs.items():
+        stage = stage_of(key)
+        if not record.get("preprocess") or key not in (stage, f"{stage}:k={k}"):
+            continue
+        if key == stage and f"{stage}:k={k}" in costs:
+            continue
+        total += record.get("worker_s", 0.0)
+        used.append(key)
     return total, used
 
 

@@ -1,6 +1,6 @@
 """Mine: hard negatives for every training query from the training passages (the ANCE step), sharded by cluster.
 
-Run with `clusterscale mine [CONFIG] --run-dir R` (after `assign`). The search is split by the k-means
+Run with `clusterscale mine [CONFIG] --run-dir R` (after `shard`). The search is split by the k-means
 clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
 k: exact search over all passages). A counting pass (map tasks; k-vectors summed on the driver) gives each
 cluster's passages and probing queries, and a cluster with more than mine.max_group_rows of either is split
@@ -14,12 +14,14 @@ passages:
      groups, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
      query text), not a duplicate of its positive passage text and, with mine.margin, score <= margin x the
      positive's score; write negatives/part-<bucket>.parquet atomically.
-The driver holds the centroids (k x d) and counters; every other process holds O(a block) or O(a group). Vectors: mine.encoder=frozen uses assign/ (the
+The driver holds the centroids (k x d) and counters; every other process holds O(a block) or O(a group).
+Vectors: mine.encoder=frozen uses assign/ (the
 queries' emb_query, or the queries embedded by an actor pool when embed.side=passage); any other encoder
 re-embeds every training pair into the child run mine_encoder/, joined to assign/ by pair_id, and a query
 then probes the clusters nearest to its own pair's centroid (the centroids live in the frozen space).
 The stage reruns as a whole to the same output. Output columns: pair_id, neg_pair_ids list<int64>,
-neg_scores list<float32> (best first), pos_score.
+neg_scores list<float32> (best first), pos_score. Then (stages/mine_rows.py) each row's candidate texts go to
+sidecar pieces aligned to the shard files training reads, and a padding pool to negatives/padding.parquet.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import ray
 
 from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.stages.kmeans import load_centroids
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
                                              queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.modeling.encoder import Encoder
@@ -291,12 +294,14 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
         raise ConfigError(f"mine.range_min={cfg.mine.range_min} is not below the number of training passages "
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
+    t0 = time.time()
     if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
-        t0 = time.time()
         results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
         write_empty_buckets(run, plan)
-        worker_s = (time.time() - t0) * ClusterResources.current().cpus
+    sidecars = sidecars_for_training(cfg, run, run)
+    worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
+    stats |= sidecars
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",

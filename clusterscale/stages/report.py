@@ -13,7 +13,7 @@ import numpy as np
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import (EVAL, MTEB_EVAL, PER_K_STAGES, PREPROCESS, TRAIN, collapse_path,
+from clusterscale.io.layout import (EVAL, MTEB_EVAL, TRAIN, collapse_path,
                                     eval_by_cluster_path, manifest_path)
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
@@ -54,9 +54,9 @@ def table1_line(manifest: dict) -> str:
             f"{_fmt(manifest['stats']['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
 
 
-def stage_kind(key: str) -> str:
+def stage_kind(key: str, record: dict) -> str:
     stage = stage_of(key)
-    if stage in PREPROCESS:
+    if record.get("preprocess"):
         return "preprocess"
     return stage if stage in ("train", "evaluate") else "other"
 
@@ -204,9 +204,10 @@ def compare_table(compare: dict) -> str:
             f"{name}: " + ", ".join(f"train.{k}={v}" for k, v in kv.items()) for name, kv in keys.items()) + ".")
     pre = compare.get("preprocess_worker_s") or {}
     if "mine" in pre:
-        clustering = sum(pre.get(s, 0) or 0 for s in PER_K_STAGES)
-        lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering (fit + assign + "
-                     f"shard) {clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
+        per_k = compare.get("per_k_stages", ())
+        clustering = sum(pre.get(s, 0) or 0 for s in per_k)
+        lines.append(f"\nPreprocessing worker-seconds: embed {_fmt(pre.get('embed'))}, clustering ({' + '.join(per_k)}) "
+                     f"{clustering:.1f}, mining negatives {_fmt(pre['mine'])}; arms with mined negatives "
                      f"also embed M more passages per query in every step (their train worker-s above).")
     paired = compare.get("paired") or {f"{name} - random": {"ndcg_at_10": d}
                                        for name, d in compare.get("paired_vs_random", {}).items()}
@@ -296,7 +297,7 @@ def run_report(cfg: Config, run: RunDir) -> str:
                   "FLOPs are estimates on non-padding tokens (embedding 2 x params x tokens, training 6 x params "
                   "x tokens; token counts from a sample of pairs). worker-s = workers x wall seconds (GPU-s on GPUs).", ""]
         _figure(run, parts, "costs.png", report_plots.cost_breakdown(
-            [(key, rec.get("worker_s", 0.0), stage_kind(key)) for key, rec in costs.items()], summary),
+            [(key, rec.get("worker_s", 0.0), stage_kind(key, rec)) for key, rec in costs.items()], summary),
             "cost per stage; preprocessing vs training")
     evaluated = eval_table(run)
     if evaluated:

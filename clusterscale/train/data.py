@@ -165,8 +165,9 @@ class ShardReader:
     reads on object stores); footers are kept in an LRU of `footer_cache_bytes`. Global row indices (the other
     samplers) read every shard once. `bytes_read` / `bytes_used` count the whole life of the reader."""
 
-    def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20):
+    def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20, sidecars=None):
         self.run, self.clusters = run, manifest["clusters"]
+        self.sidecars = sidecars  # train/negatives.NegativeSidecars: each row's mined negatives, read with it
         self.rows_per_file = manifest.get("rows_per_file")
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
@@ -224,6 +225,8 @@ class ShardReader:
             try:
                 pieces.append(pq.ParquetFile(handle, metadata=footer.metadata).read_row_groups(
                     groups.tolist(), columns=READ_COLUMNS, use_threads=False))
+                if self.sidecars is not None:
+                    pieces[-1] = self.sidecars.attach(pieces[-1], rel, groups.tolist())
             finally:
                 handle.close()
             sizes = footer.group_starts[groups + 1] - footer.group_starts[groups]
@@ -245,6 +248,8 @@ class ShardReader:
                 try:
                     parquet = pq.ParquetFile(handle)
                     tables.append(parquet.read(columns=READ_COLUMNS, use_threads=False))
+                    if self.sidecars is not None:
+                        tables[-1] = self.sidecars.attach(tables[-1], rel, list(range(parquet.metadata.num_row_groups)))
                 finally:
                     handle.close()
                 on_disk += _chunk_bytes(parquet.metadata, range(parquet.metadata.num_row_groups))

@@ -143,6 +143,10 @@ def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_
     if tc.warmup_steps >= num_steps:
         warnings.append(f"train.warmup_steps={tc.warmup_steps} >= the {num_steps} steps of this run: the learning "
                         f"rate never reaches train.lr={tc.lr:g}; lower train.warmup_steps.")
+    if tc.max_failures and not tc.checkpoint_every_steps and num_steps > 1:
+        warnings.append(f"train.max_failures={tc.max_failures} restarts failed workers from the latest checkpoint, and "
+                        f"train.checkpoint_every_steps=0 writes none before the end: a restart begins again at step "
+                        f"0. Set train.checkpoint_every_steps (e.g. {max(1, num_steps // 50)}).")
     return warnings
 
 

@@ -25,7 +25,7 @@ from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
 from clusterscale.train.data import RankRows, ShardReader, checked_manifest, schedule_block_rows, strata_inputs
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
-from clusterscale.train.negatives import MinedNegatives
+from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 from clusterscale.train.optim import build_optimizer
 from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
 
@@ -98,10 +98,11 @@ class TrainData:
         self.job = job
         self.manifest = checked_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size)
         self.sizes, self.codes, self.sources = strata_inputs(job.shards_run, self.manifest, tc.sampler)
-        self.reader = ShardReader(job.shards_run, self.manifest)
-        self.negatives = None
-        if tc.negatives_per_query:
-            self.negatives = MinedNegatives(job.run, self.manifest, job.shards_run, tc.negatives_per_query, tc.seed)
+        self.negatives, sidecars = None, None
+        if tc.negatives_per_query:  # each row's candidates come with it; the padding pool from the run's negatives/
+            self.negatives = MinedNegatives(job.run, tc.negatives_per_query, tc.seed)
+            sidecars = NegativeSidecars(job.shards_run, self.manifest)
+        self.reader = ShardReader(job.shards_run, self.manifest, sidecars=sidecars)
 
     def epoch_at(self, step: int) -> int:
         """The epoch (counted within the segment) that `step` falls in."""
@@ -210,7 +211,7 @@ class Trainer:
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
         if self.data.negatives is None:
             return contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device)
-        neg_passages, neg_queries, padded = self.data.negatives.for_rows(table.column("pair_id").to_numpy(), step)
+        neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
         loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device,
                                            negatives=neg_passages, negative_queries=neg_queries)
         stats["negatives_padded"] = torch.tensor(float(padded))

@@ -1,0 +1,97 @@
+"""Memory of one training rank's mined negatives at N and 4N rows (the rows carry their negatives).
+
+    python benchmarks/bench_negatives.py [--rows 20000 --k 20 --steps 8 --world 2] [--out-dir DIR] [--json OUT]
+
+For N and 4N it writes a synthetic run (`clusterscale synth --set embed.side=both`) and runs fit, assign,
+shard and mine, each as its own CLI process. Then, for each run, a fresh process does what rank 0 of a
+`--world`-rank job does with its data, without the model: the trainer's TrainData (schedule, ShardReader with
+the negatives' sidecars, the padding pool), `--steps` steps of this rank's rows read with prefetch, and M mined
+negatives drawn per row. It reports that process's RSS after the imports (`base_rss_mb`), its peak RSS
+(`peak_rss_mb`, ru_maxrss) and the difference (`negatives_rss_mb`: what holding the data and the negatives
+costs); `growth` = peak at 4N / peak at N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = ["embed.side=both", "mine.index=ivf", "train.global_batch_size=64", "train.negatives_per_query=2",
+        "train.name=bench"]
+
+
+def rank_memory(run_dir: str, steps: int, world: int) -> dict:
+    """Rank 0's data side of `steps` training steps with mined negatives, in this process; its memory."""
+    from clusterscale.config import load
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.train.trainer import SegmentJob, TrainData
+
+    base = _rss_mb()
+    run = RunDir(run_dir)
+    cfg = load(None, [], run_config=run.config_in_force())
+    job = SegmentJob(cfg, run, run, "bench", steps, 0, 0, steps, False)
+    started = time.time()
+    data = TrainData(job)
+    drawn = padded = 0
+    for item in data.rank_rows(0, 0, world):
+        passages, _, pad = data.negatives.for_rows(item.table, item.batch.step)
+        drawn, padded = drawn + len(passages), padded + pad
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"rows": int(run.done_stats(f"shards/k={cfg.cluster.k}")["rows"]), "base_rss_mb": round(base, 1),
+            "peak_rss_mb": round(peak, 1), "negatives_rss_mb": round(peak - base, 1), "negatives_drawn": drawn,
+            "negatives_padded": padded, "seconds": round(time.time() - started, 2)}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def prepare(run_dir: str, rows: int, k: int) -> None:
+    """synth, fit, assign, shard and mine into run_dir (each a CLI process)."""
+    keys = [f"cluster.k={k}", *KEYS]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for verb, extra in (("synth", ["--rows", str(rows), "--dim", "64", "--topics", str(k)]), ("fit", []),
+                        ("assign", []), ("shard", []), ("mine", [])):
+        subprocess.run([sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20_000, help="N: pairs of the smaller run (the larger: 4N).")
+    parser.add_argument("--k", type=int, default=20, help="cluster.k of both runs.")
+    parser.add_argument("--steps", type=int, default=8, help="Training steps whose data rank 0 reads.")
+    parser.add_argument("--world", type=int, default=2, help="Ranks the global batch is split over.")
+    parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
+    parser.add_argument("--json", help="Also write the result here.")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: measure this run dir in this process
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(rank_memory(args.measure, args.steps, args.world)))
+        return
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="bench-negatives-")
+    result = {"steps": args.steps, "world": args.world, "load": os.getloadavg()[0], "scales": []}
+    for rows in (args.rows, 4 * args.rows):
+        run_dir = os.path.join(out_dir, f"n{rows}")
+        if not os.path.exists(os.path.join(run_dir, "negatives", "_DONE.json")):
+            prepare(run_dir, rows, args.k)
+        measured = subprocess.run([sys.executable, __file__, "--measure", run_dir, "--steps", str(args.steps),
+                                   "--world", str(args.world)], check=True, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": REPO})
+        result["scales"].append(json.loads(measured.stdout.strip().splitlines()[-1]))
+    result["growth"] = round(result["scales"][1]["peak_rss_mb"] / result["scales"][0]["peak_rss_mb"], 3)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
