@@ -200,7 +200,8 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 
 @contextlib.contextmanager
 def bounded_shuffle_maps() -> Iterator[None]:
-    """Ray Data's hash-shuffle map tasks take about one block each (SHUFFLE_MAP_BATCH_BYTES) while inside."""
+    """Datasets made inside have hash-shuffle map tasks of about SHUFFLE_MAP_BATCH_BYTES of input each, so a map
+    task, and the upstream blocks waiting for it in the object store, stay O(that), not O(1 GiB or N)."""
     ctx = ray.data.DataContext.get_current()
     before = ctx.shuffle_input_batch_bytes
     ctx.shuffle_input_batch_bytes = SHUFFLE_MAP_BATCH_BYTES
@@ -254,10 +255,9 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buck
     ds = ds.groupby("bucket", num_partitions=buckets).map_groups(
         _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine}, batch_format="pyarrow")
     progress, results = ProgressLine("mine", n_rows), []
-    with bounded_shuffle_maps():
-        for result in ds.iter_rows():
-            results.append(result)
-            progress.advance(result["rows"])
+    for result in ds.iter_rows():
+        results.append(result)
+        progress.advance(result["rows"])
     print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters "
           f"(mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
     return results, n_rows if embeds_queries else 0
@@ -295,10 +295,11 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
-    if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
-        results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
-        write_empty_buckets(run, plan)
-    sidecars = sidecars_for_training(cfg, run, run)
+    with bounded_shuffle_maps():  # before any dataset exists: each Dataset copies the DataContext it is made in
+        if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
+            results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
+            write_empty_buckets(run, plan)
+        sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
     stats |= sidecars
