@@ -46,6 +46,7 @@ from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
+from clusterscale.runtime.row_groups import read_row_groups
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -94,30 +95,6 @@ def vectors_run(cfg: Config, run: RunDir, encoder: str | None, embed: EmbedInto)
 
 
 # --- the pairs with their vectors and cluster ---------------------------------------------------------------
-def _read_row_groups(units: pa.Table, run_uri: str, columns: list[str]) -> pa.Table:
-    """Ray Data map fn: the rows of the (path, row_group) units in `units`, read with pyarrow."""
-    run, tables = RunDir(run_uri), []
-    for path, group in zip(units.column("path").to_pylist(), units.column("row_group").to_pylist()):
-        with run.fs.open_input_file(path) as f:
-            tables.append(pq.ParquetFile(f).read_row_group(group, columns=columns))
-    return pa.concat_tables(tables)
-
-
-def read_by_row_groups(run: RunDir, folder: str, columns: list[str]) -> ray.data.Dataset:
-    """`columns` of every row of `folder`, one block per Parquet row group (one task reads one group).
-
-    Ray Data's read_parquet packs 128 MiB bins of several files per read task and reads ahead (measured
-    ~1 GB per read worker, growing with the number of files); a row group per task keeps a task at
-    O(one row group) and lets the downstream map run on the same block."""
-    units = []
-    for path in run.files(folder):
-        with run.fs.open_input_file(path) as f:
-            groups = pq.ParquetFile(f).metadata.num_row_groups
-        units += [{"path": path, "row_group": g} for g in range(groups)]
-    return ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
-        _read_row_groups, fn_kwargs={"run_uri": run.uri, "columns": columns}, batch_size=1, batch_format="pyarrow")
-
-
 class EncodeQueries:
     """Ray Data callable class: adds emb_query (the frozen encoder's query vectors) to a batch of pairs."""
 
@@ -159,7 +136,7 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
         return frozen.join(vectors, "inner", partitions, on=("pair_id",)), False
     has_queries = "emb_query" in _schema(run, assigned)
     if has_queries:
-        return read_by_row_groups(run, assigned, text + ["emb", "emb_query"]), False
+        return read_row_groups(run, run.files(assigned), text + ["emb", "emb_query"]), False
     ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(text + ["emb"])
     pool = encoder_pool(cfg.mine)
     # CPU actors reserve at most half the CPUs (they still run pool.threads threads), so the read and
@@ -184,7 +161,8 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
     otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an estimate when the
     queries are embedded during the stage)."""
     k = len(centroids)
-    ds = read_by_row_groups(run, assign_dir(cfg.cluster.k), ["cluster"] + (["emb_query"] if count_queries else []))
+    ds = read_row_groups(run, run.files(assign_dir(cfg.cluster.k)),
+                         ["cluster"] + (["emb_query"] if count_queries else []))
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     ds = ds.map_batches(_count, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe},
                         batch_format="pyarrow", **env)

@@ -22,6 +22,7 @@ from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.row_groups import read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
@@ -97,7 +98,7 @@ def block_cluster_stats(batch: pa.Table) -> pa.Table:
 
 def cluster_stats(run: RunDir, k: int, n_rows: int) -> ClusterStats:
     """Per-cluster sums from a Ray Data pass over cluster, cos and emb only, reduced (k x d) on the driver."""
-    ds = ray.data.read_parquet(run.files(assign_dir(k)), filesystem=run.fs).select_columns(["cluster", "cos", "emb"])
+    ds = read_row_groups(run, run.files(assign_dir(k)), ["cluster", "cos", "emb"])
     ds = ds.map_batches(block_cluster_stats, batch_size=STATS_BATCH_ROWS, batch_format="pyarrow")
     stats, progress = None, ProgressLine("shard stats", n_rows)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -190,7 +191,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
     plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
                        cluster=cluster)
-    ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
+    ds = read_row_groups(run, files, columns)
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
         WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, rows_per_file, row_group_rows,
