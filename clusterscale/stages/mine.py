@@ -25,10 +25,9 @@ sidecar pieces aligned to the shard files training reads, and a padding pool to 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -46,7 +45,7 @@ from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.runtime.row_groups import read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -54,9 +53,6 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
-# Ray Data's hash shuffle coalesces input blocks up to this many bytes into one map task (its default, 1 GiB,
-# makes a map task that holds and partitions ~1 GiB of routed vectors): keep a map task near one block.
-SHUFFLE_MAP_BATCH_BYTES = 64 * 1024 * 1024
 EmbedInto = Callable[[Config, RunDir], dict]  # (config, child run) -> the embed stage's stats
 
 
@@ -174,19 +170,6 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
     if not count_queries:
         queries = queries_from_neighbours(passages, centroids, cfg.mine.nprobe)
     return SearchGroups.plan(passages, queries, cfg.mine.max_group_rows)
-
-
-@contextlib.contextmanager
-def bounded_shuffle_maps() -> Iterator[None]:
-    """Datasets made inside have hash-shuffle map tasks of about SHUFFLE_MAP_BATCH_BYTES of input each, so a map
-    task, and the upstream blocks waiting for it in the object store, stay O(that), not O(1 GiB or N)."""
-    ctx = ray.data.DataContext.get_current()
-    before = ctx.shuffle_input_batch_bytes
-    ctx.shuffle_input_batch_bytes = SHUFFLE_MAP_BATCH_BYTES
-    try:
-        yield
-    finally:
-        ctx.shuffle_input_batch_bytes = before
 
 
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import assign_dir, manifest_path, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.runtime.row_groups import read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
@@ -232,7 +232,8 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
     rows_per_file = max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows  # whole groups
-    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
+    with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
+        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
     n_total = sum(c["rows"] for c in clusters)
