@@ -7,7 +7,9 @@
 What is timed on the clusterscale side is `clusterscale.modeling.encoder.Encoder` (tokenise once, sort by
 length, token-budget batches, SDPA attention): the compute core that each actor of the `embed`
 stage runs on its work units. `--stage` additionally times the whole Ray stage (the embed stage) on the
-same texts, start-up included. Both sides embed the same texts with the same model and max length;
+same texts, start-up included (`--skip-st` leaves out sentence-transformers, for large `--rows`), and
+every run measures the stage's tokenise step (tokens per CPU-second, one thread) and the CPUs per
+GPU that tokenising needs at the GPU goal. Both sides embed the same texts with the same model and max length;
 the runs alternate (ST, clusterscale, ST, ...) and the best of `--repeats` is kept, so a noisy
 shared machine hurts both alike. MFU = useful model FLOPs (no padding) / peak FLOP/s.
 """
@@ -26,32 +28,47 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from clusterscale.modeling.encoder import Encoder, resolve_model_path, save_sentence_transformers_dir  # noqa: E402
+from clusterscale.modeling.tokens import TextTokenizer, single_threaded  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA spec sheet, dense (no sparsity)
+GPU_GOAL_PASSAGES_PER_S = 28_000  # BERT-base, ~60-word passages, bf16, one H200 at ~40% MFU (README)
 
 
-def docstring_texts(rows: int) -> list[str]:
-    """Real passages: the bundled docstring dataset (harvested from installed packages, then cached)."""
+def docstring_passages() -> list[str]:
+    """The bundled docstring dataset's passages (harvested from installed packages, then cached), in a
+    seeded order."""
     import pyarrow.dataset as pads
 
     from clusterscale.io.builtin_data import builtin_docstrings_path
 
     table = pads.dataset(builtin_docstrings_path(), format="parquet").to_table(columns=["passage"])
     texts = table.column("passage").to_pylist()
-    picked = np.random.default_rng(0).permutation(len(texts))[:rows]
-    return [texts[i] for i in picked]
+    return [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
+
+
+def docstring_texts(rows: int) -> list[str]:
+    """Real passages: `rows` docstring passages (~13.6k exist here); beyond those, distinct windows of
+    30-90 consecutive words of the same docstring text."""
+    passages = docstring_passages()
+    picked = passages[:rows]
+    return picked + word_windows(" ".join(passages).split(), rows - len(picked))
+
+
+def word_windows(pool: list[str], rows: int, words: int = 60, seed: int = 1) -> list[str]:
+    """`rows` passages of words/2 .. 3 words/2 consecutive words of `pool`, at seeded positions."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, max(1, len(pool) - words), size=max(0, rows))
+    return [" ".join(pool[s:s + int(rng.integers(words // 2, words * 3 // 2))]) for s in starts]
 
 
 def msmarco_like_texts(rows: int, words: int = 60) -> list[str]:
     """~60-word passages cut from the docstring text (MSMARCO passages average ~56 words)."""
     try:
-        pool = " ".join(docstring_texts(20_000)).split()
+        pool = " ".join(docstring_passages()).split()
     except Exception:  # no harvestable packages: a fixed synthetic vocabulary
         rng = np.random.default_rng(0)
         pool = [f"word{i}" for i in rng.integers(0, 5000, size=rows * words)]
-    rng = np.random.default_rng(1)
-    starts = rng.integers(0, max(1, len(pool) - words), size=rows)
-    return [" ".join(pool[s:s + int(rng.integers(words // 2, words * 3 // 2))]) for s in starts]
+    return word_windows(pool, rows, words)
 
 
 def flops_per_token(config, mean_length: float) -> float:
@@ -86,6 +103,14 @@ def bert_base_dir(out: str) -> str:
     return out
 
 
+def loadavg() -> str:
+    """The 1/5/15-minute load averages (Linux), recorded with every figure: a busy box skews them."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def time_it(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -94,8 +119,32 @@ def time_it(fn) -> float:
     return time.perf_counter() - started
 
 
-def stage_rows_per_s(texts: list[str], model: str, max_length: int) -> float:
-    """The whole Ray stage on these texts as passages: ingest, then a timed embed stage."""
+def tokenize_per_cpu(tokenizer: TextTokenizer, texts: list[str], repeats: int = 3) -> dict:
+    """The embed stage's tokenise step (one single-threaded Rust tokenizer, as in a tokenise task) per
+    CPU-second of this process: process time, so a busy machine slows it less than wall time would."""
+    single_threaded()
+    tokenizer(texts[:64])
+    best, tokens = float("inf"), None
+    for _ in range(repeats):
+        started = time.process_time()
+        tokens = tokenizer(texts)
+        best = min(best, time.process_time() - started)
+    return {"texts": len(texts), "mean_tokens": round(float(tokens.lengths.mean()), 1),
+            "texts_per_cpu_s": round(len(texts) / best), "tokens_per_cpu_s": round(float(tokens.lengths.sum()) / best)}
+
+
+def tokenize_figures(tokenizer: TextTokenizer, texts: list[str]) -> dict:
+    """Tokens/s per CPU on the benchmark's texts and on ~60-word passages, and the CPUs one GPU's
+    tokenise tasks need at the goal (GPU_GOAL_PASSAGES_PER_S BERT-base passages/s of ~60 words)."""
+    ours = tokenize_per_cpu(tokenizer, texts)
+    passages = tokenize_per_cpu(tokenizer, msmarco_like_texts(5_000))
+    return {"max_length": tokenizer.max_length, "these_texts": ours, "msmarco_like_60_words": passages,
+            "goal_passages_per_s_per_gpu": GPU_GOAL_PASSAGES_PER_S,
+            "cpus_per_gpu_for_goal": round(GPU_GOAL_PASSAGES_PER_S / passages["texts_per_cpu_s"], 1)}
+
+
+def stage_figures(texts: list[str], model: str, max_length: int) -> dict:
+    """The whole Ray stage on these texts as passages: ingest, then a timed embed stage (its stats)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -111,7 +160,7 @@ def stage_rows_per_s(texts: list[str], model: str, max_length: int) -> float:
         init_ray(cfg.ray)
         run = RunDir(f"{tmp}/run")
         run_stage("ingest", cfg, run)
-        return run_stage("embed", cfg, run).stats["rows_per_s"]
+        return run_stage("embed", cfg, run).stats
 
 
 def main() -> None:
@@ -127,6 +176,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gpu", action="store_true", help="BERT-base random weights, ~60-word texts, bf16")
     parser.add_argument("--stage", action="store_true", help="also time the Ray stage (embed)")
+    parser.add_argument("--skip-st", action="store_true", help="time only clusterscale (core, stage): for "
+                        "large --rows, where each SentenceTransformer pass takes as long as the core's")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
 
@@ -151,9 +202,11 @@ def main() -> None:
     st.encode(warm, batch_size=args.st_batch_size)
     ours.encode(warm, batch_size=args.batch_size)
 
+    load_before = loadavg()
     st_s, cs_s = [], []
     for _ in range(args.repeats):
-        st_s.append(time_it(lambda: st.encode(texts, batch_size=args.st_batch_size)))
+        if not args.skip_st:
+            st_s.append(time_it(lambda: st.encode(texts, batch_size=args.st_batch_size)))
         cs_s.append(time_it(lambda: ours.encode(texts, batch_size=args.batch_size)))
     a = ours.encode(texts[:200], batch_size=args.batch_size)
     b = st.encode(texts[:200], batch_size=args.st_batch_size, normalize_embeddings=True, convert_to_numpy=True)
@@ -162,29 +215,42 @@ def main() -> None:
     tokens = ours.tokenize(texts)
     mean_len = float(tokens.lengths.mean())
     fpt = flops_per_token(ours.model.config, mean_len)
-    cs_rps, st_rps = len(texts) / min(cs_s), len(texts) / min(st_s)
-    result = {
+    cs_rps = len(texts) / min(cs_s)
+    st_rps = len(texts) / min(st_s) if st_s else float("nan")
+    result = {"command": " ".join(sys.argv), "load_before": load_before,
         "mode": "gpu" if args.gpu else "cpu", "device": torch.cuda.get_device_name() if args.gpu else
         f"cpu x{args.threads} threads", "model": "bert-base (random)" if args.gpu else "all-MiniLM-L6-v2",
         "rows": len(texts), "max_length": args.max_length, "mean_tokens": round(mean_len, 1),
         "truncated": int(tokens.truncated.sum()), "timed": "clusterscale.modeling.encoder.Encoder.encode",
         "clusterscale_rows_per_s": round(cs_rps, 1), "sentence_transformers_rows_per_s": round(st_rps, 1),
-        "ratio": round(cs_rps / st_rps, 3), "flops_per_token": round(fpt),
+        "ratio": round(cs_rps / st_rps, 3) if st_s else None, "flops_per_token": round(fpt),
         "peak_flops": round(peak), "peak": peak_name,
         "clusterscale_mfu": round(cs_rps * mean_len * fpt / peak, 4),
-        "sentence_transformers_mfu": round(st_rps * mean_len * fpt / peak, 4),
+        "sentence_transformers_mfu": round(st_rps * mean_len * fpt / peak, 4) if st_s else None,
         "min_cosine_vs_st": round(min_cos, 5),
         "settings": {"st_batch_size": args.st_batch_size, "batch_size": args.batch_size,
                      "max_tokens_per_batch": ours.max_tokens_per_batch, "repeats": args.repeats},
     }
+    result["tokenize"] = tokenize_figures(ours.text_tokenizer, texts)
     if args.stage:
-        result["stage_rows_per_s"] = stage_rows_per_s(texts, model_path, args.max_length)
+        stage = stage_figures(texts, model_path, args.max_length)
+        result["stage"] = {key: stage[key] for key in ("rows", "units", "actors", "wall_s", "rows_per_s", "busy_s")}
+        result["stage_rows_per_s"] = stage["rows_per_s"]
+        result["stage_over_core"] = round(stage["rows_per_s"] / cs_rps, 3)
+    result["load_after"] = loadavg()
     print(f"{len(texts)} texts, mean {mean_len:.0f} tokens (max {args.max_length}), {result['device']}")
-    print(f"sentence-transformers: {st_rps:8.1f} rows/s  MFU {result['sentence_transformers_mfu']:.1%}")
+    if st_s:
+        print(f"sentence-transformers: {st_rps:8.1f} rows/s  MFU {result['sentence_transformers_mfu']:.1%}")
     print(f"clusterscale Encoder:  {cs_rps:8.1f} rows/s  MFU {result['clusterscale_mfu']:.1%}")
-    print(f"ratio {result['ratio']:.3f}; min cosine to ST {min_cos:.5f}; peak = {peak_name} {peak / 1e9:.0f} GFLOP/s")
-    if "stage_rows_per_s" in result:
-        print(f"Ray stage (embed, start-up included): {result['stage_rows_per_s']:.1f} rows/s")
+    print(f"ratio to ST {result['ratio']}; min cosine to ST {min_cos:.5f}; peak = {peak_name} {peak / 1e9:.0f} GFLOP/s")
+    tok = result["tokenize"]
+    print(f"tokenise (1 thread, max length {args.max_length}): {tok['these_texts']['tokens_per_cpu_s']:,} tokens "
+          f"per CPU-s on these texts; {tok['msmarco_like_60_words']['texts_per_cpu_s']:,} ~60-word passages per "
+          f"CPU-s => {tok['cpus_per_gpu_for_goal']} CPUs per GPU at {GPU_GOAL_PASSAGES_PER_S:,} passages/s")
+    if args.stage:
+        print(f"Ray stage (embed, start-up included): {result['stage_rows_per_s']:.1f} rows/s = "
+              f"{result['stage_over_core']:.0%} of the core's")
+    print(f"load average before {load_before}, after {result['load_after']}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
 

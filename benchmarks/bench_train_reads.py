@@ -1,12 +1,14 @@
 """Training read amplification: bytes a rank reads per step / on-disk bytes of the rows it trains on.
 
     PYTHONPATH=. python benchmarks/bench_train_reads.py --run-dir R --k 32 [--world-size 8] [--steps 100]
+        [--samplers clustered,random,random_clusters,source]
 
 R is a sharded run (`clusterscale synth` + fit + assign + shard). Every rank of a DDP run is simulated
 in this process with its own ShardReader, fed by the schedule, exactly as training reads. Bytes read
 are counted at the filesystem (every file opened through the run's pyarrow filesystem); bytes used
 are each returned row's share of its row group's compressed column chunks (pair_id, query, passage).
-Runs against any checkout (the pre-row-group reader included), so before/after use one script.
+A sampler other than clustered reads its shard set (shards/k=<k>/<sampler>/), which is written first
+through the executor, as `clusterscale train` does, when the run has none (on a local Ray).
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from clusterscale import pipeline  # noqa: E402
+from clusterscale.io.layout import shard_set_dir  # noqa: E402
 from clusterscale.io.rundir import RunDir  # noqa: E402
+from clusterscale.runtime import session  # noqa: E402
 from clusterscale.train import data, schedule  # noqa: E402
 
 COLUMNS = ["pair_id", "query", "passage"]
@@ -63,18 +68,30 @@ def bytes_per_row(run: RunDir, manifest: dict) -> list[np.ndarray]:
     return out
 
 
-def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None) -> dict:
+def set_manifest(run_dir: str, k: int, sampler: str) -> tuple[dict, float | None]:
+    """(manifest of the sampler's shard set, seconds spent writing it: None when it was there)."""
+    cfg, run = pipeline.open_run(run_dir, None, [f"cluster.k={k}", f"train.sampler={sampler}"])
+    written = None
+    if sampler != "clustered" and not run.exists(shard_set_dir(k, sampler), "_DONE.json"):
+        session.init_ray(cfg.ray)
+        started = time.time()
+        pipeline.execute(pipeline.SHARD_SET, cfg, run)
+        written = round(time.time() - started, 1)
+    return data.shard_set_manifest(run, k, cfg.train.global_batch_size, sampler), written
+
+
+def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None,
+            sampler: str = "clustered") -> dict:
     run = RunDir(run_dir)
-    manifest = run.read_json(f"shards/k={k}/manifest.json")
+    manifest, set_write_s = set_manifest(run_dir, k, sampler)
     sizes, batch = [c["rows"] for c in manifest["clusters"]], manifest["global_batch_size"]
     row_bytes = bytes_per_row(run, manifest)
     counted = RunDir(run_dir)
     counted.fs = CountingFS(counted.fs)
     options = {} if footer_cache_mb is None else {"footer_cache_bytes": int(footer_cache_mb * 2 ** 20)}
     readers = [data.ShardReader(counted, manifest, **options) for _ in range(world_size)]
-    extra = {"block_rows": data.schedule_block_rows(manifest)} if hasattr(data, "schedule_block_rows") else {}
     per_step, total_read, total_used, started = [], 0, 0.0, time.time()
-    for gb in schedule.iterate(sizes, batch, "clustered", seed, steps, **extra):
+    for gb in schedule.iterate(sizes, batch, sampler, seed, steps, block_rows=data.schedule_block_rows(manifest)):
         before = counted.fs.bytes_read
         used = 0.0
         for rank, reader in enumerate(readers):
@@ -86,8 +103,9 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer
         per_step.append(read / used)
         total_read, total_used = total_read + read, total_used + used
     warm = per_step[len(per_step) // 2:]
-    return {"rows": int(sum(sizes)), "k": k, "shards": len(sizes), "global_batch_size": batch,
-            "world_size": world_size, "steps": len(per_step), "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
+    return {"sampler": sampler, "set_write_s": set_write_s, "rows": int(sum(sizes)), "k": k, "shards": len(sizes),
+            "global_batch_size": batch, "world_size": world_size, "steps": len(per_step),
+            "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
             "files": sum(len(c["files"]) for c in manifest["clusters"]),
             "bytes_read_per_rank_step": total_read / len(per_step) / world_size,
             "bytes_used_per_rank_step": total_used / len(per_step) / world_size,
@@ -106,9 +124,11 @@ def main() -> None:
     parser.add_argument("--footer-cache-mb", type=float,
                         help="ShardReader's footer cache (row-group reader only); small values emulate the cache "
                              "misses of a run with many more files than the cache holds")
+    parser.add_argument("--samplers", default="clustered", help="comma-separated train.sampler values")
     parser.add_argument("--json")
     args = parser.parse_args()
-    result = measure(args.run_dir, args.k, args.world_size, args.steps, args.seed, args.footer_cache_mb)
+    result = [measure(args.run_dir, args.k, args.world_size, args.steps, args.seed, args.footer_cache_mb, sampler)
+              for sampler in args.samplers.split(",")]
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
-from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path, shards_dir,
-                                    train_dir)
+from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path,
+                                    shard_set_dir, shards_dir, train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.stages.embed import run_embed
@@ -26,6 +26,7 @@ from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.report import run_report
+from clusterscale.stages.shard_sets import run_shard_set
 from clusterscale.stages.shards import run_shard
 from clusterscale.stages.synthetic import SynthSpec, run_synth
 from clusterscale.train import loop, recluster
@@ -127,6 +128,8 @@ def _train(call: StageCall) -> StageResult:
     """Train in segments; between two segments (train.recluster_every) the pairs are re-clustered with the
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
+    if cfg.train.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
+        execute(SHARD_SET, cfg, run)
     plan = loop.plan_training(cfg, run, call.resume)
     if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
         sidecars_for_training(cfg, run, run)
@@ -209,6 +212,17 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 )}
 PREPROCESS = tuple(name for name, s in STAGES.items() if s.shared)  # what compare and sweep share across arms
 PER_K_STAGES = tuple(name for name, s in STAGES.items() if s.per_k)
+
+
+_SHARDS_INPUT = Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg: f"Shards for k={cfg.cluster.k}")
+# The shards of train.sampler random / random_clusters / source, written from the clustered ones when a training
+# run needs them (not a step of its own in the list above).
+SHARD_SET = Stage("shard_set", "Write the shards of train.sampler random, random_clusters or source.",
+                  lambda c: run_shard_set(c.cfg, c.run, c.fingerprint), lambda cfg: shard_set_dir(cfg.cluster.k, cfg.train.sampler), inputs=(_SHARDS_INPUT,),
+                  sections=(*_CLUSTERING, "shard"),
+                  extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
+                                          "sampler": cfg.train.sampler},
+                  resources=Resources(cpus_per_actor=0.5), cost_key=lambda cfg: f"shard:{cfg.train.sampler}")
 
 
 def synth_stage(spec: SynthSpec, max_tasks_in_flight: int | None = None) -> Stage:

@@ -80,7 +80,7 @@ def test_truncation_keeps_the_closing_token_and_is_counted(tiny_model):
     tokens = enc.tokenize(["one two", "word " * 50, "x"])
     assert tokens.truncated.tolist() == [False, True, False]
     assert tokens.lengths.tolist()[1] == 16
-    assert tokens.input_ids[1][-1] == enc.tokenizer.sep_token_id
+    assert tokens.row(1)[-1] == enc.tokenizer.sep_token_id
     enc.encode(["word " * 50] * 3 + ["short"])
     assert enc.truncated == 3
 

@@ -125,7 +125,7 @@ def test_sigkill_of_the_driver_then_rerun(ingested, reference, tmp_path, ray_loc
 def _embed_unit_processes() -> list[int]:
     """Pids of actor processes of this test's Ray (descendants of this process) running a unit right now.
 
-    Read from /proc (Linux): Ray names a Ray Data actor process `ray::MapWorker(MapBatches(EmbedUnits))`."""
+    Read from /proc (Linux): Ray names a Ray Data actor process `ray::MapWorker(MapBatches(EncodeTokens))`."""
     parent, cmdline = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -137,7 +137,7 @@ def _embed_unit_processes() -> list[int]:
                 pass
     me, found = os.getpid(), []
     for pid, cmd in cmdline.items():
-        if "MapBatches(EmbedUnits)" not in cmd:
+        if "MapBatches(EncodeTokens)" not in cmd:
             continue
         ancestor = pid
         while ancestor > 1 and ancestor != me:

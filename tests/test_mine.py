@@ -238,6 +238,18 @@ def test_train_with_mined_negatives_and_clp(sharded_mined_run):
     assert all(p != own[i // 2] for i, p in enumerate(first[0]))
 
 
+def test_mined_negatives_ride_the_shard_set_of_another_sampler(sharded_mined_run):
+    """random_clusters trains from shards/k=4/random_clusters/: the sidecars follow that set's files."""
+    from clusterscale.train.negatives import sidecar_marker
+
+    run_dir, overrides = sharded_mined_run
+    run = RunDir(str(run_dir))
+    extra = ["train.negatives_per_query=1", "train.sampler=random_clusters", "train.steps=2", "train.name=rc"]
+    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
+    assert [m["mined_negatives"] for m in _jsonl(run, "train/rc/metrics.jsonl")] == [16, 16]
+    assert run.exists(sidecar_marker("shards/k=4/random_clusters"))
+
+
 def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
     run_dir, overrides = sharded_mined_run
     capsys.readouterr()

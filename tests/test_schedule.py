@@ -10,18 +10,18 @@ SIZES = [70, 33, 16, 100]
 B = 16
 
 
-def _codes(n: int) -> np.ndarray:
-    return np.random.default_rng(5).integers(0, 3, size=n)
+def _sizes(sampler, sizes=SIZES):
+    """The strata of a sampler's shard set: random's set is one shard of every row."""
+    return [sum(sizes)] if sampler == "random" else list(sizes)
 
 
 def _batches(sampler, epoch=0, weighting="proportional", seed=0, sizes=SIZES):
-    codes = _codes(sum(sizes)) if sampler == "source" else None
-    return schedule.epoch_global_batches(sizes, B, sampler, seed, epoch, weighting, codes)
+    return schedule.epoch_global_batches(_sizes(sampler, sizes), B, sampler, seed, epoch, weighting)
 
 
 def _global_rows(sizes, b: schedule.GlobalBatch) -> np.ndarray:
     offsets = np.cumsum([0] + list(sizes))
-    return b.rows + offsets[b.shard] if b.shard >= 0 else b.rows
+    return b.rows + offsets[b.shard]
 
 
 @pytest.mark.parametrize("sampler", schedule.SAMPLERS)
@@ -36,50 +36,33 @@ def test_deterministic_and_seed_dependent(sampler, weighting):
 
 @pytest.mark.parametrize("sampler", ["clustered", "random_clusters", "source"])
 def test_every_global_batch_from_one_stratum(sampler):
-    codes = _codes(sum(SIZES))
-    parts = schedule.strata(SIZES, sampler, 0, codes)
-    member = {}
-    for s, part in enumerate(parts):
-        rows = _global_rows(SIZES, schedule.GlobalBatch(0, 0, part.shard, part.rows))
-        member.update({int(r): s for r in rows})
     for weighting in schedule.WEIGHTINGS:
         for b in _batches(sampler, weighting=weighting):
-            assert {member[int(r)] for r in _global_rows(SIZES, b)} == {b.group}
+            assert b.group == b.shard and 0 <= b.rows.min() and b.rows.max() < SIZES[b.shard]
             assert len(b.rows) == B and len(set(b.rows.tolist())) == B
+    assert {b.group for b in _batches("random")} == {-1}
 
 
 @pytest.mark.parametrize("sampler", schedule.SAMPLERS)
 def test_exactly_once_per_epoch_when_proportional(sampler):
     """Each pair in at most one batch per epoch; exactly the full batches of every stratum are used."""
-    codes = _codes(sum(SIZES))
+    sizes = _sizes(sampler)
     for epoch in range(3):
         batches = _batches(sampler, epoch)
-        rows = np.concatenate([_global_rows(SIZES, b) for b in batches])
+        rows = np.concatenate([_global_rows(sizes, b) for b in batches])
         assert len(rows) == len(set(rows.tolist()))
-        unused = schedule.unused_pairs(SIZES, B, sampler, 0, epoch, "proportional", codes)
-        assert len(rows) + unused == sum(SIZES)
-        assert len(batches) == schedule.batches_per_epoch(SIZES, B, sampler, codes)
-        if sampler == "clustered":
-            assert unused == sum(s % B for s in SIZES)
+        unused = schedule.unused_pairs(sizes, B, sampler, 0, epoch, "proportional")
+        assert len(rows) + unused == sum(SIZES) and unused == sum(s % B for s in sizes)
+        assert len(batches) == schedule.batches_per_epoch(sizes, B)
 
 
-def test_random_clusters_keep_the_cluster_sizes_but_not_the_members():
-    parts = schedule.strata(SIZES, "random_clusters", 0)
-    assert [len(p.rows) for p in parts] == SIZES
-    everything = np.concatenate([p.rows for p in parts])
-    assert sorted(everything.tolist()) == list(range(sum(SIZES)))
-    assert parts[0].rows.tolist() != list(range(SIZES[0]))
-    assert [p.rows.tolist() for p in parts] == [p.rows.tolist() for p in schedule.strata(SIZES, "random_clusters", 0)]
-
-
-def test_source_strata_follow_the_codes():
-    codes = _codes(sum(SIZES))
-    parts = schedule.strata(SIZES, "source", 0, codes)
-    assert len(parts) == 3
-    for value, part in enumerate(parts):
-        assert sorted(part.rows.tolist()) == np.flatnonzero(codes == value).tolist()
-    with pytest.raises(ValueError, match="source code per row"):
-        schedule.strata(SIZES, "source", 0, None)
+@pytest.mark.parametrize("sampler", schedule.SAMPLERS)
+def test_batches_are_whole_row_groups_for_every_sampler(sampler):
+    """block_rows = the set's row-group size: a global batch (and a rank's half of it) is whole row groups."""
+    sizes, g = _sizes(sampler, [96, 64, 48]), 8
+    for b in schedule.epoch_global_batches(sizes, B, sampler, 0, 1, block_rows=g):
+        blocks = b.rows.reshape(-1, g)
+        assert (blocks[:, 0] % g == 0).all() and (np.diff(blocks, axis=1) == 1).all()
 
 
 def test_uniform_weighting_draws_strata_equally_and_counts_unused():
@@ -100,7 +83,7 @@ def test_uniform_weighting_draws_strata_equally_and_counts_unused():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ranks_split_each_batch_and_exhaust_together(world_size):
-    per_epoch = schedule.batches_per_epoch(SIZES, B, "clustered")
+    per_epoch = schedule.batches_per_epoch(SIZES, B)
     steps = 2 * per_epoch + 3
     per_rank = [list(schedule.iterate(SIZES, B, "clustered", 0, steps)) for _ in range(world_size)]
     assert all(len(r) == steps for r in per_rank)  # every rank runs the same number of steps
@@ -113,10 +96,12 @@ def test_ranks_split_each_batch_and_exhaust_together(world_size):
     assert [b.epoch for b in per_rank[0]] == [s // per_epoch for s in range(steps)]
 
 
-def test_resume_from_any_step_continues_the_same_sequence():
-    full = list(schedule.iterate(SIZES, B, "clustered", 3, 30, weighting="uniform"))
+@pytest.mark.parametrize("sampler", schedule.SAMPLERS)
+def test_resume_from_any_step_continues_the_same_sequence(sampler):
+    sizes = _sizes(sampler)
+    full = list(schedule.iterate(sizes, B, sampler, 3, 30, weighting="uniform", block_rows=4))
     for start in (0, 7, 11, 25):
-        tail = list(schedule.iterate(SIZES, B, "clustered", 3, 30, start, "uniform"))
+        tail = list(schedule.iterate(sizes, B, sampler, 3, 30, start, "uniform", block_rows=4))
         assert [(b.step, b.shard, b.rows.tolist()) for b in tail] == \
                [(b.step, b.shard, b.rows.tolist()) for b in full[start:]]
 

@@ -11,7 +11,8 @@ import torch
 
 from clusterscale.config import TrainConfig
 from clusterscale.io.rundir import RunDir
-from clusterscale.train.metrics import MetricsProcessor, StepFigures, StepResult, reduce_step_figures
+from clusterscale.train.metrics import (JsonlLog, MetricsProcessor, StepFigures, StepResult, read_jsonl_lines,
+                                        reduce_step_figures)
 from clusterscale.train.schedule import GlobalBatch
 from clusterscale.train.step import contrastive_backward
 from tests.test_train_grad import N, _model, _settings, _texts, spawn_two_ranks
@@ -92,3 +93,31 @@ def test_records_printed_lines_and_collapse(tmp_path, capsys):
     batches = run.read_bytes("train/t/batches/rank-0.jsonl").decode().splitlines()
     assert json.loads(batches[2]) == {"step": 2, "epoch": 0, "shard": 1, "group": 1, "pair_ids": [20, 21]}
     assert processor.report(6)["loss"] == pytest.approx(math.log(4)) and processor.report(6)["step"] == 6
+
+
+@pytest.mark.parametrize("appendable", [True, False])
+def test_jsonl_log_appends_and_a_resume_cuts_the_steps_after_the_checkpoint(tmp_path, monkeypatch, appendable):
+    """Each flush writes only its new records (never the whole file); an object store (no append) gets parts.
+    A resumed attempt drops what the failed one logged after the checkpoint, then continues appending."""
+    run = RunDir(str(tmp_path))
+    run.is_local = appendable  # the object-store path, on a local folder
+    log = JsonlLog(run, "train/t/metrics.jsonl", None)
+    written = []
+    monkeypatch.setattr(run, "write_bytes",
+                        lambda rel, data: (written.append(len(data)), RunDir.write_bytes(run, rel, data)))
+    for step in range(7):
+        log.append({"step": step})
+        if step % 2:
+            log.flush()
+    log.flush()
+    assert [json.loads(x)["step"] for x in read_jsonl_lines(run, "train/t/metrics.jsonl")] == list(range(7))
+    if appendable:
+        assert not written and run.exists("train/t/metrics.jsonl")
+    else:
+        assert len(written) == 4 and max(written) <= 2 * len('{"step": 0}\n')
+    resumed = JsonlLog(run, "train/t/metrics.jsonl", 3)  # checkpoint at step 3: steps 3..6 are logged again
+    for step in range(3, 5):
+        resumed.append({"step": step, "again": True})
+    resumed.flush()
+    records = [json.loads(x) for x in read_jsonl_lines(run, "train/t/metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4] and all(r.get("again") for r in records[3:])

@@ -32,7 +32,7 @@ def test_clustered_batches_are_whole_blocks_each_row_once_per_epoch_and_epochs_d
     compositions = []
     for epoch in range(2):
         batches = schedule.epoch_global_batches(SIZES, B, "clustered", 0, epoch, block_rows=g)
-        assert len(batches) == schedule.batches_per_epoch(SIZES, B, "clustered")
+        assert len(batches) == schedule.batches_per_epoch(SIZES, B)
         for b in batches:
             blocks = b.rows.reshape(-1, g)
             assert (blocks == blocks[:, :1] + np.arange(g)).all() and (blocks[:, 0] % g == 0).all()
@@ -157,14 +157,14 @@ def test_prefetch_stops_when_the_consumer_stops(tmp_path):
 
 def test_shard_writer_writes_whole_row_groups_of_the_batch_slice(tmp_path):
     from clusterscale.io.rundir import RunDir
-    from clusterscale.stages.shards import SHARD_COLUMNS, WriteClusterShard
+    from clusterscale.stages.shards import SHARD_COLUMNS, SetLayout, WriteClusterShard
 
     n, g = 150, 8
     emb = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 2, dtype=np.float32)), 2)
     group = pa.table({"shard": [3] * n, "sub": [0] * n, "pair_id": pa.array(np.arange(n)), "query": ["q"] * n,
                       "passage": ["p"] * n,
                       "source": pa.nulls(n, pa.string()), "cluster": [3] * n, "cos": [1.0] * n, "emb": emb})
-    out = WriteClusterShard(str(tmp_path), 4, 0, 5 * g, g, 2, None, SHARD_COLUMNS)(group)
+    out = WriteClusterShard(str(tmp_path), 4, SetLayout("shards/k=4", "cluster", 0, 5 * g, g, 2), SHARD_COLUMNS)(group)
     files = out.column("files")[0].as_py()
     assert len(files) == 4
     run = RunDir(str(tmp_path))

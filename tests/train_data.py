@@ -40,7 +40,8 @@ def make_sharded_run(root: Path, k: int = 4, rows_per_topic: int = 40, global_ba
             pq.write_table(piece, sink, row_group_size=row_group_rows)
             run.write_bytes(rel, sink.getvalue())
             files.append(rel)
-        clusters.append({"cluster": c, "name": str(c), "rows": len(rows), "files": files, "members": [c],
+        clusters.append({"cluster": c, "name": str(c), "rows": len(rows), "files": files,
+                         "file_rows": [piece.num_rows for piece in pieces], "members": [c],
                          "mean_intra_cosine": None, "samples": []})
     manifest = {"k": k, "fingerprint": "test", "global_batch_size": global_batch_size, "clusters": clusters,
                 "stats": {"rows": table.num_rows}}

@@ -27,6 +27,16 @@ def shards_dir(k: int) -> str:
     return f"shards/k={k}"
 
 
+def shard_set_dir(k: int, sampler: str) -> str:
+    """The shards a sampler trains from: shards/k=<k>/ itself for `clustered`, shards/k=<k>/<sampler>/ (a set
+    written from the clustered shards, with its own manifest and done marker) for the other samplers."""
+    return shards_dir(k) if sampler == "clustered" else f"{shards_dir(k)}/{sampler}"
+
+
+def shard_set_manifest_path(k: int, sampler: str) -> str:
+    return f"{shard_set_dir(k, sampler)}/manifest.json"
+
+
 def centroids_path(k: int) -> str:
     return f"{kmeans_dir(k)}/centroids.npy"
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import local_copy
 from clusterscale.modeling.moe import moe_layers
+from clusterscale.modeling.tokens import TextTokenizer, Tokens
 
 BUNDLED = "bundled"
 
@@ -129,18 +130,6 @@ def check_encoder(model: str, trust_remote_code: bool = False) -> None:
     load_tokenizer(path, trust_remote_code)
 
 
-class Tokens:
-    """Token ids of a list of texts, cut at max_length, with a per-text truncation flag."""
-
-    def __init__(self, input_ids: list[list[int]], truncated: np.ndarray):
-        self.input_ids = input_ids
-        self.lengths = np.fromiter((len(ids) for ids in input_ids), dtype=np.int64, count=len(input_ids))
-        self.truncated = truncated
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
 def token_budget_batches(lengths: np.ndarray, batch_size: int, max_tokens_per_batch: int) -> list[np.ndarray]:
     """Row indices per batch: longest first, each batch's padded size (rows x longest) within the budget.
 
@@ -178,21 +167,13 @@ class Encoder:
         self.max_tokens_per_batch = max_tokens_per_batch or (65_536 if self.device.type == "cuda" else 8_192)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.pad_left = getattr(self.tokenizer, "padding_side", "right") == "left"
-        self.specials = set(self.tokenizer.all_special_ids)
+        self.text_tokenizer = TextTokenizer(self.tokenizer, max_length)
         self.truncated = 0  # texts cut at max_length, counted for the stage stats
         self.last_truncated = np.zeros(0, dtype=bool)  # per text of the latest encode() call
 
     def tokenize(self, texts: list[str]) -> Tokens:
-        """Tokenise once, cut at max_length keeping the closing special token, count the cuts."""
-        ids_list = self.tokenizer(list(texts), truncation=False, add_special_tokens=True, verbose=False,
-                                  return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        n = self.max_length
-        truncated = np.zeros(len(ids_list), dtype=bool)
-        for i, ids in enumerate(ids_list):
-            if len(ids) > n:
-                truncated[i] = True
-                ids_list[i] = ids[:n - 1] + ids[-1:] if ids[-1] in self.specials else ids[:n]
-        return Tokens(ids_list, truncated)
+        """Tokenise once, cut at max_length keeping the closing special token, flag the cuts."""
+        return self.text_tokenizer(texts)
 
     def _collate(self, tokens: Tokens, rows: np.ndarray) -> dict[str, torch.Tensor]:
         """Pad one batch with numpy (tokenizer.pad is a Python loop per row)."""
@@ -202,7 +183,7 @@ class Encoder:
         for r, i in enumerate(rows):
             n = int(tokens.lengths[i])
             cols = slice(width - n, width) if self.pad_left else slice(0, n)
-            ids[r, cols] = tokens.input_ids[i]
+            ids[r, cols] = tokens.row(i)
             mask[r, cols] = 1
         batch = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
         if self.device.type == "cuda":

@@ -12,11 +12,11 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
-from clusterscale.io.layout import manifest_path
+from clusterscale.io.layout import shard_set_manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.student import scratch_bert
 from clusterscale.train import schedule
-from clusterscale.train.data import strata_inputs
+from clusterscale.train.data import strata_sizes
 from clusterscale.train.metrics import read_metrics
 
 TOKEN_SAMPLE_ROWS = 256
@@ -129,12 +129,11 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     steps = [r["step_s"] for r in read_metrics(run, name)]
-    if not (record.get("steps") and steps and run.exists(manifest_path(cfg.cluster.k))):
+    manifest = shard_set_manifest_path(cfg.cluster.k, record.get("sampler", cfg.train.sampler))
+    if not (record.get("steps") and steps and run.exists(manifest)):
         return None
-    manifest = run.read_json(manifest_path(cfg.cluster.k))
-    sizes, codes, _ = strata_inputs(run, manifest, record.get("sampler", cfg.train.sampler))
-    gbs = record.get("global_batch_size", cfg.train.global_batch_size)
-    batches = schedule.batches_per_epoch(sizes, gbs, record.get("sampler", cfg.train.sampler), codes)
+    sizes = strata_sizes(run.read_json(manifest))
+    batches = schedule.batches_per_epoch(sizes, record.get("global_batch_size", cfg.train.global_batch_size))
     workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.num_workers
     overhead = max(0.0, record["wall_s"] - sum(steps))
     epoch_wall = overhead + batches * float(np.mean(steps))

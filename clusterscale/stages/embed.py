@@ -5,11 +5,13 @@ side that is clustered) and `truncated` (that text was cut at embed.max_length).
 embed.side=both, `emb` is the passage and `emb_query` / `truncated_query` are added.
 
 Work units are fixed row ranges of the pairs/ part files, listed once in embeddings/_units.json
-with the config fingerprint. Ray Data `map_batches` with a callable class over the
-unit list (an actor pool, one encoder replica per actor: one per GPU, or threads_per_actor CPUs
-each) embeds units; each unit's output is written to a temporary name and renamed, so a file
-present under its final name is complete and a rerun skips it. A killed actor is restarted by Ray
-Data and its unit redone into the same file name: no row is lost or duplicated.
+with the config fingerprint. One Ray Data pipeline runs them: read + tokenise on CPUs (the
+Rust tokenizer, no torch), forward passes in an actor pool (one encoder replica per actor: one per
+GPU, or threads_per_actor CPUs each) that receives token ids only, and write on CPUs; the
+three stream, so reads, tokenising and writes overlap the forward passes. Each unit's output is
+written to a temporary name and renamed, so a file present under its final name is complete and a
+rerun skips it. A killed actor is restarted by Ray Data and its unit redone into the same file
+name: no row is lost or duplicated.
 Run with `clusterscale embed [CONFIG] --run-dir R` (after `ingest`).
 """
 from __future__ import annotations
@@ -17,18 +19,20 @@ from __future__ import annotations
 import math
 import posixpath
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config, EmbedConfig, Fingerprint
 from clusterscale.errors import UserError
-from clusterscale.modeling.encoder import Encoder, check_encoder
+from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
-from clusterscale.runtime.resources import ActorPlan, Resources, plan_actors
+from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix  # noqa: F401 - emb_matrix is part of this module's API
 
@@ -60,9 +64,15 @@ def plan_units(run: RunDir, rows_per_unit: int) -> list[dict]:
     return units
 
 
+UNITS_PER_ACTOR = 4
+"""Automatic units are small enough for this many per actor. Not more: texts are sorted by length within
+a unit, so smaller units pad more (docstrings at 20k rows: +3% padded tokens at 4 units per actor,
++13% at 16, against one sort of all rows)."""
+
+
 def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
-    """Whole pairs/ parts when there are plenty; otherwise small enough for >= 4 units per actor."""
-    return max(1, min(rows_per_part, math.ceil(n_rows / (4 * actors))))
+    """Whole pairs/ parts when there are plenty; otherwise small enough for UNITS_PER_ACTOR per actor."""
+    return max(1, min(rows_per_part, math.ceil(n_rows / (UNITS_PER_ACTOR * actors))))
 
 
 def make_plan(cfg: Config, actors: int, pairs_run: RunDir) -> dict:
@@ -73,34 +83,103 @@ def make_plan(cfg: Config, actors: int, pairs_run: RunDir) -> dict:
             "units": plan_units(pairs_run, rows_per_unit)}
 
 
-# the actor ---------------------------------------------------------------------------------------
-class EmbedWorker:
-    """One encoder replica; embeds whole work units and writes each one atomically."""
+# the Ray Data pipeline: read + tokenise (CPU actors) -> encode (encoder actors) -> write (CPU actors) ----
+UNIT = "_unit"  # the unit's output path, on every row of it while it travels
+UNIT_ROWS = "_unit_rows"  # the unit's row count, so that a writer can check it holds the whole unit
+ENCODE_S = "_encode_s"  # each row's share of the encoder's busy seconds
+TOKENS = "_tokens"  # + the side's suffix: token ids, list<int32>
 
-    def __init__(self, run_uri: str, embed: dict, threads: int, pairs_uri: str | None = None):
+CPU_ACTOR_SPARE = 0.25
+"""CPU that each CPU-only encoder actor leaves unreserved for the tokenise and write actors (CPU_STAGE_CPUS
+each); on GPU nodes an encoder actor reserves 1 CPU and the rest of the node is theirs."""
+CPU_STAGE_CPUS = 0.125
+GPU_STAGE_CPUS = 1.0  # a tokeniser is one single-threaded Rust tokenizer: one CPU of a GPU node
+
+
+class TokenizeUnits:
+    """Ray Data callable class on CPUs: read each unit's rows of pairs/ and tokenise the embedded side(s).
+
+    No torch here. Adds `truncated<suffix>` and the token ids per side, and tags every row with its unit.
+    A small pool of long-lived actors, not tasks: where the encoders fill a node's CPUs, Ray keeps no idle
+    worker process, and every task would start (import) a new one, ~1 CPU-second each."""
+
+    def __init__(self, pairs_uri: str, tokenizer: TextTokenizer, side: str):
+        single_threaded()
+        self.pairs_run = RunDir(pairs_uri)
+        self.tokenizer = tokenizer
+        self.side = side
+
+    def __call__(self, units: pa.Table) -> pa.Table:
+        return pa.concat_tables([self.tokenize_unit(unit) for unit in units.to_pylist()])
+
+    def tokenize_unit(self, unit: dict) -> pa.Table:
+        with self.pairs_run.fs.open_input_file(self.pairs_run.path(unit["input"])) as f:
+            table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
+        for text, suffix in output_columns(self.side):
+            tokens = self.tokenizer(table.column(text).to_pylist())
+            table = table.append_column(f"truncated{suffix}", pa.array(tokens.truncated))
+            table = table.append_column(f"{TOKENS}{suffix}", tokens.to_arrow())
+        n = table.num_rows
+        table = table.append_column(UNIT, pa.array([unit["output"]] * n, pa.string()))
+        return table.append_column(UNIT_ROWS, pa.array(np.full(n, n, dtype=np.int64)))
+
+
+class EncodeTokens:
+    """Ray Data callable class: one encoder replica per actor; forward passes on token ids only.
+
+    A batch is one or more whole units (one block each); its texts are sorted by length and batched by
+    the token budget across the batch, and the vectors return in row order as `emb<suffix>`."""
+
+    def __init__(self, embed: dict, threads: int):
+        from clusterscale.modeling.encoder import Encoder  # torch and the model load in the actors only
+
         self.cfg = EmbedConfig(**embed)
-        self.run = RunDir(run_uri)
-        self.pairs_run = RunDir(pairs_uri) if pairs_uri else self.run
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
                                trust_remote_code=self.cfg.trust_remote_code, threads=threads,
                                max_tokens_per_batch=self.cfg.max_tokens_per_batch)
 
-    def embed_unit(self, unit: dict) -> dict:
-        """Read, tokenise, encode, check, write. Returns the unit's counts."""
+    def __call__(self, batch: pa.Table) -> pa.Table:
         started = time.time()
-        with self.pairs_run.fs.open_input_file(self.pairs_run.path(unit["input"])) as f:
-            table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
-        sides = output_columns(self.cfg.side)
-        tokens = [self.encoder.tokenize(table.column(text).to_pylist()) for text, _ in sides]
-        vectors = [self.encoder.encode_tokens(t, self.cfg.batch_size) for t in tokens]
-        for (text, _), v in zip(sides, vectors):
-            check_finite(v, table.column("pair_id").to_numpy(), text, self.cfg.model)
-        for (_, suffix), v, t in zip(sides, vectors, tokens):
-            table = table.append_column(f"emb{suffix}", emb_array(v))
-            table = table.append_column(f"truncated{suffix}", pa.array(t.truncated))
-        self.run.write_parquet(unit["output"], table, row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
-        return {"rows": table.num_rows, "truncated": int(tokens[0].truncated.sum()),
-                "busy_s": time.time() - started}
+        for text, suffix in output_columns(self.cfg.side):
+            tokens = Tokens.from_arrow(batch.column(f"{TOKENS}{suffix}"), batch.column(f"truncated{suffix}"))
+            vectors = self.encoder.encode_tokens(tokens, self.cfg.batch_size)
+            check_finite(vectors, batch.column("pair_id").to_numpy(), text, self.cfg.model)
+            batch = batch.drop_columns([f"{TOKENS}{suffix}"]).append_column(f"emb{suffix}", emb_array(vectors))
+        share = (time.time() - started) / max(1, batch.num_rows)
+        return batch.append_column(ENCODE_S, pa.array(np.full(batch.num_rows, share)))
+
+
+class WriteUnits:
+    """Ray Data callable class on CPUs: write each unit of a batch to its file (temporary name, then rename).
+
+    Returns one row per unit: rows, truncated (of the clustered side) and the encoder's busy seconds."""
+
+    def __init__(self, run_uri: str, side: str):
+        self.run = RunDir(run_uri)
+        self.side = side
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        results = []
+        for output in dict.fromkeys(batch.column(UNIT).to_pylist()):
+            rows = batch.filter(pc.equal(batch.column(UNIT), output))
+            expected = rows.column(UNIT_ROWS)[0].as_py()
+            if rows.num_rows != expected:  # a unit split over blocks would overwrite its file with a part
+                raise RuntimeError(f"embed: unit {output} reached its writer with {rows.num_rows} of {expected} rows.")
+            self.run.write_parquet(output, output_table(rows, self.side), row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
+            results.append({"rows": rows.num_rows, "truncated": int(np.asarray(rows.column("truncated")).sum()),
+                            "busy_s": float(np.asarray(rows.column(ENCODE_S)).sum())})
+        return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+
+
+RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("truncated", pa.int64()), ("busy_s", pa.float64())])
+
+
+def output_table(rows: pa.Table, side: str) -> pa.Table:
+    """The embeddings/ file layout: the pair columns, then emb<suffix> and truncated<suffix> per side."""
+    added = [name for _, suffix in output_columns(side) for name in (f"emb{suffix}", f"truncated{suffix}")]
+    internal = {UNIT, UNIT_ROWS, ENCODE_S}
+    pair_columns = [c for c in rows.column_names if c not in internal and c not in added]
+    return rows.select(pair_columns + added)
 
 
 def check_finite(vectors: np.ndarray, pair_ids: np.ndarray, side: str, model: str) -> None:
@@ -113,35 +192,57 @@ def check_finite(vectors: np.ndarray, pair_ids: np.ndarray, side: str, model: st
 
 
 def actor_pool_size(cfg: EmbedConfig) -> ActorPlan:
-    """One actor (encoder replica) per GPU, else one per threads_per_actor CPUs."""
-    return plan_actors(Resources(cpus=cfg.threads_per_actor, gpus=1), max_actors=cfg.num_actors)
+    """One actor (encoder replica) per GPU, else one per threads_per_actor CPUs, each leaving
+    CPU_ACTOR_SPARE of its CPUs to the tokenise and write actors."""
+    pool = plan_actors(Resources(cpus=cfg.threads_per_actor, gpus=1), max_actors=cfg.num_actors)
+    return pool if pool.on_gpu else replace(pool, num_cpus=pool.num_cpus - CPU_ACTOR_SPARE)
 
 
-class EmbedUnits:
-    """Ray Data callable class: one EmbedWorker (encoder replica) per actor; each row is a work unit."""
-
-    def __init__(self, run_uri: str, embed: dict, threads: int, pairs_uri: str | None = None):
-        self.worker = EmbedWorker(run_uri, embed, threads, pairs_uri)
-
-    def __call__(self, units: pa.Table) -> pa.Table:
-        results = [self.worker.embed_unit(u) for u in units.to_pylist()]
-        return pa.Table.from_pylist(results, schema=pa.schema([("rows", pa.int64()), ("truncated", pa.int64()),
-                                                               ("busy_s", pa.float64())]))
+def cpu_stage_pool(pool: ActorPlan, units: int) -> tuple[ray.data.ActorPoolStrategy, float]:
+    """(autoscaling pool, CPUs per actor) of the tokenise stage and of the write stage: from one actor up
+    to half each of the CPUs the encoders leave free (tokenising one ~80-token text costs ~1/8,000 of a
+    CPU-second, so a GPU needs a few tokenisers and a CPU encoder pool one)."""
+    cpus = GPU_STAGE_CPUS if pool.on_gpu else CPU_STAGE_CPUS
+    free = ClusterResources.current().cpus - pool.actors * (pool.num_cpus or 1)
+    most = max(1, min(units, int(free / 2 / cpus)))
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=most), cpus
 
 
-def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir | None = None
-              ) -> tuple[list[dict], float]:
-    """Embed `todo` with a Ray Data actor pool (one unit per task; Ray Data restarts a dead actor and retries).
+def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir,
+                  tokenizer: TextTokenizer) -> ray.data.Dataset:
+    """units -> read + tokenise (CPU actors) -> encode (encoder actors) -> write (CPU actors): one result
+    row per unit.
 
-    A unit's output name is fixed, so a task Ray retries after an actor death rewrites the same file:
-    no row is lost or duplicated. Returns (per-unit results, actor seconds)."""
-    started = time.time()
-    pool_size = min(pool.actors, len(todo))
+    Each stage streams into the next, so reading, tokenising and writing overlap the forward passes. A
+    unit is one block from read to write (no block size limit on this dataset), so its writer holds it
+    whole; the three operators are actor pools of their own, so Ray Data does not fuse them."""
+    embed = cfg.to_dict()["embed"]
     ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-    ds = ds.map_batches(EmbedUnits, fn_constructor_args=(run.uri, cfg.to_dict()["embed"], pool.threads,
-                                                            pairs_run.uri if pairs_run else None),
-                        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool_size),
-                        **pool.options)
+    ds.context.target_max_block_size = None
+    tokenise_pool, cpus = cpu_stage_pool(pool, len(todo))
+    ds = ds.map_batches(TokenizeUnits, fn_constructor_args=(pairs_run.uri, tokenizer, cfg.embed.side),
+                        batch_size=None, batch_format="pyarrow", compute=tokenise_pool, num_cpus=cpus)
+    # A GPU actor gets its next unit while it runs one (that block may come from another node); a CPU actor
+    # takes one at a time (a local fetch), so no unit waits queued at a busy actor while another is free.
+    encode_pool = ray.data.ActorPoolStrategy(size=min(pool.actors, len(todo)),
+                                             max_tasks_in_flight_per_actor=2 if pool.on_gpu else 1)
+    ds = ds.map_batches(EncodeTokens, fn_constructor_args=(embed, pool.threads), batch_size=None,
+                        batch_format="pyarrow", compute=encode_pool, **pool.options)
+    write_pool, cpus = cpu_stage_pool(pool, len(todo))
+    return ds.map_batches(WriteUnits, fn_constructor_args=(run.uri, cfg.embed.side), batch_size=None,
+                          batch_format="pyarrow", compute=write_pool, num_cpus=cpus)
+
+
+def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir
+              ) -> tuple[list[dict], float]:
+    """Embed `todo` (Ray Data restarts a dead actor and retries its task; a retried unit rewrites the same
+    file name, so no row is lost or duplicated). Returns (per-unit results, actor seconds)."""
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path  # torch: in the driver only
+
+    started = time.time()
+    tokenizer = TextTokenizer(load_tokenizer(resolve_model_path(cfg.embed.model), cfg.embed.trust_remote_code),
+                              cfg.embed.max_length)
+    ds = embed_dataset(run, cfg, todo, pool, pairs_run, tokenizer)
     progress = ProgressLine("embed", sum(u["stop"] - u["start"] for u in todo))
     results = []
     try:
@@ -154,7 +255,7 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs
         if marker in text:
             raise EmbeddingError(text.split(marker, 1)[1].splitlines()[0]) from exc
         raise
-    return results, (time.time() - started) * pool_size
+    return results, (time.time() - started) * min(pool.actors, len(todo))
 
 
 def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:
@@ -173,6 +274,8 @@ def run_embed(cfg: Config, run: RunDir, fingerprint: Fingerprint, pairs_run: Run
 
     pairs_run: read pairs/ from this run directory instead of `run` (re-embedding the same pairs with
     another encoder into a child run directory: mining with a trained model, re-clustering)."""
+    from clusterscale.modeling.encoder import check_encoder  # torch: in the driver only
+
     pairs_run = pairs_run or run
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
     pool = actor_pool_size(cfg.embed)

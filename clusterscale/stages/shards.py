@@ -145,34 +145,77 @@ def bytes_per_row(run: RunDir, files: list[str], columns: list[str], max_files: 
     return size / max(1, rows)
 
 
+@dataclass(frozen=True)
+class SetLayout:
+    """Where and how a shard set's files are written: under `folder`, one `<partition>=<name>` folder per shard
+    (the pool shard, if any, named 'pool'), files of rows_per_file rows in row groups of row_group_rows."""
+
+    folder: str
+    partition: str
+    seed: int
+    rows_per_file: int
+    row_group_rows: int
+    num_samples: int
+    pool_id: int | None = None
+
+
 class WriteClusterShard:
     """Ray Data map_groups fn: one call per (shard, sub-group); sorts by pair_id, permutes with a seeded RNG,
-    writes files of at most target_rows_per_file rows."""
+    writes files of at most rows_per_file rows."""
 
-    def __init__(self, run_uri: str, k: int, seed: int, rows_per_file: int, row_group_rows: int, num_samples: int,
-                 pool_id: int | None, columns: list[str]):
-        self.run = RunDir(run_uri)
-        self.k, self.seed, self.rows_per_file, self.row_group_rows = k, seed, rows_per_file, row_group_rows
-        self.num_samples, self.pool_id, self.columns = num_samples, pool_id, columns
+    def __init__(self, run_uri: str, k: int, layout: SetLayout, columns: list[str]):
+        self.run, self.k, self.layout, self.columns = RunDir(run_uri), k, layout, columns
 
     def __call__(self, group: pa.Table) -> pa.Table:
+        lay = self.layout
         shard_id, sub = int(group.column("shard")[0].as_py()), int(group.column("sub")[0].as_py())
         group = group.sort_by("pair_id")  # arrival order after the shuffle is not deterministic
-        perm = np.random.default_rng([self.seed, self.k, shard_id, sub]).permutation(group.num_rows)
+        perm = np.random.default_rng([lay.seed, self.k, shard_id, sub]).permutation(group.num_rows)
         group = group.take(pa.array(perm)).select(self.columns)
-        name = "pool" if shard_id == self.pool_id else str(shard_id)
+        name = "pool" if shard_id == lay.pool_id else str(shard_id)
         files, file_rows = [], []
-        for part, start in enumerate(range(0, group.num_rows, self.rows_per_file)):
-            # sub-group then part in the name: a cluster's files sort into their manifest order
-            rel = f"{shards_dir(self.k)}/cluster={name}/part-{sub:05d}-{part:05d}.parquet"
+        for part, start in enumerate(range(0, group.num_rows, lay.rows_per_file)):
+            # sub-group then part in the name: a shard's files sort into their manifest order
+            rel = f"{lay.folder}/{lay.partition}={name}/part-{sub:05d}-{part:05d}.parquet"
             # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
-            self.run.write_parquet(rel, group.slice(start, self.rows_per_file), row_group_size=self.row_group_rows,
+            self.run.write_parquet(rel, group.slice(start, lay.rows_per_file), row_group_size=lay.row_group_rows,
                                    write_statistics=False)
             files.append(rel)
-            file_rows.append(min(self.rows_per_file, group.num_rows - start))
+            file_rows.append(min(lay.rows_per_file, group.num_rows - start))
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
                          "files": [files], "file_rows": [file_rows],
-                         "samples": [group.column("query").slice(0, self.num_samples).to_pylist()]})
+                         "samples": [group.column("query").slice(0, lay.num_samples).to_pylist()]})
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """How many rows a shard-set write moves and how they are grouped (sizes the writer actors)."""
+
+    rows: int
+    groups: int           # (shard, sub) keys
+    largest_group: int    # rows
+    max_group_rows: int   # shard.max_group_rows
+
+
+def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, columns: list[str],
+                 sizes: GroupSizes, input_files: list[str], what: str) -> dict[int, list[dict]]:
+    """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key; returns the
+    written groups of each shard, in sub-group order. Actor memory comes from the input files' bytes per row."""
+    partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
+    rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
+    memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, input_files, columns) * rows_held)
+    cluster = ClusterResources.current()
+    # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
+    plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
+                       cluster=cluster)
+    written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
+        WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors), **plan.options)
+    progress, groups = ProgressLine(what, sizes.rows), {}
+    for r in written.iter_rows():
+        groups.setdefault(r["shard"], []).append(r)
+        progress.advance(r["rows"])
+    return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
 
 
 def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
@@ -183,25 +226,20 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     k, files, n_rows = cfg.cluster.k, run.files(assign_dir(cfg.cluster.k)), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
-    partitions = min(int(num_groups.sum()), max(MIN_PARTITIONS, math.ceil(2 * n_rows / sc.max_group_rows)))
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
-    rows_held = max(largest_group, math.ceil(n_rows / partitions))
-    memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, files, columns) * rows_held)
-    cluster = ClusterResources.current()
-    # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
-    plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
-                       cluster=cluster)
     ds = read_row_groups(run, files, columns)
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
-    written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
-        WriteClusterShard, fn_constructor_args=(run.uri, k, cfg.cluster.seed, rows_per_file, row_group_rows,
-                                                sc.num_samples, pool_id, columns),
-        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors), **plan.options)
-    progress, groups = ProgressLine("shard", n_rows), {}
-    for r in written.iter_rows():
-        groups.setdefault(r["shard"], []).append(r)
-        progress.advance(r["rows"])
-    return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
+    layout = SetLayout(shards_dir(k), "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
+                       pool_id)
+    sizes = GroupSizes(n_rows, int(num_groups.sum()), largest_group, sc.max_group_rows)
+    return write_groups(ds, run, k, layout, columns, sizes, files, "shard")
+
+
+def file_sizes(cfg: Config) -> tuple[int, int]:
+    """(rows per shard file, rows per Parquet row group) of every shard set: row groups sized so a global batch
+    is whole groups (train/data.row_group_rows_for), files of whole row groups."""
+    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
+    return max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows, row_group_rows
 
 
 def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats, num_samples: int) -> dict:
@@ -230,8 +268,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
-    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
-    rows_per_file = max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows  # whole groups
+    rows_per_file, row_group_rows = file_sizes(cfg)
     with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
         groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,

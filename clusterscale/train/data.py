@@ -1,4 +1,10 @@
-"""Reading training rows from the shards: the manifest checks, source labels, and a row-group reader with prefetch."""
+"""Reading training rows from a sampler's shard set: the manifest checks and a row-group reader with prefetch.
+
+Every sampler trains from a shard set (io/layout.shard_set_dir): the clustered shards for `clustered`, a set
+written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py). A set's shards are
+the sampler's strata; its manifest lists each shard's files and their rows, so a rank reads only the row
+groups of its rows and never lists or opens the other files.
+"""
 from __future__ import annotations
 
 import queue
@@ -13,7 +19,7 @@ import pyarrow.parquet as pq
 
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.io.layout import load_manifest, manifest_path, shards_dir
+from clusterscale.io.layout import load_manifest, manifest_path, shard_set_dir, shard_set_manifest_path, shards_dir
 from clusterscale.train.schedule import GlobalBatch
 
 READ_COLUMNS = ["pair_id", "query", "passage"]
@@ -24,7 +30,8 @@ class TrainDataError(UserError, ValueError):
 
 
 def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> dict:
-    """The manifest of shards/k=<k>/, after checking it matches the config and its files exist."""
+    """The manifest of the clustered shards shards/k=<k>/, after checking it matches the config and its files
+    exist (the driver checks; training ranks only read it)."""
     if not run.exists(manifest_path(k)) and run.exists(shards_dir(k), "_DONE.json"):
         raise StageMissingError(f"{run.path(manifest_path(k))} is missing although the shard stage "
                                 f"is marked done: delete {shards_dir(k)}/ and rerun `clusterscale shard`.")
@@ -32,48 +39,50 @@ def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> dict:
     if manifest.get("k") != k:
         raise TrainDataError(f"The manifest in {shards_dir(k)}/ was written for cluster.k={manifest.get('k')}, not "
                              f"cluster.k={k}: it was copied or moved; rerun `clusterscale shard` with cluster.k={k}.")
-    if manifest["global_batch_size"] != global_batch_size:
-        raise TrainDataError(f"The shards under {shards_dir(k)} were planned for train.global_batch_size="
-                             f"{manifest['global_batch_size']}, not {global_batch_size}: rerun `clusterscale shard` "
-                             f"with this batch size in a new --run-dir, or keep the batch size.")
-    missing = [f for c in manifest["clusters"] for f in c["files"] if not run.exists(f)]
-    if missing:
-        raise StageMissingError(f"{len(missing)} shard file(s) listed in the manifest are missing (first: "
-                                f"{run.path(missing[0])}): delete {shards_dir(k)}/ and rerun `clusterscale shard`.")
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    _check_set(run, manifest, shards_dir(k), global_batch_size, "clusterscale shard")
+    sizes = strata_sizes(manifest)
     if not sizes or max(sizes) < global_batch_size:
         raise TrainDataError(f"train.global_batch_size={global_batch_size} is larger than every shard (largest "
                              f"{max(sizes, default=0)} rows): lower it or cluster.k.")
     return manifest
 
 
-def source_codes(run: RunDir, manifest: dict) -> tuple[np.ndarray, list[str]]:
-    """(int code per row, shards concatenated in manifest order; the source name of each code)."""
-    files = [f for c in manifest["clusters"] for f in c["files"]]
-    schema = pq.read_schema(run.fs.open_input_file(run.path(files[0])))
-    if "source" not in schema.names:
-        raise TrainDataError("train.sampler=source needs a `source` column in the shards, and they have none: "
-                             "set data.source_column when ingesting (in a new --run-dir), or use another sampler.")
-    column = pa.chunked_array([pq.read_table(run.fs.open_input_file(run.path(f)), columns=["source"]).column(0)
-                               for f in files])
-    if column.null_count == len(column):
-        raise TrainDataError("train.sampler=source: every row's `source` is empty. Set data.source_column to the "
-                             "input column naming each pair's source (in a new --run-dir), or use another sampler.")
-    values = np.array(column.fill_null("(none)").to_pylist(), dtype=object)
-    names, codes = np.unique(values, return_inverse=True)
-    return codes.astype(np.int64), [str(n) for n in names]
+def _check_set(run: RunDir, manifest: dict, folder: str, global_batch_size: int, rerun: str) -> None:
+    if manifest["global_batch_size"] != global_batch_size:
+        raise TrainDataError(f"The shards under {folder} were planned for train.global_batch_size="
+                             f"{manifest['global_batch_size']}, not {global_batch_size}: rerun `clusterscale shard` "
+                             f"with this batch size in a new --run-dir, or keep the batch size.")
+    missing = [f for f in shard_set_files(manifest) if not run.exists(f)]
+    if missing:
+        raise StageMissingError(f"{len(missing)} shard file(s) listed in the manifest are missing (first: "
+                                f"{run.path(missing[0])}): delete {folder}/ and rerun `{rerun}`.")
 
 
-def strata_inputs(run: RunDir, manifest: dict, sampler: str) -> tuple[list[int], np.ndarray | None, list[str] | None]:
-    """What the batch schedule of `sampler` needs: (shard sizes, source code per row or None, source names or None).
+def shard_set_manifest(run: RunDir, k: int, global_batch_size: int, sampler: str, check_files: bool = True) -> dict:
+    """The manifest of the shard set `sampler` trains from. check_files (the driver, once per run): it matches
+    the config and every file it lists exists; training ranks skip that and read the manifest only."""
+    if sampler == "clustered" and check_files:
+        return checked_manifest(run, k, global_batch_size)
+    folder = shard_set_dir(k, sampler)
+    if not run.exists(folder, "_DONE.json"):
+        raise StageMissingError(f"The shards of train.sampler={sampler} are not in {run.path(folder)}: "
+                                f"`clusterscale train` writes them from the clustered shards before training (run "
+                                f"it with the same config and --run-dir).")
+    manifest = run.read_json(shard_set_manifest_path(k, sampler))
+    if check_files:
+        _check_set(run, manifest, folder, global_batch_size, "clusterscale train")
+    return manifest
 
-    Every caller of schedule.* (the training loop, the cost model) goes through here, so the source sampler
-    never sees sizes without codes."""
-    sizes = [c["rows"] for c in manifest["clusters"]]
-    if sampler != "source":
-        return sizes, None, None
-    codes, names = source_codes(run, manifest)
-    return sizes, codes, names
+
+def strata_sizes(manifest: dict) -> list[int]:
+    """The rows of each shard of a set: the sizes of its sampler's strata, in schedule order."""
+    return [int(c["rows"]) for c in manifest["clusters"]]
+
+
+def shard_set_files(manifest: dict) -> list[str]:
+    """Every file of a shard set (relative to the run), shard by shard in manifest order, each shard's files in
+    row order: files aligned to these (mined negatives) can be found from the manifest alone."""
+    return [f for c in manifest["clusters"] for f in c["files"]]
 
 
 def row_group_rows_for(global_batch_size: int) -> int:
@@ -160,10 +169,10 @@ class RankRows:
 
 
 class ShardReader:
-    """Reads training rows from the shards. Shard-local rows (the clustered sampler) come from the Parquet row
-    groups holding them, and nothing else (`ParquetFile.read_row_groups` through the run's filesystem: ranged
-    reads on object stores); footers are kept in an LRU of `footer_cache_bytes`. Global row indices (the other
-    samplers) read every shard once. `bytes_read` / `bytes_used` count the whole life of the reader."""
+    """Reads training rows from a shard set: a shard's rows come from the Parquet row groups holding them, and
+    nothing else (`ParquetFile.read_row_groups` through the run's filesystem: ranged reads on object stores);
+    footers are kept in an LRU of `footer_cache_bytes`. `bytes_read` / `bytes_used` count the whole life of
+    the reader."""
 
     def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20, sidecars=None):
         self.run, self.clusters = run, manifest["clusters"]
@@ -172,8 +181,6 @@ class ShardReader:
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
         self.bytes_read = self.bytes_used = 0
-        self._all: pa.Table | None = None
-        self._bytes_per_row = 0.0
         self._lock = threading.Lock()  # prefetch reads in a thread; rows() may be called beside it
 
     def _open(self, rel: str) -> _CountingFile:
@@ -239,31 +246,11 @@ class ShardReader:
             read += footer_read + handle.bytes_read
         return pa.concat_tables(pieces).take(pa.array(where)), read, int(round(used))
 
-    def _read_global_rows(self, rows: np.ndarray) -> tuple[pa.Table, int, int]:
-        read = 0
-        if self._all is None:  # global row indices: the shards concatenated in manifest order
-            tables, on_disk = [], 0
-            for rel in (f for c in self.clusters for f in c["files"]):
-                handle = self._open(rel)
-                try:
-                    parquet = pq.ParquetFile(handle)
-                    tables.append(parquet.read(columns=READ_COLUMNS, use_threads=False))
-                    if self.sidecars is not None:
-                        tables[-1] = self.sidecars.attach(tables[-1], rel, list(range(parquet.metadata.num_row_groups)))
-                finally:
-                    handle.close()
-                on_disk += _chunk_bytes(parquet.metadata, range(parquet.metadata.num_row_groups))
-                read += handle.bytes_read
-            self._all = pa.concat_tables(tables)
-            self._bytes_per_row = on_disk / max(1, self._all.num_rows)
-        return self._all.take(pa.array(rows)), read, int(round(len(rows) * self._bytes_per_row))
-
     def read(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
-        """(pair_id, query, passage of `rows`; bytes read; bytes used). Rows are shard-local when shard >= 0,
-        else global (shards concatenated in manifest order)."""
+        """(pair_id, query, passage of a shard's `rows`; bytes read; bytes used)."""
         rows = np.asarray(rows, dtype=np.int64)
         with self._lock:
-            table, read, used = self._read_shard_rows(shard, rows) if shard >= 0 else self._read_global_rows(rows)
+            table, read, used = self._read_shard_rows(shard, rows)
             self.bytes_read += read
             self.bytes_used += used
         return table, read, used

@@ -19,7 +19,7 @@ from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.train import schedule
-from clusterscale.train.data import checked_manifest, strata_inputs
+from clusterscale.train.data import shard_set_manifest, strata_sizes
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.train.recluster import segment_bounds, segment_dir
 
@@ -52,18 +52,18 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     with train_segment, then finish_training."""
     tc, name = cfg.train, cfg.train_name()
     out = train_dir(name)
-    manifest = checked_manifest(run, cfg.cluster.k, tc.global_batch_size)
+    manifest = shard_set_manifest(run, cfg.cluster.k, tc.global_batch_size, tc.sampler)
     if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.negatives_per_query:
         _check_negatives(cfg, run)
-    sizes, codes, _ = strata_inputs(run, manifest, tc.sampler)
-    num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.sampler, tc.epochs, tc.steps, codes)
-    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size, tc.sampler, codes) == 0:
+    sizes = strata_sizes(manifest)
+    num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.epochs, tc.steps)
+    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size) == 0:
         raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
                           f"{tc.global_batch_size} pairs: lower train.global_batch_size.")
-    unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting, codes)
+    unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting)
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import posixpath
 import time
 from dataclasses import dataclass
 
@@ -43,29 +45,73 @@ def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | 
 
 def read_metrics(run: RunDir, name: str) -> list[dict]:
     """The per-step records of train/<name>/metrics.jsonl; [] when that run has none."""
-    rel = metrics_path(name)
-    if not run.exists(rel):
-        return []
-    return [json.loads(line) for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_jsonl_lines(run, metrics_path(name))]
+
+
+def _parts_dir(rel: str) -> str:
+    return f"{rel}.parts"
+
+
+def read_jsonl_lines(run: RunDir, rel: str) -> list[str]:
+    """The lines of a JsonlLog: the file, or on an object store its parts in step order."""
+    if run.exists(rel):
+        return [line for line in run.read_bytes(rel).decode().splitlines() if line.strip()]
+    parts = run.files(_parts_dir(rel), suffix=".jsonl")
+    return [line for part in parts for line in run.fs.open_input_stream(part).read().decode().splitlines()
+            if line.strip()]
 
 
 class JsonlLog:
-    """A jsonl file in the run directory rewritten whole at each flush (object stores cannot append).
+    """A jsonl file in the run directory that grows by appends: each flush writes only the records since the
+    last one. A local (or shared) filesystem appends to <rel>; an object store, which cannot append, gets each
+    flush as a new object <rel>.parts/<first step>.jsonl (read back by read_jsonl_lines).
 
-    On resume it keeps only the records of steps before the cursor, so no step appears twice.
-    """
+    At the start of an attempt the records of steps at or past its first step (written by an attempt that
+    failed after the checkpoint it resumes from, or before any checkpoint) are cut once: the file is truncated
+    before the first of them, or those parts are deleted."""
 
     def __init__(self, run: RunDir, rel: str, resume_step: int | None):
-        self.run, self.rel, self.lines = run, rel, []
-        if resume_step is not None and run.exists(rel):
-            old = run.read_bytes(rel).decode().splitlines()
-            self.lines = [line for line in old if line and json.loads(line)["step"] < resume_step]
+        self.run, self.rel, self.pending = run, rel, []
+        if run.is_local:
+            self._truncate_from(resume_step or 0)
+        else:
+            self._drop_parts_from(resume_step or 0)
+
+    def _truncate_from(self, step: int) -> None:
+        if not self.run.exists(self.rel):
+            return
+        offset = 0
+        with open(self.run.path(self.rel), "rb") as f:
+            for line in f:
+                if line.strip() and json.loads(line)["step"] >= step:
+                    break
+                offset += len(line)
+        os.truncate(self.run.path(self.rel), offset)
+
+    def _drop_parts_from(self, step: int) -> None:
+        for part in self.run.files(_parts_dir(self.rel), suffix=".jsonl"):
+            rel = posixpath.relpath(part, self.run.root)
+            lines = self.run.read_bytes(rel).decode().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step]
+            if not kept:
+                self.run.remove(rel)
+            elif len(kept) < len(lines):
+                self.run.write_text(rel, "\n".join(kept) + "\n")
 
     def append(self, record: dict) -> None:
-        self.lines.append(json.dumps(record))
+        self.pending.append(record)
 
     def flush(self) -> None:
-        self.run.write_text(self.rel, "\n".join(self.lines) + "\n")
+        if not self.pending:
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.pending)
+        if self.run.is_local:
+            self.run.makedirs(posixpath.dirname(self.rel))
+            with self.run.fs.open_append_stream(self.run.path(self.rel)) as out:
+                out.write(text.encode())
+        else:
+            self.run.write_text(f"{_parts_dir(self.rel)}/{self.pending[0]['step']:010d}.jsonl", text)
+        self.pending = []
 
 
 class TensorBoardLog:

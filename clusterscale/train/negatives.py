@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, manifest_path, shards_dir, train_dir
+from clusterscale.io.layout import NEGATIVES, shard_set_dir, shard_set_manifest_path, train_dir
 from clusterscale.io.rundir import RunDir
 
 
@@ -42,8 +42,9 @@ class NegativesError(UserError, ValueError):
 
 # --- which shards, and the fingerprint --------------------------------------------------------------------
 def training_manifest(cfg: Config, run: RunDir) -> tuple[str, dict] | None:
-    """(folder, manifest) of the shard set training reads; None before the shard stage wrote it."""
-    folder, path = shards_dir(cfg.cluster.k), manifest_path(cfg.cluster.k)
+    """(folder, manifest) of the shard set training reads (train.sampler's); None before it was written."""
+    folder = shard_set_dir(cfg.cluster.k, cfg.train.sampler)
+    path = shard_set_manifest_path(cfg.cluster.k, cfg.train.sampler)
     return (folder, run.read_json(path)) if run.exists(path) else None
 
 

@@ -1,23 +1,21 @@
-"""The batch schedule: a pure function of (seed, epoch, step, shard sizes, global batch size, sampler).
+"""The batch schedule: a pure function of (seed, epoch, step, strata sizes, global batch size, sampler).
 
 Every rank computes the same global batches; rank r reads rows [r*b, (r+1)*b) of each, with
 b = global_batch_size / world_size. So all ranks see the same stratum at the same step and run out
 together (no DDP hang).
 
-A stratum is the set of rows one global batch may come from:
-  clustered        one stratum per shard (the method)
-  random           one stratum holding every row (global-shuffle baseline)
-  random_clusters  a fixed random partition of all rows with the shards' sizes (control: same
-                   sizes, no semantics)
-  source           one stratum per value of the shards' `source` column
-Row indices are shard-local for `clustered` and global (shards concatenated in manifest order)
-otherwise.
+Every sampler trains from a shard set whose shards are its strata (train/data.py, stages/shard_sets.py):
+  clustered        one stratum per cluster shard (the method)
+  random           one stratum holding every row, globally shuffled (the baseline)
+  random_clusters  seeded pseudo-clusters with the cluster shards' sizes (control: same sizes, no semantics)
+  source           one stratum per value of the `source` column
+Row indices are shard-local for every sampler, so a rank reads only the row groups of its slice.
 
 Nothing is materialised per epoch: the step order and each stratum's row order are seeded
 permutations evaluated on demand (`SeededPermutation`), so a schedule holds O(strata) numbers and
 a batch costs O(global batch). A stratum's rows are permuted in blocks of `block_rows` (the shards'
-Parquet row-group size for `clustered`): a global batch is then whole row groups, and a rank reads
-only the row groups of its slice. Epochs differ by the blocks' order, so by which blocks share a batch.
+Parquet row-group size): a global batch is then whole row groups, and a rank reads only the row
+groups of its slice. Epochs differ by the blocks' order, so by which blocks share a batch.
 """
 from __future__ import annotations
 
@@ -36,27 +34,13 @@ _DRAW_CHUNK = 4096  # uniform weighting draws strata in seeded chunks of this ma
 class GlobalBatch:
     step: int
     epoch: int
-    shard: int             # index into the manifest's shard list; -1 when rows are global indices
-    rows: np.ndarray       # row indices: within the shard, or global (shards concatenated)
+    shard: int             # index into the shard set's list of shards (its strata)
+    rows: np.ndarray       # row indices within the shard
     group: int = -1        # the stratum the batch came from (shard, pseudo-cluster or source); -1 random
 
     def rank_rows(self, rank: int, world_size: int) -> np.ndarray:
         per_rank = len(self.rows) // world_size
         return self.rows[rank * per_rank:(rank + 1) * per_rank]
-
-
-@dataclass(frozen=True)
-class Stratum:
-    shard: int                       # shard index when rows are shard-local, else -1
-    size: int                        # rows in the stratum
-    members: np.ndarray | None = None  # its row indices; None = range(size) (no array held)
-
-    @property
-    def rows(self) -> np.ndarray:
-        return np.arange(self.size) if self.members is None else self.members
-
-    def take(self, positions: np.ndarray) -> np.ndarray:
-        return positions if self.members is None else self.members[positions]
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -96,31 +80,6 @@ class SeededPermutation:
         return out.astype(np.int64)
 
 
-def strata(sizes: Sequence[int], sampler: str, seed: int,
-           source_codes: np.ndarray | None = None) -> list[Stratum]:
-    """The strata of a sampler; `source_codes` (int per global row) is needed for `source`."""
-    sizes = [int(s) for s in sizes]
-    total = sum(sizes)
-    if sampler == "clustered":
-        return [Stratum(i, n) for i, n in enumerate(sizes)]
-    if sampler == "random":
-        return [Stratum(-1, total)]
-    if sampler == "random_clusters":
-        # Fixed across epochs (like real clusters): one seeded partition, cut to the shards' sizes.
-        perm = np.random.default_rng([seed, 0x5EED]).permutation(total)
-        bounds = np.cumsum([0] + sizes)
-        return [Stratum(-1, n, np.sort(perm[bounds[i]:bounds[i + 1]])) for i, n in enumerate(sizes)]
-    if sampler == "source":
-        if source_codes is None or len(source_codes) != total:
-            raise ValueError(f"train.sampler=source needs one source code per row ({total}), got "
-                             f"{None if source_codes is None else len(source_codes)}.")
-        order = np.argsort(source_codes, kind="stable")
-        codes, starts = np.unique(source_codes[order], return_index=True)
-        ends = list(starts[1:]) + [total]
-        return [Stratum(-1, int(e - s), np.sort(order[s:e])) for s, e in zip(starts, ends)]
-    raise ValueError(f"train.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}.")
-
-
 class Schedule:
     """The global batches of every epoch, computed on demand; holds O(strata) numbers.
 
@@ -129,13 +88,14 @@ class Schedule:
     j-th batch, with a fresh row order every full pass)."""
 
     def __init__(self, sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int,
-                 weighting: str = "proportional", source_codes: np.ndarray | None = None, block_rows: int = 1):
-        self.parts = strata(sizes, sampler, seed, source_codes)
+                 weighting: str = "proportional", block_rows: int = 1):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"train.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}.")
+        self.sizes = np.asarray([int(n) for n in sizes], dtype=np.int64)
         self.batch, self.sampler, self.seed = global_batch_size, sampler, seed
         self.uniform = weighting == "uniform" and sampler != "random"
-        # Blocks keep a global batch on whole row groups; only shard-local rows have row groups to keep.
-        self.block_rows = max(1, int(block_rows)) if sampler == "clustered" else 1
-        self.full = np.array([p.size // global_batch_size for p in self.parts], dtype=np.int64)
+        self.block_rows = max(1, int(block_rows))  # a global batch is whole row groups
+        self.full = self.sizes // global_batch_size
         self.ends = np.cumsum(self.full)
         self.per_epoch = int(self.ends[-1]) if len(self.ends) else 0
         self.eligible = np.flatnonzero(self.full)
@@ -146,13 +106,13 @@ class Schedule:
     def ordered(self, epoch: int, stratum: int, cycle: int, positions: np.ndarray) -> np.ndarray:
         """Rows at `positions` of a stratum's row order in (epoch, cycle): its blocks of block_rows rows,
         permuted (the last, partial block stays last)."""
-        part, g = self.parts[stratum], self.block_rows
+        g = self.block_rows
         key = [self.seed, epoch, self._stratum_key(stratum)] + ([cycle] if cycle else [])
         blocks, within = np.divmod(np.asarray(positions, dtype=np.int64), g)
-        whole = part.size // g
+        whole = int(self.sizes[stratum]) // g
         inside = blocks < whole
         blocks[inside] = SeededPermutation(whole, key)(blocks[inside])
-        return part.take(blocks * g + within)
+        return blocks * g + within
 
     def rows(self, epoch: int, stratum: int, cycle: int, index: int) -> np.ndarray:
         """Rows of the index-th global batch of a stratum's row order in (epoch, cycle)."""
@@ -179,10 +139,10 @@ class Schedule:
     def _uniform_plan(self, epoch: int, start: int) -> Iterator[tuple[int, int, int]]:
         if not len(self.eligible):
             return
-        seen = np.zeros(len(self.parts), dtype=np.int64)  # draws of each stratum so far (replayed on resume)
+        seen = np.zeros(len(self.sizes), dtype=np.int64)  # draws of each stratum so far (replayed on resume)
         first = start // _DRAW_CHUNK
         for chunk in range(first):
-            seen += np.bincount(self._draws(epoch, chunk), minlength=len(self.parts))
+            seen += np.bincount(self._draws(epoch, chunk), minlength=len(self.sizes))
         for chunk in range(first, -(-self.per_epoch // _DRAW_CHUNK)):
             for i, s in enumerate(self._draws(epoch, chunk).tolist()):
                 cycle, index = divmod(int(seen[s]), int(self.full[s]))
@@ -193,20 +153,19 @@ class Schedule:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[GlobalBatch]:
         """The global batches of one epoch from step `start` on (step numbers relative to the epoch)."""
         for step, (s, cycle, index) in enumerate(self._plan(epoch, start), start):
-            yield GlobalBatch(step, epoch, self.parts[s].shard, self.rows(epoch, s, cycle, index),
-                              -1 if self.sampler == "random" else s)
+            yield GlobalBatch(step, epoch, s, self.rows(epoch, s, cycle, index), -1 if self.sampler == "random" else s)
 
     def unused_pairs(self, epoch: int) -> int:
         """Pairs that no global batch of this epoch contains (remainders; strata never drawn)."""
         if not self.uniform:
-            return int(sum(p.size % self.batch for p in self.parts))
-        draws = np.zeros(len(self.parts), dtype=np.int64)
+            return int((self.sizes % self.batch).sum())
+        draws = np.zeros(len(self.sizes), dtype=np.int64)
         for chunk in range(-(-self.per_epoch // _DRAW_CHUNK)):
-            draws += np.bincount(self._draws(epoch, chunk), minlength=len(self.parts))
+            draws += np.bincount(self._draws(epoch, chunk), minlength=len(self.sizes))
         return sum(self._unused_in(epoch, s, int(d)) for s, d in enumerate(draws.tolist()))
 
     def _unused_in(self, epoch: int, s: int, draws: int) -> int:
-        size, full = self.parts[s].size, int(self.full[s])
+        size, full = int(self.sizes[s]), int(self.full[s])
         if draws <= full:  # one pass: distinct rows
             return size - draws * self.batch
         # Beyond one pass, the rows left out of the first pass (< one batch) may come up in later ones.
@@ -219,45 +178,37 @@ class Schedule:
 
 
 def epoch_global_batches(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int,
-                         weighting: str = "proportional", source_codes: np.ndarray | None = None,
-                         block_rows: int = 1) -> list[GlobalBatch]:
+                         weighting: str = "proportional", block_rows: int = 1) -> list[GlobalBatch]:
     """The global batches of one epoch in step order (step numbers relative to the epoch), as a list."""
-    return list(Schedule(sizes, global_batch_size, sampler, seed, weighting, source_codes, block_rows).epoch(epoch))
+    return list(Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows).epoch(epoch))
 
 
 def unused_pairs(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int = 0,
-                 weighting: str = "proportional", source_codes: np.ndarray | None = None, block_rows: int = 1) -> int:
+                 weighting: str = "proportional", block_rows: int = 1) -> int:
     """Pairs that no global batch of this epoch contains (remainders; strata never drawn)."""
-    return Schedule(sizes, global_batch_size, sampler, seed, weighting, source_codes, block_rows).unused_pairs(epoch)
+    return Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows).unused_pairs(epoch)
 
 
-def batches_per_epoch(sizes: Sequence[int], global_batch_size: int, sampler: str,
-                      source_codes: np.ndarray | None = None, seed: int = 0) -> int:
+def batches_per_epoch(sizes: Sequence[int], global_batch_size: int) -> int:
     """Steps in one epoch: every full batch of every stratum once (uniform weighting keeps the count)."""
-    if sampler == "random":
-        return int(sum(sizes)) // global_batch_size
-    if sampler in ("clustered", "random_clusters"):
-        return int(sum(int(s) // global_batch_size for s in sizes))
-    return int(sum(s.size // global_batch_size for s in strata(sizes, sampler, seed, source_codes)))
+    return int(sum(int(s) // global_batch_size for s in sizes))
 
 
-def total_steps(sizes: Sequence[int], global_batch_size: int, sampler: str, epochs: int, steps: int | None,
-                source_codes: np.ndarray | None = None) -> int:
+def total_steps(sizes: Sequence[int], global_batch_size: int, epochs: int, steps: int | None) -> int:
     if steps is not None:
         return steps
-    return epochs * batches_per_epoch(sizes, global_batch_size, sampler, source_codes)
+    return epochs * batches_per_epoch(sizes, global_batch_size)
 
 
 def iterate(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, num_steps: int,
-            start_step: int = 0, weighting: str = "proportional",
-            source_codes: np.ndarray | None = None, block_rows: int = 1) -> Iterator[GlobalBatch]:
+            start_step: int = 0, weighting: str = "proportional", block_rows: int = 1) -> Iterator[GlobalBatch]:
     """Global batches for steps [start_step, num_steps), cycling epochs as needed, computed one at a time.
 
-    block_rows: the shards' Parquet row-group size (manifest `row_group_rows`) for `clustered`, so a
-    rank's slice of a batch is whole row groups; 1 permutes single rows."""
-    plan = Schedule(sizes, global_batch_size, sampler, seed, weighting, source_codes, block_rows)
+    sizes: the rows of each stratum (the shard set's shards); block_rows: their Parquet row-group size
+    (manifest `row_group_rows`), so a rank's slice of a batch is whole row groups; 1 permutes single rows."""
+    plan = Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows)
     if plan.per_epoch == 0:
-        largest = max((p.size for p in plan.parts), default=0)
+        largest = int(plan.sizes.max()) if len(plan.sizes) else 0
         raise ValueError(f"No stratum of train.sampler={sampler} holds a full global batch of {global_batch_size} "
                          f"pairs (largest: {largest}): lower train.global_batch_size or cluster.k.")
     step = start_step

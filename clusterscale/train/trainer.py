@@ -23,7 +23,7 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
-from clusterscale.train.data import RankRows, ShardReader, checked_manifest, schedule_block_rows, strata_inputs
+from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows, shard_set_manifest, strata_sizes
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 from clusterscale.train.optim import build_optimizer
@@ -91,13 +91,15 @@ class SegmentJob:
 
 
 class TrainData:
-    """A segment's strata and batch schedule, the reader of a rank's rows, and the optional mined negatives."""
+    """A segment's shard set (its shards are the sampler's strata) and batch schedule, the reader of a rank's
+    rows, and the optional mined negatives. A rank reads the set's manifest only: the driver checked its files."""
 
     def __init__(self, job: SegmentJob):
         tc = self.tc = job.cfg.train
         self.job = job
-        self.manifest = checked_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size)
-        self.sizes, self.codes, self.sources = strata_inputs(job.shards_run, self.manifest, tc.sampler)
+        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size, tc.sampler,
+                                           check_files=False)
+        self.sizes = strata_sizes(self.manifest)
         self.negatives, sidecars = None, None
         if tc.negatives_per_query:  # each row's candidates come with it; the padding pool from the run's negatives/
             self.negatives = MinedNegatives(job.run, tc.negatives_per_query, tc.seed)
@@ -106,7 +108,7 @@ class TrainData:
 
     def epoch_at(self, step: int) -> int:
         """The epoch (counted within the segment) that `step` falls in."""
-        per_epoch = schedule.batches_per_epoch(self.sizes, self.tc.global_batch_size, self.tc.sampler, self.codes)
+        per_epoch = schedule.batches_per_epoch(self.sizes, self.tc.global_batch_size)
         return (step - self.job.seg_start) // max(1, per_epoch)
 
     def batches(self, start_step: int) -> Iterator[schedule.GlobalBatch]:
@@ -115,7 +117,7 @@ class TrainData:
         job, tc = self.job, self.tc
         for local in schedule.iterate(self.sizes, tc.global_batch_size, tc.sampler,
                                       schedule.segment_seed(tc.seed, job.segment), job.stop_step - job.seg_start,
-                                      start_step - job.seg_start, tc.cluster_weighting, self.codes,
+                                      start_step - job.seg_start, tc.cluster_weighting,
                                       block_rows=schedule_block_rows(self.manifest)):
             yield dataclasses.replace(local, step=local.step + job.seg_start)
 
@@ -125,14 +127,10 @@ class TrainData:
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
-        if self.tc.sampler == "clustered":
-            shard = self.manifest["clusters"][gb.shard]
-            return shard["cluster"], shard["name"]
-        if self.tc.sampler == "source":
-            return gb.group, self.sources[gb.group]
-        if self.tc.sampler == "random_clusters":
-            return gb.group, f"random-{gb.group}"
-        return None, "random"
+        if self.tc.sampler == "random":
+            return None, "random"
+        shard = self.manifest["clusters"][gb.shard]
+        return shard["cluster"], shard["name"]
 
 
 class Trainer:
