@@ -58,7 +58,7 @@ def mine_in_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig) -> d
     """pair_id -> kept negatives (best first), by the stage's own route / search / merge functions."""
     routed = pa.concat_tables([route_rows(table.slice(s, 4096), centroids, mc.nprobe, True)
                                for s in range(0, table.num_rows, 4096)])
-    clusters = routed.column("cluster").to_numpy()
+    clusters = routed.column("group").to_numpy()  # one search group per cluster (no split groups)
     order = np.argsort(clusters, kind="stable")
     routed, clusters = routed.take(pa.array(order)), clusters[order]
     bounds = np.flatnonzero(np.diff(clusters)) + 1

@@ -176,6 +176,14 @@ def cli(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> list
     return [sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys]
 
 
+def needed_stages(stages: list[str]) -> set[str]:
+    """The stages to run for a --stages selection: the ones named and the ones they read from (fit before
+    assign, assign before shard, shard before mine, train before evaluate); synth always."""
+    needs = {"assign": {"fit"}, "shard": {"fit", "assign"}, "mine": {"fit", "assign", "shard"},
+             "evaluate": {"fit", "assign", "shard", "train"}}
+    return {"synth", *stages, *(d for s in stages for d in needs.get(s, ()))}
+
+
 def measure_scale(rows: int, args, root: str) -> dict:
     """Synth, then every stage (and the setup training) at `rows`; {stage: measurement}."""
     run_dir = os.path.join(root, f"rows={rows}")
@@ -187,6 +195,7 @@ def measure_scale(rows: int, args, root: str) -> dict:
                                                     "--topics", str(args.topics)])),
              *[(s, cli(s, run_dir, keys)) for s in STAGES[:4]], ("train", cli("train", run_dir, keys)),
              ("evaluate", cli("evaluate", run_dir, keys))]
+    order = [(stage, argv) for stage, argv in order if stage in needed_stages(args.stages)]
     for stage, argv in order:
         print(f"[bench_scale] rows={rows} {stage} ...", flush=True)
         result = run_sampled(argv, os.path.join(logs, f"{stage}.log"), args.interval)
@@ -229,7 +238,9 @@ def markdown_table(result: dict) -> str:
     lines = ["| stage | rows | peak MB (largest process) | growth | rows/s | largest process at 4N | driver MB |",
              "|---|---|---|---|---|---|---|"]
     for stage in (*STAGES, "synth", "train"):
-        e = result[stage] if stage in STAGES else result["setup"][stage]
+        e = result.get(stage) if stage in STAGES else result["setup"].get(stage)
+        if e is None:  # not selected by --stages
+            continue
         mark = " (error)" if "error" in e else ""
         lines.append(f"| {stage}{'' if stage in STAGES else ' (setup)'}{mark} | {e['rows'][0]:,} / {e['rows'][1]:,} | "
                      f"{e['peak_rss_mb'][0]:,.0f} / {e['peak_rss_mb'][1]:,.0f} | {e['growth']} | "
@@ -257,6 +268,8 @@ def main() -> None:
                         help="data.rows_per_part of the synth runs: the files (work units) of both scales are the "
                              "same size, so a stage whose memory is O(a work unit) shows growth 1.0 (default 50000; "
                              "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help="Comma-separated stages to measure (with the stages they need); default all five.")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
@@ -266,15 +279,19 @@ def main() -> None:
     bench_scale_train.add_arguments(parser, prefix="train-")
     args = parser.parse_args()
     train_options = bench_scale_train.train_args(args, prefix="train-") if args.train else None
+    args.stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(args.stages) - set(STAGES))
+    if unknown:
+        parser.error(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
     root = os.path.abspath(args.out_dir) if args.out_dir else tempfile.mkdtemp(prefix="bench_scale-")
     os.makedirs(root, exist_ok=True)
     scales = [args.rows, 4 * args.rows]
     before = machine()
     runs = [measure_scale(n, args, root) for n in scales]
-    result = {stage: stage_entry(scales, [r[stage] for r in runs]) for stage in STAGES}
+    result = {stage: stage_entry(scales, [r[stage] for r in runs]) for stage in STAGES if stage in runs[0]}
     growths = [e["growth"] for e in result.values() if e["growth"] is not None and "error" not in e]
     result["max_memory_growth"] = max(growths) if growths else None
-    result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train")}
+    result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train") if s in runs[0]}
     if train_options is not None:
         result |= bench_scale_train.run(train_options, root)
     result["memory_measure"] = "USS (private pages) of one process; tree_peak_pss_mb counts shared pages once"

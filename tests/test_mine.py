@@ -49,7 +49,8 @@ def test_filter_matches_per_query_rule():
         top = np.take_along_axis(scores, rows, 1)
         own = np.arange(n)
         pos = (q * p).sum(1)
-        kept, kept_scores, drops = filter_candidates(top, rows, own, pos, pk, qk, mc)
+        keep, drops = filter_candidates(top, rows, own, pos, pk, qk, mc)
+        kept, kept_scores = [r[m] for r, m in zip(rows, keep)], [t[m] for t, m in zip(top, keep)]
         assert [k.tolist() for k in kept] == brute_force(q, p, own, pk, qk, mc)
         assert all(np.all(np.diff(s) <= 1e-6) for s in kept_scores)  # best first
         assert 5 not in kept[4] and 4 not in kept[5] and 11 not in kept[10] and 10 not in kept[11]

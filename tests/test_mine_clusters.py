@@ -9,7 +9,8 @@ import pytest
 from clusterscale.config import MineConfig
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.runtime.vectors import emb_array
-from clusterscale.stages.mine_search import merge_candidates, route_rows, search_cluster
+from clusterscale.stages.mine_search import (SearchGroups, cluster_counts, merge_candidates, route_rows,
+                                             search_cluster)
 
 N, D, K = 240, 16, 6
 
@@ -38,13 +39,14 @@ def pairs():
     return table, centroids
 
 
-def mine_in_one_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig, buckets: int = 3) -> dict:
-    """The stage's three steps without Ray: route per batch, group by cluster, group by bucket."""
-    routed = pa.concat_tables([route_rows(table.slice(s, 50), centroids, mc.nprobe, True)
+def mine_in_one_process(table: pa.Table, centroids: np.ndarray, mc: MineConfig, buckets: int = 3,
+                        groups: SearchGroups | None = None) -> dict:
+    """The stage's three steps without Ray: route per batch, group by search group, group by bucket."""
+    routed = pa.concat_tables([route_rows(table.slice(s, 50), centroids, mc.nprobe, True, groups)
                                for s in range(0, table.num_rows, 50)])
-    clusters = routed.column("cluster").to_numpy()
-    found = pa.concat_tables([search_cluster(routed.filter(pa.array(clusters == c)), mc, buckets)
-                              for c in np.unique(clusters)])
+    keys = routed.column("group").to_numpy()
+    found = pa.concat_tables([search_cluster(routed.filter(pa.array(keys == g)), mc, buckets)
+                              for g in np.unique(keys)])
     out = {}
     for b in np.unique(found.column("bucket").to_numpy()):
         negatives, _ = merge_candidates(found.filter(pa.array(found.column("bucket").to_numpy() == b)), mc)
@@ -104,3 +106,51 @@ def test_same_output_whatever_the_batches_and_buckets(pairs):
     shuffled = table.take(pa.array(np.random.default_rng(1).permutation(N)))
     assert mine_in_one_process(table, centroids, mc, buckets=1) == mine_in_one_process(shuffled, centroids, mc,
                                                                                        buckets=4)
+
+
+def test_split_search_groups_give_the_same_negatives(pairs):
+    """Clusters split into passage x query parts (a small mine.max_group_rows): every group is bounded and
+    the merged negatives equal the unsplit search."""
+    table, centroids = pairs
+    mc = MineConfig(nprobe=K, range_max=12, margin=0.95)
+    passages, queries = cluster_counts(table, centroids, mc.nprobe)
+    assert passages.sum() == N and queries.sum() == N * K
+    groups = SearchGroups.plan(passages, queries, max_group_rows=25)
+    assert groups.num_groups > 4 * K and (groups.passage_parts > 1).any()
+    routed = route_rows(table, centroids, mc.nprobe, True, groups)
+    kind, keys = routed.column("kind").to_numpy(), routed.column("group").to_numpy()
+    assert (kind == 0).sum() == int((passages * groups.query_parts).sum())  # a copy per query part
+    largest = max(np.bincount(keys[kind == k]).max() for k in (0, 1))
+    assert largest <= 3 * 25  # hash parts: balanced in expectation
+    assert mine_in_one_process(table, centroids, mc, groups=groups) == mine_in_one_process(table, centroids, mc)
+
+
+def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local):
+    """The Ray stage (row-group reads, counting pass, split groups, shuffles) writes what the single-process
+    steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 rows."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from clusterscale import cli
+    from clusterscale.io.layout import assign_dir
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.kmeans import load_centroids
+
+    run_dir, k = str(tmp_path / "run"), 5
+    keys = [f"cluster.k={k}", "embed.side=both", "data.rows_per_part=600", f"mine.nprobe={k}", "mine.range_max=8",
+            "mine.max_group_rows=150"]
+    assert cli.main(["synth", "--run-dir", run_dir, "--rows", "1500", "--dim", "16", "--topics", "4",
+                     "--set", *keys]) == 0
+    for verb in ("fit", "assign", "shard", "mine"):
+        assert cli.main([verb, "--run-dir", run_dir, "--set", *keys]) == 0
+    run = RunDir(run_dir)
+    assigned = pa.concat_tables([pq.read_table(f) for f in run.files(assign_dir(k))])
+    mc = MineConfig(nprobe=k, range_max=8)
+    expected = mine_in_one_process(assigned, load_centroids(run, k), mc)
+    parts = [pq.read_table(f) for f in run.files("negatives") if os.path.basename(f).startswith("part-")]
+    got = {row["pair_id"]: row for row in pa.concat_tables(parts).to_pylist()}
+    assert sorted(got) == sorted(expected) and len(got) == assigned.num_rows
+    assert all(got[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
+    assert np.allclose([s for i in expected for s in got[i]["neg_scores"]],
+                       [s for i in expected for s in expected[i]["neg_scores"]], atol=1e-6)

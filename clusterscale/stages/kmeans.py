@@ -14,6 +14,7 @@ import time
 import faiss
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
@@ -26,10 +27,10 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
-from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 
 __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
-           "load_centroids", "AssignBatches"]
+           "load_centroids", "AssignBatches", "assign_units"]
 
 
 # --- fit ------------------------------------------------------------------------------------------------
@@ -198,22 +199,46 @@ class AssignBatches:
             "cos", pa.array(sims[:, 0].astype(np.float32)))
 
 
-class AssignAndWrite(AssignBatches):
-    """AssignBatches that writes each assigned batch to `out_dir` itself and returns only its row count.
+# Rows per assign work unit (and output file): consecutive row groups of one embeddings/ file. One actor call
+# holds one unit (its table, the assigned table and the written file), so the memory is O(this), not O(N).
+ASSIGN_UNIT_ROWS = 32_768
 
-    The file is named by the batch's first pair_id and size, so a task Ray retries after an actor death
-    rewrites the same file (atomically): no row is duplicated."""
+
+def assign_units(run: RunDir) -> list[dict]:
+    """Work units over embeddings/ from the Parquet footers: runs of whole row groups of one file, at most
+    ASSIGN_UNIT_ROWS rows each (or one larger row group), numbered in file order."""
+    units: list[dict] = []
+    for unit in row_group_units(run):
+        last = units[-1] if units else None
+        if last and last["path"] == unit.path and last["rows"] + unit.rows <= ASSIGN_UNIT_ROWS:
+            last["row_groups"].append(unit.group)
+            last["rows"] += unit.rows
+        else:
+            units.append({"unit": len(units), "path": unit.path, "row_groups": [unit.group], "rows": unit.rows})
+    return units
+
+
+class AssignUnits(AssignBatches):
+    """AssignBatches over work units: each call reads its units' row groups itself (pyarrow, one unit at a
+    time), assigns them and writes assign/k=<k>/part-<unit>.parquet atomically; returns the row counts.
+
+    Reading here, not through Ray Data's Parquet read, keeps every process at O(one unit): the read tasks pack
+    128 MiB bins of several files and read ahead, which measured ~1 GB per read worker, growing with N. A
+    retried unit rewrites the same file, so no row is duplicated."""
 
     def __init__(self, index: bytes, run_uri: str, out_dir: str):
         super().__init__(index)
         self.run, self.out_dir = RunDir(run_uri), out_dir
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        if batch.num_rows == 0:
-            return pa.table({"rows": [0]})
-        first = batch.column("pair_id")[0].as_py()
-        self.run.write_parquet(f"{self.out_dir}/part-{first}-{batch.num_rows}.parquet", super().__call__(batch))
-        return pa.table({"rows": [batch.num_rows]})
+    def __call__(self, units: pa.Table) -> pa.Table:
+        rows = []
+        for unit in units.to_pylist():
+            with self.run.fs.open_input_file(unit["path"]) as f:
+                table = pq.ParquetFile(f).read_row_groups(unit["row_groups"])
+            self.run.write_parquet(f"{self.out_dir}/part-{unit['unit']:05d}.parquet", super().__call__(table),
+                                   row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
+            rows.append(table.num_rows)
+        return pa.table({"rows": pa.array(rows, pa.int64())})
 
 
 def run_assign(cfg: Config, run: RunDir) -> StageResult:
@@ -228,8 +253,9 @@ def run_assign(cfg: Config, run: RunDir) -> StageResult:
     plan = plan_actors(Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), cpu_actors=cluster.cpus,
                        use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
-    ds = ray.data.read_parquet(run.files("embeddings"), filesystem=run.fs)
-    ds = ds.map_batches(AssignAndWrite, fn_constructor_args=(index, run.uri, out), batch_size=65_536,
+    units = assign_units(run)
+    ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
+    ds = ds.map_batches(AssignUnits, fn_constructor_args=(index, run.uri, out), batch_size=1,
                         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors),
                         **remote_args)
     progress, written = ProgressLine("assign", n_rows), 0

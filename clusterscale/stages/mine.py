@@ -2,16 +2,20 @@
 
 Run with `clusterscale mine [CONFIG] --run-dir R` (after `shard`). The search is split by the k-means
 clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
-k: exact search over all passages). Three Ray Data steps, none of which holds all passages:
-  1. route (map tasks over assign/k=<k>/): one passage row per pair in its own cluster, one query row per
-     probed cluster, each with the text keys of its pair (runtime/hashing.text_hashes, in the tasks);
-  2. group by cluster: one faiss index over that cluster's passages, searched by the queries routed there
+k: exact search over all passages). A counting pass (map tasks; k-vectors summed on the driver) gives each
+cluster's passages and probing queries, and a cluster with more than mine.max_group_rows of either is split
+into several search groups (mine_search.SearchGroups). Then three Ray Data steps, none of which holds all
+passages:
+  1. route (map tasks over assign/k=<k>/): each passage to the groups of its own cluster, each query to the
+     groups of every probed cluster, each row with the text keys of its pair (runtime/hashing.text_hashes);
+  2. group by search group: one faiss index over the group's passages, searched by the queries routed there
      (top mine.range_max, ties broken by pair_id);
-  3. group by a hash bucket of the query's pair_id: merge each query's top mine.range_max over its probed
-     clusters, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
+  3. group by a hash bucket of the query's pair_id: merge each query's top mine.range_max over its search
+     groups, keep ranks [range_min, range_max) that are not a positive of the query (a pair with the same
      query text), not a duplicate of its positive passage text and, with mine.margin, score <= margin x the
      positive's score; write negatives/part-<bucket>.parquet atomically.
-The driver holds the centroids (k x d) and counters. Vectors: mine.encoder=frozen uses assign/ (the
+The driver holds the centroids (k x d) and counters; every other process holds O(a block) or O(a group).
+Vectors: mine.encoder=frozen uses assign/ (the
 queries' emb_query, or the queries embedded by an actor pool when embed.side=passage); any other encoder
 re-embeds every training pair into the child run mine_encoder/, joined to assign/ by pair_id, and a query
 then probes the clusters nearest to its own pair's centroid (the centroids live in the frozen space).
@@ -34,12 +38,14 @@ import ray
 from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
-from clusterscale.stages.mine_search import DROP_REASONS, merge_candidates, route_rows, search_cluster
+from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
+                                             queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -125,10 +131,9 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
         partitions = max(1, len(run.files(assigned)))
         return frozen.join(vectors, "inner", partitions, on=("pair_id",)), False
     has_queries = "emb_query" in _schema(run, assigned)
-    ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(
-        text + ["emb"] + (["emb_query"] if has_queries else []))
     if has_queries:
-        return ds, False
+        return read_row_groups(run, run.files(assigned), text + ["emb", "emb_query"]), False
+    ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(text + ["emb"])
     pool = encoder_pool(cfg.mine)
     # CPU actors reserve at most half the CPUs (they still run pool.threads threads), so the read and
     # grouping tasks are never starved (a whole-CPU pool deadlocks Ray Data on a small box).
@@ -140,9 +145,36 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
                           **options), True
 
 
+# --- the search groups ---------------------------------------------------------------------------------------
+def _count(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> pa.Table:
+    passages, queries = cluster_counts(batch, centroids, nprobe)
+    return pa.table({"passages": [passages.tolist()], "queries": [None if queries is None else queries.tolist()]})
+
+
+def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool) -> SearchGroups:
+    """Passages and probing queries per cluster (a pass over assign/; the driver sums k-vectors), split into
+    groups of at most mine.max_group_rows. count_queries: route each query by its emb_query in assign/;
+    otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an estimate when the
+    queries are embedded during the stage)."""
+    k = len(centroids)
+    ds = read_row_groups(run, run.files(assign_dir(cfg.cluster.k)),
+                         ["cluster"] + (["emb_query"] if count_queries else []))
+    env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
+    ds = ds.map_batches(_count, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe},
+                        batch_format="pyarrow", **env)
+    passages, queries = np.zeros(k, np.int64), np.zeros(k, np.int64)
+    for row in ds.iter_rows():
+        passages += np.asarray(row["passages"], np.int64)
+        if count_queries:
+            queries += np.asarray(row["queries"], np.int64)
+    if not count_queries:
+        queries = queries_from_neighbours(passages, centroids, cfg.mine.nprobe)
+    return SearchGroups.plan(passages, queries, cfg.mine.max_group_rows)
+
+
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
-def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool) -> pa.Table:
-    return route_rows(batch, centroids, nprobe, by_query)
+def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups) -> pa.Table:
+    return route_rows(batch, centroids, nprobe, by_query, groups)
 
 
 def _search(group: pa.Table, mine: dict, buckets: int) -> pa.Table:
@@ -169,22 +201,26 @@ def bucket_file(bucket: int) -> str:
 
 def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buckets: int, n_rows: int
              ) -> tuple[list[dict], int]:
-    """Run route -> search by cluster -> merge by bucket; (per-bucket counts, queries embedded here)."""
+    """Run route -> search by group -> merge by bucket; (per-bucket counts, queries embedded here)."""
     centroids = load_centroids(run, cfg.cluster.k)
     ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder)
+    groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     mine = cfg.to_dict()["mine"]
     ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
-                                           "by_query": encoder is None},
+                                           "by_query": encoder is None, "groups": groups},
                         batch_format="pyarrow", **env)
-    ds = ds.groupby("cluster").map_groups(_search, fn_kwargs={"mine": mine, "buckets": buckets},
-                                          batch_format="pyarrow", **env)
-    ds = ds.groupby("bucket").map_groups(_merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine},
-                                         batch_format="pyarrow")
+    # One shuffle partition per group / bucket: a partition's size then follows the bound, not N.
+    ds = ds.groupby("group", num_partitions=groups.num_groups).map_groups(
+        _search, fn_kwargs={"mine": mine, "buckets": buckets}, batch_format="pyarrow", **env)
+    ds = ds.groupby("bucket", num_partitions=buckets).map_groups(
+        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine}, batch_format="pyarrow")
     progress, results = ProgressLine("mine", n_rows), []
     for result in ds.iter_rows():
         results.append(result)
         progress.advance(result["rows"])
+    print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters "
+          f"(mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
     return results, n_rows if embeds_queries else 0
 
 
@@ -220,10 +256,11 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
-    if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
-        results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
-        write_empty_buckets(run, plan)
-    sidecars = sidecars_for_training(cfg, run, run)
+    with bounded_shuffle_maps():  # before any dataset exists: each Dataset copies the DataContext it is made in
+        if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
+            results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
+            write_empty_buckets(run, plan)
+        sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
     stats |= sidecars

@@ -1,12 +1,14 @@
-"""The compute core of `mine`, without Ray: route pairs to clusters, search one cluster, merge one query group.
+"""The compute core of `mine`, without Ray: route pairs to search groups, search one group, merge one query group.
 
-stages/mine.py distributes these three steps over Ray Data (a map, a grouping by cluster, a grouping by
+stages/mine.py distributes these three steps over Ray Data (a map, a grouping by search group, a grouping by
 a hash bucket of the query's pair_id); each is a plain function of an Arrow table, so tests can run them
-against a brute-force reference on a single process.
+against a brute-force reference on a single process. A search group is one cluster's passages and the
+queries that probe it, split (SearchGroups) so no group holds more than mine.max_group_rows of either.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -20,16 +22,17 @@ from clusterscale.runtime.vectors import emb_matrix
 
 PASSAGE, QUERY = 0, 1  # the `kind` of a routed row
 DROP_REASONS = ("positive", "duplicate", "margin")
+PASSAGE_PART_SALT, QUERY_PART_SALT = 0x7061727470, 0x7175657279  # which part of a cluster a pair falls in
 
 
 # --- the per-query rule -------------------------------------------------------------------------------------
 def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray, pos_scores: np.ndarray,
-                      passage_key: np.ndarray, query_key: np.ndarray, mc: MineConfig
-                      ) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
-    """Kept candidate rows and scores per query (best first), and drop counts per reason.
+                      passage_key: np.ndarray, query_key: np.ndarray, mc: MineConfig) -> tuple[np.ndarray, dict]:
+    """(b, K) mask of the candidates kept, and drop counts per reason.
 
-    scores, rows: (b, K) search results (row -1 = no hit); own_rows: (b,) each query's own pair row."""
-    b, depth = rows.shape
+    scores, rows: (b, K) search results, best first (row -1 = no hit); own_rows: (b,) each query's own pair
+    row; the key arrays are indexed by row."""
+    depth = rows.shape[1]
     valid = (rows >= 0) & (np.arange(depth)[None, :] >= mc.range_min)
     safe = np.where(rows >= 0, rows, 0)
     positive = valid & (query_key[safe] == query_key[own_rows][:, None])          # incl. the pair itself
@@ -39,7 +42,85 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
         margin = valid & ~positive & ~duplicate & (scores > mc.margin * pos_scores[:, None])
     keep = valid & ~positive & ~duplicate & ~margin
     drops = {"positive": int(positive.sum()), "duplicate": int(duplicate.sum()), "margin": int(margin.sum())}
-    return [rows[i][keep[i]] for i in range(b)], [scores[i][keep[i]] for i in range(b)], drops
+    return keep, drops
+
+
+# --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
+@dataclass(frozen=True)
+class SearchGroups:
+    """How each cluster's search is split. Cluster c's passages fall in passage_parts[c] parts and the queries
+    that probe c in query_parts[c] parts (a hash of the pair_id); group (c, i, j) searches passage part i with
+    query part j, so every (query, passage) pair of a cluster meets in exactly one group, and the merge's top
+    K over a query's groups is the top K over its probed clusters."""
+    passage_parts: np.ndarray  # (k,) int64, >= 1
+    query_parts: np.ndarray    # (k,) int64, >= 1
+
+    @classmethod
+    def plan(cls, passages: np.ndarray, queries: np.ndarray, max_group_rows: int) -> "SearchGroups":
+        """Parts such that no group holds more than about max_group_rows passages or queries (hash parts
+        are balanced only in expectation); passages, queries: (k,) rows per cluster."""
+        def parts(counts):
+            return np.maximum(1, -(-np.asarray(counts, np.int64) // max_group_rows))
+        return cls(parts(passages), parts(queries))
+
+    @classmethod
+    def one_per_cluster(cls, k: int) -> "SearchGroups":
+        return cls(np.ones(k, np.int64), np.ones(k, np.int64))
+
+    @property
+    def first_group(self) -> np.ndarray:
+        """(k,) the id of each cluster's group (c, 0, 0); groups of a cluster are numbered i x query_parts + j."""
+        sizes = self.passage_parts * self.query_parts
+        return np.cumsum(sizes) - sizes
+
+    @property
+    def num_groups(self) -> int:
+        return int((self.passage_parts * self.query_parts).sum())
+
+    def passage_copies(self, clusters: np.ndarray, pair_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source row, group) per routed copy: a passage goes to every query part of its passage part."""
+        part = _part(pair_ids, self.passage_parts[clusters], PASSAGE_PART_SALT)
+        rows, j = _expand(self.query_parts[clusters])
+        return rows, self.first_group[clusters[rows]] + part[rows] * self.query_parts[clusters[rows]] + j
+
+    def query_copies(self, clusters: np.ndarray, pair_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source row, group) per routed copy: a query goes to every passage part of the cluster it probes."""
+        part = _part(pair_ids, self.query_parts[clusters], QUERY_PART_SALT)
+        rows, i = _expand(self.passage_parts[clusters])
+        return rows, self.first_group[clusters[rows]] + i * self.query_parts[clusters[rows]] + part[rows]
+
+
+def _part(pair_ids: np.ndarray, parts: np.ndarray, salt: int) -> np.ndarray:
+    """A fixed part in [0, parts) per pair_id (parts: per row)."""
+    mixed = splitmix64(np.asarray(pair_ids, dtype=np.int64) ^ np.int64(salt))
+    return (mixed % parts.astype(np.uint64)).astype(np.int64)
+
+
+def _expand(repeats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, copy index) for `repeats[row]` copies of each row, in row order."""
+    rows = np.repeat(np.arange(len(repeats)), repeats)
+    starts = np.cumsum(repeats) - repeats
+    return rows, np.arange(len(rows)) - starts[rows]
+
+
+def cluster_counts(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(passages, queries) per cluster in a batch of assign/ rows: passages by `cluster`; queries by the
+    clusters each `emb_query` probes (None when the batch has no query vectors)."""
+    own = batch.column("cluster").to_numpy().astype(np.int64)
+    passages = np.bincount(own, minlength=len(centroids))
+    if "emb_query" not in batch.column_names:
+        return passages, None
+    probes = probed_clusters(emb_matrix(batch.column("emb_query")), own, centroids, nprobe, True)
+    return passages, np.bincount(probes.reshape(-1), minlength=len(centroids))
+
+
+def queries_from_neighbours(passages: np.ndarray, centroids: np.ndarray, nprobe: int) -> np.ndarray:
+    """Queries per cluster when each pair probes the clusters nearest to its own cluster's centroid (exact for
+    a re-embedding, an estimate for queries embedded during the stage)."""
+    neighbours = probed_clusters(centroids, np.arange(len(centroids)), centroids, nprobe, False)
+    queries = np.zeros(len(centroids), np.int64)
+    np.add.at(queries, neighbours, np.repeat(passages, neighbours.shape[1]).reshape(neighbours.shape))
+    return queries
 
 
 # --- step 1: route every pair (a map over pairs with their vectors and cluster) ----------------------------
@@ -62,34 +143,46 @@ def probed_clusters(query_vectors: np.ndarray, own_cluster: np.ndarray, centroid
     return neighbours[own_cluster]
 
 
-def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool) -> pa.Table:
-    """One passage row per pair (in its own cluster) and one query row per probed cluster.
+def _vector_dtype(*columns: pa.ChunkedArray) -> type:
+    """float16 when every vector column is stored as float16 (routing them so loses nothing), else float32."""
+    return np.float16 if all(c.type.value_type == pa.float16() for c in columns) else np.float32
+
+
+def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool,
+               groups: SearchGroups | None = None) -> pa.Table:
+    """Rows keyed by search `group`: each passage in the groups of its own cluster's passage part, each query
+    in the groups of its part of every probed cluster (groups: SearchGroups; None = one group per cluster).
 
     batch: pair_id, query, passage, emb (the passage vector), emb_query, cluster. Every row carries the text
     keys of its pair; a query row also carries the score of its own positive."""
+    groups = groups or SearchGroups.one_per_cluster(len(centroids))
     pair_ids = batch.column("pair_id").to_numpy()
     own = batch.column("cluster").to_numpy().astype(np.int64)
-    p, q = emb_matrix(batch.column("emb")), emb_matrix(batch.column("emb_query"))
+    dtype = _vector_dtype(batch.column("emb"), batch.column("emb_query"))
+    p, q = emb_matrix(batch.column("emb"), dtype), emb_matrix(batch.column("emb_query"), dtype)
     qk, pk = text_hashes(batch.column("query").to_pylist()), text_hashes(batch.column("passage").to_pylist())
     probes = probed_clusters(q, own, centroids, nprobe, by_query)
-    reps = probes.shape[1]
-    n, d = p.shape
-    pos = np.einsum("ij,ij->i", q, p).astype(np.float32)
-    vectors = np.concatenate([p, np.repeat(q, reps, axis=0)]).astype(np.float32)
+    pos = np.einsum("ij,ij->i", q.astype(np.float32), p.astype(np.float32)).astype(np.float32)
+    p_rows, p_groups = groups.passage_copies(own, pair_ids)
+    probe_rows = np.repeat(np.arange(len(own)), probes.shape[1])  # one (query, probed cluster) per entry
+    q_entries, q_groups = groups.query_copies(probes.reshape(-1), pair_ids[probe_rows])
+    q_rows = probe_rows[q_entries]
+    rows = np.r_[p_rows, q_rows]
+    vectors = np.concatenate([p[p_rows], q[q_rows]])
     return pa.table({
-        "kind": pa.array(np.r_[np.full(n, PASSAGE), np.full(n * reps, QUERY)].astype(np.int8)),
-        "cluster": pa.array(np.r_[own, probes.reshape(-1)].astype(np.int32)),
-        "pair_id": pa.array(np.r_[pair_ids, np.repeat(pair_ids, reps)].astype(np.int64)),
-        "vec": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), d),
-        "query_key": pa.array(np.r_[qk, np.repeat(qk, reps)]),
-        "passage_key": pa.array(np.r_[pk, np.repeat(pk, reps)]),
-        "pos_score": pa.array(np.r_[np.zeros(n, np.float32), np.repeat(pos, reps)]),
+        "kind": pa.array(np.r_[np.full(len(p_rows), PASSAGE), np.full(len(q_rows), QUERY)].astype(np.int8)),
+        "group": pa.array(np.r_[p_groups, q_groups].astype(np.int64)),
+        "pair_id": pa.array(pair_ids[rows].astype(np.int64)),
+        "vec": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), p.shape[1]),
+        "query_key": pa.array(qk[rows]),
+        "passage_key": pa.array(pk[rows]),
+        "pos_score": pa.array(np.r_[np.zeros(len(p_rows), np.float32), pos[q_rows]]),
     })
 
 
-# --- step 2: one cluster's passages against the queries routed to it ---------------------------------------
+# --- step 2: one group's passages against the queries routed to it -----------------------------------------
 def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
-    """One cluster's passage index: exact, or IVF with mine.ivf_nlist lists (default about 4 sqrt(n), >= 39
+    """One search group's passage index: exact, or IVF with mine.ivf_nlist lists (default about 4 sqrt(n), >= 39
     rows each)."""
     n = emb.shape[0]
     nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
@@ -97,7 +190,7 @@ def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
 
 
 def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
-    """The top mine.range_max passages of this cluster for each query routed here, best first (equal scores:
+    """The top mine.range_max passages of this search group for each query routed here, best first (equal scores:
     lower pair_id first), with their pairs' text keys; one output row per routed query, lists maybe empty."""
     kind = group.column("kind").to_numpy()
     passages = group.filter(pa.array(kind == PASSAGE))
@@ -138,8 +231,8 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
 def merge_candidates(group: pa.Table, mc: MineConfig) -> tuple[pa.Table, dict]:
     """negatives rows (pair_id, neg_pair_ids, neg_scores, pos_score), sorted by pair_id, and drop counts.
 
-    group: search_cluster rows of some queries (one per probed cluster). A query's candidates from all its
-    clusters are ranked together (score, then pair_id), cut at mine.range_max and filtered by
+    group: search_cluster rows of some queries (one per search group they were routed to). A query's candidates
+    from all its groups are ranked together (score, then pair_id), cut at mine.range_max and filtered by
     filter_candidates, so with every cluster probed the result is exact search."""
     pair_ids = group.column("pair_id").to_numpy()
     queries, first_row = np.unique(pair_ids, return_index=True)
@@ -161,11 +254,13 @@ def merge_candidates(group: pa.Table, mc: MineConfig) -> tuple[pa.Table, dict]:
     own_qk = group.column("query_key").to_numpy()[first_row]
     own_pk = group.column("passage_key").to_numpy()[first_row]
     pos = group.column("pos_score").to_numpy()[first_row]
-    kept_rows, kept_scores, drops = filter_candidates(
+    keep, drops = filter_candidates(
         table_scores, table_rows, m + np.arange(b), pos, np.r_[flat["cand_passage_keys"], own_pk],
         np.r_[flat["cand_query_keys"], own_qk], mc)
+    offsets = pa.array(np.r_[0, np.cumsum(keep.sum(1))].astype(np.int32))  # row-major: each query's best first
     out = pa.table({"pair_id": pa.array(queries, pa.int64()),
-                    "neg_pair_ids": pa.array([flat["cand_ids"][r].tolist() for r in kept_rows], pa.list_(pa.int64())),
-                    "neg_scores": pa.array([s.tolist() for s in kept_scores], pa.list_(pa.float32())),
+                    "neg_pair_ids": pa.ListArray.from_arrays(offsets, pa.array(flat["cand_ids"][table_rows[keep]],
+                                                                               pa.int64())),
+                    "neg_scores": pa.ListArray.from_arrays(offsets, pa.array(table_scores[keep], pa.float32())),
                     "pos_score": pa.array(pos.astype(np.float32))})
     return out, drops

@@ -23,6 +23,7 @@ from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import manifest_path, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
@@ -99,7 +100,7 @@ def block_cluster_stats(batch: pa.Table) -> pa.Table:
 def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str) -> ClusterStats:
     """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, reduced (k x d) on
     the driver."""
-    ds = ray.data.read_parquet(run.files(folder), filesystem=run.fs).select_columns(["cluster", "cos", "emb"])
+    ds = read_row_groups(run, run.files(folder), ["cluster", "cos", "emb"])
     ds = ds.map_batches(block_cluster_stats, batch_size=STATS_BATCH_ROWS, batch_format="pyarrow")
     stats, progress = None, ProgressLine("shard stats", n_rows)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -228,7 +229,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
-    ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
+    ds = read_row_groups(run, files, columns)
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
     layout = SetLayout(shards_dir(k), "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
                        pool_id)
@@ -270,7 +271,8 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
-    groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
+    with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
+        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
     n_total = sum(c["rows"] for c in clusters)
