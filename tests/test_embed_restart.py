@@ -17,7 +17,7 @@ import pytest
 
 from clusterscale import cli
 from clusterscale import config as config_mod
-from clusterscale.stages.embed import emb_matrix
+from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.pipeline import run_stage
 from clusterscale.io.rundir import RunDir

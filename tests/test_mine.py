@@ -11,7 +11,7 @@ from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
 from clusterscale.stages.mine_search import filter_candidates
 from clusterscale.train.negatives import candidate_files, load_negatives
-from clusterscale.io.rundir import ConfigMismatchError, RunDir
+from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
 
@@ -92,7 +92,7 @@ def _embedded(run: RunDir) -> pa.Table:
 
 
 def test_mine_equals_brute_force_and_skips_positives(mined_run, tiny_model):
-    from clusterscale.stages.embed import emb_matrix
+    from clusterscale.runtime.vectors import emb_matrix
     from clusterscale.modeling.encoder import Encoder
     from clusterscale.runtime.hashing import text_hashes
 

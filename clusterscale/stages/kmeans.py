@@ -238,6 +238,8 @@ class AssignUnits(AssignBatches):
             self.run.write_parquet(f"{self.out_dir}/part-{unit['unit']:05d}.parquet", super().__call__(table),
                                    row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
             rows.append(table.num_rows)
+            del table
+            pa.default_memory_pool().release_unused()  # else the allocator keeps each unit's pages: creeps with units
         return pa.table({"rows": pa.array(rows, pa.int64())})
 
 
