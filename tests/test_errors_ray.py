@@ -11,8 +11,9 @@ from clusterscale.io.rundir import RunDir
 
 def error_paragraph(err: str) -> str:
     """What the CLI printed from its `error: ` line on (Ray's own worker logs may come before it)."""
-    assert err.count("error: ") == 1, err
-    return err[err.index("error: "):]
+    starts = [i for i, line in enumerate(err.splitlines(keepends=True)) if line.startswith("error: ")]
+    assert len(starts) == 1, err
+    return "".join(err.splitlines(keepends=True)[starts[0]:])
 
 
 def test_task_user_error_and_full_disk_are_one_paragraph_and_lose_no_rows(tmp_path, ray_local, pairs_parquet,

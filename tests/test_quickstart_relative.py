@@ -14,7 +14,10 @@ from tests.conftest import make_pairs, tiny_overrides
 
 
 def _ids(run: RunDir, folder: str) -> list[int]:
-    return pads.dataset(run.files(folder), format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
+    """pair_ids of folder's Parquet files, not of the shard sets in its subfolders (shards/k=<k>/random/)."""
+    sets = ("/random/", "/random_clusters/", "/source/")
+    files = [f for f in run.files(folder) if not any(s in f[len(run.path(folder)):] for s in sets)]
+    return pads.dataset(files, format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
 
 
 def test_relative_paths_through_train_evaluate_and_compare(tmp_path, tiny_model, ray_local, monkeypatch):
@@ -39,3 +42,4 @@ def test_relative_paths_through_train_evaluate_and_compare(tmp_path, tiny_model,
     assert run.read_json("train/clustered-seed0/_DONE.json") == trained  # the main training untouched
     assert run.read_json("train/compare-random-seed0/_DONE.json")["stats"]["steps"] == 6
     assert sorted(_ids(run, "shards/k=4")) == sorted(pairs)
+    assert sorted(_ids(run, "shards/k=4/random")) == sorted(pairs)  # compare's random arm: its own shard set

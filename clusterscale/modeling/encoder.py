@@ -159,7 +159,6 @@ class Encoder:
         self.tokenizer = load_tokenizer(path, trust_remote_code)
         self.model = load_model(path, trust_remote_code, attn_implementation="sdpa").eval()
         self.pooling = detect_pooling(path) if pooling == "auto" else pooling
-        self.max_length = max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device)
         self.dim = int(self.model.config.hidden_size)
@@ -167,9 +166,18 @@ class Encoder:
         self.max_tokens_per_batch = max_tokens_per_batch or (65_536 if self.device.type == "cuda" else 8_192)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.pad_left = getattr(self.tokenizer, "padding_side", "right") == "left"
-        self.text_tokenizer = TextTokenizer(self.tokenizer, max_length)
+        self.text_tokenizer = TextTokenizer(self.tokenizer, max_length)  # max_length lives here (see the property)
         self.truncated = 0  # texts cut at max_length, counted for the stage stats
         self.last_truncated = np.zeros(0, dtype=bool)  # per text of the latest encode() call
+
+    @property
+    def max_length(self) -> int:
+        """Tokens per text; setting it (evaluate: queries and passages at their own lengths) re-cuts the tokenizer."""
+        return self.text_tokenizer.max_length
+
+    @max_length.setter
+    def max_length(self, value: int) -> None:
+        self.text_tokenizer.max_length = value
 
     def tokenize(self, texts: list[str]) -> Tokens:
         """Tokenise once, cut at max_length keeping the closing special token, flag the cuts."""

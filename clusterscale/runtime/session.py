@@ -48,8 +48,10 @@ def _loopback_node_ip() -> Iterator[None]:
 
 # Lines of Ray's own library loggers that workers send to the driver over and over: Ray Train's placement-group
 # cleaner warns every few seconds that the State API is unavailable when the dashboard is off (a local run), and
-# every rank logs "Reporting training result ..." at each ray.train.report. The workers' log files keep them.
-WORKER_LOG_NOISE = re.compile(r"Failed to query Ray Train Controller actor state|Reporting training result \d+: ")
+# every rank logs "Reporting training result ..." at each ray.train.report; the gcs_server logs "Failed to kill
+# actor ... Socket closed" when Ray Data ends an actor pool whose actor already exited. The log files keep them.
+WORKER_LOG_NOISE = re.compile(r"Failed to query Ray Train Controller actor state|Reporting training result \d+: "
+                              r"|Failed to kill actor \w+, return status: Invalid: KillActor RPC failed")
 
 
 def _drop_worker_log_noise() -> None:
