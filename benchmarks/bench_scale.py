@@ -255,6 +255,18 @@ def machine() -> dict:
             "uptime": uptime, "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 
+def write_result(result: dict, before: dict, root: str, json_path: str | None) -> None:
+    """Add the machine (load before and after), the command and the logs folder; print the JSON and write it."""
+    result["machine"] = before | {"uptime_after": machine()["uptime"]}
+    result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+    result["logs"] = root
+    text = json.dumps(result, indent=2)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_scale_train  # the training part (--train); here, as it imports this module's sampler
@@ -295,14 +307,7 @@ def main() -> None:
     if train_options is not None:
         result |= bench_scale_train.run(train_options, root)
     result["memory_measure"] = "USS (private pages) of one process; tree_peak_pss_mb counts shared pages once"
-    result["machine"] = before | {"uptime_after": machine()["uptime"]}
-    result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
-    result["logs"] = root
-    text = json.dumps(result, indent=2)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    write_result(result, before, root, args.json_path)
     print(markdown_table(result))
     if train_options is not None:
         print(bench_scale_train.markdown_table(result))

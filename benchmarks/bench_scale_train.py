@@ -221,14 +221,7 @@ def main() -> None:
     os.makedirs(root, exist_ok=True)
     before = bench_scale.machine()
     result = run(options, root)
-    result["machine"] = before | {"uptime_after": bench_scale.machine()["uptime"]}
-    result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
-    result["logs"] = root
-    text = json.dumps(result, indent=2)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    bench_scale.write_result(result, before, root, args.json_path)
     print(markdown_table(result))
 
 
