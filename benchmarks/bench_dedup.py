@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_scale import cli, machine, run_sampled, stage_wall_s  # noqa: E402
 
+from clusterscale.io.layout import dedup_dir  # noqa: E402
 from clusterscale.io.rundir import RunDir  # noqa: E402
 from clusterscale.runtime.dedup_core import keep_order, keep_rank, normalised  # noqa: E402
 from clusterscale.runtime.vectors import emb_matrix  # noqa: E402
@@ -115,11 +116,11 @@ def measure(rows: int, ks: list[int], args, root: str) -> dict:
         assert result["returncode"] == 0, result
         run = RunDir(run_dir)
         result |= {"stage_wall_s": stage_wall_s(run_dir, "dedup"), "stats": {
-            key: run.done_stats("dedup")[key] for key in ("rows", "removed", "semantic", "heldout_leak")},
+            key: run.done_stats(dedup_dir(k))[key] for key in ("rows", "removed", "semantic", "heldout_leak")},
             "largest_cluster": max(int(n) for n in np.bincount(read_folder(
                 run, f"assign/k={k}", ["cluster"]).column("cluster").to_numpy()))}
         if k == ks[0] and rows == args.rows:
-            stage_removed = removed_table(run)
+            stage_removed = removed_table(run, k)
             started = time.time()
             plain = plain_dedup(run, k, args.threshold)
             result["plain_s"] = round(time.time() - started, 3)

@@ -1,4 +1,4 @@
-"""Peak memory per process of fit, assign, shard, mine and evaluate at N and 4N rows (the bounded-memory rule).
+"""Peak memory per process of fit, assign, dedup, shard, mine and evaluate at N and 4N (the bounded-memory rule).
 
     python benchmarks/bench_scale.py [--rows 150000 --dim 384 --k 100 --topics 100 --rows-per-part 50000]
                                      [--out-dir DIR] [--keep] [--json OUT]
@@ -49,7 +49,7 @@ except ImportError:  # Ray ships psutil in ray/thirdparty_files and puts that fo
     import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ("fit", "assign", "shard", "mine", "evaluate")
+STAGES = ("fit", "assign", "dedup", "shard", "mine", "evaluate")
 MB = 1024 * 1024
 # Stage settings: IVF passage index in mine (a flat one costs 2 N^2 d flops: 2.8e14 at 600k, >12 min here);
 # a tiny from-scratch student so the setup training takes seconds; a smaller evaluation set than the default
@@ -58,6 +58,8 @@ STAGE_KEYS = ["mine.index=ivf", "train.init=scratch", "train.scratch_hidden_size
               "train.scratch_num_heads=2", "train.scratch_intermediate_size=64", "train.steps=2",
               "train.warmup_steps=1", "train.name=bench",
               "eval.max_queries=300", "eval.num_distractors=1000"]
+# dedup's keys, given to the dedup command only: the shards keep being built from every assigned row.
+DEDUP_KEYS = ["dedup.exact=true", "dedup.semantic_threshold=0.9"]
 
 
 # --- the sampler --------------------------------------------------------------------------------------------
@@ -178,9 +180,9 @@ def cli(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> list
 
 def needed_stages(stages: list[str]) -> set[str]:
     """The stages to run for a --stages selection: the ones named and the ones they read from (fit before
-    assign, assign before shard, shard before mine, train before evaluate); synth always."""
-    needs = {"assign": {"fit"}, "shard": {"fit", "assign"}, "mine": {"fit", "assign", "shard"},
-             "evaluate": {"fit", "assign", "shard", "train"}}
+    assign, assign before dedup and shard, shard before mine, train before evaluate); synth always."""
+    needs = {"assign": {"fit"}, "dedup": {"fit", "assign"}, "shard": {"fit", "assign"},
+             "mine": {"fit", "assign", "shard"}, "evaluate": {"fit", "assign", "shard", "train"}}
     return {"synth", *stages, *(d for s in stages for d in needs.get(s, ()))}
 
 
@@ -193,7 +195,8 @@ def measure_scale(rows: int, args, root: str) -> dict:
     out = {}
     order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
                                                     "--topics", str(args.topics)])),
-             *[(s, cli(s, run_dir, keys)) for s in STAGES[:4]], ("train", cli("train", run_dir, keys)),
+             *[(s, cli(s, run_dir, keys + (DEDUP_KEYS if s == "dedup" else []))) for s in STAGES[:5]],
+             ("train", cli("train", run_dir, keys)),
              ("evaluate", cli("evaluate", run_dir, keys))]
     order = [(stage, argv) for stage, argv in order if stage in needed_stages(args.stages)]
     for stage, argv in order:
@@ -281,7 +284,7 @@ def main() -> None:
                              "same size, so a stage whose memory is O(a work unit) shows growth 1.0 (default 50000; "
                              "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help="Comma-separated stages to measure (with the stages they need); default all five.")
+                        help="Comma-separated stages to measure (with the stages they need); default all six.")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")

@@ -213,6 +213,10 @@ class DedupConfig(Section):
                              "'easy' = nearest, 'random' = a hash of pair_id seeded by dedup.seed; ties by pair_id.",
                      ("hard", "easy", "random"))
     seed: int = knob(0, "Seed of dedup.keep=random.")
+    apply_to_shards: bool = knob(True, "Build the run's shards from the pairs dedup keeps. false = the shards hold "
+                                       "every assigned pair and dedup/k=<k>/ serves only training runs with "
+                                       "train.dedup=true (compare's clustered_dedup arm), so one run trains both.",
+                                 affects_output=False)  # the shards' fingerprint records it (pipeline._shard_extra)
     block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
                                  "8 bytes); the result does not depend on it.", affects_output=False,
                            bounds=POSITIVE)
@@ -330,6 +334,21 @@ class TrainConfig(Section):
                                    "(train.sampler=clustered only). 0 = never (the paper's method).",
                                 bounds=zero_means("off"))
 
+    dedup: bool = knob(False, "Train the clustered sampler on the pairs the dedup stage keeps: a shard set "
+                              "(shards/k=<k>/dedup/) written from dedup/k=<k>/kept/, both made on demand, with the "
+                              "run's dedup.* when dedup is on (then dedup.apply_to_shards must be false), else with "
+                              "exact=true, key=pair, semantic_threshold=0.95. compare's clustered_dedup arm.")
+
+    def _check_dedup(self) -> None:
+        if not self.dedup:
+            return
+        for key, wrong in (("sampler", self.sampler != "clustered"), ("negatives_per_query", self.negatives_per_query),
+                           ("recluster_every", self.recluster_every)):
+            if wrong:
+                raise ConfigError(f"{self.key('dedup')}=true trains the clustered sampler on one deduplicated shard "
+                                  f"set, without mined negatives or re-clustering (they align to the run's own "
+                                  f"shards); got {self.key(key)}={getattr(self, key)!r}.")
+
     def _check_recluster(self) -> None:
         if self.recluster_every and self.sampler != "clustered":
             raise ConfigError(f"{self.key('recluster_every')} needs {self.key('sampler')}=clustered (got "
@@ -377,7 +396,7 @@ class TrainConfig(Section):
     def validate(self) -> None:
         super().validate()
         for check in (self._check_name, self._check_student, self._check_schedule, self._check_loss,
-                      self._check_moe, self._check_recluster, self._check_workers):
+                      self._check_moe, self._check_recluster, self._check_dedup, self._check_workers):
             check()
 
 

@@ -3,7 +3,7 @@
 compare: clusterscale compare [CONFIG] --run-dir R --samplers clustered,random --seeds 3
          -> train/compare-<arm>-seed<s>/, eval/compare-<arm>-seed<s>.json, report/compare.json, report/report.md
 sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2] [--preprocess-only]
-         -> one embedding pass per data size (R itself, or R/limit=<N>/ per size), fit/assign/shard per k,
+         -> one embedding pass per data size (R itself, or R/limit=<N>/ per size), fit/assign/[dedup/]shard per k,
             optionally train + evaluate per k (train/sweep-<sampler>-k<k>-seed<s>/); report/sweep.json, report.md
 Both run on the run directory of a finished `run` and reuse its outputs: arm names carry the experiment's
 prefix, so they never replace the main run's train/<train.name>/.
@@ -231,10 +231,6 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     stage_options = stage_options or {}
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
-    if cfg.dedup.enabled:  # dedup/ holds one k's result (its semantic pass is per cluster)
-        raise ConfigError("sweep does not support dedup yet: dedup/ is made for one cluster.k. Sweep with "
-                          "dedup.exact=false and dedup.semantic_threshold=0, or run `clusterscale run` per k into "
-                          "its own --run-dir.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
     check_arm_names(cfg, [arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in ks])
     sizes = [(n, RunDir(join_uri(run_dir, f"limit={n}"))) for n in limits] if limits \
@@ -249,8 +245,9 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
                                                                           base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
+            per_k = tuple(s for s in PER_K_STAGES if s in pipeline(kcfg))  # dedup (dedup/k=<k>/) when on
             try:
-                run_stages(kcfg, run, PER_K_STAGES, write_config=False, **stage_options,
+                run_stages(kcfg, run, per_k, write_config=False, **stage_options,
                            cost_keys={s: f"{s}:k={k}" for s in PER_K_STAGES})
             except (ClusteringError, ValueError) as exc:  # e.g. k larger than the data: a row, not a crash
                 points.append({"rows": rows, "k": k, "error": str(exc)})

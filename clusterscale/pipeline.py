@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
-from clusterscale.io.layout import (EVAL, NEGATIVES, TRAIN, assign_dir, eval_path, kmeans_dir, manifest_path,
-                                    shard_set_dir, shards_dir, train_dir)
+from clusterscale.io.layout import (DEDUP_SET, EVAL, NEGATIVES, TRAIN, assign_dir, dedup_dir, eval_path, kmeans_dir,
+                                    manifest_path, shard_set_dir, shards_dir, train_dir)
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.runtime import session
-from clusterscale.stages.dedup import DEDUP, KEPT_DIR, run_dedup, shard_input
+from clusterscale.stages.dedup import dedup_applied, kept_dir, run_dedup, shard_input, train_dedup_config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
@@ -60,7 +60,7 @@ class Input:
 class ExtraOutput:
     """A folder written besides the stage's output and marked done with it (ingest: heldout/, quarantine/).
     Its marker stats come from result.outputs[folder] (a StageResult)."""
-    folder: str
+    folder: PerConfig
     sections: tuple[str, ...]
 
 
@@ -113,8 +113,11 @@ def _train_dir(cfg: Config) -> str:
 
 
 def _train_extra(cfg: Config, run: RunDir) -> dict | None:
-    """Training with mined negatives depends on the negatives/ it reads."""
-    return {"negatives": mine_fingerprint(cfg, run)} if cfg.train.negatives_per_query else None
+    """Training with mined negatives depends on the negatives/ it reads; with train.dedup, on the dedup keys."""
+    extra = {"negatives": mine_fingerprint(cfg, run)} if cfg.train.negatives_per_query else {}
+    if cfg.train.dedup:
+        extra["dedup"] = config_mod.output_keys(train_dedup_config(cfg).dedup)
+    return extra or None
 
 
 def _mine(call: StageCall) -> StageResult:
@@ -129,7 +132,11 @@ def _train(call: StageCall) -> StageResult:
     """Train in segments; between two segments (train.recluster_every) the pairs are re-clustered with the
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
-    if cfg.train.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
+    if cfg.train.dedup:  # the clustered shards of the kept pairs, after the dedup stage (once per clustering)
+        dedup_cfg = train_dedup_config(cfg)
+        execute(STAGES["dedup"], dedup_cfg, run)
+        execute(DEDUP_SHARDS, dedup_cfg, run)
+    elif cfg.train.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
         execute(SHARD_SET, cfg, run)
     plan = loop.plan_training(cfg, run, call.resume)
     if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
@@ -162,9 +169,10 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
 
 
 def _shard_extra(cfg: Config, run: RunDir) -> dict:
-    """Shards depend on the batch size (small-cluster policy) and, with dedup on, on the dedup keys."""
+    """Shards depend on the batch size (small-cluster policy) and, when built from dedup's kept rows, on the dedup
+    keys."""
     extra = {"global_batch_size": cfg.train.global_batch_size}
-    return extra | ({"dedup": config_mod.output_keys(cfg.dedup)} if cfg.dedup.enabled else {})
+    return extra | ({"dedup": config_mod.output_keys(cfg.dedup)} if dedup_applied(cfg) else {})
 
 
 def _report(call: StageCall) -> StageResult:
@@ -172,7 +180,7 @@ def _report(call: StageCall) -> StageResult:
 
 
 _CLUSTERING = ("data", "embed", "cluster")
-_DEDUP = (*_CLUSTERING, "dedup")  # dedup/ depends on cluster.k: its semantic pass is per cluster
+_DEDUP = (*_CLUSTERING, "dedup")  # dedup/k=<k>/: its semantic pass is per cluster
 _ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
 
 # The stages in pipeline order: the one list of them.
@@ -193,12 +201,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
           sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0), shared=True, per_k=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
-          lambda c: run_dedup(c.cfg, c.run), DEDUP,
+          lambda c: run_dedup(c.cfg, c.run), lambda cfg: dedup_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
                         lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
                   Input("heldout", "ingest", "Held-out pairs")),
-          sections=_DEDUP, extra_outputs=(ExtraOutput(KEPT_DIR, _DEDUP),), resources=Resources(cpus_per_actor=1.0),
-          shared=True),
+          sections=_DEDUP, extra_outputs=(ExtraOutput(lambda cfg: kept_dir(cfg.cluster.k), _DEDUP),),
+          resources=Resources(cpus_per_actor=1.0), shared=True, per_k=True),
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.",
           lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
@@ -239,6 +247,17 @@ SHARD_SET = Stage("shard_set", "Write the shards of train.sampler random, random
                   extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
                                           "sampler": cfg.train.sampler},
                   resources=Resources(cpus_per_actor=0.5), cost_key=lambda cfg: f"shard:{cfg.train.sampler}")
+# The clustered shards of the pairs dedup keeps, for train.dedup=true (compare's clustered_dedup arm) beside the
+# run's shards of every assigned pair; the shard stage's code with dedup/k=<k>/kept/ as input.
+DEDUP_SHARDS = Stage("dedup_shards", "Write the clustered shards of the deduplicated pairs (train.dedup).",
+                     lambda c: run_shard(c.cfg, c.run, c.fingerprint, source=kept_dir(c.cfg.cluster.k),
+                                         folder=shard_set_dir(c.cfg.cluster.k, DEDUP_SET)),
+                     lambda cfg: shard_set_dir(cfg.cluster.k, DEDUP_SET),
+                     inputs=(_SHARDS_INPUT, Input(lambda cfg: kept_dir(cfg.cluster.k), "dedup", "Deduplicated pairs")),
+                     sections=(*_CLUSTERING, "shard"),
+                     extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
+                                             "dedup": config_mod.output_keys(cfg.dedup)},
+                     resources=Resources(cpus_per_actor=0.5), cost_key=f"shard:{DEDUP_SET}")
 
 
 def synth_stage(spec: SynthSpec, max_tasks_in_flight: int | None = None) -> Stage:
@@ -294,7 +313,8 @@ def _run_once(stage: Stage, call: StageCall) -> StageResult:
     if not stage.sections:
         return stage.run(call)
     out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
-    extras = [(e.folder, cfg.fingerprint(e.sections), e.sections == stage.sections) for e in stage.extra_outputs]
+    extras = [(_resolve(e.folder, cfg), cfg.fingerprint(e.sections), e.sections == stage.sections)
+              for e in stage.extra_outputs]
     # An extra output fingerprinted like the stage's own is said with it; one with its own sections is said too.
     if run.is_done(out, fingerprint) and all(run.is_done(f, fp, quiet=same) for f, fp, same in extras):
         return StageResult(run.done_stats(out))

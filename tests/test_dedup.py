@@ -8,14 +8,14 @@ import pyarrow.dataset as pads
 import pytest
 
 from clusterscale import cli
-from clusterscale.config import ConfigError, load
+from clusterscale.config import load
 from clusterscale.errors import UserError
-from clusterscale.io.layout import assign_dir, manifest_path
+from clusterscale.io.layout import assign_dir, dedup_dir, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array, emb_matrix
-from clusterscale.stages.dedup import KEPT_DIR, removed_table, report_lines, run_dedup
+from clusterscale.stages.dedup import kept_dir, removed_table, report_lines, run_dedup
 from clusterscale.stages.synthetic import SynthSpec
 
 from tests.dedup_reference import brute_force_exact, brute_force_semantic, unit
@@ -106,7 +106,7 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
     cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep=rule,
                                                                  semantic_threshold=THRESHOLD, block_rows=64)])
     run_stage("dedup", cfg, run, replace="changed")
-    removed = removed_table(run)
+    removed = removed_table(run, K)
     got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
                                                              for c in ("pair_id", "reason", "duplicate_of")))}
     assert got == reference(run, rule)
@@ -116,12 +116,12 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
     assert set(planted["leak_text"]) | set(planted["leak_vector"]) <= reasons["heldout_leak"]
     assert len(reasons["semantic"]) >= PLANTED
 
-    stats = run.done_stats("dedup")
+    stats = run.done_stats(dedup_dir(K))
     assigned = run.done_stats(assign_dir(K))["rows"]
     assert stats["rows"] + stats["removed"] == assigned == ROWS - run.done_stats("heldout")["rows"] + 4 * PLANTED
-    assert stats["removed"] == len(got) and run.done_stats(KEPT_DIR)["rows"] == stats["rows"]
+    assert stats["removed"] == len(got) and run.done_stats(kept_dir(K))["rows"] == stats["rows"]
     assert len(stats["examples"]) == 3 and sum(stats["similarity_histogram"]["counts"]) > 0
-    report = "\n".join(report_lines(run))
+    report = "\n".join(report_lines(run, K))
     assert f"kept {stats['rows']}, removed {stats['removed']}" in report and report.count("Group of") == 3
     assert " removed | " in report  # the histogram's bins at or above the threshold
 
@@ -137,24 +137,35 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
     assert not held_texts & ({core.normalised(q) for q in shards.column("query").to_pylist()} | set(keys))
 
 
-def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run, tmp_path):
+def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
     run, _, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
     assert "dedup" not in pipeline(cfg)
     assert "dedup" in pipeline(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]))
     with pytest.raises(UserError, match="Dedup is off"):
         run_dedup(cfg, run)
-    with pytest.raises(ConfigError, match="sweep does not support dedup"):
-        from clusterscale.experiments import run_sweep
-        run_sweep(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]), str(tmp_path), [2, 4],
-                  None, True)
+
+
+def test_sweep_deduplicates_every_k(planted_run):
+    """A sweep with dedup on runs dedup per k (dedup/k=<k>/), and each k's shards hold that k's kept rows."""
+    from clusterscale.experiments import run_sweep
+
+    run, _, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", semantic_threshold=0.9)])
+    sweep = run_sweep(cfg, run.uri, [2, 3], None, True)
+    assigned = run.done_stats(assign_dir(2))["rows"]
+    for k in (2, 3):
+        stats = run.done_stats(dedup_dir(k))
+        assert stats["k"] == k and stats["rows"] + stats["removed"] == assigned and stats["semantic"] > 0
+        assert run.read_json(manifest_path(k))["stats"]["rows"] == stats["rows"] == run.done_stats(kept_dir(k))["rows"]
+    assert [p["k"] for p in sweep["points"]] == [2, 3] and all(p["dedup_s"] > 0 for p in sweep["points"])
 
 
 def test_dedup_verb(planted_run, capsys):
     run, _, _ = planted_run
     assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.exact=true", "dedup.key=passage", "--replace"]) == 0
     assert "[dedup]" in capsys.readouterr().out
-    assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
+    assert set(removed_table(run, K).column("reason").to_pylist()) == {"exact", "heldout_leak"}
 
 
 def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model, ray_local, tmp_path):

@@ -67,11 +67,11 @@ def test_one_stage_list():
     """pipeline.STAGES is the only list of stage names: layout has none; the CLI and costs derive theirs."""
     assert not hasattr(layout, "STAGES") and not hasattr(layout, "PREPROCESS")
     assert pipeline.PREPROCESS == ("ingest", "embed", "fit", "assign", "dedup", "shard")
-    assert pipeline.PER_K_STAGES == ("fit", "assign", "shard")
+    assert pipeline.PER_K_STAGES == ("fit", "assign", "dedup", "shard")
     assert set(pipeline.STAGES) <= set(cli.VERBS) and set(pipeline.STAGES) - set(cli.REPLACEABLE) == {"evaluate", "report"}
     cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
-        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "negatives", "train/x", "eval",
+        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup/k=7", "shards/k=7", "negatives", "train/x", "eval",
         "report"]
 
 

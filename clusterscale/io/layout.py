@@ -23,6 +23,12 @@ def assign_dir(k: int) -> str:
     return f"assign/k={k}"
 
 
+def dedup_dir(k: int) -> str:
+    """dedup/k=<k>/: the dedup stage's output for one clustering (its semantic pass is per cluster): kept/ (the rows
+    the shard stage reads when dedup is on), removed/ and the done marker with the counts."""
+    return f"dedup/k={k}"
+
+
 def shards_dir(k: int) -> str:
     return f"shards/k={k}"
 
@@ -31,6 +37,14 @@ def shard_set_dir(k: int, sampler: str) -> str:
     """The shards a sampler trains from: shards/k=<k>/ itself for `clustered`, shards/k=<k>/<sampler>/ (a set
     written from the clustered shards, with its own manifest and done marker) for the other samplers."""
     return shards_dir(k) if sampler == "clustered" else f"{shards_dir(k)}/{sampler}"
+
+
+DEDUP_SET = "dedup"  # the clustered shards of the deduplicated pairs (train.dedup=true)
+
+
+def training_set(sampler: str, dedup: bool) -> str:
+    """The name (for shard_set_dir) of the set a training run reads: its sampler's, or DEDUP_SET with train.dedup."""
+    return DEDUP_SET if dedup else sampler
 
 
 def shard_set_manifest_path(k: int, sampler: str) -> str:

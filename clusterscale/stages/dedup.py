@@ -1,16 +1,19 @@
 """Dedup: remove exact and semantic duplicates, and training pairs that duplicate held-out ones, before sharding.
 
 Run with `clusterscale dedup [CONFIG] --run-dir R` (after `assign`; `run` runs it when dedup.exact or
-dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/, none of which holds all rows:
+dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/ (read one row group per task, hash
+shuffles in ~64 MiB map tasks: runtime/bounded_data.py), none of which holds all rows:
   1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), and whether
      its query or passage duplicates a held-out pair (equal normalised text, or cosine >= the threshold to a
      held-out vector: the held-out set is small, every task holds it);
   2. group by a hash bucket of the key (dedup.exact): in each key, the first row in keep order stays;
   3. group by cluster: semantic groups within the cluster (runtime/dedup_core.py, in blocks), then the
-     cluster's kept rows go to dedup/kept/ and its removed rows to dedup/removed/ (pair_id, duplicate_of,
-     similarity, reason, cluster); the task returns the cluster's counts.
-The shard stage reads dedup/kept/ instead of assign/k=<k>/ when dedup is on (shard_input). The output depends
-on cluster.k (the semantic pass is per cluster), so dedup/ records it in its fingerprint.
+     cluster's kept rows go to dedup/k=<k>/kept/ and its removed rows to dedup/k=<k>/removed/ (pair_id,
+     duplicate_of, similarity, reason, cluster); the task returns the cluster's counts.
+The output depends on cluster.k (the semantic pass is per cluster), so it lives under dedup/k=<k>/ (a sweep
+deduplicates every k). The shard stage reads dedup/k=<k>/kept/ instead of assign/k=<k>/ when dedup is on and
+dedup.apply_to_shards (shard_input); a training run with train.dedup=true trains the clustered sampler on a shard
+set written from it (shards/k=<k>/dedup/: compare's clustered_dedup arm).
 """
 from __future__ import annotations
 
@@ -23,35 +26,63 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, DedupConfig
+from clusterscale.config import Config, DedupConfig, variant
 from clusterscale.errors import UserError
-from clusterscale.io.layout import assign_dir
+from clusterscale.io.layout import assign_dir, dedup_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 from clusterscale.stages.synthetic import synthetic_embeddings
 
-DEDUP = "dedup"
-KEPT_DIR, REMOVED_DIR = f"{DEDUP}/kept", f"{DEDUP}/removed"
 ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
 KEPT_ROWS_PER_FILE = 200_000
 MARK_BATCH_ROWS = 4096  # rows per map batch: its held-out similarity block is MARK_BATCH_ROWS x block_rows
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
                             ("reason", pa.string()), ("cluster", pa.int32())])
 NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
+# What train.dedup=true deduplicates with when the run's dedup is off (compare's clustered_dedup arm): exact
+# duplicates of the pair text, and pairs whose vectors have cosine >= 0.95 within a cluster.
+TRAIN_DEDUP_DEFAULTS = {"exact": True, "key": "pair", "semantic_threshold": 0.95}
+
+
+def kept_dir(k: int) -> str:
+    """dedup/k=<k>/kept/: every column of assign/k=<k>/ for the kept rows (its done marker counts them)."""
+    return f"{dedup_dir(k)}/kept"
+
+
+def removed_dir(k: int) -> str:
+    return f"{dedup_dir(k)}/removed"
 
 
 def shard_input(cfg: Config) -> str:
-    """The folder the shard stage reads (its done marker counts its rows): dedup/kept/ when dedup is on, else
-    assign/k=<k>/."""
-    return KEPT_DIR if cfg.dedup.enabled else assign_dir(cfg.cluster.k)
+    """The folder the shard stage reads (its done marker counts its rows): dedup/k=<k>/kept/ when dedup is on and
+    applied to the shards, else assign/k=<k>/."""
+    return kept_dir(cfg.cluster.k) if dedup_applied(cfg) else assign_dir(cfg.cluster.k)
 
 
-def removed_table(run: RunDir) -> pa.Table:
-    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of a finished dedup stage."""
-    files = run.files(REMOVED_DIR)
+def dedup_applied(cfg: Config) -> bool:
+    """Whether the run's shards are built from the kept rows (dedup on and dedup.apply_to_shards)."""
+    return cfg.dedup.enabled and cfg.dedup.apply_to_shards
+
+
+def train_dedup_config(cfg: Config) -> Config:
+    """The config whose dedup stage a train.dedup=true run trains after: the run's own dedup.* when on, else
+    TRAIN_DEDUP_DEFAULTS. Refused when the run's shards are deduplicated already (the set would equal them)."""
+    if dedup_applied(cfg):
+        raise UserError("train.dedup=true trains on a deduplicated shard set beside the run's shards, but dedup is on "
+                        "and applied to the run's shards (dedup.apply_to_shards=true), so they hold only the kept "
+                        "pairs already. To compare with and without dedup in one run (compare's clustered_dedup "
+                        "arm), set dedup.apply_to_shards=false: the run's shards then hold every assigned pair; or "
+                        "set train.dedup=false.")
+    return cfg if cfg.dedup.enabled else variant(cfg, dedup=TRAIN_DEDUP_DEFAULTS)
+
+
+def removed_table(run: RunDir, k: int) -> pa.Table:
+    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of a finished dedup stage at k."""
+    files = run.files(removed_dir(k))
     if not files:
         return REMOVED_SCHEMA.empty_table()
     return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
@@ -214,20 +245,21 @@ def example_group(group: pa.Table) -> dict | None:
 
 def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]) -> pa.Table:
     """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
-    rows are written; returns the cluster's counts and histogram of best cosines (one row)."""
-    dc = DedupConfig(**dedup)
+    rows are written; returns the cluster's counts and histogram of best cosines (one row). dedup: the dedup
+    section's keys, and the clustering's k."""
+    dc = DedupConfig(**{key: value for key, value in dedup.items() if key != "k"})
     group = semantic_pass(group.sort_by("pair_id"), dc)
-    cluster = int(group.column("cluster")[0].as_py())
+    cluster, k = int(group.column("cluster")[0].as_py()), dedup["k"]
     reason = group.column("reason").to_numpy()
     run = RunDir(run_uri)
     kept = group.filter(pa.array(reason == core.KEPT)).select(columns)
     for part, start in enumerate(range(0, kept.num_rows, KEPT_ROWS_PER_FILE)):
-        run.write_parquet(f"{KEPT_DIR}/part-c{cluster:06d}-{part:05d}.parquet", kept.slice(start, KEPT_ROWS_PER_FILE),
+        run.write_parquet(f"{kept_dir(k)}/part-c{cluster:06d}-{part:05d}.parquet", kept.slice(start, KEPT_ROWS_PER_FILE),
                           row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
     removed = group.filter(pa.array(reason != core.KEPT))
     if removed.num_rows:
         names = np.array([core.REASONS.get(int(r), "") for r in range(max(core.REASONS) + 1)], dtype=object)
-        run.write_parquet(f"{REMOVED_DIR}/part-c{cluster:06d}.parquet", pa.table({
+        run.write_parquet(f"{removed_dir(k)}/part-c{cluster:06d}.parquet", pa.table({
             "pair_id": removed.column("pair_id"), "duplicate_of": removed.column("duplicate_of"),
             "similarity": removed.column("similarity"),
             "reason": pa.array(names[removed.column("reason").to_numpy()].tolist(), pa.string()),
@@ -247,17 +279,20 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         columns = pq.read_schema(f).names
     dedup = cfg.to_dict()["dedup"]
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
-    ds = ray.data.read_parquet(files, filesystem=run.fs).select_columns(columns)
-    ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
-                        batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
-    if cfg.dedup.exact:
-        ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact, batch_format="pyarrow")
-    ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
-        dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns}, batch_format="pyarrow")
     progress, results = ProgressLine("dedup", n_rows), []
-    for result in ds.iter_rows():
-        results.append(result)
-        progress.advance(result["rows"])
+    with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
+        ds = read_row_groups(run, files, columns)
+        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
+                            batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
+        if cfg.dedup.exact:
+            ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact,
+                                                                                  batch_format="pyarrow")
+        ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup | {"k": cfg.cluster.k}, "columns": columns},
+            batch_format="pyarrow")
+        for result in ds.iter_rows():
+            results.append(result)
+            progress.advance(result["rows"])
     return results
 
 
@@ -269,7 +304,7 @@ def check_config(cfg: Config) -> None:
 
 
 def run_dedup(cfg: Config, run: RunDir) -> StageResult:
-    """Write dedup/kept/ and dedup/removed/ from assign/k=<k>/ and held-out/; kept + removed = assigned."""
+    """Write dedup/k=<k>/kept/ and removed/ from assign/k=<k>/ and heldout/; kept + removed = assigned."""
     check_config(cfg)
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
@@ -280,7 +315,7 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
     config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
-    return StageResult(stats, outputs={KEPT_DIR: StageResult({"rows": stats["rows"]}, config=config)}, config=config)
+    return StageResult(stats, outputs={kept_dir(cfg.cluster.k): StageResult({"rows": stats["rows"]}, config=config)}, config=config)
 
 
 def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
@@ -305,16 +340,16 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
 
 
 # --- the report's section ----------------------------------------------------------------------------------
-def report_lines(run: RunDir, max_clusters: int = 20) -> list[str]:
-    """Markdown of the dedup/ results: counts per reason, removed per cluster (the most first), the histogram of
-    each pair's highest cosine to an earlier kept pair around the threshold, and example groups."""
-    done = run.read_json(f"{DEDUP}/_DONE.json")
+def report_lines(run: RunDir, k: int, max_clusters: int = 20) -> list[str]:
+    """Markdown of the dedup/k=<k>/ results: counts per reason, removed per cluster (the most first), the histogram
+    of each pair's highest cosine to an earlier kept pair around the threshold, and example groups."""
+    done = run.read_json(f"{dedup_dir(k)}/_DONE.json")
     s, dc = done["stats"], done["config"]["dedup"]
     lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
              f"semantic_threshold={dc['semantic_threshold']})",
              f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
              f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
-             f"pairs). Removed rows: `dedup/removed/`.", ""]
+             f"pairs). Removed rows: `{removed_dir(k)}/`.", ""]
     per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
     lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
     if len(per_cluster) > max_clusters:

@@ -4,7 +4,7 @@ shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.j
 Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
 the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
 by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
-Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/kept/ when dedup is on).
+Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/k=<k>/kept/ when dedup is on).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import ray
 from clusterscale.config import Config, Fingerprint, ShardConfig
 from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import manifest_path, shards_dir
+from clusterscale.io.layout import shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
@@ -221,17 +221,17 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
 
 
 def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
-                 rows_per_file: int, row_group_rows: int) -> dict[int, list[dict]]:
-    """Shuffle text rows (no `emb` unless shard.keep_emb) by (shard, sub-group) and write them; returns the
-    written groups of each shard, in sub-group order."""
+                 rows_per_file: int, row_group_rows: int, source: str, folder: str) -> dict[int, list[dict]]:
+    """Shuffle text rows (no `emb` unless shard.keep_emb) of `source` by (shard, sub-group) and write them under
+    `folder`; returns the written groups of each shard, in sub-group order."""
     sc: ShardConfig = cfg.shard
-    k, files, n_rows = cfg.cluster.k, run.files(shard_input(cfg)), int(shard_rows.sum())
+    k, files, n_rows = cfg.cluster.k, run.files(source), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
     ds = read_row_groups(run, files, columns)
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
-    layout = SetLayout(shards_dir(k), "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
+    layout = SetLayout(folder, "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
                        pool_id)
     sizes = GroupSizes(n_rows, int(num_groups.sum()), largest_group, sc.max_group_rows)
     return write_groups(ds, run, k, layout, columns, sizes, files, "shard")
@@ -258,13 +258,15 @@ def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: Clust
             "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
 
 
-def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = "", folder: str = "") -> StageResult:
     """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy, large ones in
-    sub-groups) and the manifest, which records the fingerprint."""
+    sub-groups) and the manifest, which records the fingerprint. source and folder (train.dedup's set): the rows
+    read (default shard_input(cfg)) and where the set goes (default shards/k=<k>/)."""
     k = cfg.cluster.k
+    source, folder = source or shard_input(cfg), folder or shards_dir(k)
     started = time.time()
-    n_assigned = run.done_stats(shard_input(cfg)).get("rows")  # dedup on: the kept rows
-    sums = cluster_stats(run, k, n_assigned or 0, shard_input(cfg))
+    n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
+    sums = cluster_stats(run, k, n_assigned or 0, source)
     counts = sums.rows
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
@@ -272,7 +274,8 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
     with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
-        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows)
+        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
+                              folder)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
     n_total = sum(c["rows"] for c in clusters)
@@ -291,7 +294,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult
                 "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
                 "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
                 "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
-    run.write_json(manifest_path(k), manifest)
+    run.write_json(f"{folder}/manifest.json", manifest)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)

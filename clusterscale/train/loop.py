@@ -14,7 +14,7 @@ import time
 
 from clusterscale.config import Config, ConfigError, TrainConfig
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir
+from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir, training_set
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import Resources, plan_actors
@@ -52,7 +52,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     with train_segment, then finish_training."""
     tc, name = cfg.train, cfg.train_name()
     out = train_dir(name)
-    manifest = shard_set_manifest(run, cfg.cluster.k, tc.global_batch_size, tc.sampler)
+    manifest = shard_set_manifest(run, cfg.cluster.k, tc.global_batch_size, training_set(tc.sampler, tc.dedup))
     if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")

@@ -20,6 +20,7 @@ import torch
 
 from clusterscale.config import Config, from_dict
 from clusterscale.io.rundir import RunDir
+from clusterscale.io.layout import training_set
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
@@ -97,8 +98,8 @@ class TrainData:
     def __init__(self, job: SegmentJob):
         tc = self.tc = job.cfg.train
         self.job = job
-        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size, tc.sampler,
-                                           check_files=False)
+        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size,
+                                           training_set(tc.sampler, tc.dedup), check_files=False)
         self.sizes = strata_sizes(self.manifest)
         self.negatives, sidecars = None, None
         if tc.negatives_per_query:  # each row's candidates come with it; the padding pool from the run's negatives/
