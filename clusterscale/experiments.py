@@ -1,5 +1,8 @@
 """Experiments over one config: `compare` (samplers x seeds on the same shards) and `sweep` (k x data size).
 
+compare's clustered_dedup arm differs from clustered only by dedup: it trains on the shards of the pairs the dedup
+stage keeps (train.dedup), made on demand beside the run's shards of every assigned pair.
+
 compare: clusterscale compare [CONFIG] --run-dir R --samplers clustered,random --seeds 3
          -> train/compare-<arm>-seed<s>/, eval/compare-<arm>-seed<s>.json, report/compare.json, report/report.md
 sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2] [--preprocess-only]
@@ -16,6 +19,7 @@ import numpy as np
 
 from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
+from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.kmeans import ClusteringError
 from clusterscale.io.layout import fit_stats_path, manifest_path, train_dir
 from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, pipeline, run_stage, run_stages
@@ -85,6 +89,7 @@ ARMS: dict[str, dict] = {
     "clp": {"sampler": "clustered", "negatives_per_query": 1, "loss": "clp"},  # clustered + mined + CLP penalty
     "moe": {"sampler": "clustered", "moe_experts": 4, "moe_top_k": 2},
     "recluster": {"sampler": "clustered", "recluster_every": "half"},       # once, halfway
+    "clustered_dedup": {"sampler": "clustered", "dedup": True},             # on the pairs dedup keeps
 }
 
 
@@ -134,6 +139,9 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
                 for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
     check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
+    for arm_cfgs in arms.values():  # e.g. train.dedup with dedup applied to the shared shards: refused now
+        if arm_cfgs[0].train.dedup:
+            train_dedup_config(arm_cfgs[0])
     started = time.time()
     mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
     stage_options = stage_options or {}
@@ -156,9 +164,13 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
 
 
 def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], metrics: dict, frozen: dict) -> dict:
+    dedup_arms = [name for name, arm_cfgs in arms.items() if arm_cfgs[0].train.dedup]
+    dedup_note = (f" ({', '.join(dedup_arms)}: on the shards of the pairs dedup keeps, "
+                  f"{_dedup_text(train_dedup_config(arms[dedup_arms[0]][0]))})" if dedup_arms else "")
     out = {"description": (f"{len(next(iter(arms.values())))} seed(s) per arm, every arm {cfg.train.steps or 'full-epoch'} "
-                           f"steps x {cfg.train.global_batch_size} pairs on the same shards (k={cfg.cluster.k}), "
-                           f"evaluated on the same held-out set; std is the sample standard deviation over seeds."),
+                           f"steps x {cfg.train.global_batch_size} pairs on the same shards (k={cfg.cluster.k})"
+                           f"{dedup_note}, evaluated on the same held-out set; std is the sample standard deviation "
+                           f"over seeds."),
            "k": cfg.cluster.k, "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
            "frozen": frozen, "arms": {}}
     for sampler, arm_cfgs in arms.items():
@@ -169,7 +181,7 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
                "metrics": {key: spread([m[key] for m in per_seed]) for key in per_seed[0]},
                "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
                if any(records) else None,
-               "neg_cos_mean": float(np.mean([r["neg_cos_mean"] for recs in records for r in recs])) if any(records) else None,
+               **_per_step_means(records),
                "train_worker_s": float(sum(run.done_stats(train_dir(n)).get("worker_s", 0) for n in names)),
                "train_keys": _differing_train_keys(cfg, arm_cfgs[0])}
         out["arms"][sampler] = arm
@@ -188,6 +200,19 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
         out["paired_vs_random"] = {name.split(" - ")[0]: d["ndcg_at_10"] for name, d in out.get("paired", {}).items()
                                    if name.endswith(" - random")}
     return out
+
+
+def _per_step_means(records: list[list[dict]]) -> dict:
+    """In-batch negative hardness (mean and max cosine to a negative) and masked false negatives (in-batch
+    duplicates of a query's passage or query), each averaged over every step of every seed."""
+    steps = [r for recs in records for r in recs]
+    return {key: float(np.mean([r[key] for r in steps])) if steps else None
+            for key in ("neg_cos_mean", "neg_cos_max", "masked_false_negatives")}
+
+
+def _dedup_text(cfg: Config) -> str:
+    dc = cfg.dedup
+    return f"dedup.exact={dc.exact}, key={dc.key}, semantic_threshold={dc.semantic_threshold}, keep={dc.keep}"
 
 
 def _seed_differences(metrics: dict, arm: str, arm_cfgs: list[Config], baseline: str, baseline_cfgs: list[Config],

@@ -315,7 +315,8 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
     config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
-    return StageResult(stats, outputs={kept_dir(cfg.cluster.k): StageResult({"rows": stats["rows"]}, config=config)}, config=config)
+    kept = StageResult({"rows": stats["rows"]}, config=config)
+    return StageResult(stats, outputs={kept_dir(cfg.cluster.k): kept}, config=config)
 
 
 def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:

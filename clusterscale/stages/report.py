@@ -189,13 +189,15 @@ def mteb_table(run: RunDir) -> str | None:
 
 def compare_table(compare: dict) -> str:
     lines = ["| arm | seeds | NDCG@10 mean ± std (min..max) | MRR@10 mean ± std | mean loss, last 10 steps | "
-             "neg cos mean | train worker-s |", "|---|---|---|---|---|---|---|"]
+             "neg cos mean | neg cos max | masked false negatives / step | train worker-s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, arm in compare["arms"].items():
         n, m = arm["metrics"]["ndcg_at_10"], arm["metrics"]["mrr_at_10"]
         seeds = f"{len(arm['seeds'])}{_small(len(arm['seeds']), MIN_SEEDS)}"
         lines.append(f"| {name} | {seeds} | {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) | "
                      f"{m['mean']:.4f} ± {m['std']:.4f} | {_fmt(arm.get('final_loss_mean'))} | "
-                     f"{_fmt(arm.get('neg_cos_mean'))} | {arm.get('train_worker_s', 0):.0f} |")
+                     f"{_fmt(arm.get('neg_cos_mean'))} | {_fmt(arm.get('neg_cos_max'))} | "
+                     f"{_fmt(arm.get('masked_false_negatives'), 2)} | {arm.get('train_worker_s', 0):.0f} |")
     if any(len(arm["seeds"]) < MIN_SEEDS for arm in compare["arms"].values()):
         lines.append(f"\n\\* fewer than {MIN_SEEDS} seeds: the std and min..max are not a spread to trust; "
                      "run more seeds (`clusterscale compare --seeds`).")
