@@ -71,6 +71,8 @@ def test_compare_report_shows_hardness_and_masked_false_negatives(compared):
         assert arm["masked_false_negatives"] == pytest.approx(sum(s["masked_false_negatives"] for s in steps) / 2)
         assert arm["neg_cos_max"] == pytest.approx(sum(s["neg_cos_max"] for s in steps) / 2)
     assert summary["arms"]["clustered_dedup"]["train_keys"] == {"dedup": True}
+    # Queries and passages are unique but for the planted copies, so only the clustered arm can mask any.
+    assert summary["arms"]["clustered_dedup"]["masked_false_negatives"] == 0
     assert ("clustered_dedup: on the shards of the pairs dedup keeps, dedup.exact=True, key=pair, "
             "semantic_threshold=0.0") in summary["description"]
     report = compared.read_bytes("report/report.md").decode()
