@@ -175,14 +175,7 @@ def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.T
         "best": np.full(batch.num_rows, -np.inf)}
     for name, values in columns.items():
         batch = batch.append_column(name, pa.array(values))
-    release_arrow_pool()
     return batch
-
-
-def release_arrow_pool() -> None:
-    """Give the Arrow pool's free pages back after a batch: else the allocator keeps every batch's pages and a
-    long-lived worker creeps with the number of batches (as assign did; stages/kmeans.py)."""
-    pa.default_memory_pool().release_unused()
 
 
 # --- step 2: exact duplicates, one hash bucket of keys at a time --------------------------------------------
@@ -199,9 +192,7 @@ def resolve_exact(group: pa.Table) -> pa.Table:
     duplicate_of = group.column("duplicate_of").to_numpy().copy()
     similarity = group.column("similarity").to_numpy().copy()
     reason[removed], duplicate_of[removed], similarity[removed] = core.EXACT, dup_of[dup_of >= 0], 1.0
-    group = _replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity)
-    release_arrow_pool()
-    return group
+    return _replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity)
 
 
 def _replace_columns(table: pa.Table, **columns: np.ndarray) -> pa.Table:
@@ -275,7 +266,6 @@ def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]
             "cluster": pa.array(np.full(removed.num_rows, cluster, np.int32))}, schema=REMOVED_SCHEMA))
     _, histogram = core.histogram_near(group.column("best").to_numpy(), dc.semantic_threshold)
     example = example_group(group)
-    release_arrow_pool()
     return pa.table({"cluster": [cluster], "rows": [group.num_rows], "kept": [kept.num_rows],
                      **{name: [int((reason == code).sum())] for code, name in core.REASONS.items()},
                      "histogram": [histogram], "example": [json.dumps(example) if example else ""]})
