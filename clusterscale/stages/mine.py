@@ -45,7 +45,7 @@ from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, release_arrow_pool
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -181,7 +181,9 @@ def _search(group: pa.Table, mine: dict, buckets: int) -> pa.Table:
     import faiss
 
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
-    return search_cluster(group, MineConfig(**mine), buckets)
+    out = search_cluster(group, MineConfig(**mine), buckets)
+    release_arrow_pool()
+    return out
 
 
 def _merge_and_write(group: pa.Table, run_uri: str, mine: dict) -> pa.Table:
@@ -189,6 +191,7 @@ def _merge_and_write(group: pa.Table, run_uri: str, mine: dict) -> pa.Table:
     out, drops = merge_candidates(group, MineConfig(**mine))
     bucket = int(group.column("bucket")[0].as_py())
     RunDir(run_uri).write_parquet(bucket_file(bucket), out)
+    release_arrow_pool()
     counts = np.asarray(pc.list_value_length(out.column("neg_pair_ids")))
     return pa.table({"rows": [out.num_rows], "negatives": [int(counts.sum())],
                      "without_negatives": [int((counts == 0).sum())],
@@ -256,7 +259,7 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
-    with bounded_shuffle_maps():  # before any dataset exists: each Dataset copies the DataContext it is made in
+    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
         if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
             results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
             write_empty_buckets(run, plan)
