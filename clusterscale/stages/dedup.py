@@ -280,7 +280,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     dedup = cfg.to_dict()["dedup"]
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
     progress, results = ProgressLine("dedup", n_rows), []
-    with bounded_shuffle_maps():  # ~64 MiB per shuffle map task, not all rows in one (runtime/bounded_data.py)
+    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
