@@ -2,7 +2,8 @@
 
 Run with `clusterscale dedup [CONFIG] --run-dir R` (after `assign`; `run` runs it when dedup.exact or
 dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/ (read one row group per task, hash
-shuffles in ~64 MiB map tasks: runtime/bounded_data.py), none of which holds all rows:
+shuffles in ~64 MiB map tasks, through local files with ray.disk_shuffle: runtime/bounded_data.py), none of
+which holds all rows:
   1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), and whether
      its query or passage duplicates a held-out pair (equal normalised text, or cosine >= the threshold to a
      held-out vector: the held-out set is small, every task holds it);
