@@ -67,7 +67,7 @@ class SetKeys:
 
 def read_keyed_files(batch: dict, run_uri: str, keys: SetKeys, columns: list[str]) -> pa.Table:
     """Ray Data map_batches fn over (file, offset) items: reads each clustered shard file whole (at most
-    shard.target_rows_per_file rows) and adds every row's `shard` and `sub` in the set."""
+    file_sizes rows: a few global batches) and adds every row's `shard` and `sub` in the set."""
     run, tables = RunDir(run_uri), []
     for rel, offset in zip(batch["file"].tolist(), batch["offset"].tolist()):
         table = pq.read_table(run.fs.open_input_file(run.path(rel)), columns=columns)
