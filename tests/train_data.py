@@ -25,8 +25,7 @@ def make_sharded_run(root: Path, k: int = 4, rows_per_topic: int = 40, global_ba
         rows = [i for i, s in enumerate(table.column("src").to_pylist()) if topics.index(s) % k == c]
         part = table.take(pa.array(rows))
         shard = pa.table({"pair_id": pa.array(rows, pa.int64()), "query": part.column("q"),
-                          "passage": part.column("p"), "cluster": pa.array([c] * len(rows), pa.int64()),
-                          "cos": pa.array([1.0] * len(rows))})
+                          "passage": part.column("p")})  # the shard stage's columns (stages/shards.SHARD_COLUMNS)
         if with_source:
             shard = shard.append_column("source", part.column("src"))
         files = []
