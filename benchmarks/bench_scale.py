@@ -78,6 +78,21 @@ def process_kind(proc: psutil.Process, root_pid: int) -> tuple[str, str]:
     return "ray_other", title
 
 
+def anon_and_shmem(pid: int) -> tuple[int, int]:
+    """(RssAnon, RssShmem) in bytes from /proc/PID/status: the process's private heap, and the shared-memory
+    pages it maps (Ray's object store lives in /dev/shm), which USS also counts when no other process maps them."""
+    values = {"RssAnon:": 0, "RssShmem:": 0}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(None, 1)[0]
+                if key in values:
+                    values[key] = int(line.split()[1]) * 1024
+    except OSError:  # exited, or not Linux
+        pass
+    return values["RssAnon:"], values["RssShmem:"]
+
+
 class TreeSampler:
     """Samples the memory of a process and all its descendants every `interval` seconds in a thread."""
 
@@ -87,6 +102,8 @@ class TreeSampler:
         self.titles: dict[str, float] = {}      # worker title -> peak USS of one process with that title
         self.work: dict[int, str] = {}          # worker pid -> its latest title other than ray::IDLE
         self.tree_uss = self.tree_pss = self.tree_rss = 0
+        self.heap = {"anon": 0, "shmem": 0, "title": ""}
+        self.title_anon: dict[str, float] = {}  # worker title -> peak RssAnon of one process with that title  # the largest single process by private heap (RssAnon)
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -127,6 +144,11 @@ class TreeSampler:
             peak["rss"] = max(peak["rss"], mem.rss)
             if kind == "worker":
                 self.titles[title] = max(self.titles.get(title, 0), mem.uss)
+            anon, shmem = anon_and_shmem(proc.pid)
+            if kind == "worker":
+                self.title_anon[title] = max(self.title_anon.get(title, 0), anon)
+            if anon > self.heap["anon"]:
+                self.heap = {"anon": anon, "shmem": shmem, "title": f"{kind}: {title}"}
         self.tree_uss, self.tree_pss = max(self.tree_uss, total_uss), max(self.tree_pss, total_pss)
         self.tree_rss = max(self.tree_rss, total_rss)
         self.samples += 1
@@ -141,6 +163,10 @@ class TreeSampler:
             out[f"{kind}_peak_rss_mb"] = round(peak["rss"] / MB, 1)
         top = sorted(self.titles.items(), key=lambda kv: -kv[1])[:5]
         out["worker_peaks_by_title_mb"] = {t: round(v / MB, 1) for t, v in top}
+        top = sorted(self.title_anon.items(), key=lambda kv: -kv[1])[:5]
+        out["worker_anon_by_title_mb"] = {t: round(v / MB, 1) for t, v in top}
+        out |= {"peak_anon_mb": round(self.heap["anon"] / MB, 1), "peak_anon_process": self.heap["title"],
+                "peak_anon_process_shmem_mb": round(self.heap["shmem"] / MB, 1)}
         out |= {"tree_peak_uss_mb": round(self.tree_uss / MB, 1), "tree_peak_pss_mb": round(self.tree_pss / MB, 1),
                 "tree_peak_rss_mb": round(self.tree_rss / MB, 1), "samples": self.samples}
         return out
@@ -211,7 +237,7 @@ def measure_scale(rows: int, args, root: str) -> dict:
 
 
 # --- the report ------------------------------------------------------------------------------------------------
-DETAIL_KEYS = ("driver_peak_uss_mb", "worker_peak_uss_mb", "raylet_peak_uss_mb", "gcs_server_peak_uss_mb",
+DETAIL_KEYS = ("peak_anon_mb", "peak_anon_process", "peak_anon_process_shmem_mb", "worker_anon_by_title_mb", "driver_peak_uss_mb", "worker_peak_uss_mb", "raylet_peak_uss_mb", "gcs_server_peak_uss_mb",
                "tree_peak_uss_mb", "tree_peak_pss_mb", "driver_peak_rss_mb", "worker_peak_rss_mb", "tree_peak_rss_mb",
                "largest_process", "worker_peaks_by_title_mb", "seconds", "stage_wall_s", "samples")
 
@@ -224,6 +250,8 @@ def stage_entry(rows: list[int], runs: list[dict]) -> dict:
              "rows_per_s": [round(n / w, 1) if w else None for n, w in zip(rows, walls)]}
     for key in DETAIL_KEYS:
         entry[key] = [r.get(key) for r in runs]
+    anon = entry["peak_anon_mb"]
+    entry["anon_growth"] = round(anon[-1] / anon[0], 3) if anon[0] and anon[-1] else None
     for kind in ("driver", "worker"):  # which process grows
         first, last = entry[f"{kind}_peak_uss_mb"][0], entry[f"{kind}_peak_uss_mb"][-1]
         entry[f"{kind}_growth"] = round(last / first, 3) if first and last else None
@@ -235,8 +263,9 @@ def stage_entry(rows: list[int], runs: list[dict]) -> dict:
 
 def markdown_table(result: dict) -> str:
     """The RESULTS.md table: per stage the largest process's peak at N and 4N, growth, rows/s, which process."""
-    lines = ["| stage | rows | peak MB (largest process) | growth | rows/s | largest process at 4N | driver MB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| stage | rows | peak MB (largest process) | growth | rows/s | largest process at 4N | driver MB | "
+             "heap MB (largest RssAnon) | heap growth |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for stage in (*STAGES, "synth", "train"):
         e = result.get(stage) if stage in STAGES else result["setup"].get(stage)
         if e is None:  # not selected by --stages
@@ -245,8 +274,13 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {stage}{'' if stage in STAGES else ' (setup)'}{mark} | {e['rows'][0]:,} / {e['rows'][1]:,} | "
                      f"{e['peak_rss_mb'][0]:,.0f} / {e['peak_rss_mb'][1]:,.0f} | {e['growth']} | "
                      f"{e['rows_per_s'][0]:,.0f} / {e['rows_per_s'][1]:,.0f} | {e['largest_process'][1]} | "
-                     f"{e['driver_peak_uss_mb'][0]:,.0f} / {e['driver_peak_uss_mb'][1]:,.0f} |")
+                     f"{e['driver_peak_uss_mb'][0]:,.0f} / {e['driver_peak_uss_mb'][1]:,.0f} | "
+                     f"{_mb(e['peak_anon_mb'][0])} / {_mb(e['peak_anon_mb'][1])} | {e.get('anon_growth')} |")
     return "\n".join(lines)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def machine() -> dict:
