@@ -461,6 +461,13 @@ class RayConfig(Section):
                                        "node, also on nodes an autoscaler adds later (NFS/EFS/Filestore): "
                                        "run on a cluster that can add nodes instead of refusing. The nodes up "
                                        "at the start are probed either way.", affects_output=False)
+    disk_shuffle: bool = knob(True, "Hash shuffles of the large stages (shard, mine, dedup) go through local files "
+                                    "(Ray Data's disk-based shuffle) instead of the object store, so the rows "
+                                    "waiting at the shuffle barrier are not held in memory. Each node then serves "
+                                    "its shuffle files to the others over an Arrow Flight port on its IP, without "
+                                    "Ray's token auth: keep the cluster network private, or set false (rows then "
+                                    "wait in the object store, spilled to disk when it is full).",
+                              affects_output=False)
 
 
 class Fingerprint(str):

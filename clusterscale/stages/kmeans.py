@@ -24,6 +24,7 @@ from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, chec
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.fit_sample import RowGroupUnit, choose_sample_units, read_sample_rows, row_group_units
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
@@ -239,7 +240,7 @@ class AssignUnits(AssignBatches):
                                    row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
             rows.append(table.num_rows)
             del table
-            pa.default_memory_pool().release_unused()  # else the allocator keeps each unit's pages: creeps with units
+            release_freed_memory()  # else the allocators keep each unit's pages: creeps with units
         return pa.table({"rows": pa.array(rows, pa.int64())})
 
 

@@ -45,7 +45,8 @@ from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
+from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, read_row_groups,
+                                               release_freed_memory)
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -173,22 +174,32 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 
 
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
-def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups) -> pa.Table:
-    return route_rows(batch, centroids, nprobe, by_query, groups)
+# The shuffles group by a stand-in of the group / bucket id that lands in a partition of its own
+# (bounded_data.one_key_per_partition): a reduce task then holds one search group or one bucket, whatever N.
+def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups,
+           group_keys: np.ndarray) -> pa.Table:
+    routed = route_rows(batch, centroids, nprobe, by_query, groups)
+    return routed.set_column(routed.schema.get_field_index("group"), "group",
+                             pa.array(group_keys[routed.column("group").to_numpy()]))
 
 
-def _search(group: pa.Table, mine: dict, buckets: int) -> pa.Table:
+def _search(group: pa.Table, mine: dict, bucket_keys: np.ndarray) -> pa.Table:
     import faiss
 
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
-    return search_cluster(group, MineConfig(**mine), buckets)
+    out = search_cluster(group, MineConfig(**mine), len(bucket_keys))
+    out = out.set_column(out.schema.get_field_index("bucket"), "bucket",
+                         pa.array(bucket_keys[out.column("bucket").to_numpy()]))
+    release_freed_memory()
+    return out
 
 
-def _merge_and_write(group: pa.Table, run_uri: str, mine: dict) -> pa.Table:
+def _merge_and_write(group: pa.Table, run_uri: str, mine: dict, bucket_keys: np.ndarray) -> pa.Table:
     """Merge one bucket's queries and write its negatives file; returns its counts (one row)."""
     out, drops = merge_candidates(group, MineConfig(**mine))
-    bucket = int(group.column("bucket")[0].as_py())
+    bucket = int(np.flatnonzero(bucket_keys == group.column("bucket")[0].as_py())[0])
     RunDir(run_uri).write_parquet(bucket_file(bucket), out)
+    release_freed_memory()
     counts = np.asarray(pc.list_value_length(out.column("neg_pair_ids")))
     return pa.table({"rows": [out.num_rows], "negatives": [int(counts.sum())],
                      "without_negatives": [int((counts == 0).sum())],
@@ -207,14 +218,17 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buck
     groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     mine = cfg.to_dict()["mine"]
+    bucket_keys = one_key_per_partition(buckets)
     ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
-                                           "by_query": encoder is None, "groups": groups},
+                                           "by_query": encoder is None, "groups": groups,
+                                           "group_keys": one_key_per_partition(groups.num_groups)},
                         batch_format="pyarrow", **env)
     # One shuffle partition per group / bucket: a partition's size then follows the bound, not N.
     ds = ds.groupby("group", num_partitions=groups.num_groups).map_groups(
-        _search, fn_kwargs={"mine": mine, "buckets": buckets}, batch_format="pyarrow", **env)
+        _search, fn_kwargs={"mine": mine, "bucket_keys": bucket_keys}, batch_format="pyarrow", **env)
     ds = ds.groupby("bucket", num_partitions=buckets).map_groups(
-        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine}, batch_format="pyarrow")
+        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine, "bucket_keys": bucket_keys},
+        batch_format="pyarrow")
     progress, results = ProgressLine("mine", n_rows), []
     for result in ds.iter_rows():
         results.append(result)
@@ -256,7 +270,7 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
-    with bounded_shuffle_maps():  # before any dataset exists: each Dataset copies the DataContext it is made in
+    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
         if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
             results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
             write_empty_buckets(run, plan)

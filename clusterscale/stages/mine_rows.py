@@ -26,6 +26,7 @@ import ray
 
 from clusterscale.config import Config
 from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.runtime.bounded_data import read_row_groups
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, candidate_files, groups_per_piece,
                                           shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
@@ -152,8 +153,8 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: 
         where = texts.select_columns(["pair_id", "unit"]).rename_columns({"pair_id": "anchor"})
         if len(todo) < len(units):  # a rerun after an interruption: only the pieces not yet written
             where = where.map_batches(_rows_of_units, fn_kwargs={"units": todo}, batch_format="pyarrow")
-        candidates = ray.data.read_parquet(candidate_files(neg_run), filesystem=neg_run.fs) \
-            .select_columns(["pair_id", "neg_pair_ids"]).map_batches(explode_candidates, batch_format="pyarrow")
+        candidates = read_row_groups(neg_run, candidate_files(neg_run), ["pair_id", "neg_pair_ids"]) \
+            .map_batches(explode_candidates, batch_format="pyarrow")
         cand_texts = texts.select_columns(["pair_id", "query", "passage"]).rename_columns(
             {"pair_id": "cand", "query": "neg_query", "passage": "neg_passage"})
         found = candidates.join(where, "inner", partitions, on=("anchor",)) \
