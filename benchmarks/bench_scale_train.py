@@ -17,9 +17,10 @@ process (a rank: `ray::RayTrainWorker`), at N and 4N; `growth` = 4N / N (goal <=
 `train_read_amplification` = the shard bytes all ranks read over the run (Parquet footers included) / the on-disk
 bytes of the rows they trained on, summed from metrics.jsonl's per-step `bytes_read` / `bytes_used` (the
 trainer's ShardReader counters; goal <= 2 for clustered). Mined negatives' sidecar bytes are not in it: it is the
-rows' amplification. For the clustered arms, `footer_bytes_read` is the part of it that is Parquet footers (each
-rank reads the whole footer of every cluster file it visits, once) and `read_amplification_without_footers` the
-rest. `max_train_memory_growth` = the largest growth over the arms.
+rows' amplification. `footer_bytes_read` is the part of it that is Parquet footers (metrics.jsonl's per-step
+`footer_bytes_read`: a rank reads the whole footer of each shard file it takes a row group from, unless its footer
+cache holds it) and `read_amplification_without_footers` the rest. `max_train_memory_growth` = the largest
+growth over the arms.
 """
 from __future__ import annotations
 
@@ -54,22 +55,6 @@ def read_amplification(records: list[dict], minus_bytes: int = 0) -> float | Non
     read = sum(r.get("bytes_read", 0) for r in records) - minus_bytes
     used = sum(r.get("bytes_used", 0) for r in records)
     return round(read / used, 3) if used else None
-
-
-def footer_bytes(path: str) -> int:
-    """The bytes a rank reads to get a Parquet file's footer (train/data.py's _read_footer): the 8-byte tail and
-    the footer it gives the length of."""
-    with open(path, "rb") as f:
-        f.seek(-8, os.SEEK_END)
-        return 8 + int.from_bytes(f.read(4), "little")
-
-
-def clustered_footer_bytes(run_dir: str, manifest: dict, records: list[dict], world: int) -> int:
-    """Footer bytes the ranks of a clustered run read: every rank reads the footer of each file of each cluster
-    it visits once (its footer cache holds them all at these sizes)."""
-    files = {c["cluster"]: c["files"] for c in manifest["clusters"]}
-    visited = {r["cluster"] for r in records}
-    return world * sum(footer_bytes(os.path.join(run_dir, rel)) for c in visited for rel in files[c])
 
 
 def rank_peak_mb(summary: dict) -> float | None:
@@ -114,11 +99,9 @@ def measure_arms(rows: int, arms: list[str], args, root: str) -> dict:
         argv = bench_scale.cli("train", run_dir, [*keys, *ARMS[arm], f"train.name={arm}"])
         result = bench_scale.run_sampled(argv, os.path.join(logs, f"train-{arm}.log"), args.interval)
         records = metrics_records(run_dir, arm)
-        if ARMS[arm][0] == "train.sampler=clustered" and records:  # the footers' share of the bytes read
-            with open(os.path.join(run_dir, "shards", f"k={args.k}", "manifest.json")) as f:
-                footers = clustered_footer_bytes(run_dir, json.load(f), records, WORKERS)
-            result["footer_bytes_read"] = footers
-            result["read_amplification_without_footers"] = read_amplification(records, minus_bytes=footers)
+        footers = round(sum(r.get("footer_bytes_read", 0) for r in records))  # the footers' share of the bytes read
+        result["footer_bytes_read"] = footers
+        result["read_amplification_without_footers"] = read_amplification(records, minus_bytes=footers)
         out[arm] = result | {"rank_peak_uss_mb": rank_peak_mb(result), "steps": len(records),
                              "train_read_amplification": read_amplification(records),
                              "bytes_read_per_step": round(sum(r.get("bytes_read", 0) for r in records)

@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/bench_train.py [--steps 12] [--json out.json] [--skip-ray] [--gpu]
 
 1. Loader: the same single-process step (ShardReader + contrastive_backward + AdamW) fed by the
-   clustered and by the random schedule, interleaved step by step. loader_overhead = (median loader
+   clustered and by the random schedule, interleaved step by step, over shards laid out as the shard stage
+   writes them (row groups of row_group_rows_for(batch), files of one global batch: shard.batches_per_file=1). loader_overhead = (median loader
    time clustered - random) / median step time random: the time the clustered loader adds per step.
 2. clusterscale `train` through Ray Train (2 DDP workers on local Ray, gloo) vs a plain single-process
    PyTorch loop (tokenize, forward, in-batch InfoNCE, backward, AdamW) on the same batches and model:
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from clusterscale import config as config_mod  # noqa: E402
 from clusterscale.io.layout import manifest_path  # noqa: E402
 from clusterscale.train import schedule  # noqa: E402
-from clusterscale.train.data import ShardReader  # noqa: E402
+from clusterscale.train.data import ShardReader, row_group_rows_for, schedule_block_rows  # noqa: E402
 from clusterscale.train.metrics import read_metrics  # noqa: E402
 from clusterscale.modeling.student import build_student  # noqa: E402
 from clusterscale.train.step import StepSettings, contrastive_backward  # noqa: E402
@@ -56,7 +57,9 @@ def loader_and_plain(run, cfg, steps: int) -> dict:
     settings = StepSettings.from_train_config(tc, pooling, amp=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
     reader = ShardReader(run, manifest)
-    streams = {s: schedule.iterate(sizes, tc.global_batch_size, s, tc.seed, steps + 2) for s in ("clustered", "random")}
+    block_rows = schedule_block_rows(manifest)
+    streams = {s: schedule.iterate(sizes, tc.global_batch_size, s, tc.seed, steps + 2, block_rows=block_rows)
+               for s in ("clustered", "random")}
     times: dict[str, dict[str, list[float]]] = {s: {"load": [], "step": [], "plain": []} for s in streams}
     for i in range(steps + 2):
         for sampler, stream in streams.items():
@@ -179,8 +182,10 @@ def main() -> None:
     results: dict = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "date": time.strftime(
         "%Y-%m-%d %H:%M UTC", time.gmtime()), "global_batch_size": args.global_batch_size}
     with tempfile.TemporaryDirectory() as tmp:
+        group_rows = row_group_rows_for(args.global_batch_size)
         run = make_sharded_run(os.path.join(tmp, "run"), rows_per_topic=args.rows_per_cluster,
-                               global_batch_size=args.global_batch_size)
+                               global_batch_size=args.global_batch_size, row_group_rows=group_rows,
+                               groups_per_file=args.global_batch_size // group_rows)
         cfg = _cfg(args.global_batch_size, args.steps + 2)
         results |= loader_and_plain(run, cfg, args.steps)
         print(json.dumps(results, indent=2), flush=True)

@@ -8,12 +8,14 @@
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~1 h, MiniLM several hours) and record `uptime` with the figures:
 #   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both]      (log: OUT_DIR/study.log)
+# It can be run in pieces: rerun the same command and compare skips the finished arms, and an arm stopped
+# midway resumes from its last checkpoint (every 50 steps) on the same batches.
 set -euo pipefail
 OUT=${1:-runs/study}
 WHICH=${2:-both}
 mkdir -p "$OUT"
 COMMON=(data.limit=null cluster.k=20 train.steps=null train.epochs=2 train.global_batch_size=64
-        train.log_every_steps=10 eval.max_queries=1000 eval.num_distractors=5000)
+        train.log_every_steps=10 train.checkpoint_every_steps=50 eval.max_queries=1000 eval.num_distractors=5000)
 SCRATCH=(train.init=scratch train.tokenizer=bundled train.scratch_hidden_size=128 train.scratch_num_layers=2
          train.scratch_num_heads=2 train.scratch_intermediate_size=512 train.lr=4e-4 train.final_lr=4e-5
          train.temperature=0.05 train.warmup_steps=30)
@@ -30,4 +32,4 @@ ARMS=clustered,random,random_clusters
     clusterscale report --run-dir "$OUT/minilm"
   fi
   date -u; uptime
-} 2>&1 | tee "$OUT/study.log"
+} 2>&1 | tee -a "$OUT/study.log"

@@ -186,7 +186,15 @@ class ShardConfig(Section):
     small_cluster_policy: str = knob("merge", "Clusters with fewer rows than one global batch: 'merge' "
                                               "into the nearest cluster by centroid cosine, or 'pool' into "
                                               "one mixed remainder shard.", ("merge", "pool"))
-    target_rows_per_file: int = knob(500_000, "Rows per Parquet file inside a cluster's shard.", bounds=POSITIVE)
+    batches_per_file: int = knob(1, "Global batches (train.global_batch_size rows) per shard file. A training "
+                                    "rank reads the whole Parquet footer of each file it takes a row group from "
+                                    "(~0.25 KB per row group), so the footer bytes per row it uses grow with the "
+                                    "file's row groups: 1 keeps them under ~0.6x the text bytes at 64 ranks for "
+                                    "~400 B/row (benchmarks/results/h1_s7.md); larger values mean fewer, bigger "
+                                    "files.", bounds=POSITIVE)
+    target_rows_per_file: int = knob(500_000, "Upper bound on rows per shard file (files hold shard."
+                                              "batches_per_file global batches, fewer rows when this is smaller).",
+                                     bounds=POSITIVE)
     num_samples: int = knob(5, "Sample queries per cluster kept in the manifest for inspection.")
     max_group_rows: int = knob(1_000_000, "Largest group of rows one shard actor sorts and shuffles at once: a "
                                           "cluster with more rows is split into about rows / max_group_rows "

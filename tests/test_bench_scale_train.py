@@ -44,16 +44,8 @@ def test_arm_entry_growth_and_errors():
     assert entry["error"] == [None, "boom"]
 
 
-def test_clustered_footer_bytes_counts_each_visited_file_once_per_rank(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table({"pair_id": list(range(100)), "query": [f"q{i}" for i in range(100)]})
-    for name, groups in (("a.parquet", 10), ("b.parquet", 50)):
-        pq.write_table(table, tmp_path / name, row_group_size=100 // groups)
-    footer_a = bench.footer_bytes(str(tmp_path / "a.parquet"))
-    assert footer_a == pq.read_metadata(tmp_path / "a.parquet").serialized_size + 8
-    assert bench.footer_bytes(str(tmp_path / "b.parquet")) > 4 * footer_a  # the footer grows with the row groups
-    manifest = {"clusters": [{"cluster": 3, "files": ["a.parquet"]}, {"cluster": 5, "files": ["b.parquet"]}]}
-    records = [{"step": 0, "cluster": 3}, {"step": 1, "cluster": 3}]
-    assert bench.clustered_footer_bytes(str(tmp_path), manifest, records, world=2) == 2 * footer_a
+def test_read_amplification_without_footers_takes_the_footer_bytes_out():
+    records = [{"step": 0, "bytes_read": 3_000, "bytes_used": 1_000, "footer_bytes_read": 1_500},
+               {"step": 1, "bytes_read": 1_500, "bytes_used": 1_000, "footer_bytes_read": 500}]
+    assert bench.read_amplification(records) == pytest.approx(2.25)
+    assert bench.read_amplification(records, minus_bytes=2_000) == pytest.approx(1.25)

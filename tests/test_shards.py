@@ -86,6 +86,9 @@ def merged(tmp_path_factory, data, ray_local):
 def test_merge_policy_manifest_files_and_rows(merged, data):
     run, centroids, labels, batch = merged
     manifest = run.read_json(f"{shards_dir(K)}/manifest.json")
+    g = manifest["row_group_rows"]
+    rows_per_file = manifest["rows_per_file"]  # shard.batches_per_file=1 global batch, under target_rows_per_file
+    assert rows_per_file == max(1, min(batch, 100) // g) * g
     counts = np.bincount(labels, minlength=K)
     small = np.flatnonzero((counts > 0) & (counts < batch))
     big = np.flatnonzero(counts >= batch)
@@ -101,9 +104,9 @@ def test_merge_policy_manifest_files_and_rows(merged, data):
         assert set(labels[ids]) == set(c["members"])
         assert c["mean_intra_cosine"] == pytest.approx(mean_pairwise_cosine(data[ids].astype(np.float64).sum(0),
                                                                             len(ids)), rel=1e-5)
-        assert all(pads.dataset(run.path(f), format="parquet").count_rows() <= 100 for f in c["files"])
+        assert all(pads.dataset(run.path(f), format="parquet").count_rows() <= rows_per_file for f in c["files"])
     assert sorted(seen) == list(range(N))  # nothing dropped, nothing duplicated
-    assert manifest["stats"]["files"] <= K + math.ceil(N / 100)
+    assert manifest["stats"]["files"] <= K + math.ceil(N / rows_per_file)
     assert run.listdir(shards_dir(K))[-1] == "manifest.json" or run.exists(shards_dir(K), "manifest.json")
 
 
@@ -234,5 +237,22 @@ def test_split_rerun_is_identical_and_drops_emb_by_default(split_runs):
     assert [c["files"] for c in with_emb["clusters"]] == [c["files"] for c in without["clusters"]]
     for a, b in zip(with_emb["clusters"], without["clusters"]):
         table = read_shard(run_text, b["files"])
-        assert table.column_names == ["pair_id", "query", "passage", "source", "cluster", "cos"]
+        assert table.column_names == ["pair_id", "query", "passage", "source"]  # cluster, cos: in assign/
         assert read_shard(run_emb, a["files"]).drop_columns(["emb"]).equals(table)
+
+
+def test_files_of_a_few_global_batches_bound_the_footer(tmp_path, data, ray_local):
+    # A rank reads the footer of each file it takes a row group from: files of shard.batches_per_file global
+    # batches hold batches_per_file x batch / row_group_rows row groups, however big the cluster, and their
+    # column chunks carry no dictionary pages or statistics.
+    run, _, _ = assigned_run(tmp_path / "run", data)
+    run_stage("shard", cfg_with("merge", 64, rows_per_file=10_000, extra=("shard.batches_per_file=2",)), run)
+    manifest = run.read_json(f"{shards_dir(K)}/manifest.json")
+    assert manifest["row_group_rows"] == 32 and manifest["rows_per_file"] == 128
+    for c in manifest["clusters"]:
+        assert c["file_rows"][:-1] == [128] * (len(c["files"]) - 1)
+        for f in c["files"]:
+            md = pq.read_metadata(run.path(f))
+            assert md.num_row_groups <= 4 and md.num_columns == 4
+            chunks = [md.row_group(0).column(i) for i in range(md.num_columns)]
+            assert not any(ch.has_dictionary_page or ch.is_stats_set for ch in chunks)

@@ -111,13 +111,17 @@ def test_reader_reads_only_the_row_groups_of_its_rows(tmp_path):
     reader = ShardReader(run, manifest)
     assert schedule_block_rows(manifest) == g
     sizes = [c["rows"] for c in manifest["clusters"]]
+    footers = 0
     for shard, n in enumerate(sizes):  # every footer read once, and every row group
         _, read, used = reader.read(shard, np.arange(n))
         assert used < read  # tiny files: their footers weigh more than their rows
+        footers += sum(8 + pq.read_metadata(run.path(f)).serialized_size for f in manifest["clusters"][shard]["files"])
+    assert reader.footer_bytes_read == footers  # the tail, then exactly the footer
     for gb in schedule.iterate(sizes, B, "clustered", 0, 10, block_rows=g):  # warm footers: data only
         table, read, used = reader.read(gb.shard, gb.rank_rows(1, 2))
         assert table.column("pair_id").to_pylist() == _expected(run, manifest, gb.shard, gb.rank_rows(1, 2))
         assert used <= read <= 1.25 * used  # pre-buffering fetches small holes between chunks in one request
+    assert reader.footer_bytes_read == footers
 
 
 def test_prefetch_yields_each_batch_in_order_and_raises_read_errors(tmp_path):
@@ -173,3 +177,4 @@ def test_shard_writer_writes_whole_row_groups_of_the_batch_slice(tmp_path):
         assert md.num_rows == (5 * g if i < 3 else n - 15 * g)
         assert [md.row_group(r).num_rows for r in range(md.num_row_groups)][:-1] == [g] * (md.num_row_groups - 1)
         assert md.row_group(0).column(1).statistics is None  # no min/max strings: footers stay small
+        assert not md.row_group(0).column(1).has_dictionary_page and md.schema.names == SHARD_COLUMNS

@@ -13,10 +13,11 @@ from tests.conftest import TOPICS, make_pairs
 
 
 def make_sharded_run(root: Path, k: int = 4, rows_per_topic: int = 40, global_batch_size: int = 16,
-                     with_source: bool = True, row_group_rows: int | None = None) -> RunDir:
+                     with_source: bool = True, row_group_rows: int | None = None,
+                     groups_per_file: int = 3) -> RunDir:
     """k shards (one per topic of make_pairs, so clusters are real topics) and a manifest. Without
     row_group_rows: 2 files each, one row group per file (the layout before the shard stage sized row
-    groups); with it: the shard stage's layout, files of 3 row groups of row_group_rows rows."""
+    groups); with it: the shard stage's layout, files of groups_per_file row groups of row_group_rows rows."""
     run = RunDir(str(root))
     table = make_pairs(rows_per_topic * len(TOPICS))
     topics = sorted(TOPICS)
@@ -25,19 +26,20 @@ def make_sharded_run(root: Path, k: int = 4, rows_per_topic: int = 40, global_ba
         rows = [i for i, s in enumerate(table.column("src").to_pylist()) if topics.index(s) % k == c]
         part = table.take(pa.array(rows))
         shard = pa.table({"pair_id": pa.array(rows, pa.int64()), "query": part.column("q"),
-                          "passage": part.column("p"), "cluster": pa.array([c] * len(rows), pa.int64()),
-                          "cos": pa.array([1.0] * len(rows))})
+                          "passage": part.column("p")})  # the shard stage's columns (stages/shards.SHARD_COLUMNS)
         if with_source:
             shard = shard.append_column("source", part.column("src"))
         files = []
         half = len(rows) // 2
         pieces = [shard.slice(0, half), shard.slice(half)]
         if row_group_rows:
-            pieces = [shard.slice(start, 3 * row_group_rows) for start in range(0, len(rows), 3 * row_group_rows)]
+            file_rows = groups_per_file * row_group_rows
+            pieces = [shard.slice(start, file_rows) for start in range(0, len(rows), file_rows)]
         for i, piece in enumerate(pieces):
             rel = f"{shards_dir(k)}/cluster={c}/part-{i:05d}.parquet"
             sink = io.BytesIO()
-            pq.write_table(piece, sink, row_group_size=row_group_rows)
+            pq.write_table(piece, sink, row_group_size=row_group_rows, write_statistics=row_group_rows is None,
+                           use_dictionary=row_group_rows is None)  # with row groups: the shard stage's options
             run.write_bytes(rel, sink.getvalue())
             files.append(rel)
         clusters.append({"cluster": c, "name": str(c), "rows": len(rows), "files": files,
@@ -46,7 +48,7 @@ def make_sharded_run(root: Path, k: int = 4, rows_per_topic: int = 40, global_ba
     manifest = {"k": k, "fingerprint": "test", "global_batch_size": global_batch_size, "clusters": clusters,
                 "stats": {"rows": table.num_rows}}
     if row_group_rows:
-        manifest.update(row_group_rows=row_group_rows, rows_per_file=3 * row_group_rows)
+        manifest.update(row_group_rows=row_group_rows, rows_per_file=groups_per_file * row_group_rows)
     run.write_json(f"{shards_dir(k)}/manifest.json", manifest)
     run.mark_done(shards_dir(k), "test", {})
     return run

@@ -4,7 +4,7 @@ shards/k=<k>/<sampler>/stratum=<s>/part-<group>-<part>.parquet and shards/k=<k>/
 (written last) for train.sampler
   random           one stratum: every row, globally shuffled (a seeded permutation of the rows' positions)
   random_clusters  seeded pseudo-clusters with exactly the cluster shards' sizes (the same permutation, cut)
-  source           one stratum per value of the `source` column; names and counts from a Ray Data grouping
+  source           one stratum per value of the `source` column; names and counts from per-file Ray tasks
 Row groups are sized to the per-rank batch like the clustered shards', so every sampler trains from files a
 rank reads row group by row group. The train stage builds the set its sampler needs through the executor
 (pipeline.SHARD_SET: fingerprinted, reused by every training run of the same clustering, such as compare's
@@ -67,7 +67,7 @@ class SetKeys:
 
 def read_keyed_files(batch: dict, run_uri: str, keys: SetKeys, columns: list[str]) -> pa.Table:
     """Ray Data map_batches fn over (file, offset) items: reads each clustered shard file whole (at most
-    shard.target_rows_per_file rows) and adds every row's `shard` and `sub` in the set."""
+    file_sizes rows: a few global batches) and adds every row's `shard` and `sub` in the set."""
     run, tables = RunDir(run_uri), []
     for rel, offset in zip(batch["file"].tolist(), batch["offset"].tolist()):
         table = pq.read_table(run.fs.open_input_file(run.path(rel)), columns=columns)
@@ -89,16 +89,30 @@ def file_offsets(base: dict) -> list[dict]:
     return items
 
 
+def count_sources(batch: dict, run_uri: str) -> pa.Table:
+    """Ray Data map_batches fn over file items: (source, count) of the `source` values of these files, nulls
+    counted as NO_SOURCE."""
+    run = RunDir(run_uri)
+    columns = [pq.read_table(run.fs.open_input_file(run.path(rel)), columns=["source"]).column("source")
+               .cast(pa.string()) for rel in batch["file"].tolist()]
+    counts = pc.value_counts(pa.chunked_array(columns, pa.string()).fill_null(NO_SOURCE))
+    return pa.table({"source": counts.field("values"), "count": counts.field("counts")})
+
+
 def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]:
-    """(sorted source names, rows of each) from a distributed grouping of the `source` column."""
+    """(sorted source names, rows of each): Ray tasks count the values of batches of files (many small files:
+    a task reads a batch of them), the driver adds the counts up (O(sources))."""
     schema = pq.read_schema(run.fs.open_input_file(run.path(files[0])))
     if "source" not in schema.names:
         raise TrainDataError("train.sampler=source needs a `source` column in the shards, and they have none: "
                              "set data.source_column when ingesting (in a new --run-dir), or use another sampler.")
-    ds = ray.data.read_parquet([run.path(f) for f in files], filesystem=run.fs).select_columns(["source"])
-    ds = ds.map_batches(lambda t: pa.table({"source": t.column("source").fill_null(NO_SOURCE)}),
-                        batch_format="pyarrow")
-    counts = sorted((r["source"], int(r["count()"])) for r in ds.groupby("source").count().take_all())
+    ds = ray.data.from_items([{"file": f} for f in files], override_num_blocks=min(len(files), MAX_READ_TASKS))
+    totals: dict[str, int] = {}
+    for batch in ds.map_batches(count_sources, fn_args=(run.uri,), batch_size=None, batch_format="numpy") \
+            .iter_batches(batch_size=None, batch_format="pyarrow"):
+        for name, n in zip(batch.column("source").to_pylist(), batch.column("count").to_pylist()):
+            totals[name] = totals.get(name, 0) + n
+    counts = sorted(totals.items())
     if [name for name, _ in counts] == [NO_SOURCE]:
         raise TrainDataError("train.sampler=source: every row's `source` is empty. Set data.source_column to the "
                              "input column naming each pair's source (in a new --run-dir), or use another sampler.")

@@ -29,9 +29,11 @@ from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.train.data import row_group_rows_for
 
-SHARD_COLUMNS = ["pair_id", "query", "passage", "source", "cluster", "cos"]
+# What the shard files carry: training reads pair_id, query and passage; the source sampler's set is built from
+# `source`. Each column costs every row group ~60 B of footer that a training rank reads (train/data.py), so
+# the assignment's `cluster` and `cos` stay in assign/k=<k>/ (the manifest lists each shard's member clusters).
+SHARD_COLUMNS = ["pair_id", "query", "passage", "source"]
 GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
-STATS_BATCH_ROWS = 16_384  # rows per stats batch: its fp32 copy of emb stays ~50 MB at 768-d
 MIN_PARTITIONS = 200  # Ray Data's default hash-shuffle parallelism: enough tasks to keep every CPU busy
 ACTOR_MEMORY_FACTOR = 3  # a writer holds its partition block plus a sorted and a permuted copy of one group
 
@@ -101,7 +103,10 @@ def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str) -> ClusterStats
     """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, reduced (k x d) on
     the driver."""
     ds = read_row_groups(run, run.files(folder), ["cluster", "cos", "emb"])
-    ds = ds.map_batches(block_cluster_stats, batch_size=STATS_BATCH_ROWS, batch_format="pyarrow")
+    # One read block (a Parquet row group: 8,192 rows as assign writes them) per call, fused into the read task. A
+    # batch_size larger than a block made Ray Data assemble batches in a separate worker whose heap grew with N
+    # (469 -> 678 MB at 150k -> 600k rows; 218 -> 228 MB this way).
+    ds = ds.map_batches(block_cluster_stats, batch_size=None, batch_format="pyarrow")
     stats, progress = None, ProgressLine("shard stats", n_rows)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         labels, rows = batch.column("cluster").to_numpy(), batch.column("rows").to_numpy()
@@ -179,9 +184,11 @@ class WriteClusterShard:
         for part, start in enumerate(range(0, group.num_rows, lay.rows_per_file)):
             # sub-group then part in the name: a shard's files sort into their manifest order
             rel = f"{lay.folder}/{lay.partition}={name}/part-{sub:05d}-{part:05d}.parquet"
-            # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py).
+            # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py),
+            # plus the file's footer. No statistics and no dictionary pages keep that footer at ~60 B per column
+            # chunk (both would be per-row-group metadata that no reader uses; texts rarely repeat in a group).
             self.run.write_parquet(rel, group.slice(start, lay.rows_per_file), row_group_size=lay.row_group_rows,
-                                   write_statistics=False)
+                                   write_statistics=False, use_dictionary=False)
             files.append(rel)
             file_rows.append(min(lay.rows_per_file, group.num_rows - start))
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
@@ -229,7 +236,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
-    ds = read_row_groups(run, files, columns)
+    ds = read_row_groups(run, files, columns + ["cluster"])  # cluster keys the rows; the writer drops it
     ds = ds.map_batches(add_group_keys, fn_args=(target, num_groups, cfg.cluster.seed), batch_format="pyarrow")
     layout = SetLayout(folder, "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
                        pool_id)
@@ -239,9 +246,16 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
 
 def file_sizes(cfg: Config) -> tuple[int, int]:
     """(rows per shard file, rows per Parquet row group) of every shard set: row groups sized so a global batch
-    is whole groups (train/data.row_group_rows_for), files of whole row groups."""
-    row_group_rows = row_group_rows_for(cfg.train.global_batch_size)
-    return max(1, cfg.shard.target_rows_per_file // row_group_rows) * row_group_rows, row_group_rows
+    is whole groups (train/data.row_group_rows_for); files of shard.batches_per_file global batches (at most
+    shard.target_rows_per_file rows), whole row groups.
+
+    A training rank reads the footer of each file it takes a row group from, and a footer describes every row
+    group of its file: files sized from the global batch, not from the cluster or N, bound the footer bytes per
+    row read (the formula is in benchmarks/results/h1_s7.md)."""
+    batch = cfg.train.global_batch_size
+    row_group_rows = row_group_rows_for(batch)
+    rows = min(cfg.shard.batches_per_file * batch, cfg.shard.target_rows_per_file)
+    return max(1, rows // row_group_rows) * row_group_rows, row_group_rows
 
 
 def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats, num_samples: int) -> dict:

@@ -166,13 +166,14 @@ class RankRows:
     table: pa.Table
     bytes_read: int             # fetched from the filesystem (footers included)
     bytes_used: int             # the on-disk bytes of the rows returned (their share of the groups read)
+    footer_bytes: int = 0       # the part of bytes_read that was Parquet footers
 
 
 class ShardReader:
     """Reads training rows from a shard set: a shard's rows come from the Parquet row groups holding them, and
     nothing else (`ParquetFile.read_row_groups` through the run's filesystem: ranged reads on object stores);
-    footers are kept in an LRU of `footer_cache_bytes`. `bytes_read` / `bytes_used` count the whole life of
-    the reader."""
+    footers are kept in an LRU of `footer_cache_bytes`. `bytes_read` / `bytes_used` / `footer_bytes_read` count
+    the whole life of the reader."""
 
     def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20, sidecars=None):
         self.run, self.clusters = run, manifest["clusters"]
@@ -180,7 +181,7 @@ class ShardReader:
         self.rows_per_file = manifest.get("rows_per_file")
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
-        self.bytes_read = self.bytes_used = 0
+        self.bytes_read = self.bytes_used = self.footer_bytes_read = 0
         self._lock = threading.Lock()  # prefetch reads in a thread; rows() may be called beside it
 
     def _open(self, rel: str) -> _CountingFile:
@@ -216,9 +217,11 @@ class ShardReader:
         counts = [int(f.group_starts[-1]) for f, _ in footers]
         return np.cumsum([0] + counts), sum(n for _, n in footers)
 
-    def _read_shard_rows(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
-        """(rows of a shard in the order asked, bytes read, bytes used): only the row groups holding them."""
-        file_starts, read = self._file_starts(shard)
+    def _read_shard_rows(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int, int]:
+        """(rows of a shard in the order asked, bytes read, bytes used, footer bytes read): only the row groups
+        holding them, and the footers of their files unless cached."""
+        file_starts, footers_read = self._file_starts(shard)
+        data_read = 0
         files = np.searchsorted(file_starts, rows, side="right") - 1
         pieces, offset, where, used = [], 0, np.empty(len(rows), dtype=np.int64), 0.0
         for index in np.unique(files).tolist():
@@ -243,17 +246,25 @@ class ShardReader:
             for group, n_rows in zip(groups.tolist(), np.bincount(slot, minlength=len(groups)).tolist()):
                 used += _chunk_bytes(footer.metadata, [group]) * n_rows / footer.metadata.row_group(group).num_rows
             offset += int(sizes.sum())
-            read += footer_read + handle.bytes_read
-        return pa.concat_tables(pieces).take(pa.array(where)), read, int(round(used))
+            footers_read += footer_read
+            data_read += handle.bytes_read
+        table = pa.concat_tables(pieces).take(pa.array(where))
+        return table, data_read + footers_read, int(round(used)), footers_read
+
+    def _read(self, batch: GlobalBatch | None, shard: int, rows: np.ndarray) -> RankRows:
+        """A shard's `rows` and what reading them cost, added to the reader's counters."""
+        rows = np.asarray(rows, dtype=np.int64)
+        with self._lock:
+            table, read, used, footers = self._read_shard_rows(shard, rows)
+            self.bytes_read += read
+            self.bytes_used += used
+            self.footer_bytes_read += footers
+        return RankRows(batch, table, read, used, footers)
 
     def read(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int]:
         """(pair_id, query, passage of a shard's `rows`; bytes read; bytes used)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        with self._lock:
-            table, read, used = self._read_shard_rows(shard, rows)
-            self.bytes_read += read
-            self.bytes_used += used
-        return table, read, used
+        got = self._read(None, shard, rows)
+        return got.table, got.bytes_read, got.bytes_used
 
     def rows(self, shard: int, rows: np.ndarray) -> pa.Table:
         return self.read(shard, rows)[0]
@@ -276,8 +287,7 @@ class ShardReader:
         def work() -> None:
             try:
                 for gb in batches:
-                    table, read, used = self.read(gb.shard, gb.rank_rows(rank, world_size))
-                    if not put(RankRows(gb, table, read, used)):
+                    if not put(self._read(gb, gb.shard, gb.rank_rows(rank, world_size))):
                         return
                 put(None)
             except BaseException as error:  # handed to the consumer, raised there

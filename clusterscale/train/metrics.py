@@ -21,12 +21,13 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
                    "A10": 125.0, "V100": 125.0, "T4": 65.0}
 # A step's figures: means over ranks (every rank's queries count) and sums of counts. The optional ones exist
 # only with some options (mined negatives, CLP, MoE) or when the trainer adds them (the shard bytes its ranks read
-# for the step, footers included, and the on-disk bytes of the rows they used: their ratio is the read amplification).
+# for the step, footers included, the part of it that was Parquet footers, and the on-disk bytes of the rows they
+# used: bytes_read / bytes_used is the read amplification).
 MEANS = ("pos_cos", "neg_cos_mean", "neg_cos_max")
 SUMS = ("masked_false_negatives", "tokens")
 OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss")
 OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded", "bytes_read",
-                 "bytes_used")
+                 "bytes_used", "footer_bytes_read")
 
 
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:

@@ -196,7 +196,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._backward(table, gb.step)
-        stats |= {"bytes_read": float(item.bytes_read), "bytes_used": float(item.bytes_used)}
+        stats |= {"bytes_read": float(item.bytes_read), "bytes_used": float(item.bytes_used),
+                  "footer_bytes_read": float(item.footer_bytes)}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
         self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
