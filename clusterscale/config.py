@@ -228,6 +228,11 @@ class DedupConfig(Section):
     block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
                                  "8 bytes); the result does not depend on it.", affects_output=False,
                            bounds=POSITIVE)
+    heldout_nprobe: int = knob(2, "The semantic held-out leak check compares a held-out vector with the training "
+                                  "pairs of its heldout_nprobe nearest clusters only (per cluster, in the cluster "
+                                  "step): near-duplicates at cosine >= 0.9 almost always share the nearest centroid; "
+                                  "cluster.k = exact (all pairs). Values above cluster.k count as cluster.k.",
+                               bounds=POSITIVE)
 
     def validate(self) -> None:
         super().validate()

@@ -27,6 +27,25 @@ def brute_force_semantic(x: np.ndarray, cluster: np.ndarray, pair_ids: np.ndarra
     return removed
 
 
+def brute_force_heldout_vectors(x: np.ndarray, cluster: np.ndarray, held_x: np.ndarray, held_ids: np.ndarray,
+                                centroids: np.ndarray, nprobe: int, threshold: float) -> dict[int, tuple[int, float]]:
+    """{row index: (held-out pair_id, cosine)}: rows whose cosine to a held-out vector is >= threshold, over the
+    held-out vectors whose `nprobe` nearest centroids include the row's cluster (all of them when nprobe >= k);
+    the most similar such one, the lowest pair_id among equals. The full rows x held-out cosine matrix."""
+    order = np.argsort(held_ids, kind="stable")
+    held_x, held_ids = np.asarray(held_x, np.float64)[order], held_ids[order]
+    probes = np.argsort(-(held_x @ np.asarray(centroids, np.float64).T), axis=1)[:, :nprobe]
+    sims = np.asarray(x, np.float64) @ held_x.T
+    out = {}
+    for i in range(len(x)):
+        routed = (probes == cluster[i]).any(axis=1)
+        candidates = np.where(routed, sims[i], -np.inf)
+        j = int(np.argmax(candidates))
+        if candidates[j] >= threshold:
+            out[i] = (int(held_ids[j]), float(candidates[j]))
+    return out
+
+
 def brute_force_exact(texts: list[str], pair_ids: np.ndarray, cos: np.ndarray, rule: str, seed: int
                       ) -> dict[int, int]:
     """{removed pair_id: the kept pair_id with the same normalised text}, by a dict in keep order."""

@@ -8,9 +8,11 @@ import pytest
 from clusterscale.config import DedupConfig
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array
-from clusterscale.stages.dedup import heldout_keys, mark_rows, resolve_exact, semantic_pass
+from clusterscale.stages.dedup import (MARK_FIELDS, dedup_cluster, heldout_keys, mark_rows, resolve_exact,
+                                       route_heldout, semantic_pass)
 
-from tests.dedup_reference import brute_force_exact, brute_force_semantic, planted_vectors
+from tests.dedup_reference import (brute_force_exact, brute_force_heldout_vectors, brute_force_semantic,
+                                   planted_vectors, unit)
 
 N, D, K, COPIES, THRESHOLD = 300, 16, 4, 40, 0.9
 
@@ -83,7 +85,7 @@ def _rows(x, cluster, pair_ids, cos, queries=None, passages=None) -> pa.Table:
 
 
 NO_HELDOUT = heldout_keys(pa.table({"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()),
-                                    "passage": pa.array([], pa.string())})) | {"vectors": {}}
+                                    "passage": pa.array([], pa.string())}))
 
 
 def test_group_steps_do_not_depend_on_row_arrival(planted):
@@ -105,16 +107,64 @@ def test_group_steps_do_not_depend_on_row_arrival(planted):
     assert outs[0] == outs[1]
 
 
-def test_heldout_leaks_are_marked():
+def test_heldout_text_leaks_are_marked():
     x, cluster, _ = planted_vectors(50, D, 1, 0, seed=5)
     pair_ids = np.arange(50, dtype=np.int64)
-    held_x = np.concatenate([x[:2], np.eye(D, dtype=np.float32)[:1]])  # rows 0 and 1 leak by vector
     heldout = heldout_keys(pa.table({"pair_id": [900, 901, 902], "query": ["hq0", "hq1", "HQ2"],
-                                     "passage": ["hp0", "hp1", "p7 "]})) | {"vectors": {"emb": held_x}}
+                                     "passage": ["hp0", "hp1", "p7 "]}))
     queries = [f"q{i}" for i in range(50)]
     queries[5] = "hq2"  # leaks by query text (normalised)
-    dedup = vars(DedupConfig(semantic_threshold=0.999))
-    marked = mark_rows(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), dedup, heldout, 1)
+    marked = mark_rows(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), vars(DedupConfig()), heldout, 1)
     leaks = {p: d for p, r, d in zip(pair_ids, marked.column("reason").to_pylist(),
                                      marked.column("duplicate_of").to_pylist()) if r == core.HELDOUT_LEAK}
-    assert leaks == {0: 900, 1: 901, 5: 902, 7: 902}
+    assert leaks == {5: 902, 7: 902}
+
+
+def _cluster_leaks(rows: pa.Table, held: pa.Table, centroids: np.ndarray, nprobe: int, dedup: dict,
+                   tmp_path) -> dict[int, tuple[int, float]]:
+    """Held-out leaks of every cluster's step (route_heldout, then dedup_cluster per cluster), one process."""
+    marked = mark_rows(rows, dedup, NO_HELDOUT, 1)
+    schema = pa.schema([*rows.schema, *MARK_FIELDS])
+    routed = route_heldout(held, centroids, nprobe, None, {}, schema)
+    both = pa.concat_tables([marked, routed])
+    k = len(centroids)
+    for c in range(k):
+        group = both.filter(pa.array(both.column("cluster").to_numpy() == c))
+        if group.num_rows:
+            dedup_cluster(group, str(tmp_path), dedup | {"k": k}, rows.column_names)
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.dedup import removed_table
+
+    removed = removed_table(RunDir(str(tmp_path)), k)
+    return {p: (d, s) for p, r, d, s in zip(*(removed.column(c).to_pylist() for c in ("pair_id", "reason",
+                                                                                      "duplicate_of", "similarity")))
+            if r == "heldout_leak"}
+
+
+@pytest.mark.parametrize("nprobe", [1, 2, K])
+def test_heldout_vector_leaks_equal_brute_force_over_the_probed_clusters(nprobe, tmp_path):
+    """Held-out vectors routed to their nprobe nearest clusters find exactly the leaks of the brute-force
+    definition; with nprobe = k, every training row is compared with every held-out vector (all pairs)."""
+    rng = np.random.default_rng(2)
+    centroids = unit(rng.standard_normal((K, D))).astype(np.float32)
+    x, cluster, _ = planted_vectors(200, D, K, 0, seed=7)
+    cluster = np.argmax(x @ centroids.T, axis=1)  # the rows' nearest centroid, as assign gives
+    # held-out vectors: copies of rows (same cluster), and mixtures of rows of two clusters close to both of them
+    a, b = rng.choice(200, 30), rng.choice(200, 30)
+    mixed = unit(x[a] + x[b] * 0.9)
+    held_x = np.concatenate([x[rng.choice(200, 10)], mixed]).astype(np.float16).astype(np.float32)
+    held_ids = rng.permutation(len(held_x)).astype(np.int64) + 1000
+    held = pa.table({"pair_id": held_ids, "emb": emb_array(held_x)})
+    pair_ids = np.arange(200, dtype=np.int64)
+    rows = _rows(x, cluster, pair_ids, np.ones(200))
+    dedup = vars(DedupConfig(semantic_threshold=0.8, heldout_nprobe=nprobe, block_rows=16))
+    got = _cluster_leaks(rows, held, centroids, nprobe, dedup, tmp_path)
+    expected = brute_force_heldout_vectors(x, cluster, held_x, held_ids, centroids, nprobe, 0.8)
+    assert {int(pair_ids[i]): dup for i, (dup, _) in expected.items()} == {p: d for p, (d, _) in got.items()}
+    for i, (_, sim) in expected.items():
+        assert got[int(pair_ids[i])][1] == pytest.approx(sim, abs=1e-5)
+    all_pairs = brute_force_heldout_vectors(x, cluster, held_x, held_ids, centroids, K, 0.8)
+    if nprobe == K:
+        assert expected == all_pairs
+    elif nprobe == 1:
+        assert expected.keys() < all_pairs.keys()  # some leaks are across clusters: nprobe=1 misses them

@@ -15,6 +15,7 @@ import numpy as np
 from clusterscale.runtime.hashing import hash_unit
 
 KEPT, HELDOUT_LEAK, EXACT, SEMANTIC = 0, 1, 2, 3  # the `reason` code of a row
+HELDOUT_PROBE = -1  # the `reason` of a held-out vector routed to a cluster (compared there, never written)
 REASONS = {HELDOUT_LEAK: "heldout_leak", EXACT: "exact", SEMANTIC: "semantic"}
 KEY_SEPARATOR = "\x1f"  # between query and passage in a pair key (ingest turns control characters into spaces)
 

@@ -3,14 +3,21 @@
 Run with `clusterscale dedup [CONFIG] --run-dir R` (after `assign`; `run` runs it when dedup.exact or
 dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/ (read one row group per task, hash
 shuffles in ~64 MiB map tasks, through local files with ray.disk_shuffle: runtime/bounded_data.py), none of
-which holds all rows:
+which holds all rows nor all held-out vectors:
   1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), and whether
-     its query or passage duplicates a held-out pair (equal normalised text, or cosine >= the threshold to a
-     held-out vector: the held-out set is small, every task holds it);
+     its query or passage text equals a held-out pair's (every task holds the held-out text keys: O(held-out x
+     32 B), not their texts nor vectors);
   2. group by a hash bucket of the key (dedup.exact): in each key, the first row in keep order stays;
-  3. group by cluster: semantic groups within the cluster (runtime/dedup_core.py, in blocks), then the
-     cluster's kept rows go to dedup/k=<k>/kept/ and its removed rows to dedup/k=<k>/removed/ (pair_id,
-     duplicate_of, similarity, reason, cluster); the task returns the cluster's counts.
+  3. group by cluster, with the held-out vectors routed there: a map over heldout/ sends each held-out vector
+     to its dedup.heldout_nprobe nearest clusters (rows marked HELDOUT_PROBE, never written). Per cluster: the
+     training rows still kept whose vector has cosine >= the threshold to a held-out vector routed there are
+     held-out leaks (so a semantic leak is found when the held-out vector's heldout_nprobe nearest clusters
+     include the training row's cluster: near-duplicates at cosine >= 0.9 almost always share the nearest
+     centroid; heldout_nprobe = cluster.k is the all-pairs check); then semantic groups within the cluster
+     (runtime/dedup_core.py, in blocks); the cluster's kept rows go to dedup/k=<k>/kept/ and its removed rows to
+     dedup/k=<k>/removed/ (pair_id, duplicate_of, similarity, reason, cluster); the task returns its counts.
+Order of the rules: held-out text leaks, exact duplicates, held-out vector leaks, semantic duplicates; each
+among the rows the earlier ones kept.
 The output depends on cluster.k (the semantic pass is per cluster), so it lives under dedup/k=<k>/ (a sweep
 deduplicates every k). The shard stage reads dedup/k=<k>/kept/ instead of assign/k=<k>/ when dedup is on and
 dedup.apply_to_shards (shard_input); a training run with train.dedup=true trains the clustered sampler on a shard
@@ -18,12 +25,14 @@ set written from it (shards/k=<k>/dedup/: compare's clustered_dedup arm).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
@@ -35,12 +44,13 @@ from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix
+from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
 KEPT_ROWS_PER_FILE = 200_000
-MARK_BATCH_ROWS = 4096  # rows per map batch: its held-out similarity block is MARK_BATCH_ROWS x block_rows
+MARK_BATCH_ROWS = 4096  # rows per map batch (mark, and routing held-out vectors)
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
                             ("reason", pa.string()), ("cluster", pa.int32())])
 NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
@@ -89,47 +99,12 @@ def removed_table(run: RunDir, k: int) -> pa.Table:
     return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
 
 
-# --- held-out pairs: their keys and vectors (small: every task holds them) -----------------------------------
-def heldout_vectors(cfg: Config, run: RunDir, held: pa.Table) -> dict[str, np.ndarray]:
-    """The held-out vectors to compare with each training vector column ('emb', and 'emb_query' when embedded):
-    stored in heldout/ (synthetic runs), else embedded with the frozen encoder embed.model in one Ray task."""
-    columns = [c for c in ("emb", "emb_query") if c in held.column_names]
-    if columns:
-        return {c: emb_matrix(held.column(c)) for c in columns}
-    if synthetic_embeddings(run):
-        raise UserError("This synthetic run's heldout/ holds no vectors (written before `clusterscale synth` "
-                        "stored them), so dedup.semantic_threshold cannot check held-out leaks: write the synthetic "
-                        "run again into a new --run-dir.")
-    sides = {"passage": {"emb": "passage"}, "query": {"emb": "query"},
-             "both": {"emb": "passage", "emb_query": "query"}}[cfg.embed.side]
-    texts = {column: held.column(side).to_pylist() for column, side in sides.items()}
-    return ray.get(ray.remote(num_cpus=1)(_embed_texts).remote(cfg.to_dict()["embed"], texts))
-
-
-def _embed_texts(embed: dict, texts: dict[str, list[str]]) -> dict[str, np.ndarray]:
-    """Ray task: the frozen encoder's vectors of each list of texts."""
-    from clusterscale.modeling.encoder import Encoder
-
-    encoder = Encoder(embed["model"], pooling=embed["pooling"], max_length=embed["max_length"],
-                      trust_remote_code=embed["trust_remote_code"],
-                      max_tokens_per_batch=embed["max_tokens_per_batch"])
-    return {column: encoder.encode(values, embed["batch_size"]) for column, values in texts.items()}
-
-
-def load_heldout(cfg: Config, run: RunDir) -> dict:
-    """The held-out pairs as every task needs them: pair_id; per side ('query', 'passage') the text keys sorted,
-    with the pair_id of each (equal keys in file order); with a semantic threshold, the vectors by column."""
-    files = run.files("heldout")
-    held = pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files]) if files else pa.table(
-        {"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()), "passage": pa.array([], pa.string())})
-    vectors = heldout_vectors(cfg, run, held) if cfg.dedup.semantic_threshold > 0 and held.num_rows else {}
-    return heldout_keys(held) | {"vectors": vectors}
-
-
+# --- held-out pairs: their text keys (every mark task holds them) and vectors (routed to their clusters) -----
 def heldout_keys(held: pa.Table) -> dict:
-    """pair_id, and per side the sorted text keys with the pair_id of each (equal keys: in table order)."""
+    """Per side ('query', 'passage') the sorted text keys of held-out pairs with the pair_id of each (equal keys:
+    in table order); 'pairs' = how many. O(held-out x 32 B): every mark task holds them."""
     pair_ids = held.column("pair_id").to_numpy()
-    out = {"pair_id": pair_ids}
+    out = {"pairs": len(pair_ids)}
     for side in ("query", "passage"):
         keys = core.text_keys(held.column(side).to_pylist())
         order = np.lexsort((keys[:, 1], keys[:, 0]))
@@ -137,11 +112,27 @@ def heldout_keys(held: pa.Table) -> dict:
     return out
 
 
-def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(duplicate_of: the held-out pair_id a row duplicates or -1, similarity): the query's text, then the
-    passage's text, then each vector column in turn; the first match counts."""
-    n = batch.num_rows
-    dup_of, similarity = np.full(n, -1, np.int64), np.zeros(n, np.float32)
+def load_heldout_keys(run: RunDir) -> dict:
+    """heldout_keys of heldout/, read one file's text columns at a time (the driver holds the keys, not texts)."""
+    parts = []
+    for f in run.files("heldout"):
+        held = pq.read_table(run.fs.open_input_file(f), columns=["pair_id", "query", "passage"])
+        parts.append(heldout_keys(held))
+    if not parts:
+        return heldout_keys(pa.table({"pair_id": pa.array([], pa.int64()), "query": pa.array([], pa.string()),
+                                      "passage": pa.array([], pa.string())}))
+    out = {"pairs": sum(p["pairs"] for p in parts)}
+    for side in ("query", "passage"):
+        keys, pair_ids = np.concatenate([p[side] for p in parts]), np.concatenate([p[f"{side}_pair_id"] for p in parts])
+        order = np.lexsort((keys[:, 1], keys[:, 0]))  # stable: equal keys stay in file order
+        out[side], out[f"{side}_pair_id"] = keys[order], pair_ids[order]
+    return out
+
+
+def heldout_text_leaks(batch: pa.Table, heldout: dict) -> np.ndarray:
+    """duplicate_of: the held-out pair_id whose query (then passage) has a row's normalised query (passage) text,
+    or -1."""
+    dup_of = np.full(batch.num_rows, -1, np.int64)
     for side in ("query", "passage"):
         held_keys = heldout[side]
         if not len(held_keys):
@@ -149,33 +140,108 @@ def heldout_leaks(batch: pa.Table, heldout: dict, dc: DedupConfig) -> tuple[np.n
         keys = core.text_keys(batch.column(side).to_pylist())
         at = np.minimum(np.searchsorted(held_keys[:, 0], keys[:, 0]), len(held_keys) - 1)
         hit = (held_keys[at] == keys).all(axis=1) & (dup_of < 0)
-        dup_of[hit], similarity[hit] = heldout[f"{side}_pair_id"][at[hit]], 1.0
-    for column, held_x in heldout["vectors"].items():
-        best_of, best = core.heldout_matches(emb_matrix(batch.column(column)), held_x, dc.block_rows)
+        dup_of[hit] = heldout[f"{side}_pair_id"][at[hit]]
+    return dup_of
+
+
+def vector_columns(columns: list[str]) -> list[str]:
+    """The vector columns of assign/ a held-out leak is checked on: 'emb', and 'emb_query' when embedded."""
+    return [c for c in ("emb", "emb_query") if c in columns]
+
+
+def heldout_vector_source(cfg: Config, run: RunDir, vectors: list[str]) -> dict | None:
+    """None when heldout/ stores the vectors (synthetic runs), else {vector column: the held-out text side the
+    frozen encoder embeds for it} (embed.side). Refuses a synthetic run whose heldout/ has no vectors."""
+    files = run.files("heldout")
+    with run.fs.open_input_file(files[0]) as f:
+        stored = pq.read_schema(f).names
+    if all(c in stored for c in vectors):
+        return None
+    if synthetic_embeddings(run):
+        raise UserError("This synthetic run's heldout/ holds no vectors (written before `clusterscale synth` "
+                        "stored them), so dedup.semantic_threshold cannot check held-out leaks: write the synthetic "
+                        "run again into a new --run-dir.")
+    sides = {"emb": "query" if cfg.embed.side == "query" else "passage", "emb_query": "query"}
+    return {c: sides[c] for c in vectors}
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder(model: str, pooling: str, max_length: int, trust_remote_code: bool, max_tokens_per_batch: int):
+    """The frozen encoder, loaded once per worker process."""
+    from clusterscale.modeling.encoder import Encoder
+
+    return Encoder(model, pooling=pooling, max_length=max_length, trust_remote_code=trust_remote_code,
+                   max_tokens_per_batch=max_tokens_per_batch)
+
+
+def heldout_vectors(batch: pa.Table, source: dict | None, embed: dict) -> dict[str, np.ndarray]:
+    """{vector column: (n, d) vectors} of a batch of held-out pairs: stored in it (source None), else embedded
+    with the frozen encoder embed.model from the text side source[column]."""
+    if source is None:
+        return {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
+    encoder = _encoder(embed["model"], embed["pooling"], embed["max_length"], embed["trust_remote_code"],
+                       embed["max_tokens_per_batch"])
+    return {c: encoder.encode(batch.column(side).to_pylist(), embed["batch_size"]) for c, side in source.items()}
+
+
+def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None, embed: dict,
+                  schema: pa.Schema) -> pa.Table:
+    """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
+    'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id and vectors
+    (other columns null), so it travels through the cluster shuffle to exactly those clusters."""
+    vectors = heldout_vectors(batch, source, embed)
+    n, nprobe = batch.num_rows, min(nprobe, len(centroids))
+    sims = vectors["emb"] @ np.asarray(centroids, np.float32).T
+    probes = np.argpartition(-sims, nprobe - 1, axis=1)[:, :nprobe] if n else np.zeros((0, nprobe), np.int64)
+    rows = np.repeat(np.arange(n), nprobe)
+    values = {"pair_id": pa.array(batch.column("pair_id").to_numpy()[rows], pa.int64()),
+              "cluster": pa.array(probes.reshape(-1).astype(np.int32)),
+              "reason": pa.array(np.full(len(rows), core.HELDOUT_PROBE, np.int8)),
+              **{c: emb_array(x[rows]) for c, x in vectors.items()}}
+    return pa.table([values[f.name].cast(f.type) if f.name in values else pa.nulls(len(rows), f.type)
+                     for f in schema], schema=schema)
+
+
+def heldout_vector_leaks(rows: pa.Table, held: pa.Table, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(duplicate_of: the held-out pair_id a training row's vector has cosine >= the threshold to, or -1;
+    similarity) for one cluster's training `rows` and the held-out vectors routed to it (`held`): each vector
+    column in turn ('emb', then 'emb_query'); the first match counts. Blocked matmul (dedup.block_rows)."""
+    dup_of, similarity = np.full(rows.num_rows, -1, np.int64), np.zeros(rows.num_rows, np.float32)
+    if not held.num_rows or not rows.num_rows:
+        return dup_of, similarity
+    held_ids = held.column("pair_id").to_numpy()
+    for column in vector_columns(held.column_names):
+        best_of, best = core.heldout_matches(emb_matrix(rows.column(column)), emb_matrix(held.column(column)),
+                                             dc.block_rows)
         hit = (best >= dc.semantic_threshold) & (dup_of < 0)
-        dup_of[hit], similarity[hit] = heldout["pair_id"][best_of[hit]], best[hit]
+        dup_of[hit], similarity[hit] = held_ids[best_of[hit]], best[hit]
     return dup_of, similarity
 
 
-# --- step 1: keys, keep rank and held-out leaks per row ------------------------------------------------------
+# --- step 1: keys, keep rank and held-out text leaks per row -------------------------------------------------
+MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), pa.field("rank", pa.float64()),
+               pa.field("bucket", pa.int32()), pa.field("reason", pa.int8()), pa.field("duplicate_of", pa.int64()),
+               pa.field("similarity", pa.float32()), pa.field("best", pa.float64())]
+
+
 def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.Table:
     """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (of the exact grouping),
-    reason (KEPT, or HELDOUT_LEAK), duplicate_of, similarity and best (set by the semantic pass)."""
+    reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity and best (set by the semantic pass)."""
     dc = DedupConfig(**dedup)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))
-    leak_of, leak_sim = heldout_leaks(batch, heldout, dc)
+    leak_of = heldout_text_leaks(batch, heldout)
     leaked = leak_of >= 0
     columns = {
         "key_hi": keys[:, 0], "key_lo": keys[:, 1],
         "rank": core.keep_rank(pair_ids, batch.column("cos").to_numpy(), dc.keep, dc.seed),
         "bucket": (splitmix64(keys[:, 0]) % np.uint64(buckets)).astype(np.int32),
         "reason": np.where(leaked, core.HELDOUT_LEAK, core.KEPT).astype(np.int8),
-        "duplicate_of": leak_of, "similarity": leak_sim.astype(np.float32),
+        "duplicate_of": leak_of, "similarity": leaked.astype(np.float32),
         "best": np.full(batch.num_rows, -np.inf)}
-    for name, values in columns.items():
-        batch = batch.append_column(name, pa.array(values))
+    for field in MARK_FIELDS:
+        batch = batch.append_column(field, pa.array(columns[field.name], field.type))
     return batch
 
 
@@ -202,7 +268,23 @@ def _replace_columns(table: pa.Table, **columns: np.ndarray) -> pa.Table:
     return table
 
 
-# --- step 3: semantic duplicates within one cluster, and the cluster's output files --------------------------
+# --- step 3: held-out vector leaks and semantic duplicates within one cluster, and its output files ----------
+def mark_vector_leaks(group: pa.Table, held: pa.Table, dc: DedupConfig) -> pa.Table:
+    """The cluster's training rows with held-out vector leaks marked among the rows not already removed (`held`:
+    the held-out vectors routed to this cluster)."""
+    if dc.semantic_threshold <= 0 or not held.num_rows:
+        return group
+    alive = np.flatnonzero(group.column("reason").to_numpy() == core.KEPT)
+    leak_of, leak_sim = heldout_vector_leaks(group.take(pa.array(alive)), held, dc)
+    leaked = alive[leak_of >= 0]
+    reason = group.column("reason").to_numpy().copy()
+    duplicate_of = group.column("duplicate_of").to_numpy().copy()
+    similarity = group.column("similarity").to_numpy().copy()
+    reason[leaked], duplicate_of[leaked], similarity[leaked] = core.HELDOUT_LEAK, leak_of[leak_of >= 0], \
+        leak_sim[leak_of >= 0]
+    return _replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity)
+
+
 def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
     """The cluster's rows (sorted by pair_id) with semantic removals marked among the rows not already removed."""
     reason = group.column("reason").to_numpy().copy()
@@ -249,8 +331,10 @@ def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]
     rows are written; returns the cluster's counts and histogram of best cosines (one row). dedup: the dedup
     section's keys, and the clustering's k."""
     dc = DedupConfig(**{key: value for key, value in dedup.items() if key != "k"})
-    group = semantic_pass(group.sort_by("pair_id"), dc)
     cluster, k = int(group.column("cluster")[0].as_py()), dedup["k"]
+    probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
+    held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
+    group = semantic_pass(mark_vector_leaks(group, held, dc), dc)
     reason = group.column("reason").to_numpy()
     run = RunDir(run_uri)
     kept = group.filter(pa.array(reason == core.KEPT)).select(columns)
@@ -273,11 +357,27 @@ def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]
 
 
 # --- the stage ---------------------------------------------------------------------------------------------
+def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema) -> ray.data.Dataset | None:
+    """The held-out vectors as rows of `schema`, one per (held-out pair, probed cluster) (route_heldout); None
+    without a semantic threshold or held-out pairs."""
+    files, vectors = run.files("heldout"), vector_columns(schema.names)
+    if cfg.dedup.semantic_threshold <= 0 or not files:
+        return None
+    source = heldout_vector_source(cfg, run, vectors)
+    columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
+    return read_row_groups(run, files, columns).map_batches(
+        route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
+                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema},
+        batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
+
+
 def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
-    """Run mark -> exact by key bucket -> semantic and write by cluster; the per-cluster results."""
+    """Run mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by cluster; the
+    per-cluster results."""
     files = run.files(assign_dir(cfg.cluster.k))
     with run.fs.open_input_file(files[0]) as f:
-        columns = pq.read_schema(f).names
+        schema = pq.read_schema(f).remove_metadata()
+    columns = schema.names
     dedup = cfg.to_dict()["dedup"]
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
     progress, results = ProgressLine("dedup", n_rows), []
@@ -288,6 +388,9 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         if cfg.dedup.exact:
             ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact,
                                                                                   batch_format="pyarrow")
+        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]))
+        if held is not None:
+            ds = ds.union(held)
         ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
             dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup | {"k": cfg.cluster.k}, "columns": columns},
             batch_format="pyarrow")
@@ -309,9 +412,9 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
     check_config(cfg)
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
-    heldout = load_heldout(cfg, run)
+    heldout = load_heldout_keys(run)
     results = dedup_all(cfg, run, heldout, n_rows)
-    stats = stage_stats(cfg, results, n_rows, len(heldout["pair_id"]), time.time() - started)
+    stats = stage_stats(cfg, results, n_rows, heldout["pairs"], time.time() - started)
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
