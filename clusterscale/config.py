@@ -215,7 +215,8 @@ class DedupConfig(Section):
     semantic_threshold: float = knob(0.0, "Remove a pair whose clustered vector (`emb`) has cosine >= this to a "
                                           "pair kept before it in its cluster (greedy in dedup.keep order, per "
                                           "cluster of cluster.k); training pairs this close to a held-out pair "
-                                          "are removed too (heldout_leak). 0 = off, else in (0, 1].",
+                                          "routed to their cluster are removed too (heldout_leak; see "
+                                          "dedup.heldout_nprobe). 0 = off, else in (0, 1].",
                                      bounds=zero_means("off"))
     keep: str = knob("hard", "Which member of a duplicate group stays: 'hard' = farthest from its centroid, "
                              "'easy' = nearest, 'random' = a hash of pair_id seeded by dedup.seed; ties by pair_id.",

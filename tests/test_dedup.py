@@ -16,9 +16,10 @@ from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array, emb_matrix
 from clusterscale.stages.dedup import kept_dir, removed_table, report_lines, run_dedup
+from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import SynthSpec
 
-from tests.dedup_reference import brute_force_exact, brute_force_semantic, unit
+from tests.dedup_reference import brute_force_exact, brute_force_heldout_vectors, brute_force_semantic, unit
 
 ROWS, K, THRESHOLD = 2400, 4, 0.97
 PLANTED = 10  # of each kind: exact copies, near copies, exact held-out leaks, semantic held-out leaks
@@ -59,30 +60,37 @@ def plant(run: RunDir) -> dict[str, list[int]]:
                                                                                         "leak_vector"))}
 
 
-def reference(run: RunDir, rule: str) -> dict[int, tuple[str, int]]:
-    """{removed pair_id: (reason, duplicate_of)} by brute force over every assigned row in one process."""
+def reference(run: RunDir, rule: str, nprobe: int) -> dict[int, tuple[str, int]]:
+    """{removed pair_id: (reason, duplicate_of)} by brute force over every assigned row in one process: held-out
+    text leaks, exact copies, held-out vector leaks (all pairs when nprobe = k, else over the held-out vectors
+    whose nprobe nearest centroids include the row's cluster), semantic copies; each among the rows kept so far."""
     rows = pads.dataset(run.files(assign_dir(K)), filesystem=run.fs).to_table()
     held = pads.dataset(run.files("heldout"), filesystem=run.fs).to_table()
-    ids, cos = rows.column("pair_id").to_numpy(), rows.column("cos").to_numpy()
+    ids, cos, cluster = (rows.column(c).to_numpy() for c in ("pair_id", "cos", "cluster"))
     x, hx = emb_matrix(rows.column("emb")).astype(np.float64), emb_matrix(held.column("emb")).astype(np.float64)
+    held_ids = held.column("pair_id").to_numpy()
     out = {}
     held_text = {side: {} for side in ("query", "passage")}
     for side, texts in held_text.items():
-        for t, pid in zip(held.column(side).to_pylist(), held.column("pair_id").to_pylist()):
+        for t, pid in zip(held.column(side).to_pylist(), held_ids.tolist()):
             texts.setdefault(core.normalised(t), pid)
-    sims = x @ hx.T
     for i, texts in enumerate(zip(rows.column("query").to_pylist(), rows.column("passage").to_pylist())):
         for side, t in zip(("query", "passage"), texts):
             if core.normalised(t) in held_text[side] and ids[i] not in out:
                 out[ids[i]] = ("heldout_leak", held_text[side][core.normalised(t)])
-        if ids[i] not in out and sims[i].max() >= THRESHOLD:
-            out[ids[i]] = ("heldout_leak", int(held.column("pair_id")[int(sims[i].argmax())].as_py()))
     rest = np.array([pid not in out for pid in ids])
     passages = [p for p, r in zip(rows.column("passage").to_pylist(), rest) if r]
     out |= {pid: ("exact", dup) for pid, dup in brute_force_exact(passages, ids[rest], cos[rest], rule, 0).items()}
+    rest = np.flatnonzero([pid not in out for pid in ids])
+    if nprobe >= K:  # all pairs
+        sims = x[rest] @ hx.T
+        out |= {ids[i]: ("heldout_leak", int(held_ids[s.argmax()])) for i, s in zip(rest, sims) if s.max() >= THRESHOLD}
+    else:
+        leaks = brute_force_heldout_vectors(x[rest], cluster[rest], hx, held_ids, load_centroids(run, K), nprobe,
+                                            THRESHOLD)
+        out |= {ids[rest[i]]: ("heldout_leak", dup) for i, (dup, _) in leaks.items()}
     rest = np.array([pid not in out for pid in ids])
-    semantic = brute_force_semantic(x[rest], rows.column("cluster").to_numpy()[rest], ids[rest], cos[rest], rule, 0,
-                                    THRESHOLD)
+    semantic = brute_force_semantic(x[rest], cluster[rest], ids[rest], cos[rest], rule, 0, THRESHOLD)
     return out | {pid: ("semantic", dup) for pid, (dup, _) in semantic.items()}
 
 
@@ -100,16 +108,18 @@ def planted_run(tmp_path_factory, ray_local):
     return run, planted, spec
 
 
-@pytest.mark.parametrize("rule", ["hard", "random"])
-def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule):
+@pytest.mark.parametrize("rule, nprobe", [("hard", 1), ("random", K)])
+def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, nprobe):
+    """With heldout_nprobe = k the held-out vector check equals the all-pairs one."""
     run, planted, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep=rule,
-                                                                 semantic_threshold=THRESHOLD, block_rows=64)])
+                                                                 semantic_threshold=THRESHOLD, block_rows=64,
+                                                                 heldout_nprobe=nprobe)])
     run_stage("dedup", cfg, run, replace="changed")
     removed = removed_table(run, K)
     got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
                                                              for c in ("pair_id", "reason", "duplicate_of")))}
-    assert got == reference(run, rule)
+    assert got == reference(run, rule, nprobe)
     reasons = {name: {p for p, (r, _) in got.items() if r == name} for name in ("exact", "semantic", "heldout_leak")}
     # every planted exact copy (or its original: equal cos, the lower pair_id stays) and nothing else
     assert len(reasons["exact"]) == PLANTED
@@ -168,14 +178,14 @@ def test_dedup_verb(planted_run, capsys):
     assert set(removed_table(run, K).column("reason").to_pylist()) == {"exact", "heldout_leak"}
 
 
-def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model, ray_local, tmp_path):
+def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model):
     from clusterscale.modeling.encoder import Encoder
     from clusterscale.stages.dedup import heldout_vectors
 
     cfg = load(None, ["data.path=unused.parquet", f"embed.model={tiny_model}", "embed.side=both",
                       "embed.max_length=32"])
     held = pa.table({"pair_id": [1, 2], "query": ["star orbit", "bake bread"], "passage": ["a comet", "an oven"]})
-    vectors = heldout_vectors(cfg, RunDir(str(tmp_path / "run")), held)
+    vectors = heldout_vectors(held, {"emb": "passage", "emb_query": "query"}, cfg.to_dict()["embed"])
     encoder = Encoder(tiny_model, max_length=32)
     assert set(vectors) == {"emb", "emb_query"}
     np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)
