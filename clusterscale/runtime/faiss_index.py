@@ -40,8 +40,8 @@ def build_ip_index(vectors: np.ndarray, kind: str = "flat", nlist: int = 1, npro
     lists searched `nprobe` at a time (faster, approximate)."""
     x = np.ascontiguousarray(vectors, dtype=np.float32)
     d = x.shape[1]
-    if kind == "flat":
-        index = faiss.IndexFlatIP(d)
+    if kind == "flat" or (kind == "ivf" and nlist <= 1):  # one list searched whole is exact search (and
+        index = faiss.IndexFlatIP(d)                      # training it only makes faiss warn about few points)
     elif kind == "ivf":
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
         index.cp.seed = IVF_SEED
