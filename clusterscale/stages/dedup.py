@@ -41,7 +41,7 @@ from clusterscale.errors import UserError
 from clusterscale.io.layout import assign_dir, dedup_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, one_key_per_partition, read_row_groups
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix
@@ -371,6 +371,11 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema) -> ray.data.Data
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
 
+def _with_part_key(batch: pa.Table, keys: np.ndarray) -> pa.Table:
+    """The shuffle key of each row: the stand-in of its cluster id (bounded_data.one_key_per_partition)."""
+    return batch.append_column("part", pa.array(keys[batch.column("cluster").to_numpy()]))
+
+
 def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
     """Run mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by cluster; the
     per-cluster results."""
@@ -391,7 +396,12 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]))
         if held is not None:
             ds = ds.union(held)
-        ds = ds.groupby("cluster", num_partitions=min(cfg.cluster.k, 200)).map_groups(
+        # Group by a stand-in of the cluster id that Ray Data sends to partition (cluster % partitions): a reduce
+        # then holds its share of clusters, not the 3-6 that hashing the ids puts in the fullest partition.
+        partitions = min(cfg.cluster.k + 1, 200)  # + 1: a pooled small-cluster id may be k
+        ds = ds.map_batches(_with_part_key, fn_kwargs={"keys": one_key_per_partition(cfg.cluster.k + 1, partitions)},
+                            batch_format="pyarrow")
+        ds = ds.groupby("part", num_partitions=partitions).map_groups(
             dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup | {"k": cfg.cluster.k}, "columns": columns},
             batch_format="pyarrow")
         for result in ds.iter_rows():
