@@ -5,7 +5,7 @@ at N and 4N.
 
 For N and 4N it writes a synthetic run (`clusterscale synth`), fits and assigns at k (and at 4k for 4N: a
 k that grows with N keeps clusters the same size), then runs `clusterscale dedup` (semantic only, keep=hard)
-as its own CLI process, sampling the memory of every process of its tree (bench_scale's sampler: the peak
+as its own CLI process (dedup/ then holds that k's output: dedup/_DONE.json, dedup/removed/), sampling the memory of every process of its tree (bench_scale's sampler: the peak
 USS of the largest single process). At N it also runs the plain alternative a user would write: read
 assign/k=<k>/ and heldout/ into one process, held-out leaks by text and by a faiss range search over the
 held-out vectors, then per cluster a faiss IndexFlatIP range search of the cluster against itself and the
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_scale import cli, machine, run_sampled, stage_wall_s  # noqa: E402
 
-from clusterscale.io.layout import dedup_dir  # noqa: E402
+from clusterscale.io.layout import DEDUP  # noqa: E402
 from clusterscale.io.rundir import RunDir  # noqa: E402
 from clusterscale.runtime.dedup_core import keep_order, keep_rank, normalised  # noqa: E402
 from clusterscale.runtime.vectors import emb_matrix  # noqa: E402
@@ -116,11 +116,11 @@ def measure(rows: int, ks: list[int], args, root: str) -> dict:
         assert result["returncode"] == 0, result
         run = RunDir(run_dir)
         result |= {"stage_wall_s": stage_wall_s(run_dir, "dedup"), "stats": {
-            key: run.done_stats(dedup_dir(k))[key] for key in ("rows", "removed", "semantic", "heldout_leak")},
+            key: run.done_stats(DEDUP)[key] for key in ("rows", "removed", "semantic", "heldout_leak")},
             "largest_cluster": max(int(n) for n in np.bincount(read_folder(
                 run, f"assign/k={k}", ["cluster"]).column("cluster").to_numpy()))}
         if k == ks[0] and rows == args.rows:
-            stage_removed = removed_table(run, k)
+            stage_removed = removed_table(run)  # dedup/removed/ of this k (dedup holds one clustering at a time)
             started = time.time()
             plain = plain_dedup(run, k, args.threshold)
             result["plain_s"] = round(time.time() - started, 3)

@@ -223,7 +223,7 @@ class DedupConfig(Section):
                      ("hard", "easy", "random"))
     seed: int = knob(0, "Seed of dedup.keep=random.")
     apply_to_shards: bool = knob(True, "Build the run's shards from the pairs dedup keeps. false = the shards hold "
-                                       "every assigned pair and dedup/k=<k>/ serves only training runs with "
+                                       "every assigned pair and dedup/ serves only training runs with "
                                        "train.dedup=true (compare's clustered_dedup arm), so one run trains both.",
                                  affects_output=False)  # the shards' fingerprint records it (pipeline._shard_extra)
     block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
@@ -349,7 +349,7 @@ class TrainConfig(Section):
                                 bounds=zero_means("off"))
 
     dedup: bool = knob(False, "Train the clustered sampler on the pairs the dedup stage keeps: a shard set "
-                              "(shards/k=<k>/dedup/) written from dedup/k=<k>/kept/, both made on demand, with the "
+                              "(shards/k=<k>/dedup/) written from dedup/kept/, both made on demand, with the "
                               "run's dedup.* when dedup is on (then dedup.apply_to_shards must be false), else with "
                               "exact=true, key=pair, semantic_threshold=0.95. compare's clustered_dedup arm.")
 

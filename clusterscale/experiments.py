@@ -8,6 +8,8 @@ compare: clusterscale compare [CONFIG] --run-dir R --samplers clustered,random -
 sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2] [--preprocess-only]
          -> one embedding pass per data size (R itself, or R/limit=<N>/ per size), fit/assign/[dedup/]shard per k,
             optionally train + evaluate per k (train/sweep-<sampler>-k<k>-seed<s>/); report/sweep.json, report.md
+            With dedup on, dedup/ holds one clustering at a time: each k replaces the previous k's (its shards
+            stay), so a rerun of a finished sweep deduplicates every k again (and reuses every k's shards).
 Both run on the run directory of a finished `run` and reuse its outputs: arm names carry the experiment's
 prefix, so they never replace the main run's train/<train.name>/.
 """
@@ -250,7 +252,8 @@ def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
 
 def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool,
               stage_options: dict | None = None) -> dict:
-    """Embed once per data size, then fit/assign/shard (and optionally train + evaluate) at every k.
+    """Embed once per data size, then fit/assign/[dedup/]shard (and optionally train + evaluate) at every k (dedup
+    runs at every k, also on a rerun: dedup/ holds one clustering at a time).
 
     stage_options: keyword arguments of every run_stages call (replace, command), as for compare."""
     stage_options = stage_options or {}
@@ -270,7 +273,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
                                                                           base.train.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
-            per_k = tuple(s for s in PER_K_STAGES if s in pipeline(kcfg))  # dedup (dedup/k=<k>/) when on
+            per_k = tuple(s for s in PER_K_STAGES if s in pipeline(kcfg))  # dedup (this k's, into dedup/) when on
             try:
                 run_stages(kcfg, run, per_k, write_config=False, **stage_options,
                            cost_keys={s: f"{s}:k={k}" for s in PER_K_STAGES})

@@ -6,20 +6,26 @@ depends on, the resources its Ray work asks for, and a run function returning a 
 the rest: the output's lock, the input check, the fingerprint, reuse of an output made with the same config
 (refusal or replacement of one made with another), clearing an interrupted attempt, the done marker and the
 cost record in report/costs.json. No stage module does any of that itself.
+
+An output made with another config is refused (or replaced with --replace), except the output of a stage that
+holds one clustering at a time (Stage.one_clustering: dedup/), which the same stage at another clustering
+replaces; a stage reading such an output checks it was made with its own config (Input.made_with).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import posixpath
 import time
 from typing import Any, Callable
 
 from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
-from clusterscale.io.layout import (DEDUP_SET, EVAL, NEGATIVES, TRAIN, assign_dir, dedup_dir, eval_path, kmeans_dir,
-                                    manifest_path, shard_set_dir, shards_dir, train_dir)
-from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
+from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, TRAIN, assign_dir, eval_path,
+                                    kmeans_dir, manifest_path, shard_set_dir, shards_dir, train_dir)
+from clusterscale.io.rundir import DONE, ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
 from clusterscale.runtime import session
-from clusterscale.stages.dedup import dedup_applied, kept_dir, run_dedup, shard_input, train_dedup_config
+from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.stages.ingest import run_ingest
@@ -48,12 +54,19 @@ class Resources:
     gpus_per_actor: float = 0.0
 
 
+Sections = tuple[str, ...] | Callable[[Config], tuple[str, ...]]  # config sections, or a function of the config
+
+
 @dataclasses.dataclass(frozen=True)
 class Input:
-    """A folder a stage reads: it must carry a done marker; otherwise the user is told to run `verb` first."""
+    """A folder a stage reads: it must carry a done marker; otherwise the user is told to run `verb` first.
+    made_with: for a folder that holds one config's output at a time (dedup/kept/), the config sections its
+    marker must have been made with (this config's values), checked before the stage runs (not when its output
+    is reused)."""
     folder: PerConfig
     verb: str
     what: PerConfig
+    made_with: Sections = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +111,10 @@ class Stage:
     after_done: Callable[[Config, RunDir, StageResult], None] | None = None
     refusal_hint: str = ""  # said instead of the --replace advice when the stage cannot be replaced
     shared: bool = False  # preprocessing: made once and shared by compare's arms and sweep's values
-    per_k: bool = False  # one output per cluster.k (kmeans/k=<k>/ ...): a sweep runs it for every k
+    per_k: bool = False  # run for every cluster.k by a sweep (one output per k, kmeans/k=<k>/, or one_clustering)
+    # The output holds one clustering at a time (dedup/): made at another clustering (only cluster.* differs), the
+    # stage replaces it instead of refusing.
+    one_clustering: bool = False
 
     def output_of(self, cfg: Config) -> str:
         return _resolve(self.output, cfg)
@@ -180,7 +196,7 @@ def _report(call: StageCall) -> StageResult:
 
 
 _CLUSTERING = ("data", "embed", "cluster")
-_DEDUP = (*_CLUSTERING, "dedup")  # dedup/k=<k>/: its semantic pass is per cluster
+_DEDUP = (*_CLUSTERING, "dedup")  # dedup/ (one clustering at a time): its semantic pass is per cluster
 _ON_GPU = Resources(cpus_per_actor=1.0, gpus_per_actor=1.0)
 
 # The stages in pipeline order: the one list of them.
@@ -201,17 +217,18 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(Input(lambda cfg: kmeans_dir(cfg.cluster.k), "fit", lambda cfg: f"Centroids for k={cfg.cluster.k}"),),
           sections=_CLUSTERING, resources=Resources(cpus_per_actor=0.5, gpus_per_actor=1.0), shared=True, per_k=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
-          lambda c: run_dedup(c.cfg, c.run), lambda cfg: dedup_dir(cfg.cluster.k),
+          lambda c: run_dedup(c.cfg, c.run), DEDUP,
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
                         lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
                   Input("heldout", "ingest", "Held-out pairs")),
-          sections=_DEDUP, extra_outputs=(ExtraOutput(lambda cfg: kept_dir(cfg.cluster.k), _DEDUP),),
-          resources=Resources(cpus_per_actor=1.0), shared=True, per_k=True),
+          sections=_DEDUP, extra_outputs=(ExtraOutput(DEDUP_KEPT, _DEDUP),),
+          resources=Resources(cpus_per_actor=1.0), shared=True, per_k=True, one_clustering=True),
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.",
           lambda c: run_shard(c.cfg, c.run, c.fingerprint), lambda cfg: shards_dir(cfg.cluster.k),
           inputs=(Input(lambda cfg: assign_dir(cfg.cluster.k), "assign",
                         lambda cfg: f"Cluster assignments for k={cfg.cluster.k}"),
-                  Input(shard_input, "dedup", "Deduplicated pairs (dedup is on)")),
+                  Input(shard_input, "dedup", "Deduplicated pairs (dedup is on)",
+                        made_with=lambda cfg: _DEDUP if dedup_applied(cfg) else ())),
           sections=(*_CLUSTERING, "shard"), extra=_shard_extra,
           resources=Resources(cpus_per_actor=0.5), shared=True, per_k=True),
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
@@ -248,12 +265,12 @@ SHARD_SET = Stage("shard_set", "Write the shards of train.sampler random, random
                                           "sampler": cfg.train.sampler},
                   resources=Resources(cpus_per_actor=0.5), cost_key=lambda cfg: f"shard:{cfg.train.sampler}")
 # The clustered shards of the pairs dedup keeps, for train.dedup=true (compare's clustered_dedup arm) beside the
-# run's shards of every assigned pair; the shard stage's code with dedup/k=<k>/kept/ as input.
+# run's shards of every assigned pair; the shard stage's code with dedup/kept/ (of this k) as input.
 DEDUP_SHARDS = Stage("dedup_shards", "Write the clustered shards of the deduplicated pairs (train.dedup).",
-                     lambda c: run_shard(c.cfg, c.run, c.fingerprint, source=kept_dir(c.cfg.cluster.k),
+                     lambda c: run_shard(c.cfg, c.run, c.fingerprint, source=DEDUP_KEPT,
                                          folder=shard_set_dir(c.cfg.cluster.k, DEDUP_SET)),
                      lambda cfg: shard_set_dir(cfg.cluster.k, DEDUP_SET),
-                     inputs=(_SHARDS_INPUT, Input(lambda cfg: kept_dir(cfg.cluster.k), "dedup", "Deduplicated pairs")),
+                     inputs=(_SHARDS_INPUT, Input(DEDUP_KEPT, "dedup", "Deduplicated pairs", made_with=_DEDUP)),
                      sections=(*_CLUSTERING, "shard"),
                      extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
                                              "dedup": config_mod.output_keys(cfg.dedup)},
@@ -274,7 +291,8 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
             costs_run: RunDir | None = None) -> StageResult:
     """Run one stage holding the lock of its output; record its cost.
 
-    replace: "" refuses an output made with another config; "changed" replaces it (and what was made from it);
+    replace: "" refuses an output made with another config (but replaces a one_clustering stage's output made for
+    another clustering); "changed" replaces it (and what was made from it);
     "always" also replaces one made with this config. command: the user's command line, for the advice of a
     refusal. cost_key: the entry in report/costs.json ("" = none; default: the stage's); costs_run: the run
     whose report/costs.json gets it (default: run)."""
@@ -288,12 +306,15 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
         except ConfigMismatchError as exc:
             if stage.refusal_hint:
                 raise ConfigMismatchError(f"{exc} {stage.refusal_hint}", exc.stage_dir) from None
-            if not replace or not exc.stage_dir:
+            if exc.stage_dir and not replace and _other_clustering(stage, cfg, run, exc.stage_dir):
+                run.remove(exc.stage_dir)  # only it: what was made from it stays right for its own clustering
+            elif not exc.stage_dir or not replace:
                 again = command or f"clusterscale {stage.name} --run-dir {run.uri} [your CONFIG and --set keys]"
                 raise ConfigMismatchError(
                     f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and "
                     f"every output made from it: {again} --replace", exc.stage_dir) from None
-            _replace(run, exc.stage_dir)
+            else:
+                _replace(run, exc.stage_dir)
             result = _run_once(stage, call)
     key = _resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
     if key and stage.records_cost:
@@ -318,6 +339,8 @@ def _run_once(stage: Stage, call: StageCall) -> StageResult:
     # An extra output fingerprinted like the stage's own is said with it; one with its own sections is said too.
     if run.is_done(out, fingerprint) and all(run.is_done(f, fp, quiet=same) for f, fp, same in extras):
         return StageResult(run.done_stats(out))
+    for need in stage.inputs:
+        _check_made_with(call.source, need, cfg)
     if not (stage.keeps_units or call.resume):  # an interrupted attempt's partial output
         for folder in (out, *(f for f, _, _ in extras)):
             run.begin(folder)
@@ -330,6 +353,36 @@ def _run_once(stage: Stage, call: StageCall) -> StageResult:
         if stage.after_done:
             stage.after_done(cfg, run, result)
     return result
+
+
+def _check_made_with(source: RunDir, need: Input, cfg: Config) -> None:
+    """Refuse an input folder that holds one config's output at a time and holds another config's now."""
+    sections = need.made_with(cfg) if callable(need.made_with) else need.made_with
+    if not sections:
+        return
+    folder = _resolve(need.folder, cfg)
+    done = source.read_json(posixpath.join(folder, DONE))
+    expected = cfg.fingerprint(sections)
+    if done.get("fingerprint") != expected:
+        raise StageMissingError(
+            f"{source.path(folder)} holds the output of another config (changed: "
+            f"{changed_keys(done.get('covers'), expected.values)}), not of this one: run `clusterscale {need.verb}` "
+            f"with the same config and --run-dir first (it replaces that output).")
+
+
+def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) -> bool:
+    """Whether `stage_dir` is the output of a one_clustering stage made with this config but for another
+    clustering: its marker's covered values differ from this config's in the cluster section only. Said."""
+    if not stage.one_clustering or stage_dir != stage.output_of(cfg):
+        return False
+    old = run.read_json(posixpath.join(stage_dir, DONE)).get("covers") or {}
+    new = json.loads(json.dumps(stage.fingerprint_of(cfg, run).values))
+    if old.get("cluster") == new.get("cluster") or {s: v for s, v in old.items() if s != "cluster"} != \
+            {s: v for s, v in new.items() if s != "cluster"}:
+        return False
+    print(f"[{stage_dir}] holds the output of another clustering ({changed_keys(old, new)}); it holds one "
+          f"clustering at a time: replaced (what was made from it stays)", flush=True)
+    return True
 
 
 def _replace(run: RunDir, stage_dir: str) -> None:

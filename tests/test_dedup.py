@@ -8,14 +8,14 @@ import pyarrow.dataset as pads
 import pytest
 
 from clusterscale import cli
-from clusterscale.config import load
+from clusterscale.config import load, variant
 from clusterscale.errors import UserError
-from clusterscale.io.layout import assign_dir, dedup_dir, manifest_path
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir, manifest_path
+from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.vectors import emb_array, emb_matrix
-from clusterscale.stages.dedup import kept_dir, removed_table, report_lines, run_dedup
+from clusterscale.stages.dedup import removed_table, report_lines, run_dedup
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import SynthSpec
 
@@ -116,7 +116,8 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, n
                                                                  semantic_threshold=THRESHOLD, block_rows=64,
                                                                  heldout_nprobe=nprobe)])
     run_stage("dedup", cfg, run, replace="changed")
-    removed = removed_table(run, K)
+    removed = removed_table(run)
+    assert run.files(DEDUP_REMOVED) and all(f.endswith(".parquet") for f in run.files(DEDUP_REMOVED))
     got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
                                                              for c in ("pair_id", "reason", "duplicate_of")))}
     assert got == reference(run, rule, nprobe)
@@ -126,10 +127,10 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, n
     assert set(planted["leak_text"]) | set(planted["leak_vector"]) <= reasons["heldout_leak"]
     assert len(reasons["semantic"]) >= PLANTED
 
-    stats = run.done_stats(dedup_dir(K))
+    stats = run.done_stats(DEDUP)  # dedup/_DONE.json: the counts, and the clustering's k
     assigned = run.done_stats(assign_dir(K))["rows"]
     assert stats["rows"] + stats["removed"] == assigned == ROWS - run.done_stats("heldout")["rows"] + 4 * PLANTED
-    assert stats["removed"] == len(got) and run.done_stats(kept_dir(K))["rows"] == stats["rows"]
+    assert stats["removed"] == len(got) and run.done_stats(DEDUP_KEPT)["rows"] == stats["rows"] and stats["k"] == K
     assert len(stats["examples"]) == 3 and sum(stats["similarity_histogram"]["counts"]) > 0
     report = "\n".join(report_lines(run, K))
     assert f"kept {stats['rows']}, removed {stats['removed']}" in report and report.count("Group of") == 3
@@ -157,25 +158,34 @@ def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
 
 
 def test_sweep_deduplicates_every_k(planted_run):
-    """A sweep with dedup on runs dedup per k (dedup/k=<k>/), and each k's shards hold that k's kept rows."""
+    """A sweep with dedup on runs dedup at every k in turn (dedup/ holds the last k's), and each k's shards hold
+    that k's kept rows; a finished sweep reruns; shard at a k whose kept rows dedup/ no longer holds is refused."""
     from clusterscale.experiments import run_sweep
 
     run, _, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", semantic_threshold=0.9)])
     sweep = run_sweep(cfg, run.uri, [2, 3], None, True)
     assigned = run.done_stats(assign_dir(2))["rows"]
-    for k in (2, 3):
-        stats = run.done_stats(dedup_dir(k))
-        assert stats["k"] == k and stats["rows"] + stats["removed"] == assigned and stats["semantic"] > 0
-        assert run.read_json(manifest_path(k))["stats"]["rows"] == stats["rows"] == run.done_stats(kept_dir(k))["rows"]
+    stats = run.done_stats(DEDUP)
+    assert stats["k"] == 3 and stats["rows"] + stats["removed"] == assigned and stats["semantic"] > 0
+    assert run.read_json(manifest_path(3))["stats"]["rows"] == stats["rows"] == run.done_stats(DEDUP_KEPT)["rows"]
     assert [p["k"] for p in sweep["points"]] == [2, 3] and all(p["dedup_s"] > 0 for p in sweep["points"])
+    k2_rows = run.read_json(manifest_path(2))["stats"]["rows"]
+    assert k2_rows < assigned  # k=2's shards (of its kept rows) stayed when dedup moved to k=3
+    rerun = run_sweep(cfg, run.uri, [2, 3], None, True)  # dedup again at each k; the shards are reused
+    assert [p["shards"] for p in rerun["points"]] == [p["shards"] for p in sweep["points"]]
+    assert run.read_json(manifest_path(2))["stats"]["rows"] == k2_rows and run.done_stats(DEDUP)["k"] == 3
+    k2 = variant(cfg, cluster={"k": 2}, train={"global_batch_size": 8})  # another shard config: shards/k=2/ rebuilt
+    with pytest.raises(StageMissingError, match=r"dedup/kept holds the output of another config \(changed: "
+                                                r"cluster.k 3 -> 2\).*run `clusterscale dedup`"):
+        run_stage("shard", k2, run, replace="changed")
 
 
 def test_dedup_verb(planted_run, capsys):
     run, _, _ = planted_run
     assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.exact=true", "dedup.key=passage", "--replace"]) == 0
     assert "[dedup]" in capsys.readouterr().out
-    assert set(removed_table(run, K).column("reason").to_pylist()) == {"exact", "heldout_leak"}
+    assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
 
 
 def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model):

@@ -14,10 +14,10 @@ from clusterscale import cli
 from clusterscale.config import ConfigError, load
 from clusterscale.errors import UserError
 from clusterscale.experiments import run_compare
-from clusterscale.io.layout import assign_dir, dedup_dir, manifest_path, shard_set_manifest_path
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, assign_dir, manifest_path, shard_set_manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
-from clusterscale.stages.dedup import kept_dir, train_dedup_config
+from clusterscale.stages.dedup import train_dedup_config
 from tests.conftest import make_pairs, tiny_overrides
 
 K, COPIES = 4, 40
@@ -46,14 +46,14 @@ def compared(tmp_path_factory, tiny_model, ray_local):
 
 def test_dedup_arm_trains_on_the_kept_pairs_beside_every_assigned_pair(compared):
     run = compared
-    assigned, dedup = run.done_stats(assign_dir(K))["rows"], run.done_stats(dedup_dir(K))
+    assigned, dedup = run.done_stats(assign_dir(K))["rows"], run.done_stats(DEDUP)
     main = run.read_json(manifest_path(K))
     deduped = run.read_json(shard_set_manifest_path(K, "dedup"))
     assert main["stats"]["rows"] == assigned and deduped["stats"]["rows"] == dedup["rows"] == assigned - dedup["removed"]
     assert dedup["exact"] >= COPIES * 0.7 and dedup["semantic"] == 0  # the planted copies not held out
     main_keys, kept_keys = shard_keys(run, main), shard_keys(run, deduped)
     assert len(set(main_keys)) < len(main_keys) and len(set(kept_keys)) == len(kept_keys)
-    assert run.done_stats(kept_dir(K))["rows"] == dedup["rows"]
+    assert run.done_stats(DEDUP_KEPT)["rows"] == dedup["rows"] and dedup["k"] == K
     for arm in ("clustered", "clustered_dedup"):
         done = run.read_json(f"train/compare-{arm}-seed0/_DONE.json")
         assert done["stats"]["steps"] == 2 and done["stats"]["sampler"] == "clustered"

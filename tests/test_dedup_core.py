@@ -88,6 +88,11 @@ NO_HELDOUT = heldout_keys(pa.table({"pair_id": pa.array([], pa.int64()), "query"
                                     "passage": pa.array([], pa.string())}))
 
 
+def _mark(rows: pa.Table, dedup: dict, heldout: dict, buckets: int = 1) -> pa.Table:
+    """mark_rows with `buckets` exact buckets and K + 1 cluster keys (any distinct stand-ins do without a shuffle)."""
+    return mark_rows(rows, dedup, heldout, np.arange(buckets, dtype=np.int64) * 7, np.arange(K + 1, dtype=np.int64) * 3)
+
+
 def test_group_steps_do_not_depend_on_row_arrival(planted):
     """The exact and cluster steps give the same marks whatever order (or split) their rows arrive in."""
     x, cluster, pair_ids, cos = planted
@@ -99,7 +104,7 @@ def test_group_steps_do_not_depend_on_row_arrival(planted):
     for perm_seed in (0, 1):
         perm = np.random.default_rng(perm_seed).permutation(table.num_rows)
         shuffled = table.take(pa.array(perm))
-        marked = pa.concat_tables([mark_rows(shuffled.slice(s, 37), dedup, NO_HELDOUT, 3)
+        marked = pa.concat_tables([_mark(shuffled.slice(s, 37), dedup, NO_HELDOUT, 3)
                                    for s in range(0, table.num_rows, 37)])
         out = semantic_pass(resolve_exact(marked).sort_by("pair_id"), DedupConfig(**dedup))
         outs.append(out.select(["pair_id", "reason", "duplicate_of", "similarity"]).to_pydict())
@@ -114,7 +119,7 @@ def test_heldout_text_leaks_are_marked():
                                      "passage": ["hp0", "hp1", "p7 "]}))
     queries = [f"q{i}" for i in range(50)]
     queries[5] = "hq2"  # leaks by query text (normalised)
-    marked = mark_rows(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), vars(DedupConfig()), heldout, 1)
+    marked = _mark(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), vars(DedupConfig()), heldout)
     leaks = {p: d for p, r, d in zip(pair_ids, marked.column("reason").to_pylist(),
                                      marked.column("duplicate_of").to_pylist()) if r == core.HELDOUT_LEAK}
     assert leaks == {5: 902, 7: 902}
@@ -123,19 +128,20 @@ def test_heldout_text_leaks_are_marked():
 def _cluster_leaks(rows: pa.Table, held: pa.Table, centroids: np.ndarray, nprobe: int, dedup: dict,
                    tmp_path) -> dict[int, tuple[int, float]]:
     """Held-out leaks of every cluster's step (route_heldout, then dedup_cluster per cluster), one process."""
-    marked = mark_rows(rows, dedup, NO_HELDOUT, 1)
+    marked = _mark(rows, dedup, NO_HELDOUT)
     schema = pa.schema([*rows.schema, *MARK_FIELDS])
-    routed = route_heldout(held, centroids, nprobe, None, {}, schema)
+    routed = route_heldout(held, centroids, nprobe, None, {}, schema, np.arange(K + 1, dtype=np.int64) * 3)
+    assert routed.column("part").to_pylist() == (routed.column("cluster").to_numpy() * 3).tolist()
     both = pa.concat_tables([marked, routed])
     k = len(centroids)
     for c in range(k):
         group = both.filter(pa.array(both.column("cluster").to_numpy() == c))
         if group.num_rows:
-            dedup_cluster(group, str(tmp_path), dedup | {"k": k}, rows.column_names)
+            dedup_cluster(group, str(tmp_path), dedup, rows.column_names)
     from clusterscale.io.rundir import RunDir
     from clusterscale.stages.dedup import removed_table
 
-    removed = removed_table(RunDir(str(tmp_path)), k)
+    removed = removed_table(RunDir(str(tmp_path)))
     return {p: (d, s) for p, r, d, s in zip(*(removed.column(c).to_pylist() for c in ("pair_id", "reason",
                                                                                       "duplicate_of", "similarity")))
             if r == "heldout_leak"}
@@ -168,3 +174,34 @@ def test_heldout_vector_leaks_equal_brute_force_over_the_probed_clusters(nprobe,
         assert expected == all_pairs
     elif nprobe == 1:
         assert expected.keys() < all_pairs.keys()  # some leaks are across clusters: nprobe=1 misses them
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 1000])
+def test_heldout_matches_in_blocks_equal_all_pairs(block_rows):
+    """Blocks of rows and of held-out vectors give each row's best held-out vector of the all-pairs matrix (equal
+    cosines: the earlier held-out vector)."""
+    rng = np.random.default_rng(4)
+    x, held = unit(rng.standard_normal((50, D))), unit(rng.standard_normal((20, D)))
+    x[3] = held[4] = held[11] = np.eye(D)[0]  # an exact tie (cosine 1 in any summation order): index 4 wins
+    best_of, best = core.heldout_matches(x, held, block_rows)
+    sims = (x.astype(np.float32) @ held.astype(np.float32).T).astype(np.float64)
+    np.testing.assert_array_equal(best_of, sims.argmax(axis=1))
+    np.testing.assert_allclose(best, sims.max(axis=1), rtol=1e-6)
+    assert best_of[3] == 4 and best[3] == 1.0
+
+
+def test_shuffle_keys_put_one_bucket_and_one_cluster_in_each_partition(planted):
+    """mark_rows's shuffle keys, made from one_key_per_partition stand-ins, send every exact bucket and every
+    cluster to a partition of its own under Ray Data's hash partitioning (what the two shuffles use)."""
+    from ray.data._internal.arrow_ops.transform_pyarrow import hash_partition
+
+    from clusterscale.runtime.bounded_data import one_key_per_partition
+
+    x, cluster, pair_ids, cos = planted
+    buckets = 6
+    marked = mark_rows(_rows(x, cluster, pair_ids, cos), vars(DedupConfig(exact=True)), NO_HELDOUT,
+                       one_key_per_partition(buckets), one_key_per_partition(K + 1))
+    for column, partitions in (("bucket", buckets), ("part", K + 1)):
+        parts = hash_partition(marked.select([column]), hash_cols=[column], num_partitions=partitions)
+        assert all(len(set(t.column(column).to_pylist())) == 1 for t in parts.values())
+    assert len(set(marked.column("bucket").to_pylist())) == buckets

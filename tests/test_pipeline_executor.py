@@ -52,6 +52,50 @@ def test_other_config_is_refused_then_replaced(tmp_path):
     assert len(calls) == 2 and run.read_json("pairs/_DONE.json")["covers"]["data"]["limit"] == 5
 
 
+def _per_clustering_stage(calls: list) -> pipeline.Stage:
+    """A dedup-like stage: one output (toy/, with toy/kept/ marked with it) for one clustering at a time."""
+    def write(call):
+        calls.append(call.cfg.cluster.k)
+        return StageResult({"k": call.cfg.cluster.k}, outputs={"toy/kept": StageResult({"k": call.cfg.cluster.k})})
+    return pipeline.Stage("toy", "A toy stage.", write, "toy", sections=("data", "cluster"),
+                          extra_outputs=(pipeline.ExtraOutput("toy/kept", ("data", "cluster")),), one_clustering=True)
+
+
+def test_one_clustering_output_is_replaced_at_another_clustering_only(tmp_path, capsys):
+    run, calls = RunDir(str(tmp_path / "run")), []
+    pipeline.execute(_per_clustering_stage(calls), config_mod.load(None, ["cluster.k=4"]), run)
+    pipeline.execute(_per_clustering_stage(calls), config_mod.load(None, ["cluster.k=8"]), run)
+    assert calls == [4, 8] and run.done_stats("toy")["k"] == run.done_stats("toy/kept")["k"] == 8
+    assert "another clustering (cluster.k 4 -> 8)" in capsys.readouterr().out
+    with pytest.raises(ConfigMismatchError, match="data.limit"):  # not a clustering: refused as for any stage
+        pipeline.execute(_per_clustering_stage(calls), config_mod.load(None, ["cluster.k=8", "data.limit=5"]), run)
+    assert calls == [4, 8]
+
+
+def test_input_made_with_another_config_is_refused_before_running(tmp_path):
+    """A stage reading a one-clustering output refuses it when it holds another clustering's, unless its own
+    output is reused."""
+    run, calls = RunDir(str(tmp_path / "run")), []
+    cfg4, cfg8 = config_mod.load(None, ["cluster.k=4"]), config_mod.load(None, ["cluster.k=8"])
+
+    def read(call):
+        calls.append(call.run.done_stats("toy/kept")["k"])
+        return StageResult({"rows": 1})
+    reader = pipeline.Stage("reader", "Reads toy/kept/.", read, lambda cfg: f"out/k={cfg.cluster.k}",
+                            inputs=(pipeline.Input("toy/kept", "toy", "Toy rows", made_with=("data", "cluster")),),
+                            sections=("data", "cluster"))
+    pipeline.execute(_per_clustering_stage([]), cfg4, run)
+    pipeline.execute(reader, cfg4, run)
+    pipeline.execute(_per_clustering_stage([]), cfg8, run)
+    pipeline.execute(reader, cfg4, run)  # out/k=4 stayed and is done: reused, toy/kept/ not read
+    assert calls == [4]
+    with pytest.raises(StageMissingError, match=r"toy/kept holds the output of another config \(changed: "
+                                                r"cluster.k 8 -> 4\).*run `clusterscale toy`"):
+        pipeline.execute(reader, cfg4, run, replace="always")
+    pipeline.execute(reader, cfg8, run)
+    assert calls == [4, 8]
+
+
 def test_incomplete_result_writes_no_marker(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     result = pipeline.execute(_stage([], complete=False), config_mod.load(None, []), run)
@@ -71,7 +115,7 @@ def test_one_stage_list():
     assert set(pipeline.STAGES) <= set(cli.VERBS) and set(pipeline.STAGES) - set(cli.REPLACEABLE) == {"evaluate", "report"}
     cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
-        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup/k=7", "shards/k=7", "negatives", "train/x", "eval",
+        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "negatives", "train/x", "eval",
         "report"]
 
 

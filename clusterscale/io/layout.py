@@ -13,6 +13,13 @@ NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings
 TRAIN = "train"  # training runs: train/<name>/
 EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/
 MTEB_EVAL = f"{EVAL}/mteb"  # eval/mteb/<model>.json
+# The dedup stage's output, for one clustering at a time (its semantic pass is per cluster of cluster.k, and the
+# done marker's stats carry that k): dedup/_DONE.json (counts), removed/ (pair_id, duplicate_of, similarity,
+# reason, cluster) and kept/ (every column of assign/k=<k>/ for the kept rows, with its own marker: what shard
+# reads when dedup is on). Dedup at another clustering replaces it (pipeline.Stage.one_clustering).
+DEDUP = "dedup"
+DEDUP_REMOVED = f"{DEDUP}/removed"
+DEDUP_KEPT = f"{DEDUP}/kept"
 
 
 def kmeans_dir(k: int) -> str:
@@ -21,12 +28,6 @@ def kmeans_dir(k: int) -> str:
 
 def assign_dir(k: int) -> str:
     return f"assign/k={k}"
-
-
-def dedup_dir(k: int) -> str:
-    """dedup/k=<k>/: the dedup stage's output for one clustering (its semantic pass is per cluster): kept/ (the rows
-    the shard stage reads when dedup is on), removed/ and the done marker with the counts."""
-    return f"dedup/k={k}"
 
 
 def shards_dir(k: int) -> str:

@@ -112,12 +112,15 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[n
 
 
 def heldout_matches(x: np.ndarray, heldout: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the most similar held-out vector, its cosine) for each row of x; (-1, -inf) with no held-out."""
+    """(index of the most similar held-out vector, its cosine) for each row of x; (-1, -inf) with no held-out.
+    block_rows rows of x against block_rows held-out vectors at a time, so memory does not grow with the cluster."""
     best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
-    x = np.asarray(x, np.float32)
-    for start in range(0, len(heldout), block_rows):
-        columns = np.arange(start, min(len(heldout), start + block_rows))
-        _take_better(best, best_of, (x @ np.asarray(heldout[columns], np.float32).T).astype(np.float64), columns)
+    for row in range(0, len(x), block_rows):
+        block = np.asarray(x[row:row + block_rows], np.float32)
+        for start in range(0, len(heldout), block_rows):
+            columns = np.arange(start, min(len(heldout), start + block_rows))
+            sims = (block @ np.asarray(heldout[columns], np.float32).T).astype(np.float64)
+            _take_better(best[row:row + block_rows], best_of[row:row + block_rows], sims, columns)
     return best_of, best
 
 

@@ -4,24 +4,32 @@ Run with `clusterscale dedup [CONFIG] --run-dir R` (after `assign`; `run` runs i
 dedup.semantic_threshold is set). Three Ray Data steps over assign/k=<k>/ (read one row group per task, hash
 shuffles in ~64 MiB map tasks, through local files with ray.disk_shuffle: runtime/bounded_data.py), none of
 which holds all rows nor all held-out vectors:
-  1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), and whether
-     its query or passage text equals a held-out pair's (every task holds the held-out text keys: O(held-out x
-     32 B), not their texts nor vectors);
-  2. group by a hash bucket of the key (dedup.exact): in each key, the first row in keep order stays;
-  3. group by cluster, with the held-out vectors routed there: a map over heldout/ sends each held-out vector
-     to its dedup.heldout_nprobe nearest clusters (rows marked HELDOUT_PROBE, never written). Per cluster: the
-     training rows still kept whose vector has cosine >= the threshold to a held-out vector routed there are
-     held-out leaks (so a semantic leak is found when the held-out vector's heldout_nprobe nearest clusters
-     include the training row's cluster: near-duplicates at cosine >= 0.9 almost always share the nearest
-     centroid; heldout_nprobe = cluster.k is the all-pairs check); then semantic groups within the cluster
-     (runtime/dedup_core.py, in blocks); the cluster's kept rows go to dedup/k=<k>/kept/ and its removed rows to
-     dedup/k=<k>/removed/ (pair_id, duplicate_of, similarity, reason, cluster); the task returns its counts.
+  1. a map: each row's 128-bit key of its normalised dedup.key text, its keep rank (dedup.keep), whether its
+     query or passage text equals a held-out pair's (every task holds the held-out text keys: O(held-out x
+     32 B), not their texts nor vectors), and the shuffle keys of steps 2 and 3;
+  2. group by a hash bucket of the key (dedup.exact), one bucket of ~ROWS_PER_BUCKET rows per reduce task: in
+     each key, the first row in keep order stays;
+  3. group by cluster, one cluster per reduce task, with the held-out vectors routed there: a map over heldout/
+     sends each held-out vector to its dedup.heldout_nprobe nearest clusters (rows marked HELDOUT_PROBE, never
+     written). Per cluster: the training rows still kept whose vector has cosine >= the threshold to a held-out
+     vector routed there are held-out leaks (so a semantic leak is found when the held-out vector's
+     heldout_nprobe nearest clusters include the training row's cluster: near-duplicates at cosine >= 0.9 almost
+     always share the nearest centroid; heldout_nprobe = cluster.k is the all-pairs check); then semantic groups
+     within the cluster (runtime/dedup_core.py, in blocks); the cluster's kept rows go to dedup/kept/ and its
+     removed rows to dedup/removed/ (pair_id, duplicate_of, similarity, reason, cluster); the task returns its
+     counts.
+Both shuffles group by stand-ins of the bucket / cluster ids that land one per partition
+(bounded_data.one_key_per_partition), as mine does: a reduce task then holds one bucket or one cluster, not the
+several that hashing the ids puts in the fullest partition, so its memory does not grow with N (an exact bucket
+holds ~ROWS_PER_BUCKET rows whatever N; a cluster is the unit of the semantic pass).
 Order of the rules: held-out text leaks, exact duplicates, held-out vector leaks, semantic duplicates; each
 among the rows the earlier ones kept.
-The output depends on cluster.k (the semantic pass is per cluster), so it lives under dedup/k=<k>/ (a sweep
-deduplicates every k). The shard stage reads dedup/k=<k>/kept/ instead of assign/k=<k>/ when dedup is on and
-dedup.apply_to_shards (shard_input); a training run with train.dedup=true trains the clustered sampler on a shard
-set written from it (shards/k=<k>/dedup/: compare's clustered_dedup arm).
+The output describes one clustering (the semantic pass is per cluster; dedup/_DONE.json's stats carry k): dedup
+at another cluster.k replaces it (a sweep deduplicates every k in turn, and a rerun of a finished sweep does it
+again). The shard stage reads dedup/kept/ instead of assign/k=<k>/ when dedup is on and dedup.apply_to_shards
+(shard_input), and is refused when dedup/kept/ holds another clustering's rows; a training run with
+train.dedup=true trains the clustered sampler on a shard set written from it (shards/k=<k>/dedup/: compare's
+clustered_dedup arm).
 """
 from __future__ import annotations
 
@@ -38,17 +46,18 @@ import ray
 
 from clusterscale.config import Config, DedupConfig, variant
 from clusterscale.errors import UserError
-from clusterscale.io.layout import assign_dir, dedup_dir
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, one_key_per_partition, read_row_groups
+from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, read_row_groups,
+                                               release_freed_memory)
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import synthetic_embeddings
 
-ROWS_PER_BUCKET = 50_000  # rows of one exact-dedup group task (all columns of its rows are in memory)
+ROWS_PER_BUCKET = 25_000  # rows of one exact-dedup reduce task (all columns of its rows are in memory)
 KEPT_ROWS_PER_FILE = 200_000
 MARK_BATCH_ROWS = 4096  # rows per map batch (mark, and routing held-out vectors)
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
@@ -59,19 +68,10 @@ NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
 TRAIN_DEDUP_DEFAULTS = {"exact": True, "key": "pair", "semantic_threshold": 0.95}
 
 
-def kept_dir(k: int) -> str:
-    """dedup/k=<k>/kept/: every column of assign/k=<k>/ for the kept rows (its done marker counts them)."""
-    return f"{dedup_dir(k)}/kept"
-
-
-def removed_dir(k: int) -> str:
-    return f"{dedup_dir(k)}/removed"
-
-
 def shard_input(cfg: Config) -> str:
-    """The folder the shard stage reads (its done marker counts its rows): dedup/k=<k>/kept/ when dedup is on and
+    """The folder the shard stage reads (its done marker counts its rows): dedup/kept/ when dedup is on and
     applied to the shards, else assign/k=<k>/."""
-    return kept_dir(cfg.cluster.k) if dedup_applied(cfg) else assign_dir(cfg.cluster.k)
+    return DEDUP_KEPT if dedup_applied(cfg) else assign_dir(cfg.cluster.k)
 
 
 def dedup_applied(cfg: Config) -> bool:
@@ -91,9 +91,10 @@ def train_dedup_config(cfg: Config) -> Config:
     return cfg if cfg.dedup.enabled else variant(cfg, dedup=TRAIN_DEDUP_DEFAULTS)
 
 
-def removed_table(run: RunDir, k: int) -> pa.Table:
-    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of a finished dedup stage at k."""
-    files = run.files(removed_dir(k))
+def removed_table(run: RunDir) -> pa.Table:
+    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of the finished dedup stage (of the
+    clustering dedup/_DONE.json names)."""
+    files = run.files(DEDUP_REMOVED)
     if not files:
         return REMOVED_SCHEMA.empty_table()
     return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
@@ -185,10 +186,11 @@ def heldout_vectors(batch: pa.Table, source: dict | None, embed: dict) -> dict[s
 
 
 def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None, embed: dict,
-                  schema: pa.Schema) -> pa.Table:
+                  schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
-    'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id and vectors
-    (other columns null), so it travels through the cluster shuffle to exactly those clusters."""
+    'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
+    cluster's shuffle key `part` (cluster_keys: see mark_rows; other columns null), so it travels through the
+    cluster shuffle to exactly those clusters."""
     vectors = heldout_vectors(batch, source, embed)
     n, nprobe = batch.num_rows, min(nprobe, len(centroids))
     sims = vectors["emb"] @ np.asarray(centroids, np.float32).T
@@ -196,6 +198,7 @@ def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: d
     rows = np.repeat(np.arange(n), nprobe)
     values = {"pair_id": pa.array(batch.column("pair_id").to_numpy()[rows], pa.int64()),
               "cluster": pa.array(probes.reshape(-1).astype(np.int32)),
+              "part": pa.array(cluster_keys[probes.reshape(-1)], pa.int64()),
               "reason": pa.array(np.full(len(rows), core.HELDOUT_PROBE, np.int8)),
               **{c: emb_array(x[rows]) for c, x in vectors.items()}}
     return pa.table([values[f.name].cast(f.type) if f.name in values else pa.nulls(len(rows), f.type)
@@ -219,14 +222,19 @@ def heldout_vector_leaks(rows: pa.Table, held: pa.Table, dc: DedupConfig) -> tup
 
 
 # --- step 1: keys, keep rank and held-out text leaks per row -------------------------------------------------
+# bucket and part are int64: the stand-ins of one_key_per_partition land in their partition as int64 values.
 MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), pa.field("rank", pa.float64()),
-               pa.field("bucket", pa.int32()), pa.field("reason", pa.int8()), pa.field("duplicate_of", pa.int64()),
-               pa.field("similarity", pa.float32()), pa.field("best", pa.float64())]
+               pa.field("bucket", pa.int64()), pa.field("part", pa.int64()), pa.field("reason", pa.int8()),
+               pa.field("duplicate_of", pa.int64()), pa.field("similarity", pa.float32()),
+               pa.field("best", pa.float64())]
 
 
-def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.Table:
-    """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (of the exact grouping),
-    reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity and best (set by the semantic pass)."""
+def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
+              ) -> pa.Table:
+    """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (the exact step's
+    shuffle key: the stand-in in bucket_keys of a hash bucket of the text key), part (the cluster step's: the
+    stand-in in cluster_keys of its cluster), reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity
+    and best (set by the semantic pass)."""
     dc = DedupConfig(**dedup)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
@@ -236,7 +244,8 @@ def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.T
     columns = {
         "key_hi": keys[:, 0], "key_lo": keys[:, 1],
         "rank": core.keep_rank(pair_ids, batch.column("cos").to_numpy(), dc.keep, dc.seed),
-        "bucket": (splitmix64(keys[:, 0]) % np.uint64(buckets)).astype(np.int32),
+        "bucket": bucket_keys[(splitmix64(keys[:, 0]) % np.uint64(len(bucket_keys))).astype(np.int64)],
+        "part": cluster_keys[batch.column("cluster").to_numpy()],
         "reason": np.where(leaked, core.HELDOUT_LEAK, core.KEPT).astype(np.int8),
         "duplicate_of": leak_of, "similarity": leaked.astype(np.float32),
         "best": np.full(batch.num_rows, -np.inf)}
@@ -247,8 +256,9 @@ def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, buckets: int) -> pa.T
 
 # --- step 2: exact duplicates, one hash bucket of keys at a time --------------------------------------------
 def resolve_exact(group: pa.Table) -> pa.Table:
-    """Group step: in each key among the rows not already removed, rows after the first in keep order are
-    removed (reason exact, similarity 1)."""
+    """Group step (one hash bucket of keys): in each key among the rows not already removed, rows after the first
+    in keep order are removed (reason exact, similarity 1)."""
+    release_freed_memory()  # what the worker's previous group or task freed
     group = group.sort_by("pair_id")
     reason = group.column("reason").to_numpy().copy()
     alive = np.flatnonzero(reason == core.KEPT)
@@ -329,9 +339,10 @@ def example_group(group: pa.Table) -> dict | None:
 def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]) -> pa.Table:
     """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
     rows are written; returns the cluster's counts and histogram of best cosines (one row). dedup: the dedup
-    section's keys, and the clustering's k."""
-    dc = DedupConfig(**{key: value for key, value in dedup.items() if key != "k"})
-    cluster, k = int(group.column("cluster")[0].as_py()), dedup["k"]
+    section's keys."""
+    release_freed_memory()  # what the worker's previous group or task freed
+    dc = DedupConfig(**dedup)
+    cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
     group = semantic_pass(mark_vector_leaks(group, held, dc), dc)
@@ -339,12 +350,12 @@ def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]
     run = RunDir(run_uri)
     kept = group.filter(pa.array(reason == core.KEPT)).select(columns)
     for part, start in enumerate(range(0, kept.num_rows, KEPT_ROWS_PER_FILE)):
-        run.write_parquet(f"{kept_dir(k)}/part-c{cluster:06d}-{part:05d}.parquet", kept.slice(start, KEPT_ROWS_PER_FILE),
-                          row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
+        run.write_parquet(f"{DEDUP_KEPT}/part-c{cluster:06d}-{part:05d}.parquet",
+                          kept.slice(start, KEPT_ROWS_PER_FILE), row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
     removed = group.filter(pa.array(reason != core.KEPT))
     if removed.num_rows:
         names = np.array([core.REASONS.get(int(r), "") for r in range(max(core.REASONS) + 1)], dtype=object)
-        run.write_parquet(f"{removed_dir(k)}/part-c{cluster:06d}.parquet", pa.table({
+        run.write_parquet(f"{DEDUP_REMOVED}/part-c{cluster:06d}.parquet", pa.table({
             "pair_id": removed.column("pair_id"), "duplicate_of": removed.column("duplicate_of"),
             "similarity": removed.column("similarity"),
             "reason": pa.array(names[removed.column("reason").to_numpy()].tolist(), pa.string()),
@@ -357,7 +368,7 @@ def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]
 
 
 # --- the stage ---------------------------------------------------------------------------------------------
-def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema) -> ray.data.Dataset | None:
+def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np.ndarray) -> ray.data.Dataset | None:
     """The held-out vectors as rows of `schema`, one per (held-out pair, probed cluster) (route_heldout); None
     without a semantic threshold or held-out pairs."""
     files, vectors = run.files("heldout"), vector_columns(schema.names)
@@ -367,13 +378,9 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema) -> ray.data.Data
     columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
     return read_row_groups(run, files, columns).map_batches(
         route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
-                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema},
+                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema,
+                                  "cluster_keys": cluster_keys},
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
-
-
-def _with_part_key(batch: pa.Table, keys: np.ndarray) -> pa.Table:
-    """The shuffle key of each row: the stand-in of its cluster id (bounded_data.one_key_per_partition)."""
-    return batch.append_column("part", pa.array(keys[batch.column("cluster").to_numpy()]))
 
 
 def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
@@ -384,25 +391,23 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         schema = pq.read_schema(f).remove_metadata()
     columns = schema.names
     dedup = cfg.to_dict()["dedup"]
-    buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
+    # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
+    # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
+    buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
+    bucket_keys, cluster_keys = one_key_per_partition(buckets), one_key_per_partition(clusters)
     progress, results = ProgressLine("dedup", n_rows), []
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
-        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "buckets": buckets},
+        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "bucket_keys": bucket_keys,
+                                                  "cluster_keys": cluster_keys},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
-            ds = ds.groupby("bucket", num_partitions=min(buckets, 200)).map_groups(resolve_exact,
-                                                                                  batch_format="pyarrow")
-        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]))
+            ds = ds.groupby("bucket", num_partitions=buckets).map_groups(resolve_exact, batch_format="pyarrow")
+        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), cluster_keys)
         if held is not None:
             ds = ds.union(held)
-        # Group by a stand-in of the cluster id that Ray Data sends to partition (cluster % partitions): a reduce
-        # then holds its share of clusters, not the 3-6 that hashing the ids puts in the fullest partition.
-        partitions = min(cfg.cluster.k + 1, 200)  # + 1: a pooled small-cluster id may be k
-        ds = ds.map_batches(_with_part_key, fn_kwargs={"keys": one_key_per_partition(cfg.cluster.k + 1, partitions)},
-                            batch_format="pyarrow")
-        ds = ds.groupby("part", num_partitions=partitions).map_groups(
-            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup | {"k": cfg.cluster.k}, "columns": columns},
+        ds = ds.groupby("part", num_partitions=clusters).map_groups(
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns},
             batch_format="pyarrow")
         for result in ds.iter_rows():
             results.append(result)
@@ -418,7 +423,8 @@ def check_config(cfg: Config) -> None:
 
 
 def run_dedup(cfg: Config, run: RunDir) -> StageResult:
-    """Write dedup/k=<k>/kept/ and removed/ from assign/k=<k>/ and heldout/; kept + removed = assigned."""
+    """Write dedup/kept/ and dedup/removed/ from assign/k=<k>/ and heldout/; kept + removed = assigned. The done
+    markers (dedup/_DONE.json with the counts, dedup/kept/'s with the kept rows) carry k."""
     check_config(cfg)
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
@@ -429,8 +435,8 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
     config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
-    kept = StageResult({"rows": stats["rows"]}, config=config)
-    return StageResult(stats, outputs={kept_dir(cfg.cluster.k): kept}, config=config)
+    kept = StageResult({"rows": stats["rows"], "k": cfg.cluster.k}, config=config)
+    return StageResult(stats, outputs={DEDUP_KEPT: kept}, config=config)
 
 
 def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
@@ -456,15 +462,19 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
 
 # --- the report's section ----------------------------------------------------------------------------------
 def report_lines(run: RunDir, k: int, max_clusters: int = 20) -> list[str]:
-    """Markdown of the dedup/k=<k>/ results: counts per reason, removed per cluster (the most first), the histogram
-    of each pair's highest cosine to an earlier kept pair around the threshold, and example groups."""
-    done = run.read_json(f"{dedup_dir(k)}/_DONE.json")
+    """Markdown of the dedup/ results (of the clustering they were made at; `k`: the report's, named when they
+    differ): counts per reason, removed per cluster (the most first), the histogram of each pair's highest cosine
+    to an earlier kept pair around the threshold, and example groups."""
+    done = run.read_json(f"{DEDUP}/_DONE.json")
     s, dc = done["stats"], done["config"]["dedup"]
     lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
-             f"semantic_threshold={dc['semantic_threshold']})",
-             f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
-             f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
-             f"pairs). Removed rows: `{removed_dir(k)}/`.", ""]
+             f"semantic_threshold={dc['semantic_threshold']})"]
+    if s["k"] != k:
+        lines.append(f"(dedup/ holds one clustering at a time: the last dedup ran at k={s['k']}, not at this "
+                     f"report's k={k}.)  ")
+    lines += [f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
+              f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
+              f"pairs). Removed rows: `{DEDUP_REMOVED}/`.", ""]
     per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
     lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
     if len(per_cluster) > max_clusters:

@@ -14,8 +14,8 @@ from clusterscale.stages import report_plots
 from clusterscale.config import Config
 from clusterscale.stages.dedup import report_lines as dedup_report_lines
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import (EVAL, MTEB_EVAL, TRAIN, collapse_path, dedup_dir,
-                                    eval_by_cluster_path, manifest_path)
+from clusterscale.io.layout import (DEDUP, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
+                                    manifest_path)
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.metrics import read_metrics
 
@@ -290,7 +290,7 @@ def run_report(cfg: Config, run: RunDir) -> str:
         parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
                   table1_line(manifest), "", cluster_table(manifest), ""]
         _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
-    if run.exists(dedup_dir(k), "_DONE.json"):
+    if run.exists(DEDUP, "_DONE.json"):  # the clustering dedup last ran at (its section names k)
         parts += dedup_report_lines(run, k)
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     if costs:

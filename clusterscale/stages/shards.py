@@ -4,7 +4,7 @@ shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.j
 Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
 the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
 by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
-Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/k=<k>/kept/ when dedup is on).
+Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/kept/ when dedup is on).
 """
 from __future__ import annotations
 
