@@ -175,6 +175,7 @@ def test_sweep_deduplicates_every_k(planted_run):
     rerun = run_sweep(cfg, run.uri, [2, 3], None, True)  # dedup again at each k; the shards are reused
     assert [p["shards"] for p in rerun["points"]] == [p["shards"] for p in sweep["points"]]
     assert run.read_json(manifest_path(2))["stats"]["rows"] == k2_rows and run.done_stats(DEDUP)["k"] == 3
+    assert "the last dedup ran at k=3, not at this report's k=2" in "\n".join(report_lines(run, 2))
     k2 = variant(cfg, cluster={"k": 2}, train={"global_batch_size": 8})  # another shard config: shards/k=2/ rebuilt
     with pytest.raises(StageMissingError, match=r"dedup/kept holds the output of another config \(changed: "
                                                 r"cluster.k 3 -> 2\).*run `clusterscale dedup`"):

@@ -105,9 +105,10 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[n
             if alive[i]:
                 alive[hits[i]] = False
         kept[start:stop] = alive
-        # best over the block's own kept rows before each row (columns = the kept rows, rows of `within`)
-        sims = np.where(before & alive[:, None], within, -np.inf).T
-        _take_better(best[start:stop], best_of[start:stop], sims, rows)
+        # best over the block's own kept rows before each row (columns = the kept rows, rows of `within`); in
+        # place, so the block holds one block_rows^2 float64 matrix, not two
+        within[~(before & alive[:, None])] = -np.inf
+        _take_better(best[start:stop], best_of[start:stop], within.T, rows)
     return kept, np.where(kept, -1, best_of), best
 
 
