@@ -164,6 +164,7 @@ def test_sweep_deduplicates_every_k(planted_run):
 
     run, _, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", semantic_threshold=0.9)])
+    run.remove(DEDUP)  # the earlier tests' (other dedup keys: refused, as any output of another config)
     sweep = run_sweep(cfg, run.uri, [2, 3], None, True)
     assigned = run.done_stats(assign_dir(2))["rows"]
     stats = run.done_stats(DEDUP)
