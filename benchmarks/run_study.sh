@@ -8,6 +8,7 @@
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~1 h, MiniLM several hours) and record `uptime` with the figures:
 #   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both]      (log: OUT_DIR/study.log)
+# RESULTS.md's tables come from the run's own summary: python benchmarks/study_table.py OUT_DIR/minilm.
 # It can be run in pieces: rerun the same command and compare skips the finished arms, and an arm stopped
 # midway resumes from its last checkpoint (every 50 steps) on the same batches.
 set -euo pipefail

@@ -23,3 +23,19 @@ def test_bench_kmeans_ray_fit_runs_and_equals_the_core(ray_local):
     centroids, seconds = bench.ray_fit(x, 8, 3, 0, 2, 2)
     core, _ = bench.fit_spherical_kmeans(x, 8, 3, 0)
     assert seconds > 0 and np.array_equal(centroids, core)
+
+
+def test_study_table_prints_the_runs_own_figures(tmp_path, capsys):
+    """study_table.py turns a compare run's report/compare.json (here the recorded scratch study) into RESULTS.md's
+    tables: every arm and every paired difference, with its interval and wins; a missing summary is a clear error."""
+    import shutil
+
+    table = load("study_table")
+    (tmp_path / "report").mkdir()
+    shutil.copy(os.path.join(BENCH, "results", "study_scratch", "compare.json"), tmp_path / "report")
+    assert table.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| clustered | 0.2743 ± 0.0025 (0.2717..0.2765) | 0.2389 ± 0.0045 | 1.64 | 0.235 |" in out
+    assert "| clustered - random_clusters | -0.0172 [-0.0316, -0.0028] | -0.0139 [-0.0285, +0.0008] | 0/3, 0/3 |" in out
+    assert table.main([str(tmp_path / "missing")]) == 2
+    assert "report/compare.json not found" in capsys.readouterr().err
