@@ -535,6 +535,12 @@ class Config:
         """Each section checks its own keys (the first error raises ConfigError naming the key)."""
         for name in SECTIONS:
             getattr(self, name).validate()
+        if self.train.recluster_every and self.dedup.enabled and self.dedup.apply_to_shards:
+            raise ConfigError(f"{self.train.key('recluster_every')}={self.train.recluster_every} re-shards the pairs "
+                              "from a fresh embedding, without the dedup stage, so its segments would train on "
+                              "pairs dedup removed (duplicates, held-out leaks). Re-clustering with dedup applied to "
+                              f"the shards is not supported yet: set {self.train.key('recluster_every')}=0, or "
+                              "dedup.apply_to_shards=false (dedup then only reports), or turn dedup off.")
 
     def train_name(self) -> str:
         return self.train.name or f"{self.train.sampler}-seed{self.train.seed}"

@@ -185,3 +185,13 @@ def test_set_values_follow_the_file_rules(tmp_path):
         config.load(path)
     with pytest.raises(ConfigError, match="aliases and anchors are not allowed"):
         config.load(None, ["eval.k_values=[&x 1, *x]"])
+
+
+def test_recluster_with_dedup_is_refused_with_the_way_out():
+    """Re-clustering re-shards without the dedup stage: with dedup applied to the shards the config is refused,
+    naming the ways out; dedup beside the shards (apply_to_shards=false) is allowed."""
+    with pytest.raises(ConfigError, match=r"train\.recluster_every=5 re-shards.*train\.recluster_every=0, or "
+                                          r"dedup\.apply_to_shards=false"):
+        config.load(None, ["train.recluster_every=5", "dedup.exact=true"])
+    cfg = config.load(None, ["train.recluster_every=5", "dedup.exact=true", "dedup.apply_to_shards=false"])
+    assert cfg.train.recluster_every == 5 and not cfg.train.dedup
