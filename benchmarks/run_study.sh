@@ -6,7 +6,7 @@
 # same steps on the same shards and is evaluated on the same held-out queries; report.md of each run holds the
 # seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
-# ~1 h, MiniLM several hours) and record `uptime` with the figures:
+# ~30 min, MiniLM ~3 h) and record `uptime` with the figures:
 #   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both]      (log: OUT_DIR/study.log)
 # RESULTS.md's tables come from the run's own summary: python benchmarks/study_table.py OUT_DIR/minilm.
 # It can be run in pieces: rerun the same command and compare skips the finished arms, and an arm stopped

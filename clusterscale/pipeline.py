@@ -295,7 +295,8 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
     another clustering); "changed" replaces it (and what was made from it);
     "always" also replaces one made with this config. command: the user's command line, for the advice of a
     refusal. cost_key: the entry in report/costs.json ("" = none; default: the stage's); costs_run: the run
-    whose report/costs.json gets it (default: run)."""
+    whose report/costs.json gets it (default: run). A result whose stats say `reused` (a stage without a marker
+    that found every output cached, e.g. evaluate) keeps the cost record of the invocation that did the work."""
     started = time.time()
     call = StageCall(cfg, run, source or run, resume=resume, fail_at_step=fail_at_step)
     with run.lock(stage.output_of(cfg)):
@@ -317,7 +318,7 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
                 _replace(run, exc.stage_dir)
             result = _run_once(stage, call)
     key = _resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
-    if key and stage.records_cost:
+    if key and stage.records_cost and not result.stats.get("reused"):  # a reuse keeps the record of the work
         record = {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
         record["invocation_s"] = round(time.time() - started, 3)
         if stage.shared and key.split(":", 1)[0] == stage.name:  # not a re-clustering segment's (recluster:...)

@@ -42,6 +42,17 @@ def test_marks_reuses_and_records_cost(tmp_path, capsys):
     assert capsys.readouterr().out.count("reused") == 1  # the extra output is said with its stage
 
 
+def test_a_reuse_without_a_marker_keeps_the_cost_of_the_work(tmp_path):
+    """evaluate has no marker: it runs every time and reuses its cached results; that reuse must not replace the
+    cost record of the invocation that evaluated (a compare rerun once recorded 0.04 s for 50 s evaluations)."""
+    run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, [])
+    stats = [{"wall_s": 50.0, "worker_s": 50.0}, {"wall_s": 0.04, "worker_s": 0.04, "reused": True}]
+    stage = pipeline.Stage("toy", "A stage without a marker.", lambda call: StageResult(stats.pop(0)), "toy")
+    pipeline.execute(stage, cfg, run)
+    pipeline.execute(stage, cfg, run)
+    assert run.read_json("report/costs.json")["toy"]["wall_s"] == 50.0 and not stats
+
+
 def test_other_config_is_refused_then_replaced(tmp_path):
     run, calls, cfg = RunDir(str(tmp_path / "run")), [], config_mod.load(None, [])
     pipeline.execute(_stage(calls), cfg, run)

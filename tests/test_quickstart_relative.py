@@ -1,5 +1,6 @@
 """The quick start as a newcomer types it: relative --run-dir, data.path and model folder, from another working
-directory, through train and evaluate; then `compare` on the finished run reuses its embeddings."""
+directory, through train and evaluate; then `compare` on the finished run reuses its embeddings, and evaluate
+again keeps its cost record."""
 from __future__ import annotations
 
 import os
@@ -43,3 +44,9 @@ def test_relative_paths_through_train_evaluate_and_compare(tmp_path, tiny_model,
     assert run.read_json("train/compare-random-seed0/_DONE.json")["stats"]["steps"] == 6
     assert sorted(_ids(run, "shards/k=4")) == sorted(pairs)
     assert sorted(_ids(run, "shards/k=4/random")) == sorted(pairs)  # compare's random arm: its own shard set
+
+    # Evaluating again reuses both cached results (the frozen encoder's and the model's): the cost record keeps
+    # the figures of the invocation that did the work instead of the reuse's fraction of a second.
+    evaluated = run.read_json("report/costs.json")["evaluate"]
+    assert cli.main(["evaluate", "--run-dir", "runs/x"]) == 0
+    assert run.read_json("report/costs.json")["evaluate"] == evaluated

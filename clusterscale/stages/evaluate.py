@@ -311,14 +311,19 @@ def run_evaluate(cfg: Config, run: RunDir) -> StageResult:
     started = time.time()
     eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
     lengths = {"query_max_length": cfg.train.query_max_length, "passage_max_length": cfg.train.passage_max_length}
-    results = {"frozen": evaluate_model(cfg, run, "frozen", cfg.embed.model, cfg.embed.pooling, eval_set,
-                                        cfg.fingerprint(("data", "embed", "eval"), extra=lengths))}
     name = cfg.train_name()
     # A URI, not a driver-local copy: the encoding task may run on another node.
-    results[name] = evaluate_model(cfg, run, name, run.child_uri(model_dir(name)), "auto", eval_set,
-                                   cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))
+    models = {"frozen": (cfg.embed.model, cfg.embed.pooling, cfg.fingerprint(("data", "embed", "eval"), extra=lengths)),
+              name: (run.child_uri(model_dir(name)), "auto",
+                     cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))}
+    cached = {n for n, (_, _, fp) in models.items()
+              if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
+    results = {n: evaluate_model(cfg, run, n, model, pooling, eval_set, fp)
+               for n, (model, pooling, fp) in models.items()}
     write_model_card(cfg, run, name)  # the card now carries the held-out metrics
     by_cluster = cluster_breakdown(cfg, run, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]
+    if cached == set(models):  # nothing evaluated now: the cost record of the run that did it stays
+        stats["reused"] = True
     return StageResult(stats, outputs={"results": results, "by_cluster": by_cluster})
