@@ -35,7 +35,7 @@ def test_study_table_prints_the_runs_own_figures(tmp_path, capsys):
     shutil.copy(os.path.join(BENCH, "results", "study_scratch", "compare.json"), tmp_path / "report")
     assert table.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| clustered | 0.2743 ± 0.0025 (0.2717..0.2765) | 0.2389 ± 0.0045 | 1.64 | 0.235 |" in out
-    assert "| clustered - random_clusters | -0.0172 [-0.0316, -0.0028] | -0.0139 [-0.0285, +0.0008] | 0/3, 0/3 |" in out
+    assert "| clustered | 0.2750 ± 0.0046 (0.2704..0.2795) | 0.2399 ± 0.0040 | 1.77 | 0.231 |" in out
+    assert "| clustered - random_clusters | -0.0168 [-0.0218, -0.0118] | -0.0147 [-0.0169, -0.0125] | 0/3, 0/3 |" in out
     assert table.main([str(tmp_path / "missing")]) == 2
     assert "report/compare.json not found" in capsys.readouterr().err
