@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli
-from clusterscale.io.rundir import RunDir, local_copy, resolve_filesystem
+from clusterscale.io.filesystems import resolve_filesystem
+from clusterscale.io.rundir import RunDir, local_copy
 from tests.conftest import make_pairs, tiny_overrides
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
