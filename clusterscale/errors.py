@@ -64,11 +64,12 @@ def storage_error(exc: OSError, path: str | None = None) -> StorageError | None:
     detail = exc.strerror or str(exc)
     if path:
         where = f"writing {path}" + (f"; {detail}" if detail != os.strerror(exc.errno) else "")
-    else:
-        where = str(exc.filename) if exc.filename else detail
+    elif exc.filename:
+        where = str(exc.filename)
+    else:  # pyarrow's text names the path when it says more than the bare strerror
+        where = detail if detail != os.strerror(exc.errno) else "the path was not reported; most likely under --run-dir"
     found = StorageError(f"{os.strerror(exc.errno)} ({where}): {STORAGE_ADVICE[exc.errno]}.")
     found.errno = exc.errno
-    found.filename = path or exc.filename
     return found
 
 

@@ -12,7 +12,6 @@ import logging
 import re
 import sys
 import threading
-import traceback
 from typing import Any, Callable, Iterator, TypeVar
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -26,9 +25,10 @@ REDACTED = "***"
 _USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/:@?#]*:[^\n]*|[^\s/?#]+)@")
 # access_key=, secret_key=, session_token=, account_key=, password=, X-Amz-Signature=, sig=, X-Amz-Credential= ...
 # The value runs to the next '&' or the end of the line (a malformed value may hold spaces or quotes); a value
-# that is already *** is left as it is, so that redacting twice changes nothing.
+# that is already *** (then '&', punctuation of the message around it, or the end) is left as it is, so that
+# redacting a message that quotes a redacted URI changes nothing.
 _SECRET_PARAM = re.compile(r"([?&;][\w.-]*(?:key|secret|token|passw|sig|credential)[\w.-]*=)"
-                           rf"(?!{re.escape(REDACTED)}(?:[&#\s'\"]|$))[^&\n]*", re.IGNORECASE)
+                           rf"(?!{re.escape(REDACTED)}(?![\w/+%=~-]))[^&\n]*", re.IGNORECASE)
 
 
 def redact_uri(text: str) -> str:
@@ -95,27 +95,25 @@ def redacted_output() -> Iterator[None]:
             handler.setStream(stream)
 
 
-def _print_redacted_traceback(exc_type: type, exc: BaseException, tb: Any, prefix: str = "") -> None:
-    sys.stderr.write(prefix + redact_uri("".join(traceback.format_exception(exc_type, exc, tb))))
-    sys.stderr.flush()
+def _redacting(hook: Callable) -> Callable:
+    """`hook` (sys.excepthook, threading.excepthook: Ray's, pytest's or Python's) printing with URIs redacted."""
+    if getattr(hook, "redacts", False):
+        return hook
 
-
-def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
-    if args.exc_type is not SystemExit:
-        name = args.thread.name if args.thread else "?"
-        _print_redacted_traceback(args.exc_type, args.exc_value, args.exc_traceback, f"Exception in thread {name}:\n")
+    @functools.wraps(hook)
+    def redacting_hook(*args: Any) -> Any:
+        with redacted_output():
+            return hook(*args)
+    redacting_hook.redacts = True  # type: ignore[attr-defined]
+    return redacting_hook
 
 
 def redacted_command(command: Command) -> Command:
-    """An entry point (cli.main, a job) whose output, and whose uncaught exceptions' tracebacks printed by
-    Python (a bug's, or one in a thread), show no credential."""
+    """An entry point (cli.main, a job) whose output, and the tracebacks Python prints for its uncaught
+    exceptions (a bug's, or one in a thread), show no credential."""
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
-        # Python's own hooks only: a harness's (pytest's) are left in place.
-        if sys.excepthook is sys.__excepthook__:
-            sys.excepthook = _print_redacted_traceback
-        if threading.excepthook is threading.__excepthook__:
-            threading.excepthook = _thread_excepthook
+        sys.excepthook, threading.excepthook = _redacting(sys.excepthook), _redacting(threading.excepthook)
         with redacted_output():
             return command(*args, **kwargs)
     return run  # type: ignore[return-value]
