@@ -66,8 +66,10 @@ def storage_error(exc: OSError, path: str | None = None) -> StorageError | None:
         where = f"writing {path}" + (f"; {detail}" if detail != os.strerror(exc.errno) else "")
     elif exc.filename:
         where = str(exc.filename)
-    else:  # pyarrow's text names the path when it says more than the bare strerror
-        where = detail if detail != os.strerror(exc.errno) else "the path was not reported; most likely under --run-dir"
+    elif detail != os.strerror(exc.errno):  # pyarrow's text, which names the path when it says more
+        where = detail
+    else:
+        where = "the path was not reported; most likely under --run-dir"
     found = StorageError(f"{os.strerror(exc.errno)} ({where}): {STORAGE_ADVICE[exc.errno]}.")
     found.errno = exc.errno
     return found
