@@ -50,8 +50,9 @@ _REPR.maxlevel = 2
 
 
 def bounded_repr(value: Any) -> str:
-    """repr() for error messages, bounded in size and in work (a YAML alias bomb is never expanded)."""
-    return _REPR.repr(value)
+    """repr() for error messages, bounded in size and in work (a YAML alias bomb is never expanded). A string is
+    redacted before it is cut short: a cut could drop the '@' that marks where a URI's secret ends."""
+    return _REPR.repr(redact_uri(value) if isinstance(value, str) else value)
 
 
 def storage_error(exc: OSError, path: str | None = None) -> StorageError | None:

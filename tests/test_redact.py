@@ -102,6 +102,13 @@ def test_redact_uri_malformed(text, expected):
     assert redact_uri(expected) == expected  # redacting twice changes nothing
 
 
+def test_bounded_repr_redacts_before_it_cuts():
+    from clusterscale.errors import bounded_repr
+
+    long_secret = "s3://AKIAEXAMPLE:S3KRET" + "x" * 80 + "@bucket/x.parquet"
+    assert bounded_repr(long_secret) == "'s3://***@bucket/x.parquet'"
+
+
 @pytest.mark.parametrize("uri, problem", [
     (MALFORMED["space"], "a character a URI cannot hold"), (MALFORMED["at"], "more than one '@'"),
     (MALFORMED["bad percent"], "a character a URI cannot hold"), (MALFORMED["slash"], "not host[:port]"),
