@@ -228,3 +228,22 @@ def test_cli_bug_traceback_and_forwarded_output_are_redacted(tmp_path):
     assert "worker output naming s3://***@bucket" in err and "reading s3://***@bucket" in err
     assert "Exception in thread renewer" in err and "ZeroDivisionError" in err
     assert not any(s in done.stdout + err for s in SECRETS), err
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("s3://b/x?request_timeout=1&secret_key=S3KRET&endpoint_override=127.0.0.1:1",
+     "its query parameter 'request_timeout' is not one this filesystem takes (an s3:// URI takes region, scheme"),
+    ("s3://b/x?access_key=AKIAEXAMPLE&endpoint_override=127.0.0.1:1", "give access_key and secret_key together"),
+    ("nosuchfs://AKIAEXAMPLE:S3KRET@b/x", "nosuchfs://***@b/x cannot be opened: Unrecognized filesystem type"),
+    (MALFORMED["at"], "s3://***@bucket/x.parquet is not a valid URI: more than one '@'"),
+])
+def test_resolve_filesystem_refusals_are_user_errors_without_the_secret(uri, expected):
+    import traceback
+
+    from clusterscale.io.filesystems import UriError, resolve_filesystem
+
+    with pytest.raises(UriError) as refused:
+        resolve_filesystem(uri)
+    assert expected in str(refused.value)
+    printed = "".join(traceback.format_exception(refused.value))  # pyarrow's error (quoting the URI) not chained
+    assert not any(s in printed for s in SECRETS), printed
