@@ -75,7 +75,7 @@ def set_manifest(run_dir: str, k: int, sampler: str) -> tuple[dict, float | None
     if sampler != "clustered" and not run.exists(shard_set_dir(k, sampler), "_DONE.json"):
         session.init_ray(cfg.ray)
         started = time.time()
-        pipeline.execute(pipeline.SHARD_SET, cfg, run)
+        pipeline.run_stage("shard_set", cfg, run)
         written = round(time.time() - started, 1)
     return data.shard_set_manifest(run, k, cfg.train.global_batch_size, sampler), written
 

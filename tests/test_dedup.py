@@ -12,8 +12,9 @@ from clusterscale.config import load, variant
 from clusterscale.errors import UserError
 from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir, manifest_path
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
+from clusterscale.pipeline import STAGES, execute, pipeline, run_stage
 from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_array, emb_matrix
 from clusterscale.stages.dedup import removed_table, report_lines, run_dedup
 from clusterscale.stages.kmeans import load_centroids
@@ -100,7 +101,7 @@ def planted_run(tmp_path_factory, ray_local):
     spec = SynthSpec(rows=ROWS, dim=16, topics=K, seed=3, spread=0.5)
     cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
     run = RunDir(str(root / "run"))
-    execute(synth_stage(spec), cfg, run)
+    execute(STAGES["synth"], cfg, run)
     run.write_config(cfg)
     planted = plant(run)
     for verb in ("fit", "assign"):
@@ -154,7 +155,7 @@ def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
     assert "dedup" not in pipeline(cfg)
     assert "dedup" in pipeline(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]))
     with pytest.raises(UserError, match="Dedup is off"):
-        run_dedup(cfg, run)
+        run_dedup(StageContext(cfg, run))
 
 
 def test_sweep_deduplicates_every_k(planted_run):

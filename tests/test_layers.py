@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top to bottom; a module may import its own layer and the layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
-    ("orchestration", ["clusterscale.pipeline", "clusterscale.experiments"]),
+    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments"]),
     # train.loop is the train stage's body (plan, segments, finish); the pipeline drives its segments.
     ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),

@@ -9,7 +9,7 @@ import pytest
 from clusterscale import config as config_mod
 from clusterscale.io.layout import shard_set_dir
 from clusterscale.io.rundir import StageMissingError
-from clusterscale.pipeline import SHARD_SET, execute
+from clusterscale.pipeline import STAGES, execute
 from clusterscale.train import schedule
 from clusterscale.train.data import (ShardReader, row_group_rows_for, schedule_block_rows, shard_set_files,
                                      shard_set_manifest, strata_sizes)
@@ -28,7 +28,7 @@ def sets(tmp_path_factory, ray_local):
     run = make_sharded_run(tmp_path_factory.mktemp("sets") / "run", k=K, row_group_rows=4)
     manifests = {}
     for sampler in ("random", "random_clusters", "source"):
-        execute(SHARD_SET, _cfg(sampler), run)
+        execute(STAGES["shard_set"], _cfg(sampler), run)
         manifests[sampler] = shard_set_manifest(run, K, B, sampler)
     return run, manifests
 
@@ -98,7 +98,7 @@ def test_a_rank_reads_only_the_row_groups_of_its_rows(sets):
 
 def test_a_set_is_reused_and_its_absence_is_explained(sets, tmp_path):
     run, manifests = sets
-    assert execute(SHARD_SET, _cfg("random"), run).stats == run.done_stats(shard_set_dir(K, "random"))
+    assert execute(STAGES["shard_set"], _cfg("random"), run).stats == run.done_stats(shard_set_dir(K, "random"))
     bare = make_sharded_run(tmp_path / "bare", k=K, row_group_rows=4)
     with pytest.raises(StageMissingError, match="sampler=random_clusters are not in .*`clusterscale train` writes"):
         shard_set_manifest(bare, K, B, "random_clusters")

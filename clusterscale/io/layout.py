@@ -16,7 +16,7 @@ MTEB_EVAL = f"{EVAL}/mteb"  # eval/mteb/<model>.json
 # The dedup stage's output, for one clustering at a time (its semantic pass is per cluster of cluster.k, and the
 # done marker's stats carry that k): dedup/_DONE.json (counts), removed/ (pair_id, duplicate_of, similarity,
 # reason, cluster) and kept/ (every column of assign/k=<k>/ for the kept rows, with its own marker: what shard
-# reads when dedup is on). Dedup at another clustering replaces it (pipeline.Stage.one_clustering).
+# reads when dedup is on). Dedup at another clustering replaces it (executor.Stage.one_clustering).
 DEDUP = "dedup"
 DEDUP_REMOVED = f"{DEDUP}/removed"
 DEDUP_KEPT = f"{DEDUP}/kept"
@@ -41,6 +41,11 @@ def shard_set_dir(k: int, sampler: str) -> str:
 
 
 DEDUP_SET = "dedup"  # the clustered shards of the deduplicated pairs (train.dedup=true)
+
+
+def dedup_set_dir(k: int) -> str:
+    """shards/k=<k>/dedup/: the clustered shards of the pairs dedup kept (train.dedup=true)."""
+    return shard_set_dir(k, DEDUP_SET)
 
 
 def training_set(sampler: str, dedup: bool) -> str:

@@ -53,6 +53,7 @@ from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per
                                                release_freed_memory)
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array, emb_matrix
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import synthetic_embeddings
@@ -422,9 +423,10 @@ def check_config(cfg: Config) -> None:
                         "e.g. `clusterscale dedup --run-dir R --set dedup.exact=true`.")
 
 
-def run_dedup(cfg: Config, run: RunDir) -> StageResult:
+def run_dedup(ctx: StageContext) -> StageResult:
     """Write dedup/kept/ and dedup/removed/ from assign/k=<k>/ and heldout/; kept + removed = assigned. The done
     markers (dedup/_DONE.json with the counts, dedup/kept/'s with the kept rows) carry k."""
+    cfg, run = ctx.cfg, ctx.run
     check_config(cfg)
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
@@ -465,8 +467,8 @@ def report_lines(run: RunDir, k: int, max_clusters: int = 20) -> list[str]:
     """Markdown of the dedup/ results (of the clustering they were made at; `k`: the report's, named when they
     differ): counts per reason, removed per cluster (the most first), the histogram of each pair's highest cosine
     to an earlier kept pair around the threshold, and example groups."""
-    done = run.read_json(f"{DEDUP}/_DONE.json")
-    s, dc = done["stats"], done["config"]["dedup"]
+    done = run.done_marker(DEDUP)
+    s, dc = done.stats, done.config["dedup"]
     lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
              f"semantic_threshold={dc['semantic_threshold']})"]
     if s["k"] != k:

@@ -16,7 +16,8 @@ from clusterscale.stages.dedup import report_lines as dedup_report_lines
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
                                     manifest_path)
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.metrics import read_metrics
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
@@ -275,7 +276,13 @@ def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, cap
         parts += [f"![{caption}]({filename})", ""]
 
 
-def run_report(cfg: Config, run: RunDir) -> str:
+def run_report(ctx: StageContext) -> StageResult:
+    """The report stage: report/report.md rewritten from what the run holds now (no done marker)."""
+    return StageResult({}, outputs={"report": write_report(ctx.cfg, ctx.run)})
+
+
+def write_report(cfg: Config, run: RunDir) -> str:
+    """Write report/report.md (with its plots); its path."""
     k = cfg.cluster.k
     parts = ["# clusterscale report", "", f"Run directory: `{run.uri}`  ", f"Config hash: `{cfg.hash()}`", ""]
     flagged = collapse_warnings(run)

@@ -22,11 +22,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, Fingerprint
+from clusterscale.config import Config
 from clusterscale.io.layout import shard_set_dir, shard_set_manifest_path, shards_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.stages.shards import SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups, write_groups
 from clusterscale.train.data import TrainDataError, checked_manifest, shard_set_files, strata_sizes
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.schedule import SeededPermutation
 
 SET_SAMPLERS = ("random", "random_clusters", "source")
@@ -136,8 +137,9 @@ def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarra
     return keys, sizes, names
 
 
-def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+def run_shard_set(ctx: StageContext) -> StageResult:
     """Write shards/k=<k>/<train.sampler>/ from the clustered shards: the set's files and its manifest."""
+    cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     k, sampler, started = cfg.cluster.k, cfg.train.sampler, time.time()
     if sampler not in SET_SAMPLERS:
         raise ValueError(f"train.sampler={sampler} trains from the clustered shards, not from a shard set.")
@@ -155,7 +157,7 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
     group_sizes = GroupSizes(keys.total, int(num_groups.sum()), int((sizes / np.maximum(num_groups, 1)).max()),
                              cfg.shard.max_group_rows)
     groups = write_groups(ds, run, k, layout, columns, group_sizes, [run.path(f["file"]) for f in files],
-                          f"shard {sampler}")
+                          f"shard {sampler}", ctx.resources)
     strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s]), cfg.shard.num_samples)
               for s in range(len(sizes))]
     stats = {"k": k, "sampler": sampler, "shards": len(strata), "rows": keys.total,

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, Fingerprint, ShardConfig
+from clusterscale.config import Config
 from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import shards_dir
+from clusterscale.io.layout import DEDUP_KEPT, DEDUP_SET, shard_set_dir, shards_dir
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.train.data import row_group_rows_for
 
@@ -207,15 +208,16 @@ class GroupSizes:
 
 
 def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, columns: list[str],
-                 sizes: GroupSizes, input_files: list[str], what: str) -> dict[int, list[dict]]:
-    """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key; returns the
-    written groups of each shard, in sub-group order. Actor memory comes from the input files' bytes per row."""
+                 sizes: GroupSizes, input_files: list[str], what: str, need: Resources) -> dict[int, list[dict]]:
+    """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key (each asking for
+    `need`); returns the written groups of each shard, in sub-group order. Actor memory comes from the input
+    files' bytes per row."""
     partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
     rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
     memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, input_files, columns) * rows_held)
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
-    plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
+    plan = plan_actors(replace(need, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
                        cluster=cluster)
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
         WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
@@ -227,11 +229,11 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
 
 
-def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
+def write_shards(ctx: StageContext, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
                  rows_per_file: int, row_group_rows: int, source: str, folder: str) -> dict[int, list[dict]]:
     """Shuffle text rows (no `emb` unless shard.keep_emb) of `source` by (shard, sub-group) and write them under
     `folder`; returns the written groups of each shard, in sub-group order."""
-    sc: ShardConfig = cfg.shard
+    cfg, run, sc = ctx.cfg, ctx.run, ctx.cfg.shard
     k, files, n_rows = cfg.cluster.k, run.files(source), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
@@ -241,7 +243,7 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     layout = SetLayout(folder, "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
                        pool_id)
     sizes = GroupSizes(n_rows, int(num_groups.sum()), largest_group, sc.max_group_rows)
-    return write_groups(ds, run, k, layout, columns, sizes, files, "shard")
+    return write_groups(ds, run, k, layout, columns, sizes, files, "shard", ctx.resources)
 
 
 def file_sizes(cfg: Config) -> tuple[int, int]:
@@ -272,12 +274,22 @@ def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: Clust
             "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
 
 
-def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = "", folder: str = "") -> StageResult:
+def run_shard(ctx: StageContext) -> StageResult:
     """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy, large ones in
-    sub-groups) and the manifest, which records the fingerprint. source and folder (train.dedup's set): the rows
-    read (default shard_input(cfg)) and where the set goes (default shards/k=<k>/)."""
+    sub-groups) and the manifest, which records the fingerprint."""
+    return write_clustered_set(ctx, shard_input(ctx.cfg), shards_dir(ctx.cfg.cluster.k))
+
+
+def run_dedup_shards(ctx: StageContext) -> StageResult:
+    """Write the clustered shards of the pairs dedup kept (dedup/kept/ of this k) into shards/k=<k>/dedup/, for
+    train.dedup=true, beside the run's shards of every assigned pair."""
+    return write_clustered_set(ctx, DEDUP_KEPT, shard_set_dir(ctx.cfg.cluster.k, DEDUP_SET))
+
+
+def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageResult:
+    """One shuffled shard set per cluster of the rows of `source` under `folder`, and its manifest."""
+    cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     k = cfg.cluster.k
-    source, folder = source or shard_input(cfg), folder or shards_dir(k)
     started = time.time()
     n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
     sums = cluster_stats(run, k, n_assigned or 0, source)
@@ -288,7 +300,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
-        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
+        groups = write_shards(ctx, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
                               folder)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]

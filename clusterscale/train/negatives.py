@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from clusterscale.config import Config
 from clusterscale.errors import UserError
 from clusterscale.io.layout import NEGATIVES, shard_set_dir, shard_set_manifest_path, train_dir
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import DONE, RunDir
 
 
 MINE_SECTIONS = ("data", "embed", "cluster", "mine")  # the config sections negatives/ depends on (mining is
@@ -64,8 +64,8 @@ def mine_extra(cfg: Config, run: RunDir) -> dict | None:
     """The fingerprint of the training run whose model mines (mine.encoder=train:<name>); None otherwise."""
     if not cfg.mine.encoder.startswith("train:"):
         return None
-    done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
-    return {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
+    trained = train_dir(cfg.mine.encoder.split(':', 1)[1])
+    return {"encoder_run": run.done_marker(trained).fingerprint if run.exists(trained, DONE) else None}
 
 
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:
