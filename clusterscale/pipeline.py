@@ -12,7 +12,8 @@ from clusterscale import executor
 from clusterscale.config import Config
 from clusterscale.executor import ExtraOutput, Input, PerK, Stage
 from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, assign_dir, dedup_set_dir,
-                                    kmeans_dir, manifest_path, shard_set_dir, shards_dir, train_dir)
+                                    kmeans_dir, manifest_path, read_manifest, shard_set_dir, shards_dir,
+                                    train_dir)
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.runtime.resources import Resources
@@ -194,7 +195,7 @@ def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
         manifest = manifest_path(cfg.cluster.k)
-        shard_rows = run.read_json(manifest)["stats"] if run.exists(manifest) else None
+        shard_rows = read_manifest(run, manifest).stats if run.exists(manifest) else None
         lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
                      f"sharded {shard_rows['rows'] if shard_rows else '-'}")
         if shard_rows:

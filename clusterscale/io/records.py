@@ -82,12 +82,14 @@ class ShardManifest:
     """The fingerprint of the set's done marker."""
     global_batch_size: int
     """The batch the set was planned for (row-group size, small-cluster policy)."""
-    row_group_rows: int
-    rows_per_file: int
-    seed: int
     clusters: list[ShardEntry]
     """The set's shards (the sampler's strata), in schedule order."""
     stats: dict
+    row_group_rows: int = 1
+    """Rows per Parquet row group (io/layout.row_group_rows_for); 1 in manifests of shard stages before it was
+    recorded, whose row groups are whole files."""
+    rows_per_file: int | None = None
+    seed: int | None = None
     small_cluster_policy: str | None = None
     """Clustered sets: shard.small_cluster_policy, and how it moved clusters (`moved`: cluster -> target)."""
     moved: dict[str, int] | None = None

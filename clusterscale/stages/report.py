@@ -15,7 +15,8 @@ from clusterscale.config import Config
 from clusterscale.stages.dedup import report_lines as dedup_report_lines
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
-                                    manifest_path)
+                                    manifest_path, read_manifest)
+from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.metrics import read_metrics
@@ -30,30 +31,30 @@ def _fmt(value, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def cluster_table(manifest: dict) -> str:
+def cluster_table(manifest: ShardManifest) -> str:
     lines = ["| cluster | rows | mean intra-cluster cosine | mean cos to centroid | merged from | sample query |",
              "|---|---|---|---|---|---|"]
-    for c in manifest["clusters"]:
-        members = ",".join(str(m) for m in c["members"]) if len(c["members"]) > 1 else ""
-        sample = (c["samples"][0] if c["samples"] else "").replace("|", "\\|")[:80]
-        lines.append(f"| {c['name']} | {c['rows']} | {_fmt(c['mean_intra_cosine'])} | "
-                     f"{c['mean_cos_to_centroid']:.3f} | {members} | {sample} |")
-    overall = manifest["stats"]["overall_mean_cosine"]
-    lines.append(f"\nWhole dataset: {manifest['stats']['rows']} rows, mean pairwise cosine {_fmt(overall)}.")
+    for c in manifest.clusters:
+        members = ",".join(str(m) for m in c.members) if len(c.members) > 1 else ""
+        sample = (c.samples[0] if c.samples else "").replace("|", "\\|")[:80]
+        lines.append(f"| {c.name} | {c.rows} | {_fmt(c.mean_intra_cosine)} | "
+                     f"{c.mean_cos_to_centroid:.3f} | {members} | {sample} |")
+    overall = manifest.stats["overall_mean_cosine"]
+    lines.append(f"\nWhole dataset: {manifest.stats['rows']} rows, mean pairwise cosine {_fmt(overall)}.")
     return "\n".join(lines)
 
 
-def table1_line(manifest: dict) -> str:
+def table1_line(manifest: ShardManifest) -> str:
     """The paper's Table 1: spread of cluster sizes and intra-cluster cosine against the whole set."""
-    clusters = [c for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
+    clusters = [c for c in manifest.clusters if c.mean_intra_cosine is not None]
     if not clusters:
         return ""
-    rows = [c["rows"] for c in manifest["clusters"]]
-    cos = [c["mean_intra_cosine"] for c in clusters]
-    weighted = sum(c["mean_intra_cosine"] * c["rows"] for c in clusters) / sum(c["rows"] for c in clusters)
+    rows = [c.rows for c in manifest.clusters]
+    cos = [c.mean_intra_cosine for c in clusters]
+    weighted = sum(c.mean_intra_cosine * c.rows for c in clusters) / sum(c.rows for c in clusters)
     return (f"Table 1 analogue: shards of {min(rows)}..{max(rows)} rows; mean intra-cluster cosine "
             f"{min(cos):.3f}..{max(cos):.3f} (row-weighted {weighted:.3f}) vs "
-            f"{_fmt(manifest['stats']['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
+            f"{_fmt(manifest.stats['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
 
 
 def stage_kind(key: str, record: dict) -> str:
@@ -293,8 +294,8 @@ def write_report(cfg: Config, run: RunDir) -> str:
         parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "
                   f"quarantined {s['quarantine']}" + (f" {s['reasons']}" if s['reasons'] else "") + ".", ""]
     if run.exists(manifest_path(k)):
-        manifest = run.read_json(manifest_path(k))
-        parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
+        manifest = read_manifest(run, manifest_path(k))
+        parts += [f"## Clusters (k={k}, small-cluster policy: {manifest.small_cluster_policy})",
                   table1_line(manifest), "", cluster_table(manifest), ""]
         _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
     if run.exists(DEDUP, "_DONE.json"):  # the clustering dedup last ran at (its section names k)

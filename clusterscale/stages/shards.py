@@ -20,7 +20,8 @@ import ray
 from clusterscale.config import Config
 from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import DEDUP_KEPT, DEDUP_SET, shard_set_dir, shards_dir
+from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
+from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
@@ -28,7 +29,6 @@ from clusterscale.runtime.resources import ClusterResources, Resources, plan_act
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_matrix
-from clusterscale.train.data import row_group_rows_for
 
 # What the shard files carry: training reads pair_id, query and passage; the source sampler's set is built from
 # `source`. Each column costs every row group ~60 B of footer that a training rank reads (train/data.py), so
@@ -183,8 +183,7 @@ class WriteClusterShard:
         name = "pool" if shard_id == lay.pool_id else str(shard_id)
         files, file_rows = [], []
         for part, start in enumerate(range(0, group.num_rows, lay.rows_per_file)):
-            # sub-group then part in the name: a shard's files sort into their manifest order
-            rel = f"{lay.folder}/{lay.partition}={name}/part-{sub:05d}-{part:05d}.parquet"
+            rel = shard_file(lay.folder, lay.partition, name, sub, part)
             # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py),
             # plus the file's footer. No statistics and no dictionary pages keep that footer at ~60 B per column
             # chunk (both would be per-row-group metadata that no reader uses; texts rarely repeat in a group).
@@ -248,7 +247,7 @@ def write_shards(ctx: StageContext, target: np.ndarray, shard_rows: np.ndarray, 
 
 def file_sizes(cfg: Config) -> tuple[int, int]:
     """(rows per shard file, rows per Parquet row group) of every shard set: row groups sized so a global batch
-    is whole groups (train/data.row_group_rows_for); files of shard.batches_per_file global batches (at most
+    is whole groups (io/layout.row_group_rows_for); files of shard.batches_per_file global batches (at most
     shard.target_rows_per_file rows), whole row groups.
 
     A training rank reads the footer of each file it takes a row group from, and a footer describes every row
@@ -260,18 +259,18 @@ def file_sizes(cfg: Config) -> tuple[int, int]:
     return max(1, rows // row_group_rows) * row_group_rows, row_group_rows
 
 
-def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats, num_samples: int) -> dict:
+def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats,
+                num_samples: int) -> ShardEntry:
     """The manifest entry of one shard from its written groups and its member clusters' sums."""
     rows = sum(g["rows"] for g in groups)
     expected = int(sums.rows[members].sum())
     if rows != expected:
         raise RuntimeError(f"Shard {groups[0]['name']} holds {rows} rows, its clusters {expected}: rerun `shard`.")
-    return {"cluster": shard, "name": groups[0]["name"], "rows": rows, "files": [f for g in groups for f in g["files"]],
-            "file_rows": [int(n) for g in groups for n in g["file_rows"]],
-            "members": members.tolist(),
-            "mean_intra_cosine": mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
-            "mean_cos_to_centroid": float(sums.cos_sum[members].sum() / rows),
-            "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
+    return ShardEntry(cluster=shard, name=groups[0]["name"], rows=rows, files=[f for g in groups for f in g["files"]],
+                      file_rows=[int(n) for g in groups for n in g["file_rows"]], groups=len(groups),
+                      samples=[q for g in groups for q in g["samples"]][:num_samples], members=members.tolist(),
+                      mean_intra_cosine=mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
+                      mean_cos_to_centroid=float(sums.cos_sum[members].sum() / rows))
 
 
 def run_shard(ctx: StageContext) -> StageResult:
@@ -283,7 +282,7 @@ def run_shard(ctx: StageContext) -> StageResult:
 def run_dedup_shards(ctx: StageContext) -> StageResult:
     """Write the clustered shards of the pairs dedup kept (dedup/kept/ of this k) into shards/k=<k>/dedup/, for
     train.dedup=true, beside the run's shards of every assigned pair."""
-    return write_clustered_set(ctx, DEDUP_KEPT, shard_set_dir(ctx.cfg.cluster.k, DEDUP_SET))
+    return write_clustered_set(ctx, DEDUP_KEPT, dedup_set_dir(ctx.cfg.cluster.k))
 
 
 def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageResult:
@@ -304,23 +303,23 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
                               folder)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
-    n_total = sum(c["rows"] for c in clusters)
+    n_total = sum(c.rows for c in clusters)
     for expected in (int(counts.sum()), n_assigned if n_assigned is not None else n_total):
         if n_total != expected:
             raise RuntimeError(f"Shard row count {n_total} != assigned rows {expected}: rerun `shard`.")
-    stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c["files"]) for c in clusters),
-             "min_rows": min(c["rows"] for c in clusters), "max_rows": max(c["rows"] for c in clusters),
-             "groups": sum(c["groups"] for c in clusters),
+    stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c.files) for c in clusters),
+             "min_rows": min(c.rows for c in clusters), "max_rows": max(c.rows for c in clusters),
+             "groups": sum(c.groups for c in clusters),
              "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
              "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
-    manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
-                "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
-                "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
-                "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
-                "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
-                "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
-    run.write_json(f"{folder}/manifest.json", manifest)
+    manifest = ShardManifest(k=k, fingerprint=fingerprint, global_batch_size=cfg.train.global_batch_size,
+                             clusters=clusters, stats=stats, row_group_rows=row_group_rows, rows_per_file=rows_per_file,
+                             seed=cfg.cluster.seed, small_cluster_policy=cfg.shard.small_cluster_policy,
+                             moved={str(a): b for a, b in plan["moved"].items()}, original_counts=counts.tolist(),
+                             empty_clusters=np.flatnonzero(counts == 0).tolist(),
+                             max_group_rows=cfg.shard.max_group_rows, keep_emb=cfg.shard.keep_emb)
+    run.write_json(f"{folder}/manifest.json", manifest.to_json())
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
@@ -334,15 +333,15 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
     return StageResult(stats)
 
 
-def cluster_table(manifest: dict, num_samples: int = 3) -> dict:
+def cluster_table(manifest: ShardManifest, num_samples: int = 3) -> dict:
     """The paper's Table 1 for one k: rows and mean intra-cluster cosine per shard, the whole-dataset
     mean cosine, and a few sample queries per shard (the paper's Appendix B)."""
-    clusters = [{"cluster": c["name"], "rows": c["rows"], "members": c["members"],
-                 "mean_intra_cosine": c["mean_intra_cosine"], "mean_cos_to_centroid": c["mean_cos_to_centroid"],
-                 "sample_queries": c["samples"][:num_samples]} for c in manifest["clusters"]]
-    return {"k": manifest["k"], "rows": manifest["stats"]["rows"], "shards": len(clusters),
-            "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
-            "small_cluster_policy": manifest["small_cluster_policy"], "moved": manifest["moved"],
+    clusters = [{"cluster": c.name, "rows": c.rows, "members": c.members,
+                 "mean_intra_cosine": c.mean_intra_cosine, "mean_cos_to_centroid": c.mean_cos_to_centroid,
+                 "sample_queries": c.samples[:num_samples]} for c in manifest.clusters]
+    return {"k": manifest.k, "rows": manifest.stats["rows"], "shards": len(clusters),
+            "overall_mean_cosine": manifest.stats["overall_mean_cosine"],
+            "small_cluster_policy": manifest.small_cluster_policy, "moved": manifest.moved,
             "clusters": clusters}
 
 

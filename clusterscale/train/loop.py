@@ -16,7 +16,8 @@ import time
 
 from clusterscale.config import Config, ConfigError, TrainConfig
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir, training_set
+from clusterscale.io.layout import (NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir,
+                                    training_set)
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import plan_actors
@@ -24,7 +25,6 @@ from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.train import schedule
-from clusterscale.train.data import shard_set_manifest, strata_sizes
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.train import recluster
 from clusterscale.train.recluster import segment_bounds, segment_dir
@@ -102,7 +102,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.negatives_per_query:
         _check_negatives(cfg, run)
-    sizes = strata_sizes(manifest)
+    sizes = manifest.strata_sizes
     num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.epochs, tc.steps)
     if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size) == 0:
         raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
