@@ -40,11 +40,33 @@ class PerK:
     def __call__(self, cfg: Config) -> str:
         return self.layout(cfg.cluster.k)
 
+    @property
+    def shown(self) -> str:
+        return self.layout("<k>")  # type: ignore[arg-type]  # the layout functions only format k
+
+
+@dataclasses.dataclass(frozen=True)
+class PerConfigFolder:
+    """A folder that depends on more of the config than k: `of(cfg)`; `shown`: its name in the README diagram
+    (train/<name>/)."""
+    of: Callable[[Config], str]
+    shown: str
+
+    def __call__(self, cfg: Config) -> str:
+        return self.of(cfg)
+
+
+def shown(folder: str | PerK | PerConfigFolder) -> str:
+    """How the architecture diagram names a folder."""
+    if isinstance(folder, PerConfigFolder):
+        return folder.shown
+    return f"{folder if isinstance(folder, str) else folder.shown}/"
+
 
 @dataclasses.dataclass(frozen=True)
 class Input:
     """A folder a stage reads: it must carry a done marker; otherwise the user is told to run `verb` first."""
-    folder: PerConfig | PerK
+    folder: str | PerK | PerConfigFolder
     verb: str
     what: str
     """What the folder holds, for the message when it is missing ("Centroids"; a PerK folder adds "for k=<k>")."""
@@ -65,6 +87,7 @@ class ExtraOutput:
 
 
 def _always(cfg: Config) -> bool:
+    """always"""
     return True
 
 
@@ -76,7 +99,7 @@ class Stage:
     """Its line in `clusterscale --help`."""
     run: Callable[[StageContext], StageResult]
     """The stage's work: run(ctx) -> StageResult, the one signature of every stage."""
-    output: PerConfig | PerK
+    output: str | PerK | PerConfigFolder
     """The folder it writes (locked while it runs, marked done after)."""
     inputs: tuple[Input, ...] = ()
     sections: tuple[str, ...] = ()
@@ -106,7 +129,8 @@ class Stage:
     in_run: Callable[[Config], bool] | None = _always
     """Whether `clusterscale run` (and a stage verb of the CLI) runs it for a config (mine only with mined
     negatives, dedup only when on); None: no step of `run` and no verb: another stage runs it through ctx.stage
-    when needed (the shard sets of training) or a command of its own does (synth)."""
+    when needed (the shard sets of training) or a command of its own does (synth). Its docstring says when, in
+    the README's diagram."""
 
     @property
     def per_k(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 from clusterscale import config as config_mod
 from clusterscale import executor
 from clusterscale.config import Config
-from clusterscale.executor import ExtraOutput, Input, PerK, Stage
+from clusterscale.executor import ExtraOutput, Input, PerConfigFolder, PerK, Stage, shown
 from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, assign_dir, dedup_set_dir,
                                     kmeans_dir, manifest_path, read_manifest, shard_set_dir, shards_dir,
                                     train_dir)
@@ -30,8 +30,9 @@ from clusterscale.stages.synthetic import run_synth
 from clusterscale.train.loop import after_training, run_train
 from clusterscale.train.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
 
-__all__ = ["STAGES", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK", "STAGE_VERBS", "execute", "run_stage",
-           "run_stages", "pipeline", "open_run", "summary", "architecture_diagram"]
+__all__ = ["STAGES", "STAGE_VERBS", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK",
+           "PerConfigFolder", "execute", "run_stage", "run_stages", "pipeline", "open_run", "summary",
+           "architecture_diagram"]
 
 
 # --- what the stages' fingerprints cover beyond their sections, and their per-config names ---------------------
@@ -79,10 +80,12 @@ def _dedup_sections_when_applied(cfg: Config) -> tuple[str, ...]:
 
 
 def _mining(cfg: Config) -> bool:
+    """with train.negatives_per_query"""
     return bool(cfg.train.negatives_per_query)
 
 
 def _deduplicating(cfg: Config) -> bool:
+    """when dedup is on"""
     return cfg.dedup.enabled
 
 
@@ -98,6 +101,7 @@ _HELDOUT = Input("heldout", "ingest", "Held-out pairs")
 _EMBEDDINGS = Input("embeddings", "embed", "Embeddings")
 _ASSIGNED = Input(PerK(assign_dir), "assign", "Cluster assignments")
 _SHARDED = Input(PerK(shards_dir), "shard", "Shards")
+_TRAINED = PerConfigFolder(_train_dir, f"{train_dir('<name>')}/")
 
 # The stages in pipeline order: the one list of them.
 STAGES: dict[str, Stage] = {s.name: s for s in (
@@ -118,11 +122,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=_DEDUP,
           extra_outputs=(ExtraOutput(DEDUP_KEPT, _DEDUP),), shared=True, one_clustering=True, in_run=_deduplicating),
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.", run_shard, PerK(shards_dir),
-          inputs=(_ASSIGNED, Input(shard_input, "dedup", "Deduplicated pairs (dedup is on)",
-                                   made_with=_dedup_sections_when_applied)),
+          inputs=(_ASSIGNED, Input(PerConfigFolder(shard_input, f"{DEDUP_KEPT}/ (dedup on)"), "dedup",
+                                   "Deduplicated pairs (dedup is on)", made_with=_dedup_sections_when_applied)),
           sections=_SHARDS, extra=_shard_extra, resources=_HALF_CPU, shared=True),
     Stage("shard_set", "Write the shards of train.sampler random, random_clusters or source from the clustered ones.",
-          run_shard_set, _shard_set_dir, inputs=(_SHARDED,), sections=_SHARDS, extra=_shard_set_extra,
+          run_shard_set, PerConfigFolder(_shard_set_dir, f"{shard_set_dir('<k>', '<sampler>')}/"),
+          inputs=(_SHARDED,), sections=_SHARDS, extra=_shard_set_extra,
           resources=_HALF_CPU, cost_key=_shard_set_cost_key, in_run=None),
     Stage("dedup_shards", "Write the clustered shards of the deduplicated pairs (train.dedup).", run_dedup_shards,
           PerK(dedup_set_dir), inputs=(_SHARDED, Input(DEDUP_KEPT, "dedup", "Deduplicated pairs", made_with=_DEDUP)),
@@ -131,11 +136,11 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
           run_mine, NEGATIVES, inputs=(_EMBEDDINGS, _ASSIGNED, _SHARDED), sections=MINE_SECTIONS, extra=mine_extra,
           keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining),
-    Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _train_dir,
+    Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
           inputs=(_SHARDED,), sections=(*_SHARDS, "train"), extra=_train_extra, resources=_ON_GPU,
           cost_key=_train_cost_key, after_done=after_training),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.", run_evaluate, EVAL,
-          inputs=(_HELDOUT, Input(_train_dir, "train", "Trained model")), resources=_ON_GPU),
+          inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU),
     Stage("report", "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
           run_report, "report", cost_key=""),
 )}
@@ -206,4 +211,31 @@ def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
             lines.append(f"held-out NDCG@10 {name}: {r['metrics']['ndcg_at_10']:.4f}")
     if run.exists("report/report.md"):
         lines.append(f"report: {run.path('report/report.md')}")
+    return "\n".join(lines)
+
+
+# --- the README's Architecture diagram --------------------------------------------------------------------------
+def _resources_text(stage: Stage) -> str:
+    need = stage.resources
+    if need is None:
+        return "no actor pool"
+    on_cpu = f"{need.cpus:g} CPU" if need.cpus is not None else "a CPU share"
+    return f"{need.gpus:g} GPU, else {on_cpu}" if need.gpus else on_cpu
+
+
+def architecture_diagram() -> str:
+    """The stages of STAGES in order, each with the folders it reads and writes, what each actor of its pool asks
+    for, and when it runs: README's Architecture section holds exactly this text (tests/test_readme_diagram.py)."""
+    rows = []
+    for stage in STAGES.values():
+        reads = ", ".join(shown(need.folder) for need in stage.inputs) or (
+            "data.path" if stage.sections == ("data",) else "the whole run")
+        writes = ", ".join([shown(stage.output), *(shown(e.folder) for e in stage.extra_outputs)])
+        when = stage.in_run.__doc__ if stage.in_run else "run by train when needed" if stage.name != "synth" \
+            else "its own command, instead of ingest + embed"
+        rows.append((stage.name, f"{reads} -> {writes}", f"[{_resources_text(stage)}; {when}]"))
+    width = max(len(name) for name, _, _ in rows)
+    lines = []
+    for name, flow, notes in rows:
+        lines += [f"{name:<{width}}  {flow}", f"{'':<{width}}    {notes}"]
     return "\n".join(lines)

@@ -50,7 +50,8 @@ def test_tokenise_is_its_own_ray_data_operator_and_vectors_equal_the_core(ray_lo
     run_stage("ingest", cfg, run)
     units = embed.plan_units(run, 60)
     tokenizer = TextTokenizer(load_tokenizer(tiny_model), 16)
-    ds = embed.embed_dataset(run, cfg, units, embed.actor_pool_size(cfg.embed, STAGES["embed"].resources), run, tokenizer)
+    pool = embed.actor_pool_size(cfg.embed, STAGES["embed"].resources)
+    ds = embed.embed_dataset(run, cfg, units, pool, run, tokenizer)
     results = ds.take_all()
     assert sorted(r["rows"] for r in results) == [60] * 4
     operators = re.findall(r"^Operator \d+ (\S+):", ds.stats(), re.MULTILINE)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
     ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments"]),
-    # train.loop is the train stage's body (plan, segments, finish); the pipeline drives its segments.
+    # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
     ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
@@ -108,3 +108,14 @@ def test_the_checks_see_imports_inside_functions_and_cycles():
     assert "clusterscale.modeling.moe" in graph["clusterscale.modeling.moe_hf"]  # a relative import
     assert "jobs._job" in graph["jobs.sweep"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_package_docstrings_name_their_modules():
+    """stages/ and train/ list their modules in their docstrings: a module added or removed is said there."""
+    for package in ("stages", "train"):
+        folder = ROOT / "clusterscale" / package
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        names |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        missing = sorted(n for n in names if n not in doc)
+        assert not missing, f"clusterscale/{package}/__init__.py does not name {missing}"

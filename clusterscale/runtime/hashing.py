@@ -32,6 +32,13 @@ def text_hashes(texts: list[str]) -> np.ndarray:
                      for t in texts], dtype=np.int64)
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): the Feistel round function."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class SeededPermutation:
     """A pseudo-random permutation of range(n), evaluated at any positions in O(1) memory.
 

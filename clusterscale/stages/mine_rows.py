@@ -128,7 +128,8 @@ def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> d
     return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
 
 
-def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: ShardManifest, candidates_per_row: int) -> dict:
+def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: ShardManifest,
+                   candidates_per_row: int) -> dict:
     """Write the sidecar pieces of every shard file of the set under set_dir (in shards_run) from the candidates
     in neg_run's negatives/, and neg_run's padding pool when missing; their counts. Pieces written for another
     manifest of the set (the shards were rewritten) are removed first. candidates_per_row: at most how many

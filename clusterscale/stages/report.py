@@ -12,9 +12,8 @@ import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
-from clusterscale.stages.dedup import report_lines as dedup_report_lines
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import (DEDUP, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
+from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
                                     manifest_path, read_manifest)
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
@@ -55,6 +54,40 @@ def table1_line(manifest: ShardManifest) -> str:
     return (f"Table 1 analogue: shards of {min(rows)}..{max(rows)} rows; mean intra-cluster cosine "
             f"{min(cos):.3f}..{max(cos):.3f} (row-weighted {weighted:.3f}) vs "
             f"{_fmt(manifest.stats['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
+
+
+def dedup_section(run: RunDir, k: int, max_clusters: int = 20) -> list[str]:
+    """Markdown of the dedup/ results (of the clustering they were made at; `k`: the report's, named when they
+    differ): counts per reason, removed per cluster (the most first), the histogram of each pair's highest cosine
+    to an earlier kept pair around the threshold, and example groups."""
+    done = run.done_marker(DEDUP)
+    s, dc = done.stats, done.config["dedup"]
+    lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
+             f"semantic_threshold={dc['semantic_threshold']})"]
+    if s["k"] != k:
+        lines.append(f"(dedup/ holds one clustering at a time: the last dedup ran at k={s['k']}, not at this "
+                     f"report's k={k}.)  ")
+    lines += [f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
+              f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
+              f"pairs). Removed rows: `{DEDUP_REMOVED}/`.", ""]
+    per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
+    lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
+    if len(per_cluster) > max_clusters:
+        lines.append(f"| ({len(per_cluster) - max_clusters} more) | {sum(n for _, n in per_cluster[max_clusters:])} |")
+    histogram = s.get("similarity_histogram")
+    if histogram:
+        edges, counts = histogram["edges"], histogram["counts"]
+        lines += ["", "Highest cosine of each pair to a pair kept before it in its cluster (>= threshold: removed):",
+                  "", "| cosine | pairs |", "|---|---|"]
+        lines += [f"| [{a:.3f}, {b:.3f}){' removed' if a >= dc['semantic_threshold'] else ''} | {n} |"
+                  for a, b, n in zip(edges, edges[1:], counts)]
+    for example in s.get("examples", []):
+        kept = example["kept"]
+        lines += ["", f"Group of {example['size']} in cluster {example['cluster']}: kept pair {kept['pair_id']} "
+                      f"({kept['query']!r} -> {kept['passage'][:80]!r})"]
+        lines += [f"- removed {r['pair_id']} (cosine {r['similarity']}): {r['query']!r} -> {r['passage'][:80]!r}"
+                  for r in example["removed"]]
+    return lines + [""]
 
 
 def stage_kind(key: str, record: dict) -> str:
@@ -299,7 +332,7 @@ def write_report(cfg: Config, run: RunDir) -> str:
                   table1_line(manifest), "", cluster_table(manifest), ""]
         _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
     if run.exists(DEDUP, "_DONE.json"):  # the clustering dedup last ran at (its section names k)
-        parts += dedup_report_lines(run, k)
+        parts += dedup_section(run, k)
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     if costs:
         sweep_points = run.read_json("report/cost_points.json") if run.exists("report/cost_points.json") else None

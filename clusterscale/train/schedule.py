@@ -45,13 +45,6 @@ class GlobalBatch:
         return self.rows[rank * per_rank:(rank + 1) * per_rank]
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): the Feistel round function."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 class Schedule:
     """The global batches of every epoch, computed on demand; holds O(strata) numbers.
 
