@@ -22,7 +22,7 @@ class StageContext:
     fingerprint: Fingerprint | None = None
     """The fingerprint the output's done marker will record (the shard stages copy it into their manifest)."""
     resources: Resources | None = None
-    """What each actor of the stage's pool asks for: the stage's declaration (pipeline.Stage.resources), which
+    """What each actor of the stage's pool asks for: the stage's declaration (executor.Stage.resources), which
     its call to runtime.resources.plan_actors sizes the pool from."""
     run_stage: RunStage | None = None
     """Runs another stage of the list through the executor (its lock, reuse, marker and cost record): training

@@ -7,8 +7,8 @@ shards/k=<k>/<sampler>/stratum=<s>/part-<group>-<part>.parquet and shards/k=<k>/
   source           one stratum per value of the `source` column; names and counts from per-file Ray tasks
 Row groups are sized to the per-rank batch like the clustered shards', so every sampler trains from files a
 rank reads row group by row group. The train stage builds the set its sampler needs through the executor
-(pipeline.SHARD_SET: fingerprinted, reused by every training run of the same clustering, such as compare's
-arms and seeds; rebuilt whole after an interrupted attempt). Positions and source codes are computed per
+(the shard_set stage of pipeline.STAGES: fingerprinted, reused by every training run of the same clustering,
+such as compare's arms and seeds; rebuilt whole after an interrupted attempt). Positions and source codes are computed per
 shard file in Ray tasks: no process holds a row per pair.
 """
 from __future__ import annotations
