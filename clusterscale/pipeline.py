@@ -14,6 +14,7 @@ from clusterscale.executor import ExtraOutput, Input, PerConfigFolder, PerK, Sta
 from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, assign_dir, dedup_set_dir,
                                     kmeans_dir, manifest_path, read_manifest, shard_set_dir, shards_dir,
                                     train_dir)
+from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import session
 from clusterscale.runtime.resources import Resources
@@ -171,8 +172,10 @@ def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tup
     """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
     default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
     relative to this working directory reaches a Ray worker."""
-    run = RunDir(run_dir)
-    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
+    with filesystem_errors(run_dir):  # the first contact with an object store names the --run-dir
+        run = RunDir(run_dir)
+        run_config = run.config_in_force()
+    return config_mod.load(config_path, overrides, run_config=run_config), run
 
 
 def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
+from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
@@ -252,7 +253,8 @@ def run_ingest(ctx: StageContext) -> StageResult:
     executor, which marks all three done)."""
     cfg, run = ctx.cfg, ctx.run
     data = effective_data_config(cfg)
-    fs, files = list_input_files(data)
+    with filesystem_errors(data.path):  # an unreachable store is named by data.path (redacted)
+        fs, files = list_input_files(data)
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
