@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from clusterscale import config as config_mod  # noqa: E402
 from clusterscale.io.layout import manifest_path  # noqa: E402
 from clusterscale.train import schedule  # noqa: E402
-from clusterscale.train.data import ShardReader, row_group_rows_for, schedule_block_rows  # noqa: E402
+from clusterscale.io.layout import read_manifest, row_group_rows_for  # noqa: E402
+from clusterscale.train.data import ShardReader, schedule_block_rows  # noqa: E402
 from clusterscale.train.metrics import read_metrics  # noqa: E402
 from clusterscale.modeling.student import build_student  # noqa: E402
 from clusterscale.train.step import contrastive_backward  # noqa: E402
@@ -51,8 +52,8 @@ def _cfg(global_batch_size: int, steps: int, *extra: str):
 def loader_and_plain(run, cfg, steps: int) -> dict:
     """Parts 1 and 2's plain loop, in this process (torch threads = all cores)."""
     tc = cfg.train
-    manifest = run.read_json(manifest_path(4))
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    manifest = read_manifest(run, manifest_path(4))
+    sizes = manifest.strata_sizes
     model, tokenizer, pooling = build_student(tc)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.optimizer.lr)
     reader = ShardReader(run, manifest)

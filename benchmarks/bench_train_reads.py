@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from clusterscale import pipeline  # noqa: E402
-from clusterscale.io.layout import shard_set_dir  # noqa: E402
+from clusterscale.io.layout import shard_set_dir, shard_set_manifest  # noqa: E402
+from clusterscale.io.records import ShardManifest  # noqa: E402
 from clusterscale.io.rundir import RunDir  # noqa: E402
 from clusterscale.runtime import session  # noqa: E402
 from clusterscale.train import data, schedule  # noqa: E402
@@ -52,12 +53,12 @@ class CountingFS:
         return getattr(self.fs, name)
 
 
-def bytes_per_row(run: RunDir, manifest: dict) -> list[np.ndarray]:
+def bytes_per_row(run: RunDir, manifest: ShardManifest) -> list[np.ndarray]:
     """Per shard, the on-disk bytes of each row's (pair_id, query, passage): its row group's share."""
     out = []
-    for cluster in manifest["clusters"]:
+    for cluster in manifest.clusters:
         parts = []
-        for rel in cluster["files"]:
+        for rel in cluster.files:
             md = pq.read_metadata(run.fs.open_input_file(run.path(rel)))
             names = [md.schema.column(i).name for i in range(md.num_columns)]
             for g in range(md.num_row_groups):
@@ -68,23 +69,23 @@ def bytes_per_row(run: RunDir, manifest: dict) -> list[np.ndarray]:
     return out
 
 
-def set_manifest(run_dir: str, k: int, sampler: str) -> tuple[dict, float | None]:
+def set_manifest(run_dir: str, k: int, sampler: str) -> tuple[ShardManifest, float | None]:
     """(manifest of the sampler's shard set, seconds spent writing it: None when it was there)."""
     cfg, run = pipeline.open_run(run_dir, None, [f"cluster.k={k}", f"train.sampler={sampler}"])
     written = None
     if sampler != "clustered" and not run.exists(shard_set_dir(k, sampler), "_DONE.json"):
         session.init_ray(cfg.ray)
         started = time.time()
-        pipeline.execute(pipeline.SHARD_SET, cfg, run)
+        pipeline.run_stage("shard_set", cfg, run)
         written = round(time.time() - started, 1)
-    return data.shard_set_manifest(run, k, cfg.train.schedule.global_batch_size, sampler), written
+    return shard_set_manifest(run, k, cfg.train.schedule.global_batch_size, sampler), written
 
 
 def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None,
             sampler: str = "clustered") -> dict:
     run = RunDir(run_dir)
     manifest, set_write_s = set_manifest(run_dir, k, sampler)
-    sizes, batch = [c["rows"] for c in manifest["clusters"]], manifest["global_batch_size"]
+    sizes, batch = manifest.strata_sizes, manifest.global_batch_size
     row_bytes = bytes_per_row(run, manifest)
     counted = RunDir(run_dir)
     counted.fs = CountingFS(counted.fs)
@@ -105,8 +106,8 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer
     warm = per_step[len(per_step) // 2:]
     return {"sampler": sampler, "set_write_s": set_write_s, "rows": int(sum(sizes)), "k": k, "shards": len(sizes),
             "global_batch_size": batch, "world_size": world_size, "steps": len(per_step),
-            "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.get("row_group_rows"),
-            "files": sum(len(c["files"]) for c in manifest["clusters"]),
+            "footer_cache_mb": footer_cache_mb, "row_group_rows": manifest.row_group_rows,
+            "files": len(manifest.files),
             "bytes_read_per_rank_step": total_read / len(per_step) / world_size,
             "bytes_used_per_rank_step": total_used / len(per_step) / world_size,
             "train_read_amplification": total_read / total_used,

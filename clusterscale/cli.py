@@ -15,16 +15,16 @@ from clusterscale.errors import bounded_repr, user_message
 from clusterscale.io.layout import load_manifest, shards_dir
 from clusterscale.redact import redact_uri, redacted_command
 from clusterscale.io.rundir import RunDir
-from clusterscale.pipeline import STAGES, execute, open_run, synth_stage
+from clusterscale.pipeline import STAGE_VERBS, STAGES, execute, open_run
 from clusterscale.runtime.session import check_run_dir_shared, init_ray
 from clusterscale.stages.mteb_eval import LOCAL_PREFIX, run_mteb
 from clusterscale.stages.shards import cluster_table, format_cluster_table
 from clusterscale.stages.synthetic import SynthSpec
 
 VERBS = {
-    "run": f"Run every stage in order: {', '.join(STAGES)} (mine only with train.negatives_per_query).",
+    "run": f"Run every stage in order: {', '.join(STAGE_VERBS)} (mine only with train.negatives_per_query).",
     "synth": "Write a synthetic run (topical pairs, held-out split, clustered unit vectors) in place of ingest + embed.",
-    **{name: stage.help for name, stage in STAGES.items()},
+    **{name: STAGES[name].help for name in STAGE_VERBS},
     "compare": "Train and evaluate every sampler x seed arm on the same shards; mean and spread per arm.",
     "sweep": "Cluster at several k (and data sizes) from one embedding pass each; optionally train and evaluate.",
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", *(name for name, stage in STAGES.items() if stage.sections), "compare", "sweep")
+REPLACEABLE = ("run", *(name for name in STAGE_VERBS if STAGES[name].sections), "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def run_synth_verb(args) -> None:
     check_run_dir_shared(run, cfg.ray.shared_run_dir)
     if run.config_in_force() is None:
         run.write_config(cfg)
-    execute(synth_stage(spec), cfg, run)
+    execute(STAGES["synth"], cfg, run)
 
 
 def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg, run = pipeline.open_run(args.run_dir, args.config, args.overrides)
         # A stage verb's --replace redoes that stage; run, compare and sweep replace what another config made.
-        replace = ("always" if args.verb in STAGES else "changed") if getattr(args, "replace", False) \
+        replace = ("always" if args.verb in STAGE_VERBS else "changed") if getattr(args, "replace", False) \
             else ""
         stage_options = {"replace": replace,
                          "command": shlex.join(["clusterscale", *(sys.argv[1:] if argv is None else argv)])}

@@ -23,7 +23,7 @@ from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.kmeans import ClusteringError
-from clusterscale.io.layout import fit_stats_path, manifest_path, train_dir
+from clusterscale.io.layout import fit_stats_path, manifest_path, read_manifest, train_dir
 from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, pipeline, run_stage, run_stages
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, join_uri
@@ -238,16 +238,16 @@ def sweep_line(sweep: dict, run: RunDir) -> str:
 
 def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
     """One row of the sweep table from the shard manifest and the recorded stage costs of this k."""
-    manifest = run.read_json(manifest_path(k))
-    sizes = np.array([c["rows"] for c in manifest["clusters"]], dtype=float)
-    intra = [(c["mean_intra_cosine"], c["rows"]) for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
+    manifest = read_manifest(run, manifest_path(k))
+    sizes = np.array([c.rows for c in manifest.clusters], dtype=float)
+    intra = [(c.mean_intra_cosine, c.rows) for c in manifest.clusters if c.mean_intra_cosine is not None]
     fit = run.read_json(fit_stats_path(k))
     return {"rows": rows, "k": k, "shards": len(sizes), "min_rows": int(sizes.min()), "max_rows": int(sizes.max()),
             "size_cv": float(sizes.std() / sizes.mean()), "imbalance_factor": fit.get("imbalance_factor"),
             "mean_intra_cosine": float(sum(c * n for c, n in intra) / sum(n for _, n in intra)) if intra else None,
             "min_intra_cosine": min(c for c, _ in intra) if intra else None,
             "max_intra_cosine": max(c for c, _ in intra) if intra else None,
-            "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
+            "overall_mean_cosine": manifest.stats["overall_mean_cosine"],
             **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in PER_K_STAGES},
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
 

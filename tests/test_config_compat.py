@@ -83,7 +83,7 @@ def test_a_run_made_before_the_change_is_reused_not_redone(old_run):
     before = markers(old_run)
     stages = [(pipeline.STAGES[name], cfg) for name in ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine",
                                                         "train")]
-    stages += [(pipeline.SHARD_SET, random_cfg), (pipeline.STAGES["train"], random_cfg)]
+    stages += [(pipeline.STAGES["shard_set"], random_cfg), (pipeline.STAGES["train"], random_cfg)]
     covered = set()
     for stage, stage_cfg in stages:
         out = stage.output_of(stage_cfg)

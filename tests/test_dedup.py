@@ -12,10 +12,12 @@ from clusterscale.config import load, variant
 from clusterscale.errors import UserError
 from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir, manifest_path
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.pipeline import execute, pipeline, run_stage, synth_stage
+from clusterscale.pipeline import STAGES, execute, pipeline, run_stage
 from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_array, emb_matrix
-from clusterscale.stages.dedup import removed_table, report_lines, run_dedup
+from clusterscale.stages.dedup import removed_table, run_dedup
+from clusterscale.stages.report import dedup_section
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.synthetic import SynthSpec
 
@@ -100,7 +102,7 @@ def planted_run(tmp_path_factory, ray_local):
     spec = SynthSpec(rows=ROWS, dim=16, topics=K, seed=3, spread=0.5)
     cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
     run = RunDir(str(root / "run"))
-    execute(synth_stage(spec), cfg, run)
+    execute(STAGES["synth"], cfg, run)
     run.write_config(cfg)
     planted = plant(run)
     for verb in ("fit", "assign"):
@@ -132,7 +134,7 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, n
     assert stats["rows"] + stats["removed"] == assigned == ROWS - run.done_stats("heldout")["rows"] + 4 * PLANTED
     assert stats["removed"] == len(got) and run.done_stats(DEDUP_KEPT)["rows"] == stats["rows"] and stats["k"] == K
     assert len(stats["examples"]) == 3 and sum(stats["similarity_histogram"]["counts"]) > 0
-    report = "\n".join(report_lines(run, K))
+    report = "\n".join(dedup_section(run, K))
     assert f"kept {stats['rows']}, removed {stats['removed']}" in report and report.count("Group of") == 3
     assert " removed | " in report  # the histogram's bins at or above the threshold
 
@@ -154,7 +156,7 @@ def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
     assert "dedup" not in pipeline(cfg)
     assert "dedup" in pipeline(load(None, [f"data.path={spec.data_path()}", *settings(exact="true")]))
     with pytest.raises(UserError, match="Dedup is off"):
-        run_dedup(cfg, run)
+        run_dedup(StageContext(cfg, run))
 
 
 def test_sweep_deduplicates_every_k(planted_run):
@@ -176,7 +178,7 @@ def test_sweep_deduplicates_every_k(planted_run):
     rerun = run_sweep(cfg, run.uri, [2, 3], None, True)  # dedup again at each k; the shards are reused
     assert [p["shards"] for p in rerun["points"]] == [p["shards"] for p in sweep["points"]]
     assert run.read_json(manifest_path(2))["stats"]["rows"] == k2_rows and run.done_stats(DEDUP)["k"] == 3
-    assert "the last dedup ran at k=3, not at this report's k=2" in "\n".join(report_lines(run, 2))
+    assert "the last dedup ran at k=3, not at this report's k=2" in "\n".join(dedup_section(run, 2))
     k2 = variant(cfg, cluster={"k": 2}, train={"global_batch_size": 8})  # another shard config: shards/k=2/ rebuilt
     with pytest.raises(StageMissingError, match=r"dedup/kept holds the output of another config \(changed: "
                                                 r"cluster.k 3 -> 2\).*run `clusterscale dedup`"):

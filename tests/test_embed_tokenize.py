@@ -15,7 +15,7 @@ from clusterscale import config as config_mod
 from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.encoder import Encoder, load_tokenizer
 from clusterscale.modeling.tokens import TextTokenizer, Tokens
-from clusterscale.pipeline import run_stage
+from clusterscale.pipeline import STAGES, run_stage
 from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.stages import embed
 from tests.conftest import make_pairs
@@ -50,7 +50,8 @@ def test_tokenise_is_its_own_ray_data_operator_and_vectors_equal_the_core(ray_lo
     run_stage("ingest", cfg, run)
     units = embed.plan_units(run, 60)
     tokenizer = TextTokenizer(load_tokenizer(tiny_model), 16)
-    ds = embed.embed_dataset(run, cfg, units, embed.actor_pool_size(cfg.embed), run, tokenizer)
+    pool = embed.actor_pool_size(cfg.embed, STAGES["embed"].resources)
+    ds = embed.embed_dataset(run, cfg, units, pool, run, tokenizer)
     results = ds.take_all()
     assert sorted(r["rows"] for r in results) == [60] * 4
     operators = re.findall(r"^Operator \d+ (\S+):", ds.stats(), re.MULTILINE)

@@ -87,8 +87,9 @@ def fake_shards(run_dir, config_text: str | None) -> None:
     """A run with a finished shards/k=2/ (one cluster) and, when given, this config.yaml."""
     run = RunDir(str(run_dir))
     run.write_json("shards/k=2/manifest.json", {
-        "k": 2, "stats": {"rows": 3, "overall_mean_cosine": 0.5}, "small_cluster_policy": "merge", "moved": {},
-        "clusters": [{"name": 0, "rows": 3, "members": [0], "mean_intra_cosine": 0.6,
+        "k": 2, "fingerprint": "f", "global_batch_size": 2, "stats": {"rows": 3, "overall_mean_cosine": 0.5},
+        "small_cluster_policy": "merge", "moved": {},
+        "clusters": [{"cluster": 0, "name": 0, "rows": 3, "files": [], "members": [0], "mean_intra_cosine": 0.6,
                       "mean_cos_to_centroid": 0.7, "samples": ["a query"]}]})
     run.mark_done("shards/k=2", "f", {})
     if config_text is not None:

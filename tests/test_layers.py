@@ -15,8 +15,8 @@ COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
 # Top to bottom; a module may import its own layer and the layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
-    ("orchestration", ["clusterscale.pipeline", "clusterscale.experiments"]),
-    # train.loop is the train stage's body (plan, segments, finish); the pipeline drives its segments.
+    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments"]),
+    # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
     ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
@@ -131,3 +131,14 @@ def test_config_loading_imports_neither_torch_nor_ray():
 def test_every_component_config_module_is_in_the_config_layer():
     found = sorted(m for m in import_graph() if m.endswith("_config") and m.startswith("clusterscale."))
     assert found == sorted(COMPONENT_CONFIGS)
+
+
+def test_package_docstrings_name_their_modules():
+    """stages/ and train/ list their modules in their docstrings: a module added or removed is said there."""
+    for package in ("stages", "train"):
+        folder = ROOT / "clusterscale" / package
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        names |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        missing = sorted(n for n in names if n not in doc)
+        assert not missing, f"clusterscale/{package}/__init__.py does not name {missing}"

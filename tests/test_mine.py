@@ -11,6 +11,7 @@ from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
 from clusterscale.stages.mine_search import filter_candidates
 from clusterscale.train.negatives import candidate_files, load_negatives
+from clusterscale.io.layout import read_manifest
 from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
 
@@ -221,11 +222,11 @@ def test_train_with_mined_negatives_and_clp(sharded_mined_run):
         assert 0.0 <= m["clp_penalty"] <= 2.0 and np.isfinite(m["loss"])
     assert run.exists("train/clp/model/model.safetensors")
     # Every shard row carries its candidates from negatives/ (best first) with their texts, in the sidecars.
-    manifest = run.read_json("shards/k=4/manifest.json")
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
     pair_ids, candidates = load_negatives(run)
     expected = dict(zip(pair_ids.tolist(), (c.tolist() for c in candidates)))
     reader = ShardReader(run, manifest, sidecars=NegativeSidecars(run, manifest))
-    rows = pa.concat_tables([reader.rows(s, np.arange(c["rows"])) for s, c in enumerate(manifest["clusters"])])
+    rows = pa.concat_tables([reader.rows(s, np.arange(c.rows)) for s, c in enumerate(manifest.clusters)])
     texts = dict(zip(rows.column("pair_id").to_pylist(), rows.column("passage").to_pylist()))
     assert sorted(texts) == sorted(expected)
     for pid, cands, passages in zip(*(rows.column(c).to_pylist() for c in ("pair_id", "neg_pair_ids", "neg_passages"))):
@@ -271,16 +272,16 @@ def test_recluster_during_training(sharded_mined_run):
     child = RunDir(run.child_uri("train/recl/recluster/seg-1"))
     manifest = load_manifest(child, 4)
     cluster_of = {}
-    for c in manifest["clusters"]:
-        for f in c["files"]:
+    for c in manifest.clusters:
+        for f in c.files:
             for pid in pq.read_table(child.path(f), columns=["pair_id"]).column(0).to_pylist():
-                cluster_of[pid] = c["cluster"]
+                cluster_of[pid] = c.cluster
     batches = [_jsonl(run, f"train/recl/batches/rank-{r}.jsonl") for r in (0, 1)]
     for b0, b1 in zip(*batches):
         if b0["step"] >= 2:  # segment 1 batches come from one cluster of the re-clustered shards
             assert len({cluster_of[p] for p in b0["pair_ids"] + b1["pair_ids"]}) == 1
     assert sorted(cluster_of) == sorted(load_negatives(run)[0].tolist())  # every training pair re-sharded
-    assert all(child.exists(sidecar_path(f, 0)) for c in manifest["clusters"] for f in c["files"])  # negatives too
+    assert all(child.exists(sidecar_path(f, 0)) for c in manifest.clusters for f in c.files)  # negatives too
     costs = run.read_json("report/costs.json")
     assert {"recluster:recl:seg-1:embed", "recluster:recl:seg-1:shard"} <= set(costs)
     assert run.done_stats("train/recl")["segments"] == 2

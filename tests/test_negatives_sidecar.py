@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale.io.layout import NEGATIVES
+from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir
 from clusterscale.stages import mine_rows
 from clusterscale.train import negatives as neg
@@ -23,15 +24,16 @@ def _candidates(pid: int) -> list[int]:
 
 
 @pytest.fixture
-def shard_run(tmp_path, monkeypatch) -> tuple[RunDir, dict]:
+def shard_run(tmp_path, monkeypatch) -> tuple[RunDir, ShardManifest]:
     """One shuffled shard file of 22 rows in row groups of 4, its sidecar pieces (2 groups per piece), a pool."""
     monkeypatch.setattr(neg, "SIDECAR_PIECE_ROWS", 2 * GROUP_ROWS)
     run = RunDir(str(tmp_path / "run"))
     ids = np.random.default_rng(0).permutation(np.arange(100, 100 + ROWS))
     shard = pa.table({"pair_id": ids, "query": [f"q{i}" for i in ids], "passage": [f"p{i}" for i in ids]})
     run.write_parquet(FILE, shard, row_group_size=GROUP_ROWS)
-    manifest = {"clusters": [{"cluster": 0, "name": "0", "rows": ROWS, "files": [FILE], "file_rows": [ROWS]}],
-                "rows_per_file": ROWS, "row_group_rows": GROUP_ROWS}
+    manifest = ShardManifest(k=1, fingerprint="test", global_batch_size=GROUP_ROWS, stats={},
+                             clusters=[ShardEntry(cluster=0, name="0", rows=ROWS, files=[FILE], file_rows=[ROWS])],
+                             rows_per_file=ROWS, row_group_rows=GROUP_ROWS)
     found = [(int(a), slot, c) for a in ids for slot, c in enumerate(_candidates(int(a) - 100))]
     found = pa.table({"anchor": [f[0] for f in found], "slot": [f[1] for f in found], "cand": [f[2] for f in found],
                       "neg_passage": [f"p{f[2]}" for f in found], "neg_query": [f"q{f[2]}" for f in found]})

@@ -11,6 +11,7 @@ from clusterscale import cli, config as config_mod
 from clusterscale import pipeline
 from clusterscale.io import layout
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult
+from clusterscale.runtime.resources import Resources
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,11 +124,33 @@ def test_one_stage_list():
     assert not hasattr(layout, "STAGES") and not hasattr(layout, "PREPROCESS")
     assert pipeline.PREPROCESS == ("ingest", "embed", "fit", "assign", "dedup", "shard")
     assert pipeline.PER_K_STAGES == ("fit", "assign", "dedup", "shard")
-    assert set(pipeline.STAGES) <= set(cli.VERBS) and set(pipeline.STAGES) - set(cli.REPLACEABLE) == {"evaluate", "report"}
-    cfg = config_mod.load(None, ["cluster.k=7", "train.name=x"])
+    verbs = set(pipeline.STAGE_VERBS)
+    assert verbs <= set(cli.VERBS) and verbs - set(cli.REPLACEABLE) == {"evaluate", "report"}
+    # Stages no `run` step and no verb of their own: training builds the shard sets, `synth` has its options.
+    assert set(pipeline.STAGES) - verbs == {"synth", "shard_set", "dedup_shards"} and "synth" in cli.VERBS
+    cfg = config_mod.load(None, ["cluster.k=7", "train.name=x", "train.sampler=random"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
-        "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "negatives", "train/x", "eval",
-        "report"]
+        "pairs", "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "shards/k=7/random",
+        "shards/k=7/dedup", "negatives", "train/x", "eval", "report"]
+
+
+def test_stages_are_declared_by_named_functions():
+    """What the executor calls of a stage has a name (a traceback or a reader finds it); no lambda."""
+    for stage in pipeline.STAGES.values():
+        called = [stage.run, stage.output, stage.extra, stage.cost_key, stage.after_done, stage.in_run,
+                  *(need.folder for need in stage.inputs), *(need.made_with for need in stage.inputs)]
+        assert not [c for c in called if getattr(c, "__name__", "") == "<lambda>"], stage.name
+
+
+def test_the_stage_gets_its_declared_resources(tmp_path):
+    """The resources a stage declares are what its run function sizes its pool from (ctx.resources)."""
+    seen = []
+    need = Resources(cpus=0.5, gpus=1)
+    stage = pipeline.Stage("toy", "A toy stage.", lambda ctx: seen.append(ctx.resources) or StageResult({}), "toy",
+                           resources=need)
+    pipeline.execute(stage, config_mod.load(None, []), RunDir(str(tmp_path / "run")))
+    assert seen == [need]
+    assert pipeline.STAGES["embed"].resources.gpus == 1 and pipeline.STAGES["ingest"].resources is None
 
 
 # Calls that would mean a stage module runs the marker protocol itself, with the ones allowed and why.

@@ -72,6 +72,6 @@ def test_sweep_report_does_not_claim_no_evaluation(tmp_path):
         {"rows": 100, "k": 2, "shards": 2, "min_rows": 40, "max_rows": 60, "mean_intra_cosine": 0.3,
          "min_intra_cosine": 0.2, "max_intra_cosine": 0.4, "fit_s": 1.0, "assign_s": 1.0, "shard_s": 1.0,
          "ndcg_at_10": 0.7, "frozen_ndcg_at_10": 0.6}]})
-    text = open(report.run_report(config.load(None, []), run)).read()
+    text = open(report.write_report(config.load(None, []), run)).read()
     assert "No evaluation yet" not in text and "| 100 | 2 | 2 |" in text
     assert "sweep.png" in text

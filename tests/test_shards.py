@@ -14,6 +14,7 @@ import pytest
 from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.io.layout import assign_dir, kmeans_dir, shards_dir
+from clusterscale.io.records import ShardManifest
 from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import run_stage
@@ -227,7 +228,7 @@ def test_split_groups_hold_the_same_rows_and_stats(split_runs, merged, data):
         np.testing.assert_array_equal(emb_matrix(table.column("emb")), data[ids].astype(np.float16))
         assert c["file_rows"] == [pq.ParquetFile(split_runs[0].path(f)).metadata.num_rows for f in c["files"]]
         rows = np.random.default_rng(0).permutation(c["rows"])[:50]  # training reads through the file_rows
-        got = ShardReader(split_runs[0], manifest).read(manifest["clusters"].index(c), rows)[0]
+        got = ShardReader(split_runs[0], ShardManifest.from_json(manifest)).read(manifest["clusters"].index(c), rows)[0]
         assert got.column("pair_id").to_numpy().tolist() == ids[rows].tolist()
 
 

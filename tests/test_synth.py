@@ -107,7 +107,7 @@ def _files(root) -> dict[str, bytes]:
 def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, ray_local, capsys):
     from clusterscale.config import load
     from clusterscale.io.rundir import RunDir
-    from clusterscale.pipeline import execute, synth_stage
+    from clusterscale.pipeline import STAGES, execute
 
     run_dir = str(tmp_path / "run")
     sets = [f"embed.model={tiny_model}", "embed.max_length=32", "data.rows_per_part=300", "cluster.k=4",
@@ -132,7 +132,7 @@ def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, r
         spec = SynthSpec(rows=900, dim=16, topics=4, seed=7)
         cfg = load(None, [f"data.path={spec.data_path()}", "data.heldout_fraction=0.1",
                           f"data.rows_per_part={rows_per_part}", f"embed.model={tiny_model}", "embed.max_length=32"])
-        execute(synth_stage(spec, max_tasks_in_flight=in_flight), cfg, RunDir(str(tmp_path / name)))
+        execute(STAGES["synth"], cfg, RunDir(str(tmp_path / name)), max_tasks_in_flight=in_flight)
     original = _files(run_dir)
     assert len(original) == 9 and original == _files(tmp_path / "one") == _files(tmp_path / "two")
     for folder in ("pairs", "heldout", "embeddings"):

@@ -10,7 +10,7 @@ import pytest
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError
 from clusterscale.io.rundir import StageMissingError
-from clusterscale.train.data import TrainDataError
+from clusterscale.io.layout import TrainDataError
 from clusterscale.pipeline import run_stage
 from tests.train_data import make_sharded_run, train_overrides
 

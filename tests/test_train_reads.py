@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale.train import schedule
-from clusterscale.train.data import ShardReader, row_group_rows_for, schedule_block_rows
+from clusterscale.io.layout import read_manifest, row_group_rows_for
+from clusterscale.train.data import ShardReader, schedule_block_rows
 from tests.train_data import make_sharded_run
 
 SIZES = [70, 33, 16, 100]
@@ -89,14 +90,14 @@ def test_row_group_rows_divides_the_batch_and_fits_64_ranks():
 
 
 def _expected(run, manifest, shard, rows):
-    files = [pq.read_table(run.path(f)) for f in manifest["clusters"][shard]["files"]]
+    files = [pq.read_table(run.path(f)) for f in manifest.clusters[shard].files]
     return pa.concat_tables(files).column("pair_id").take(pa.array(rows)).to_pylist()
 
 
 @pytest.mark.parametrize("row_group_rows", [None, 4])
 def test_reader_returns_the_rows_asked_for(tmp_path, row_group_rows):
     run = make_sharded_run(tmp_path, row_group_rows=row_group_rows)
-    manifest = run.read_json("shards/k=4/manifest.json")
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
     reader = ShardReader(run, manifest)
     rows = np.array([39, 0, 13, 12, 25, 7])
     table = reader.rows(2, rows)
@@ -107,15 +108,15 @@ def test_reader_returns_the_rows_asked_for(tmp_path, row_group_rows):
 def test_reader_reads_only_the_row_groups_of_its_rows(tmp_path):
     g = 4
     run = make_sharded_run(tmp_path, row_group_rows=g)
-    manifest = run.read_json("shards/k=4/manifest.json")
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
     reader = ShardReader(run, manifest)
     assert schedule_block_rows(manifest) == g
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    sizes = manifest.strata_sizes
     footers = 0
     for shard, n in enumerate(sizes):  # every footer read once, and every row group
         _, read, used = reader.read(shard, np.arange(n))
         assert used < read  # tiny files: their footers weigh more than their rows
-        footers += sum(8 + pq.read_metadata(run.path(f)).serialized_size for f in manifest["clusters"][shard]["files"])
+        footers += sum(8 + pq.read_metadata(run.path(f)).serialized_size for f in manifest.clusters[shard].files)
     assert reader.footer_bytes_read == footers  # the tail, then exactly the footer
     for gb in schedule.iterate(sizes, B, "clustered", 0, 10, block_rows=g):  # warm footers: data only
         table, read, used = reader.read(gb.shard, gb.rank_rows(1, 2))
@@ -126,8 +127,8 @@ def test_reader_reads_only_the_row_groups_of_its_rows(tmp_path):
 
 def test_prefetch_yields_each_batch_in_order_and_raises_read_errors(tmp_path):
     run = make_sharded_run(tmp_path, row_group_rows=4)
-    manifest = run.read_json("shards/k=4/manifest.json")
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
+    sizes = manifest.strata_sizes
     batches = list(schedule.iterate(sizes, B, "clustered", 0, 8, block_rows=4))
     got = list(ShardReader(run, manifest).prefetch(iter(batches), rank=1, world_size=2))
     assert [r.batch.step for r in got] == list(range(8))
@@ -144,8 +145,8 @@ def test_prefetch_yields_each_batch_in_order_and_raises_read_errors(tmp_path):
 
 def test_prefetch_stops_when_the_consumer_stops(tmp_path):
     run = make_sharded_run(tmp_path, row_group_rows=4)
-    manifest = run.read_json("shards/k=4/manifest.json")
-    sizes = [c["rows"] for c in manifest["clusters"]]
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
+    sizes = manifest.strata_sizes
     consumed = []
 
     def batches():

@@ -1,4 +1,5 @@
-"""Where the stages' outputs live in a run directory: what every stage and reader agree on.
+"""Where the stages' outputs live in a run directory, and the rules of the shard files: what every writer
+(stages/shards.py, stages/shard_sets.py) and reader (train/) agree on.
 
 The stages themselves are listed once, in clusterscale.pipeline.STAGES."""
 from __future__ import annotations
@@ -7,7 +8,9 @@ import os
 import shutil
 import tempfile
 
-from clusterscale.io.rundir import RunDir
+from clusterscale.errors import UserError
+from clusterscale.io.records import ShardManifest
+from clusterscale.io.rundir import RunDir, StageMissingError
 
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
@@ -16,7 +19,7 @@ MTEB_EVAL = f"{EVAL}/mteb"  # eval/mteb/<model>.json
 # The dedup stage's output, for one clustering at a time (its semantic pass is per cluster of cluster.k, and the
 # done marker's stats carry that k): dedup/_DONE.json (counts), removed/ (pair_id, duplicate_of, similarity,
 # reason, cluster) and kept/ (every column of assign/k=<k>/ for the kept rows, with its own marker: what shard
-# reads when dedup is on). Dedup at another clustering replaces it (pipeline.Stage.one_clustering).
+# reads when dedup is on). Dedup at another clustering replaces it (executor.Stage.one_clustering).
 DEDUP = "dedup"
 DEDUP_REMOVED = f"{DEDUP}/removed"
 DEDUP_KEPT = f"{DEDUP}/kept"
@@ -41,6 +44,11 @@ def shard_set_dir(k: int, sampler: str) -> str:
 
 
 DEDUP_SET = "dedup"  # the clustered shards of the deduplicated pairs (train.dedup=true)
+
+
+def dedup_set_dir(k: int) -> str:
+    """shards/k=<k>/dedup/: the clustered shards of the pairs dedup kept (train.dedup=true)."""
+    return shard_set_dir(k, DEDUP_SET)
 
 
 def training_set(sampler: str, dedup: bool) -> str:
@@ -109,9 +117,85 @@ def eval_by_cluster_path(k: int) -> str:
     return f"{EVAL}/by_cluster/k={k}.json"
 
 
-def load_manifest(run: RunDir, k: int) -> dict:
+# --- the shard files ---------------------------------------------------------------------------------------
+def shard_file(folder: str, partition: str, name: str, sub_group: int, part: int) -> str:
+    """One file of a shard set: <folder>/<partition>=<shard name>/part-<sub-group>-<part>.parquet (partition:
+    `cluster` for the clustered sets, `stratum` for a sampler's). Sub-group then part in the name: a shard's files
+    sort into their manifest order."""
+    return f"{folder}/{partition}={name}/part-{sub_group:05d}-{part:05d}.parquet"
+
+
+def row_group_rows_for(global_batch_size: int) -> int:
+    """The Parquet row-group size of the shards: the largest divisor of the global batch that is at most
+    max(32, global_batch_size // 64) rows.
+
+    The world size is not known when the shards are written. A global batch is whole row groups, so rank r's
+    slice of b = global_batch_size / world_size rows is whole row groups whenever world_size divides
+    global_batch_size / row_group_rows (any power of two up to 64 for a batch that 64 divides), and otherwise
+    touches at most b / row_group_rows + 1 groups: <= 2x the bytes used while b >= 2 x row_group_rows. The floor
+    of 32 rows keeps the footer (~0.4 KB per row group) small next to the data when batches are small; the price
+    is whole-group reads when a rank's slice is under 32 rows."""
+    cap = max(32, global_batch_size // 64)
+    return max(d for d in range(1, min(cap, global_batch_size) + 1) if global_batch_size % d == 0)
+
+
+class TrainDataError(UserError, ValueError):
+    """The shards cannot feed this training config; the message says why and what to do."""
+
+
+def read_manifest(run: RunDir, path: str) -> ShardManifest:
+    return ShardManifest.from_json(run.read_json(path))
+
+
+def load_manifest(run: RunDir, k: int) -> ShardManifest:
     run.require(shards_dir(k), "shard", f"Shards for k={k}")
-    return run.read_json(manifest_path(k))
+    return read_manifest(run, manifest_path(k))
+
+
+def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> ShardManifest:
+    """The manifest of the clustered shards shards/k=<k>/, after checking it matches the config and its files
+    exist (the driver checks; training ranks only read it)."""
+    if not run.exists(manifest_path(k)) and run.exists(shards_dir(k), "_DONE.json"):
+        raise StageMissingError(f"{run.path(manifest_path(k))} is missing although the shard stage "
+                                f"is marked done: delete {shards_dir(k)}/ and rerun `clusterscale shard`.")
+    manifest = load_manifest(run, k)
+    if manifest.k != k:
+        raise TrainDataError(f"The manifest in {shards_dir(k)}/ was written for cluster.k={manifest.k}, not "
+                             f"cluster.k={k}: it was copied or moved; rerun `clusterscale shard` with cluster.k={k}.")
+    _check_set(run, manifest, shards_dir(k), global_batch_size, "clusterscale shard")
+    sizes = manifest.strata_sizes
+    if not sizes or max(sizes) < global_batch_size:
+        raise TrainDataError(f"train.global_batch_size={global_batch_size} is larger than every shard (largest "
+                             f"{max(sizes, default=0)} rows): lower it or cluster.k.")
+    return manifest
+
+
+def _check_set(run: RunDir, manifest: ShardManifest, folder: str, global_batch_size: int, rerun: str) -> None:
+    if manifest.global_batch_size != global_batch_size:
+        raise TrainDataError(f"The shards under {folder} were planned for train.global_batch_size="
+                             f"{manifest.global_batch_size}, not {global_batch_size}: rerun `clusterscale shard` "
+                             f"with this batch size in a new --run-dir, or keep the batch size.")
+    missing = [f for f in manifest.files if not run.exists(f)]
+    if missing:
+        raise StageMissingError(f"{len(missing)} shard file(s) listed in the manifest are missing (first: "
+                                f"{run.path(missing[0])}): delete {folder}/ and rerun `{rerun}`.")
+
+
+def shard_set_manifest(run: RunDir, k: int, global_batch_size: int, sampler: str,
+                       check_files: bool = True) -> ShardManifest:
+    """The manifest of the shard set `sampler` trains from. check_files (the driver, once per run): it matches
+    the config and every file it lists exists; training ranks skip that and read the manifest only."""
+    if sampler == "clustered" and check_files:
+        return checked_manifest(run, k, global_batch_size)
+    folder = shard_set_dir(k, sampler)
+    if not run.exists(folder, "_DONE.json"):
+        raise StageMissingError(f"The shards of train.sampler={sampler} are not in {run.path(folder)}: "
+                                f"`clusterscale train` writes them from the clustered shards before training (run "
+                                f"it with the same config and --run-dir).")
+    manifest = read_manifest(run, shard_set_manifest_path(k, sampler))
+    if check_files:
+        _check_set(run, manifest, folder, global_batch_size, "clusterscale train")
+    return manifest
 
 
 def local_model_dir(run: RunDir, name: str) -> str:

@@ -29,6 +29,7 @@ from clusterscale.errors import UserError, storage_error
 
 from clusterscale.config import Config, to_yaml
 from clusterscale.io.filesystems import resolve_filesystem
+from clusterscale.io.records import DoneMarker
 from clusterscale.redact import redact_uri, redact_values
 
 DONE = "_DONE.json"
@@ -199,17 +200,16 @@ class RunDir:
     def is_done(self, stage_dir: str, fingerprint: str, quiet: bool = False) -> bool:
         """True when `stage_dir` is complete for this fingerprint (said unless quiet); raises if made by another
         config."""
-        marker = posixpath.join(stage_dir, DONE)
-        if not self.exists(marker):
+        if not self.exists(stage_dir, DONE):
             return False
-        done = self.read_json(marker)
-        if done.get("fingerprint") != fingerprint:
+        done = self.done_marker(stage_dir)
+        if done.fingerprint != fingerprint:
             raise ConfigMismatchError(
                 f"{self.path(stage_dir)} was made with a different config; changed: "
-                f"{changed_keys(done.get('covers'), getattr(fingerprint, 'values', None))}. "
+                f"{changed_keys(done.covers, getattr(fingerprint, 'values', None))}. "
                 f"Outputs are never mixed.", stage_dir)
         if not quiet:
-            print(f"[{stage_dir}] reused (done at {done.get('finished_at')})", flush=True)
+            print(f"[{stage_dir}] reused (done at {done.finished_at})", flush=True)
         return True
 
     def begin(self, stage_dir: str) -> None:
@@ -220,9 +220,9 @@ class RunDir:
 
     def mark_done(self, stage_dir: str, fingerprint: str, stats: dict, config_subset: dict | None = None) -> None:
         """`covers`: the config values the fingerprint hashes, so a refused rerun can name what changed."""
-        self.write_json(posixpath.join(stage_dir, DONE), {
-            "fingerprint": fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "stats": stats, "config": config_subset or {}, "covers": getattr(fingerprint, "values", None)})
+        self.write_json(posixpath.join(stage_dir, DONE), DoneMarker(
+            fingerprint, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), stats, config_subset or {},
+            getattr(fingerprint, "values", None)).to_json())
 
     def replace(self, stage_dir: str) -> list[str]:
         """Remove `stage_dir` and every output made from it; the removed folders, dependents first.
@@ -230,22 +230,25 @@ class RunDir:
         An output was made from `stage_dir` when its marker covers the same values for every config
         section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8)."""
         removed = []
-        marker = posixpath.join(stage_dir, DONE)
-        covers = self.read_json(marker).get("covers") if self.exists(marker) else None
+        covers = self.done_marker(stage_dir).covers if self.exists(stage_dir, DONE) else None
         if covers:
             for other in self.files(suffix=DONE, include_private=True):
                 rel = posixpath.relpath(other, self.root)
                 other_dir = posixpath.dirname(rel)
                 if other_dir == stage_dir or other_dir.startswith(stage_dir + "/") or not self.exists(rel):
                     continue  # inside the folder removed below, or inside a dependent removed already
-                if _made_from(self.read_json(rel).get("covers"), covers):
+                if _made_from(DoneMarker.from_json(self.read_json(rel)).covers, covers):
                     self.remove(other_dir)
                     removed.append(other_dir)
         self.remove(stage_dir)
         return removed + [stage_dir]
 
+    def done_marker(self, stage_dir: str) -> DoneMarker:
+        """The done marker of `stage_dir` (which must exist)."""
+        return DoneMarker.from_json(self.read_json(posixpath.join(stage_dir, DONE)))
+
     def done_stats(self, stage_dir: str) -> dict:
-        return self.read_json(posixpath.join(stage_dir, DONE)).get("stats", {})
+        return self.done_marker(stage_dir).stats
 
     def require(self, stage_dir: str, verb: str, what: str) -> None:
         if not self.exists(stage_dir, DONE):

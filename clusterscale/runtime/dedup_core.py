@@ -1,5 +1,5 @@
 """The compute core of `dedup`, numpy only: the keep order, exact groups by text key, semantic groups inside one
-cluster, and matches against held-out pairs. stages/dedup.py distributes them over Ray Data.
+cluster, and matches against held-out pairs. stages/dedup/ distributes them over Ray Data.
 
 Semantic groups, precisely: sort a cluster's rows into keep order; walk it; a row is removed when its cosine to
 a row kept before it is >= the threshold, else it is kept. A removed row's duplicate_of is the kept row before it

@@ -1,10 +1,12 @@
-"""Stable hashes of pair ids (fit samples, evaluation picks) and of texts (masking equal texts).
+"""Stable hashes of pair ids (fit samples, evaluation picks) and of texts (masking equal texts), and the
+seeded permutation that places rows in the random shard sets (their writer) and orders blocks in a schedule.
 
 numpy only: k-means workers import it and must not load torch or Ray Data.
 """
 from __future__ import annotations
 
 import hashlib
+from typing import Sequence
 
 import numpy as np
 
@@ -28,3 +30,40 @@ def text_hashes(texts: list[str]) -> np.ndarray:
     """Stable int64 keys of texts: equal texts (after ingest normalisation) get equal keys."""
     return np.array([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
                      for t in texts], dtype=np.int64)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): the Feistel round function."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class SeededPermutation:
+    """A pseudo-random permutation of range(n), evaluated at any positions in O(1) memory.
+
+    A 4-round Feistel network over the smallest even-bit domain >= n; values that land at or past n
+    are encrypted again (cycle walking), which keeps it a bijection of range(n). Seeded by `key`."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, key: Sequence[int]):
+        self.n = int(n)
+        self.half = max(1, (max(self.n - 1, 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.default_rng([int(k) for k in key]).integers(0, 2 ** 63, self.ROUNDS, dtype=np.uint64)
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half)
+        left, right = x >> shift, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << shift) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        out = self._encrypt(np.asarray(positions, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._encrypt(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)

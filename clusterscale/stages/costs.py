@@ -12,11 +12,10 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
-from clusterscale.io.layout import shard_set_manifest_path
+from clusterscale.io.layout import read_manifest, shard_set_manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.modeling.student import scratch_bert
 from clusterscale.train import schedule
-from clusterscale.train.data import strata_sizes
 from clusterscale.train.metrics import read_metrics
 
 TOKEN_SAMPLE_ROWS = 256
@@ -132,7 +131,7 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     manifest = shard_set_manifest_path(cfg.cluster.k, record.get("sampler", cfg.train.schedule.sampler))
     if not (record.get("steps") and steps and run.exists(manifest)):
         return None
-    sizes = strata_sizes(run.read_json(manifest))
+    sizes = read_manifest(run, manifest).strata_sizes
     batches = schedule.batches_per_epoch(sizes, record.get("global_batch_size", cfg.train.schedule.global_batch_size))
     workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.compute.num_workers
     overhead = max(0.0, record["wall_s"] - sum(steps))

@@ -27,13 +27,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, EmbedConfig, Fingerprint
+from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
 PLAN = "embeddings/_units.json"
@@ -191,10 +192,10 @@ def check_finite(vectors: np.ndarray, pair_ids: np.ndarray, side: str, model: st
                              f"is broken. Nothing of these rows was written; fix the model and rerun.")
 
 
-def actor_pool_size(cfg: EmbedConfig) -> ActorPlan:
-    """One actor (encoder replica) per GPU, else one per threads_per_actor CPUs, each leaving
+def actor_pool_size(cfg: EmbedConfig, need: Resources) -> ActorPlan:
+    """One actor (encoder replica) per `need.gpus` GPUs, else one per embed.threads_per_actor CPUs, each leaving
     CPU_ACTOR_SPARE of its CPUs to the tokenise and write actors."""
-    pool = plan_actors(Resources(cpus=cfg.threads_per_actor, gpus=1), max_actors=cfg.num_actors)
+    pool = plan_actors(replace(need, cpus=cfg.threads_per_actor), max_actors=cfg.num_actors)
     return pool if pool.on_gpu else replace(pool, num_cpus=pool.num_cpus - CPU_ACTOR_SPARE)
 
 
@@ -268,16 +269,16 @@ def _count_done(run: RunDir, units: list[dict]) -> tuple[int, int]:
     return rows, truncated
 
 
-def run_embed(cfg: Config, run: RunDir, fingerprint: Fingerprint, pairs_run: RunDir | None = None) -> StageResult:
+def run_embed(ctx: StageContext) -> StageResult:
     """Embed every pair not embedded yet (the units of an interrupted attempt with this fingerprint are kept).
 
-    pairs_run: read pairs/ from this run directory instead of `run` (re-embedding the same pairs with
-    another encoder into a child run directory: mining with a trained model, re-clustering)."""
+    ctx.source: the run directory pairs/ is read from (re-embedding the same pairs with another encoder into a
+    child run directory: mining with a trained model, re-clustering)."""
     from clusterscale.modeling.encoder import check_encoder  # torch: in the driver only
 
-    pairs_run = pairs_run or run
+    cfg, run, pairs_run, fingerprint = ctx.cfg, ctx.run, ctx.source, ctx.fingerprint
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
-    pool = actor_pool_size(cfg.embed)
+    pool = actor_pool_size(cfg.embed, ctx.resources)
     plan = load_or_make_plan(run, "embeddings", PLAN, fingerprint, "embedding",
                              lambda: make_plan(cfg, pool.actors, pairs_run))
     done, todo = split_done(run, "embeddings", plan["units"])

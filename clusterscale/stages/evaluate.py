@@ -16,7 +16,6 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.ingest import heldout_key
@@ -28,6 +27,7 @@ from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 EVAL_SALT = 0xE7A1
@@ -188,10 +188,10 @@ class EvalEncoder:
         return self.encoder.encode(texts, batch_size)
 
 
-def encode_on_actor(model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
-                   passages: list[str], batch_size: int, chunk_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def encode_on_actor(need: Resources, model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
+                    passages: list[str], batch_size: int, chunk_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """Embed queries and passages (at their own max lengths) on one Ray actor, on a GPU when there is one."""
-    plan = plan_actors(Resources(gpus=1), max_actors=1)  # one actor: a GPU, or every CPU as its threads
+    plan = plan_actors(need, max_actors=1)  # one actor: a GPU, or every CPU as its threads
     actor = ray.remote(EvalEncoder).options(**plan.options, max_restarts=1,
                                             max_task_retries=1).remote(model, pooling, plan.threads)
     progress = ProgressLine("evaluate", len(queries) + len(passages), unit="texts")
@@ -227,16 +227,16 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]
     return out
 
 
-def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling: str, eval_set: dict,
+def evaluate_model(ctx: StageContext, eval_name: str, model: str, pooling: str, eval_set: dict,
                    fingerprint: str) -> dict:
     """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
-    rel = eval_path(eval_name)
+    cfg, run, rel = ctx.cfg, ctx.run, eval_path(eval_name)
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
-    q, p = encode_on_actor(model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
+    q, p = encode_on_actor(ctx.resources, model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth)
@@ -258,11 +258,12 @@ def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling
     return result
 
 
-def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | None:
+def heldout_clusters(ctx: StageContext, eval_set: dict) -> list[int] | None:
     """Nearest centroid of kmeans/k=<k>/ for each held-out pair, by its frozen embedding of embed.side.
 
     Held-out pairs are never clustered, so they are embedded here exactly as the embed stage would
     (same model, pooling, max length). None when the fit of this k does not exist."""
+    cfg, run = ctx.cfg, ctx.run
     k = cfg.cluster.k
     if not run.exists(centroids_path(k)):
         return None
@@ -277,16 +278,16 @@ def heldout_clusters(cfg: Config, run: RunDir, eval_set: dict) -> list[int] | No
         if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
             return cached["cluster"]
     texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
-    vectors, _ = encode_on_actor(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
-                                cfg.eval.batch_size)
+    vectors, _ = encode_on_actor(ctx.resources, cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2,
+                                 texts, [], cfg.eval.batch_size)
     clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
     run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})
     return clusters
 
 
-def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -> dict | None:
+def cluster_breakdown(ctx: StageContext, eval_set: dict, results: dict) -> dict | None:
     """NDCG@10 per cluster of held-out pairs for every evaluated model; written to eval/by_cluster/k=<k>.json."""
-    clusters = heldout_clusters(cfg, run, eval_set)
+    cfg, run, clusters = ctx.cfg, ctx.run, heldout_clusters(ctx, eval_set)
     if clusters is None:
         return None
     # Every model evaluated in this run so far (compare arms too), not only this call's.
@@ -305,9 +306,10 @@ def cluster_breakdown(cfg: Config, run: RunDir, eval_set: dict, results: dict) -
     return out
 
 
-def run_evaluate(cfg: Config, run: RunDir) -> StageResult:
+def run_evaluate(ctx: StageContext) -> StageResult:
     """Held-out metrics of the frozen encoder and of train/<name>/ (each cached per model in eval/<name>.json);
     outputs: {"results": per model, "by_cluster": NDCG@10 per cluster or None}."""
+    cfg, run = ctx.cfg, ctx.run
     started = time.time()
     eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
     student = cfg.train.student
@@ -319,10 +321,10 @@ def run_evaluate(cfg: Config, run: RunDir) -> StageResult:
                      cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))}
     cached = {n for n, (_, _, fp) in models.items()
               if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
-    results = {n: evaluate_model(cfg, run, n, model, pooling, eval_set, fp)
+    results = {n: evaluate_model(ctx, n, model, pooling, eval_set, fp)
                for n, (model, pooling, fp) in models.items()}
     write_model_card(cfg, run, name)  # the card now carries the held-out metrics
-    by_cluster = cluster_breakdown(cfg, run, eval_set, results)
+    by_cluster = cluster_breakdown(ctx, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]
     if cached == set(models):  # nothing evaluated now: the cost record of the run that did it stays

@@ -34,6 +34,7 @@ from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, esca
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
+from clusterscale.runtime.stage_context import StageContext
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])
@@ -246,9 +247,10 @@ def effective_data_config(cfg: Config) -> DataConfig:
     return data
 
 
-def run_ingest(cfg: Config, run: RunDir) -> StageResult:
+def run_ingest(ctx: StageContext) -> StageResult:
     """Ingest every input file (one Ray task each) into pairs/, heldout/ and quarantine/ (cleared by the
     executor, which marks all three done)."""
+    cfg, run = ctx.cfg, ctx.run
     data = effective_data_config(cfg)
     with filesystem_errors(data.path):  # an unreachable store is named by data.path (redacted)
         fs, files = list_input_files(data)

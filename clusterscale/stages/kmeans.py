@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
 from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
@@ -28,6 +27,7 @@ from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 
 __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
@@ -78,10 +78,10 @@ class SampleShard:
         return self.worker.step(centroids)
 
 
-def fit_resources(num_workers: int, units: int) -> ActorPlan:
+def fit_resources(need: Resources, num_workers: int, units: int) -> ActorPlan:
     """The fit's actors: one per GPU (where faiss has GPU support), else one per node sharing its CPUs."""
     cluster = ClusterResources.current()
-    return plan_actors(Resources(gpus=1), max_actors=num_workers, work_units=units, cpu_actors=cluster.nodes,
+    return plan_actors(need, max_actors=num_workers, work_units=units, cpu_actors=cluster.nodes,
                        use_gpu=cluster.gpus > 0 and gpu_available(), cluster=cluster)
 
 
@@ -120,8 +120,9 @@ def check_sample(descriptions: list[dict], k: int) -> int:
     return rows
 
 
-def run_fit(cfg: Config, run: RunDir) -> StageResult:
+def run_fit(ctx: StageContext) -> StageResult:
     """Fit spherical k-means on a seeded sample of embeddings/ into kmeans/k=<k>/ (centroids, fit_stats)."""
+    cfg, run = ctx.cfg, ctx.run
     k = cfg.cluster.k
     n_rows = int(run.done_stats("embeddings").get("rows", 0))
     units = row_group_units(run)
@@ -135,7 +136,7 @@ def run_fit(cfg: Config, run: RunDir) -> StageResult:
     started = time.time()
     wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
     sample_units, keep_fraction = choose_sample_units(units, wanted, cfg.cluster.seed)
-    plan = fit_resources(cfg.cluster.num_workers, len(sample_units))
+    plan = fit_resources(ctx.resources, cfg.cluster.num_workers, len(sample_units))
     slices = split_units(sample_units, plan.actors)
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
     actors = start_sample_shards(loads, plan)
@@ -244,8 +245,9 @@ class AssignUnits(AssignBatches):
         return pa.table({"rows": pa.array(rows, pa.int64())})
 
 
-def run_assign(cfg: Config, run: RunDir) -> StageResult:
+def run_assign(ctx: StageContext) -> StageResult:
     """Assign every embedded pair to its nearest centroid of kmeans/k=<k>/, into assign/k=<k>/."""
+    cfg, run = ctx.cfg, ctx.run
     k = cfg.cluster.k
     out = assign_dir(k)
     started = time.time()
@@ -253,7 +255,7 @@ def run_assign(cfg: Config, run: RunDir) -> StageResult:
     n_rows = run.done_stats("embeddings")["rows"]
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
-    plan = plan_actors(Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), cpu_actors=cluster.cpus,
+    plan = plan_actors(ctx.resources, cpu_actors=cluster.cpus,
                        use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
     units = assign_units(run)

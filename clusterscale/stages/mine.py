@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, ConfigError, EmbedConfig, Fingerprint, MineConfig, variant
+from clusterscale.config import Config, ConfigError, EmbedConfig, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
@@ -49,12 +48,12 @@ from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per
                                                release_freed_memory)
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
-EmbedInto = Callable[[Config, RunDir], dict]  # (config, child run) -> the embed stage's stats
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -80,15 +79,16 @@ def resolve_encoder(cfg: Config, run: RunDir) -> str | None:
     return encoder
 
 
-def vectors_run(cfg: Config, run: RunDir, encoder: str | None, embed: EmbedInto) -> tuple[RunDir, dict]:
-    """(the run directory whose embeddings/ is mined, the stats of making it). `embed` runs the embed stage
-    (the pipeline's executor, so the child run has its own done marker) into a child run reading run's pairs."""
+def vectors_run(ctx: StageContext, encoder: str | None) -> tuple[RunDir, dict]:
+    """(the run directory whose embeddings/ is mined, the stats of making it): the embed stage, run through the
+    executor (so the child run has its own done marker), into a child run reading run's pairs."""
+    cfg, run = ctx.cfg, ctx.run
     if encoder is None:
         return run, {}
     child = RunDir(run.child_uri(ENCODER_RUN))
     child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
     print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
-    return child, embed(child_cfg, child)
+    return child, ctx.stage("embed", child_cfg, child, source=run, cost_key="").stats
 
 
 # --- the pairs with their vectors and cluster ---------------------------------------------------------------
@@ -108,10 +108,10 @@ class EncodeQueries:
         return batch.append_column("emb_query", pa.FixedSizeListArray.from_arrays(pa.array(q.reshape(-1)), q.shape[1]))
 
 
-def encoder_pool(mc: MineConfig) -> ActorPlan:
+def encoder_pool(mc: MineConfig, need: Resources) -> ActorPlan:
     """Query-encoder actors: one per GPU, or on CPU a few (one per 8 CPUs) using the CPUs as torch threads."""
     cluster = ClusterResources.current()
-    return plan_actors(Resources(gpus=1, cpus_with_gpu=None), max_actors=mc.num_actors,
+    return plan_actors(need, max_actors=mc.num_actors,
                        cpu_actors=max(1, cluster.cpus // 8), cluster=cluster)
 
 
@@ -120,7 +120,8 @@ def _schema(run: RunDir, folder: str) -> list[str]:
         return pq.read_schema(f).names
 
 
-def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | None) -> tuple[ray.data.Dataset, bool]:
+def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | None,
+                       need: Resources) -> tuple[ray.data.Dataset, bool]:
     """(rows of pair_id, query, passage, emb, emb_query, cluster; whether the queries are embedded here)."""
     assigned = assign_dir(cfg.cluster.k)
     text = ["pair_id", "query", "passage", "cluster"]
@@ -134,7 +135,7 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
     if has_queries:
         return read_row_groups(run, run.files(assigned), text + ["emb", "emb_query"]), False
     ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(text + ["emb"])
-    pool = encoder_pool(cfg.mine)
+    pool = encoder_pool(cfg.mine, need)
     # CPU actors reserve at most half the CPUs (they still run pool.threads threads), so the read and
     # grouping tasks are never starved (a whole-CPU pool deadlocks Ray Data on a small box).
     options = pool.options if pool.on_gpu else {"num_cpus": min(pool.num_cpus, ClusterResources.current().cpus / 2)}
@@ -209,11 +210,11 @@ def bucket_file(bucket: int) -> str:
     return f"{NEGATIVES}/part-{bucket:05d}.parquet"
 
 
-def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buckets: int, n_rows: int
+def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need: Resources, buckets: int, n_rows: int
              ) -> tuple[list[dict], int]:
     """Run route -> search by group -> merge by bucket; (per-bucket counts, queries embedded here)."""
     centroids = load_centroids(run, cfg.cluster.k)
-    ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder)
+    ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder, need)
     groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     mine = cfg.mine
@@ -253,14 +254,15 @@ def write_empty_buckets(run: RunDir, plan: dict) -> None:
         run.write_parquet(unit["output"], schema.empty_table())
 
 
-def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInto) -> StageResult:
+def run_mine(ctx: StageContext) -> StageResult:
     """Mine negatives for every training query (an interrupted attempt with this fingerprint reruns whole, into
-    the same files). `embed`: see vectors_run."""
+    the same files); a non-frozen mine.encoder first re-embeds the pairs (vectors_run)."""
+    cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     started = time.time()
     k = cfg.cluster.k
     run.require(assign_dir(k), "assign", f"Cluster assignments for k={k}")
     encoder = resolve_encoder(cfg, run)
-    source, embed_cost = vectors_run(cfg, run, encoder, embed)
+    source, embed_cost = vectors_run(ctx, encoder)
     n_rows = int(run.done_stats(assign_dir(k))["rows"])
     plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(n_rows, cfg))
     _, todo = split_done(run, NEGATIVES, plan["units"])
@@ -271,7 +273,7 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
     t0 = time.time()
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
         if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
-            results, embedded = mine_all(cfg, run, source, encoder, len(plan["units"]), n_rows)
+            results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, len(plan["units"]), n_rows)
             write_empty_buckets(run, plan)
         sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus

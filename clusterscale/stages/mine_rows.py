@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
+from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.runtime.bounded_data import read_row_groups
 from clusterscale.runtime.hashing import hash_unit
@@ -36,10 +37,10 @@ JOIN_ROWS_PER_PARTITION = 250_000  # (anchor, candidate) rows per hash partition
 READ_ROWS_PER_TASK = 65_536  # shard rows one read task reads (whole pieces; at least one piece)
 
 
-def piece_units(manifest: dict) -> list[dict]:
+def piece_units(manifest: ShardManifest) -> list[dict]:
     """One unit per sidecar piece: the shard file, the piece index and its first and last row group."""
     per_piece = groups_per_piece(manifest)
-    piece_rows = per_piece * int(manifest.get("row_group_rows", 1))
+    piece_rows = per_piece * int(manifest.row_group_rows)
     return [{"file": rel, "piece": p, "groups": [p * per_piece, (p + 1) * per_piece]}
             for rel, rows in shard_files(manifest) for p in range(max(1, math.ceil(rows / piece_rows)))]
 
@@ -127,14 +128,15 @@ def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> d
     return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
 
 
-def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: dict, candidates_per_row: int) -> dict:
+def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: ShardManifest,
+                   candidates_per_row: int) -> dict:
     """Write the sidecar pieces of every shard file of the set under set_dir (in shards_run) from the candidates
     in neg_run's negatives/, and neg_run's padding pool when missing; their counts. Pieces written for another
     manifest of the set (the shards were rewritten) are removed first. candidates_per_row: at most how many
     candidates a row has (mine.range_max - mine.range_min), to size the hash partitions of the joins."""
     marker, units = sidecar_marker(set_dir), piece_units(manifest)
     recorded = shards_run.read_json(marker)["shards"] if shards_run.exists(marker) else None
-    if recorded is not None and recorded != manifest.get("fingerprint"):
+    if recorded is not None and recorded != manifest.fingerprint:
         shards_run.remove(posixpath.dirname(marker))
         recorded = None
     todo = [] if recorded is not None else _missing(shards_run, units)  # an interrupted attempt: the rest
@@ -174,7 +176,7 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: 
                     write_empty_pieces, fn_kwargs={"run_uri": shards_run.uri, "units": units},
                     batch_format="numpy").iter_rows():
                 counts["rows"] += row["rows"]
-    shards_run.write_json(marker, {"shards": manifest.get("fingerprint")})
+    shards_run.write_json(marker, {"shards": manifest.fingerprint})
     return {"sidecar_pieces": len(units), "sidecar_pieces_written": len(todo),
             "sidecar_rows_written": counts["rows"], "sidecar_negatives_written": counts["negatives"]}
 

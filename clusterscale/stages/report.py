@@ -12,11 +12,12 @@ import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
-from clusterscale.stages.dedup import report_lines as dedup_report_lines
 from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import (DEDUP, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
-                                    manifest_path)
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
+                                    manifest_path, read_manifest)
+from clusterscale.io.records import ShardManifest
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.metrics import read_metrics
 
 PAPER_TABLE1 = "the paper, MS MARCO passages at k=10: 0.263..0.493 vs 0.305"
@@ -29,30 +30,64 @@ def _fmt(value, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def cluster_table(manifest: dict) -> str:
+def cluster_table(manifest: ShardManifest) -> str:
     lines = ["| cluster | rows | mean intra-cluster cosine | mean cos to centroid | merged from | sample query |",
              "|---|---|---|---|---|---|"]
-    for c in manifest["clusters"]:
-        members = ",".join(str(m) for m in c["members"]) if len(c["members"]) > 1 else ""
-        sample = (c["samples"][0] if c["samples"] else "").replace("|", "\\|")[:80]
-        lines.append(f"| {c['name']} | {c['rows']} | {_fmt(c['mean_intra_cosine'])} | "
-                     f"{c['mean_cos_to_centroid']:.3f} | {members} | {sample} |")
-    overall = manifest["stats"]["overall_mean_cosine"]
-    lines.append(f"\nWhole dataset: {manifest['stats']['rows']} rows, mean pairwise cosine {_fmt(overall)}.")
+    for c in manifest.clusters:
+        members = ",".join(str(m) for m in c.members) if len(c.members) > 1 else ""
+        sample = (c.samples[0] if c.samples else "").replace("|", "\\|")[:80]
+        lines.append(f"| {c.name} | {c.rows} | {_fmt(c.mean_intra_cosine)} | "
+                     f"{c.mean_cos_to_centroid:.3f} | {members} | {sample} |")
+    overall = manifest.stats["overall_mean_cosine"]
+    lines.append(f"\nWhole dataset: {manifest.stats['rows']} rows, mean pairwise cosine {_fmt(overall)}.")
     return "\n".join(lines)
 
 
-def table1_line(manifest: dict) -> str:
+def table1_line(manifest: ShardManifest) -> str:
     """The paper's Table 1: spread of cluster sizes and intra-cluster cosine against the whole set."""
-    clusters = [c for c in manifest["clusters"] if c["mean_intra_cosine"] is not None]
+    clusters = [c for c in manifest.clusters if c.mean_intra_cosine is not None]
     if not clusters:
         return ""
-    rows = [c["rows"] for c in manifest["clusters"]]
-    cos = [c["mean_intra_cosine"] for c in clusters]
-    weighted = sum(c["mean_intra_cosine"] * c["rows"] for c in clusters) / sum(c["rows"] for c in clusters)
+    rows = [c.rows for c in manifest.clusters]
+    cos = [c.mean_intra_cosine for c in clusters]
+    weighted = sum(c.mean_intra_cosine * c.rows for c in clusters) / sum(c.rows for c in clusters)
     return (f"Table 1 analogue: shards of {min(rows)}..{max(rows)} rows; mean intra-cluster cosine "
             f"{min(cos):.3f}..{max(cos):.3f} (row-weighted {weighted:.3f}) vs "
-            f"{_fmt(manifest['stats']['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
+            f"{_fmt(manifest.stats['overall_mean_cosine'])} over the whole set ({PAPER_TABLE1}).")
+
+
+def dedup_section(run: RunDir, k: int, max_clusters: int = 20) -> list[str]:
+    """Markdown of the dedup/ results (of the clustering they were made at; `k`: the report's, named when they
+    differ): counts per reason, removed per cluster (the most first), the histogram of each pair's highest cosine
+    to an earlier kept pair around the threshold, and example groups."""
+    done = run.done_marker(DEDUP)
+    s, dc = done.stats, done.config["dedup"]
+    lines = [f"## Dedup (k={s['k']}, key={dc['key']}, keep={dc['keep']}, exact={dc['exact']}, "
+             f"semantic_threshold={dc['semantic_threshold']})"]
+    if s["k"] != k:
+        lines.append(f"(dedup/ holds one clustering at a time: the last dedup ran at k={s['k']}, not at this "
+                     f"report's k={k}.)  ")
+    lines += [f"Assigned {s['assigned']} pairs: kept {s['rows']}, removed {s['removed']} (exact {s['exact']}, "
+              f"semantic {s['semantic']}, held-out leaks {s['heldout_leak']} against {s['heldout_pairs']} held-out "
+              f"pairs). Removed rows: `{DEDUP_REMOVED}/`.", ""]
+    per_cluster = sorted(s["removed_per_cluster"].items(), key=lambda kv: (-kv[1], int(kv[0])))
+    lines += ["| cluster | removed |", "|---|---|"] + [f"| {c} | {n} |" for c, n in per_cluster[:max_clusters]]
+    if len(per_cluster) > max_clusters:
+        lines.append(f"| ({len(per_cluster) - max_clusters} more) | {sum(n for _, n in per_cluster[max_clusters:])} |")
+    histogram = s.get("similarity_histogram")
+    if histogram:
+        edges, counts = histogram["edges"], histogram["counts"]
+        lines += ["", "Highest cosine of each pair to a pair kept before it in its cluster (>= threshold: removed):",
+                  "", "| cosine | pairs |", "|---|---|"]
+        lines += [f"| [{a:.3f}, {b:.3f}){' removed' if a >= dc['semantic_threshold'] else ''} | {n} |"
+                  for a, b, n in zip(edges, edges[1:], counts)]
+    for example in s.get("examples", []):
+        kept = example["kept"]
+        lines += ["", f"Group of {example['size']} in cluster {example['cluster']}: kept pair {kept['pair_id']} "
+                      f"({kept['query']!r} -> {kept['passage'][:80]!r})"]
+        lines += [f"- removed {r['pair_id']} (cosine {r['similarity']}): {r['query']!r} -> {r['passage'][:80]!r}"
+                  for r in example["removed"]]
+    return lines + [""]
 
 
 def stage_kind(key: str, record: dict) -> str:
@@ -275,7 +310,13 @@ def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, cap
         parts += [f"![{caption}]({filename})", ""]
 
 
-def run_report(cfg: Config, run: RunDir) -> str:
+def run_report(ctx: StageContext) -> StageResult:
+    """The report stage: report/report.md rewritten from what the run holds now (no done marker)."""
+    return StageResult({}, outputs={"report": write_report(ctx.cfg, ctx.run)})
+
+
+def write_report(cfg: Config, run: RunDir) -> str:
+    """Write report/report.md (with its plots); its path."""
     k = cfg.cluster.k
     parts = ["# clusterscale report", "", f"Run directory: `{run.uri}`  ", f"Config hash: `{cfg.hash()}`", ""]
     flagged = collapse_warnings(run)
@@ -286,12 +327,12 @@ def run_report(cfg: Config, run: RunDir) -> str:
         parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "
                   f"quarantined {s['quarantine']}" + (f" {s['reasons']}" if s['reasons'] else "") + ".", ""]
     if run.exists(manifest_path(k)):
-        manifest = run.read_json(manifest_path(k))
-        parts += [f"## Clusters (k={k}, small-cluster policy: {manifest['small_cluster_policy']})",
+        manifest = read_manifest(run, manifest_path(k))
+        parts += [f"## Clusters (k={k}, small-cluster policy: {manifest.small_cluster_policy})",
                   table1_line(manifest), "", cluster_table(manifest), ""]
         _figure(run, parts, "cluster_sizes.png", report_plots.cluster_sizes(manifest), "cluster sizes")
     if run.exists(DEDUP, "_DONE.json"):  # the clustering dedup last ran at (its section names k)
-        parts += dedup_report_lines(run, k)
+        parts += dedup_section(run, k)
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
     if costs:
         sweep_points = run.read_json("report/cost_points.json") if run.exists("report/cost_points.json") else None

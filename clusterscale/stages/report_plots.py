@@ -5,6 +5,8 @@ import io
 
 import numpy as np
 
+from clusterscale.io.records import ShardManifest
+
 PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green"}
 
 
@@ -33,18 +35,18 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     return (cumsum[idx] - cumsum[lo]) / (idx - lo)
 
 
-def cluster_sizes(manifest: dict) -> bytes:
+def cluster_sizes(manifest: ShardManifest) -> bytes:
     """One bar per shard, largest first (a histogram of k values says little); log scale once sizes span 100x
     or k is large, so small shards stay visible next to the global-batch line."""
     plt = _pyplot()
-    clusters = sorted(manifest["clusters"], key=lambda c: -c["rows"])
-    rows = np.array([c["rows"] for c in clusters])
+    clusters = sorted(manifest.clusters, key=lambda c: -c.rows)
+    rows = np.array([c.rows for c in clusters])
     fig, ax = plt.subplots(figsize=(max(6.0, min(12.0, 0.3 * len(rows))), 3.5))
     ax.bar(np.arange(len(rows)), rows, width=0.8 if len(rows) <= 200 else 1.0, color="tab:gray")
-    ax.axhline(manifest["global_batch_size"], color="tab:red", linestyle="--",
-               label=f"one global batch ({manifest['global_batch_size']})")
+    ax.axhline(manifest.global_batch_size, color="tab:red", linestyle="--",
+               label=f"one global batch ({manifest.global_batch_size})")
     if len(rows) <= 30:  # named ticks while they fit; rank on the axis beyond
-        ax.set_xticks(np.arange(len(rows)), [str(c["name"]) for c in clusters], rotation=90 if len(rows) > 12 else 0)
+        ax.set_xticks(np.arange(len(rows)), [str(c.name) for c in clusters], rotation=90 if len(rows) > 12 else 0)
         ax.set_xlabel("shard (largest first)")
     else:
         ax.set_xlabel("shard rank (largest first)")
@@ -55,7 +57,7 @@ def cluster_sizes(manifest: dict) -> bytes:
 
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # row counts: no fractional ticks
     ax.set_ylabel("rows")
-    ax.set_title(f"Cluster sizes, k={manifest['k']} ({len(rows)} shards)")
+    ax.set_title(f"Cluster sizes, k={manifest.k} ({len(rows)} shards)")
     ax.legend(fontsize=8)
     return _png(fig)
 

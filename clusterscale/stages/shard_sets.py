@@ -7,8 +7,8 @@ shards/k=<k>/<sampler>/stratum=<s>/part-<group>-<part>.parquet and shards/k=<k>/
   source           one stratum per value of the `source` column; names and counts from per-file Ray tasks
 Row groups are sized to the per-rank batch like the clustered shards', so every sampler trains from files a
 rank reads row group by row group. The train stage builds the set its sampler needs through the executor
-(pipeline.SHARD_SET: fingerprinted, reused by every training run of the same clustering, such as compare's
-arms and seeds; rebuilt whole after an interrupted attempt). Positions and source codes are computed per
+(the shard_set stage of pipeline.STAGES: fingerprinted, reused by every training run of the same clustering,
+such as compare's arms and seeds; rebuilt whole after an interrupted attempt). Positions and source codes are computed per
 shard file in Ray tasks: no process holds a row per pair.
 """
 from __future__ import annotations
@@ -22,12 +22,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, Fingerprint
-from clusterscale.io.layout import shard_set_dir, shard_set_manifest_path, shards_dir
+from clusterscale.config import Config
+from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_dir, shard_set_manifest_path, shards_dir
+from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.stages.shards import SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups, write_groups
-from clusterscale.train.data import TrainDataError, checked_manifest, shard_set_files, strata_sizes
-from clusterscale.train.schedule import SeededPermutation
+from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.hashing import SeededPermutation
 
 SET_SAMPLERS = ("random", "random_clusters", "source")
 PERMUTATION_SALT = {"random": 0x7A11D0, "random_clusters": 0x5EED}
@@ -76,14 +77,14 @@ def read_keyed_files(batch: dict, run_uri: str, keys: SetKeys, columns: list[str
     return pa.concat_tables(tables)
 
 
-def file_offsets(base: dict) -> list[dict]:
+def file_offsets(base: ShardManifest) -> list[dict]:
     """(file, first row position) of every clustered shard file, shards concatenated in manifest order."""
     items, offset = [], 0
-    for cluster in base["clusters"]:
-        if "file_rows" not in cluster:
-            raise TrainDataError(f"The manifest of {shards_dir(base['k'])}/ lists no rows per file (written by an "
+    for cluster in base.clusters:
+        if cluster.file_rows is None:
+            raise TrainDataError(f"The manifest of {shards_dir(base.k)}/ lists no rows per file (written by an "
                                  f"older shard stage): rerun `clusterscale shard` with --replace.")
-        for rel, rows in zip(cluster["files"], cluster["file_rows"]):
+        for rel, rows in zip(cluster.files, cluster.file_rows):
             items.append({"file": rel, "offset": offset})
             offset += int(rows)
     return items
@@ -119,14 +120,14 @@ def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]
     return [name for name, _ in counts], np.array([n for _, n in counts], dtype=np.int64)
 
 
-def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarray, list[str]]:
+def set_strata(cfg: Config, run: RunDir, base: ShardManifest) -> tuple[SetKeys, np.ndarray, list[str]]:
     """(row keys, rows per stratum, stratum names) of the set of cfg.train.schedule.sampler."""
     sampler, seed, max_group = cfg.train.schedule.sampler, cfg.cluster.seed, cfg.shard.max_group_rows
     row_group_rows = file_sizes(cfg)[1]
-    base_sizes = np.array(strata_sizes(base), dtype=np.int64)
+    base_sizes = np.array(base.strata_sizes, dtype=np.int64)
     total = int(base_sizes.sum())
     if sampler == "source":
-        names, sizes = source_counts(run, shard_set_files(base))
+        names, sizes = source_counts(run, base.files)
         keys = SetKeys(sampler, total, seed, max_group, names=tuple(names), num_groups=-(-sizes // max_group))
         return keys, sizes, names
     sizes = np.array([total]) if sampler == "random" else base_sizes
@@ -136,8 +137,9 @@ def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarra
     return keys, sizes, names
 
 
-def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
+def run_shard_set(ctx: StageContext) -> StageResult:
     """Write shards/k=<k>/<train.sampler>/ from the clustered shards: the set's files and its manifest."""
+    cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     k, sampler, started = cfg.cluster.k, cfg.train.schedule.sampler, time.time()
     if sampler not in SET_SAMPLERS:
         raise ValueError(f"train.sampler={sampler} trains from the clustered shards, not from a shard set.")
@@ -155,27 +157,27 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
     group_sizes = GroupSizes(keys.total, int(num_groups.sum()), int((sizes / np.maximum(num_groups, 1)).max()),
                              cfg.shard.max_group_rows)
     groups = write_groups(ds, run, k, layout, columns, group_sizes, [run.path(f["file"]) for f in files],
-                          f"shard {sampler}")
+                          f"shard {sampler}", ctx.resources)
     strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s]), cfg.shard.num_samples)
               for s in range(len(sizes))]
     stats = {"k": k, "sampler": sampler, "shards": len(strata), "rows": keys.total,
-             "files": sum(len(c["files"]) for c in strata), "min_rows": int(sizes.min()),
+             "files": sum(len(c.files) for c in strata), "min_rows": int(sizes.min()),
              "max_rows": int(sizes.max()), "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
-    run.write_json(shard_set_manifest_path(k, sampler), {
-        "k": k, "sampler": sampler, "fingerprint": fingerprint, "clustered_fingerprint": base["fingerprint"],
-        "global_batch_size": cfg.train.schedule.global_batch_size, "row_group_rows": row_group_rows,
-        "rows_per_file": rows_per_file, "seed": cfg.cluster.seed, "clusters": strata, "stats": stats})
+    run.write_json(shard_set_manifest_path(k, sampler), ShardManifest(
+        k=k, fingerprint=fingerprint, global_batch_size=cfg.train.schedule.global_batch_size, clusters=strata, stats=stats,
+        row_group_rows=row_group_rows, rows_per_file=rows_per_file, seed=cfg.cluster.seed, sampler=sampler,
+        clustered_fingerprint=base.fingerprint).to_json())
     print(f"[shard] train.sampler={sampler}: {keys.total} rows into {len(strata)} shards ({stats['files']} files) "
           f"under {shard_set_dir(k, sampler)}/", flush=True)
     return StageResult(stats)
 
 
-def set_entry(stratum: int, name: str, groups: list[dict], expected: int, num_samples: int) -> dict:
-    """The manifest entry of one shard of a set (the clustered manifest's keys, so one reader reads both)."""
+def set_entry(stratum: int, name: str, groups: list[dict], expected: int, num_samples: int) -> ShardEntry:
+    """The manifest entry of one shard of a set (the clustered manifest's record, so one reader reads both)."""
     rows = sum(g["rows"] for g in groups)
     if rows != expected:
         raise RuntimeError(f"Shard {name!r} of the set holds {rows} rows, expected {expected}: rerun `train`.")
-    return {"cluster": stratum, "name": name, "rows": rows, "files": [f for g in groups for f in g["files"]],
-            "file_rows": [int(n) for g in groups for n in g["file_rows"]], "groups": len(groups),
-            "samples": [q for g in groups for q in g["samples"]][:num_samples]}
+    return ShardEntry(cluster=stratum, name=name, rows=rows, files=[f for g in groups for f in g["files"]],
+                      file_rows=[int(n) for g in groups for n in g["file_rows"]], groups=len(groups),
+                      samples=[q for g in groups for q in g["samples"]][:num_samples])

@@ -10,24 +10,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, Fingerprint, ShardConfig
+from clusterscale.config import Config
 from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import shards_dir
+from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
+from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_matrix
-from clusterscale.train.data import row_group_rows_for
 
 # What the shard files carry: training reads pair_id, query and passage; the source sampler's set is built from
 # `source`. Each column costs every row group ~60 B of footer that a training rank reads (train/data.py), so
@@ -182,8 +183,7 @@ class WriteClusterShard:
         name = "pool" if shard_id == lay.pool_id else str(shard_id)
         files, file_rows = [], []
         for part, start in enumerate(range(0, group.num_rows, lay.rows_per_file)):
-            # sub-group then part in the name: a shard's files sort into their manifest order
-            rel = f"{lay.folder}/{lay.partition}={name}/part-{sub:05d}-{part:05d}.parquet"
+            rel = shard_file(lay.folder, lay.partition, name, sub, part)
             # Row groups of row_group_rows: a training rank reads only the groups of its slice (train/data.py),
             # plus the file's footer. No statistics and no dictionary pages keep that footer at ~60 B per column
             # chunk (both would be per-row-group metadata that no reader uses; texts rarely repeat in a group).
@@ -207,15 +207,16 @@ class GroupSizes:
 
 
 def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, columns: list[str],
-                 sizes: GroupSizes, input_files: list[str], what: str) -> dict[int, list[dict]]:
-    """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key; returns the
-    written groups of each shard, in sub-group order. Actor memory comes from the input files' bytes per row."""
+                 sizes: GroupSizes, input_files: list[str], what: str, need: Resources) -> dict[int, list[dict]]:
+    """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key (each asking for
+    `need`); returns the written groups of each shard, in sub-group order. Actor memory comes from the input
+    files' bytes per row."""
     partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
     rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
     memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, input_files, columns) * rows_held)
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
-    plan = plan_actors(Resources(cpus=0.5, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
+    plan = plan_actors(replace(need, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
                        cluster=cluster)
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
         WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
@@ -227,11 +228,11 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
 
 
-def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
+def write_shards(ctx: StageContext, target: np.ndarray, shard_rows: np.ndarray, pool_id: int | None,
                  rows_per_file: int, row_group_rows: int, source: str, folder: str) -> dict[int, list[dict]]:
     """Shuffle text rows (no `emb` unless shard.keep_emb) of `source` by (shard, sub-group) and write them under
     `folder`; returns the written groups of each shard, in sub-group order."""
-    sc: ShardConfig = cfg.shard
+    cfg, run, sc = ctx.cfg, ctx.run, ctx.cfg.shard
     k, files, n_rows = cfg.cluster.k, run.files(source), int(shard_rows.sum())
     columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
@@ -241,12 +242,12 @@ def write_shards(cfg: Config, run: RunDir, target: np.ndarray, shard_rows: np.nd
     layout = SetLayout(folder, "cluster", cfg.cluster.seed, rows_per_file, row_group_rows, sc.num_samples,
                        pool_id)
     sizes = GroupSizes(n_rows, int(num_groups.sum()), largest_group, sc.max_group_rows)
-    return write_groups(ds, run, k, layout, columns, sizes, files, "shard")
+    return write_groups(ds, run, k, layout, columns, sizes, files, "shard", ctx.resources)
 
 
 def file_sizes(cfg: Config) -> tuple[int, int]:
     """(rows per shard file, rows per Parquet row group) of every shard set: row groups sized so a global batch
-    is whole groups (train/data.row_group_rows_for); files of shard.batches_per_file global batches (at most
+    is whole groups (io/layout.row_group_rows_for); files of shard.batches_per_file global batches (at most
     shard.target_rows_per_file rows), whole row groups.
 
     A training rank reads the footer of each file it takes a row group from, and a footer describes every row
@@ -258,26 +259,36 @@ def file_sizes(cfg: Config) -> tuple[int, int]:
     return max(1, rows // row_group_rows) * row_group_rows, row_group_rows
 
 
-def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats, num_samples: int) -> dict:
+def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats,
+                num_samples: int) -> ShardEntry:
     """The manifest entry of one shard from its written groups and its member clusters' sums."""
     rows = sum(g["rows"] for g in groups)
     expected = int(sums.rows[members].sum())
     if rows != expected:
         raise RuntimeError(f"Shard {groups[0]['name']} holds {rows} rows, its clusters {expected}: rerun `shard`.")
-    return {"cluster": shard, "name": groups[0]["name"], "rows": rows, "files": [f for g in groups for f in g["files"]],
-            "file_rows": [int(n) for g in groups for n in g["file_rows"]],
-            "members": members.tolist(),
-            "mean_intra_cosine": mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
-            "mean_cos_to_centroid": float(sums.cos_sum[members].sum() / rows),
-            "samples": [q for g in groups for q in g["samples"]][:num_samples], "groups": len(groups)}
+    return ShardEntry(cluster=shard, name=groups[0]["name"], rows=rows, files=[f for g in groups for f in g["files"]],
+                      file_rows=[int(n) for g in groups for n in g["file_rows"]], groups=len(groups),
+                      samples=[q for g in groups for q in g["samples"]][:num_samples], members=members.tolist(),
+                      mean_intra_cosine=mean_pairwise_cosine(sums.vector_sum[members].sum(axis=0), rows),
+                      mean_cos_to_centroid=float(sums.cos_sum[members].sum() / rows))
 
 
-def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = "", folder: str = "") -> StageResult:
+def run_shard(ctx: StageContext) -> StageResult:
     """Write shards/k=<k>/: one shuffled shard set per cluster (small clusters by the policy, large ones in
-    sub-groups) and the manifest, which records the fingerprint. source and folder (train.dedup's set): the rows
-    read (default shard_input(cfg)) and where the set goes (default shards/k=<k>/)."""
+    sub-groups) and the manifest, which records the fingerprint."""
+    return write_clustered_set(ctx, shard_input(ctx.cfg), shards_dir(ctx.cfg.cluster.k))
+
+
+def run_dedup_shards(ctx: StageContext) -> StageResult:
+    """Write the clustered shards of the pairs dedup kept (dedup/kept/ of this k) into shards/k=<k>/dedup/, for
+    train.dedup=true, beside the run's shards of every assigned pair."""
+    return write_clustered_set(ctx, DEDUP_KEPT, dedup_set_dir(ctx.cfg.cluster.k))
+
+
+def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageResult:
+    """One shuffled shard set per cluster of the rows of `source` under `folder`, and its manifest."""
+    cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     k = cfg.cluster.k
-    source, folder = source or shard_input(cfg), folder or shards_dir(k)
     started = time.time()
     n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
     sums = cluster_stats(run, k, n_assigned or 0, source)
@@ -288,27 +299,27 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
-        groups = write_shards(cfg, run, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
+        groups = write_shards(ctx, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
                               folder)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,
                             cfg.shard.num_samples) for shard in sorted(groups)]
-    n_total = sum(c["rows"] for c in clusters)
+    n_total = sum(c.rows for c in clusters)
     for expected in (int(counts.sum()), n_assigned if n_assigned is not None else n_total):
         if n_total != expected:
             raise RuntimeError(f"Shard row count {n_total} != assigned rows {expected}: rerun `shard`.")
-    stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c["files"]) for c in clusters),
-             "min_rows": min(c["rows"] for c in clusters), "max_rows": max(c["rows"] for c in clusters),
-             "groups": sum(c["groups"] for c in clusters),
+    stats = {"k": k, "shards": len(clusters), "rows": n_total, "files": sum(len(c.files) for c in clusters),
+             "min_rows": min(c.rows for c in clusters), "max_rows": max(c.rows for c in clusters),
+             "groups": sum(c.groups for c in clusters),
              "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
              "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
-    manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.schedule.global_batch_size,
-                "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
-                "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
-                "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
-                "original_counts": counts.tolist(), "moved": {str(a): b for a, b in plan["moved"].items()},
-                "empty_clusters": np.flatnonzero(counts == 0).tolist(), "clusters": clusters, "stats": stats}
-    run.write_json(f"{folder}/manifest.json", manifest)
+    manifest = ShardManifest(k=k, fingerprint=fingerprint, global_batch_size=cfg.train.schedule.global_batch_size,
+                             clusters=clusters, stats=stats, row_group_rows=row_group_rows, rows_per_file=rows_per_file,
+                             seed=cfg.cluster.seed, small_cluster_policy=cfg.shard.small_cluster_policy,
+                             moved={str(a): b for a, b in plan["moved"].items()}, original_counts=counts.tolist(),
+                             empty_clusters=np.flatnonzero(counts == 0).tolist(),
+                             max_group_rows=cfg.shard.max_group_rows, keep_emb=cfg.shard.keep_emb)
+    run.write_json(f"{folder}/manifest.json", manifest.to_json())
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
@@ -323,15 +334,15 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
     return StageResult(stats)
 
 
-def cluster_table(manifest: dict, num_samples: int = 3) -> dict:
+def cluster_table(manifest: ShardManifest, num_samples: int = 3) -> dict:
     """The paper's Table 1 for one k: rows and mean intra-cluster cosine per shard, the whole-dataset
     mean cosine, and a few sample queries per shard (the paper's Appendix B)."""
-    clusters = [{"cluster": c["name"], "rows": c["rows"], "members": c["members"],
-                 "mean_intra_cosine": c["mean_intra_cosine"], "mean_cos_to_centroid": c["mean_cos_to_centroid"],
-                 "sample_queries": c["samples"][:num_samples]} for c in manifest["clusters"]]
-    return {"k": manifest["k"], "rows": manifest["stats"]["rows"], "shards": len(clusters),
-            "overall_mean_cosine": manifest["stats"]["overall_mean_cosine"],
-            "small_cluster_policy": manifest["small_cluster_policy"], "moved": manifest["moved"],
+    clusters = [{"cluster": c.name, "rows": c.rows, "members": c.members,
+                 "mean_intra_cosine": c.mean_intra_cosine, "mean_cos_to_centroid": c.mean_cos_to_centroid,
+                 "sample_queries": c.samples[:num_samples]} for c in manifest.clusters]
+    return {"k": manifest.k, "rows": manifest.stats["rows"], "shards": len(clusters),
+            "overall_mean_cosine": manifest.stats["overall_mean_cosine"],
+            "small_cluster_policy": manifest.small_cluster_policy, "moved": manifest.moved,
             "clusters": clusters}
 
 

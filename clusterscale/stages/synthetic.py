@@ -18,10 +18,11 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from clusterscale.config import Config, ConfigError
+from clusterscale.config import ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
+from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
 SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
@@ -44,6 +45,16 @@ class SynthSpec:
     def data_path(self) -> str:
         return f"{SYNTH_SCHEME}rows={self.rows},dim={self.dim},topics={self.topics},seed={self.seed}," \
                f"spread={self.spread}"
+
+    @classmethod
+    def from_data_path(cls, data_path: str) -> SynthSpec:
+        """The spec a synthetic run's data.path carries (the inverse of data_path)."""
+        if not data_path.startswith(SYNTH_SCHEME):
+            raise ConfigError(f"data.path={data_path!r} is not a synthetic run's ({SYNTH_SCHEME}...): write synthetic "
+                              f"runs with `clusterscale synth`.")
+        fields = dict(item.split("=", 1) for item in data_path.removeprefix(SYNTH_SCHEME).split(","))
+        return cls(rows=int(fields["rows"]), dim=int(fields["dim"]), topics=int(fields["topics"]),
+                   seed=int(fields["seed"]), spread=float(fields["spread"]))
 
     def check(self) -> None:
         for name in ("rows", "dim", "topics"):
@@ -187,19 +198,20 @@ def synthetic_embeddings(run: RunDir) -> dict | None:
     """The generator parameters when embeddings/ of `run` came from `clusterscale synth` (no encoder), else None."""
     if not run.exists("embeddings/_DONE.json"):
         return None
-    return run.read_json("embeddings/_DONE.json").get("config", {}).get("synth")
+    return run.done_marker("embeddings").config.get("synth")
 
 
-def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: int | None = None) -> StageResult:
+def run_synth(ctx: StageContext) -> StageResult:
     """Write the synthetic run (Ray must be initialised) into pairs/, heldout/, quarantine/ and embeddings/;
     the stats are those of pairs/, the other folders' come as outputs (the executor marks all four done).
 
-    cfg.data.path must be spec.data_path(). max_tasks_in_flight: parts generated at once (default: the
-    cluster's CPUs); it changes nothing in the output."""
+    The generator's spec is the one cfg.data.path carries (SynthSpec.data_path); ctx.max_tasks_in_flight: parts
+    generated at once (default: the cluster's CPUs); it changes nothing in the output."""
+    cfg, run, spec = ctx.cfg, ctx.run, SynthSpec.from_data_path(ctx.cfg.data.path)
     started = time.time()
     rows_per_part = cfg.data.rows_per_part
     ranges = [(p, s, min(spec.rows, s + rows_per_part)) for p, s in enumerate(range(0, spec.rows, rows_per_part))]
-    window = max_tasks_in_flight or ClusterResources.current().cpus
+    window = ctx.max_tasks_in_flight or ClusterResources.current().cpus
     task = ray.remote(num_cpus=1, max_retries=2)(synth_part)
     print(f"[synth] {spec.rows} rows (d={spec.dim}, {spec.topics} topics, seed {spec.seed}) in {len(ranges)} "
           f"part(s) of {rows_per_part}", flush=True)

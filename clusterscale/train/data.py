@@ -1,4 +1,5 @@
-"""Reading training rows from a sampler's shard set: the manifest checks and a row-group reader with prefetch.
+"""Reading training rows from a sampler's shard set: a row-group reader with prefetch (the manifest and its
+checks are io/layout's, shared with the writers).
 
 Every sampler trains from a shard set (io/layout.shard_set_dir): the clustered shards for `clustered`, a set
 written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py). A set's shards are
@@ -17,86 +18,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.errors import UserError
-from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.io.layout import load_manifest, manifest_path, shard_set_dir, shard_set_manifest_path, shards_dir
+from clusterscale.io.records import ShardManifest
+from clusterscale.io.rundir import RunDir
 from clusterscale.train.schedule import GlobalBatch
 
 READ_COLUMNS = ["pair_id", "query", "passage"]
-
-
-class TrainDataError(UserError, ValueError):
-    """The shards cannot feed this training config; the message says why and what to do."""
-
-
-def checked_manifest(run: RunDir, k: int, global_batch_size: int) -> dict:
-    """The manifest of the clustered shards shards/k=<k>/, after checking it matches the config and its files
-    exist (the driver checks; training ranks only read it)."""
-    if not run.exists(manifest_path(k)) and run.exists(shards_dir(k), "_DONE.json"):
-        raise StageMissingError(f"{run.path(manifest_path(k))} is missing although the shard stage "
-                                f"is marked done: delete {shards_dir(k)}/ and rerun `clusterscale shard`.")
-    manifest = load_manifest(run, k)
-    if manifest.get("k") != k:
-        raise TrainDataError(f"The manifest in {shards_dir(k)}/ was written for cluster.k={manifest.get('k')}, not "
-                             f"cluster.k={k}: it was copied or moved; rerun `clusterscale shard` with cluster.k={k}.")
-    _check_set(run, manifest, shards_dir(k), global_batch_size, "clusterscale shard")
-    sizes = strata_sizes(manifest)
-    if not sizes or max(sizes) < global_batch_size:
-        raise TrainDataError(f"train.global_batch_size={global_batch_size} is larger than every shard (largest "
-                             f"{max(sizes, default=0)} rows): lower it or cluster.k.")
-    return manifest
-
-
-def _check_set(run: RunDir, manifest: dict, folder: str, global_batch_size: int, rerun: str) -> None:
-    if manifest["global_batch_size"] != global_batch_size:
-        raise TrainDataError(f"The shards under {folder} were planned for train.global_batch_size="
-                             f"{manifest['global_batch_size']}, not {global_batch_size}: rerun `clusterscale shard` "
-                             f"with this batch size in a new --run-dir, or keep the batch size.")
-    missing = [f for f in shard_set_files(manifest) if not run.exists(f)]
-    if missing:
-        raise StageMissingError(f"{len(missing)} shard file(s) listed in the manifest are missing (first: "
-                                f"{run.path(missing[0])}): delete {folder}/ and rerun `{rerun}`.")
-
-
-def shard_set_manifest(run: RunDir, k: int, global_batch_size: int, sampler: str, check_files: bool = True) -> dict:
-    """The manifest of the shard set `sampler` trains from. check_files (the driver, once per run): it matches
-    the config and every file it lists exists; training ranks skip that and read the manifest only."""
-    if sampler == "clustered" and check_files:
-        return checked_manifest(run, k, global_batch_size)
-    folder = shard_set_dir(k, sampler)
-    if not run.exists(folder, "_DONE.json"):
-        raise StageMissingError(f"The shards of train.sampler={sampler} are not in {run.path(folder)}: "
-                                f"`clusterscale train` writes them from the clustered shards before training (run "
-                                f"it with the same config and --run-dir).")
-    manifest = run.read_json(shard_set_manifest_path(k, sampler))
-    if check_files:
-        _check_set(run, manifest, folder, global_batch_size, "clusterscale train")
-    return manifest
-
-
-def strata_sizes(manifest: dict) -> list[int]:
-    """The rows of each shard of a set: the sizes of its sampler's strata, in schedule order."""
-    return [int(c["rows"]) for c in manifest["clusters"]]
-
-
-def shard_set_files(manifest: dict) -> list[str]:
-    """Every file of a shard set (relative to the run), shard by shard in manifest order, each shard's files in
-    row order: files aligned to these (mined negatives) can be found from the manifest alone."""
-    return [f for c in manifest["clusters"] for f in c["files"]]
-
-
-def row_group_rows_for(global_batch_size: int) -> int:
-    """The Parquet row-group size of the shards: the largest divisor of the global batch that is at most
-    max(32, global_batch_size // 64) rows.
-
-    The world size is not known when the shards are written. A global batch is whole row groups, so rank r's
-    slice of b = global_batch_size / world_size rows is whole row groups whenever world_size divides
-    global_batch_size / row_group_rows (any power of two up to 64 for a batch that 64 divides), and otherwise
-    touches at most b / row_group_rows + 1 groups: <= 2x the bytes used while b >= 2 x row_group_rows. The floor
-    of 32 rows keeps the footer (~0.4 KB per row group) small next to the data when batches are small; the price
-    is whole-group reads when a rank's slice is under 32 rows."""
-    cap = max(32, global_batch_size // 64)
-    return max(d for d in range(1, min(cap, global_batch_size) + 1) if global_batch_size % d == 0)
 
 
 class _CountingFile:
@@ -175,10 +101,10 @@ class ShardReader:
     footers are kept in an LRU of `footer_cache_bytes`. `bytes_read` / `bytes_used` / `footer_bytes_read` count
     the whole life of the reader."""
 
-    def __init__(self, run: RunDir, manifest: dict, footer_cache_bytes: int = 64 << 20, sidecars=None):
-        self.run, self.clusters = run, manifest["clusters"]
+    def __init__(self, run: RunDir, manifest: ShardManifest, footer_cache_bytes: int = 64 << 20, sidecars=None):
+        self.run, self.clusters = run, manifest.clusters
         self.sidecars = sidecars  # train/negatives.NegativeSidecars: each row's mined negatives, read with it
-        self.rows_per_file = manifest.get("rows_per_file")
+        self.rows_per_file = manifest.rows_per_file
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
         self.bytes_read = self.bytes_used = self.footer_bytes_read = 0
@@ -208,12 +134,12 @@ class ShardReader:
     def _file_starts(self, shard: int) -> tuple[np.ndarray, int]:
         """(first row of each file of a shard, plus its row count; bytes read to learn them)."""
         cluster = self.clusters[shard]
-        if "file_rows" in cluster:  # each file's rows, as the shard stage wrote them (split clusters)
-            return np.cumsum([0] + cluster["file_rows"]), 0
+        if cluster.file_rows is not None:  # each file's rows, as the shard stage wrote them (split clusters)
+            return np.cumsum([0] + cluster.file_rows), 0
         if self.rows_per_file:  # every file but the last holds rows_per_file rows
-            starts = np.arange(0, cluster["rows"], self.rows_per_file)
-            return np.append(starts, cluster["rows"]), 0
-        footers = [self._footer(f) for f in cluster["files"]]
+            starts = np.arange(0, cluster.rows, self.rows_per_file)
+            return np.append(starts, cluster.rows), 0
+        footers = [self._footer(f) for f in cluster.files]
         counts = [int(f.group_starts[-1]) for f, _ in footers]
         return np.cumsum([0] + counts), sum(n for _, n in footers)
 
@@ -225,7 +151,7 @@ class ShardReader:
         files = np.searchsorted(file_starts, rows, side="right") - 1
         pieces, offset, where, used = [], 0, np.empty(len(rows), dtype=np.int64), 0.0
         for index in np.unique(files).tolist():
-            rel = self.clusters[shard]["files"][index]
+            rel = self.clusters[shard].files[index]
             footer, footer_read = self._footer(rel)
             mine = np.flatnonzero(files == index)
             local = rows[mine] - file_starts[index]
@@ -305,7 +231,7 @@ class ShardReader:
             worker.join(timeout=5)
 
 
-def schedule_block_rows(manifest: dict) -> int:
+def schedule_block_rows(manifest: ShardManifest) -> int:
     """The `block_rows` of the schedule for these shards: their row-group size (1 for shards written before
     the shard stage recorded it, whose row groups are whole files)."""
-    return int(manifest.get("row_group_rows", 1))
+    return int(manifest.row_group_rows)

@@ -3,7 +3,9 @@
 Run with `clusterscale train [CONFIG] --run-dir R` (after `shard`); `--resume` continues a stopped or
 failed run from its latest checkpoint. Writes train/<name>/: metrics.jsonl (rank 0, one line per
 step), batches/rank-<r>.jsonl (train.log_batches), checkpoints (Ray Train, under ray/), model/ (the
-exported encoder). The per-worker trainer is train/trainer.py.
+exported encoder). The per-worker trainer is train/trainer.py. The stages training needs first (its sampler's
+shard set, dedup, a segment's re-clustering) run through ctx.stage, the executor's, so each keeps its own lock,
+done marker and cost record.
 """
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ import time
 
 from clusterscale.config import Config, ConfigError, TrainConfig
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir, training_set
+from clusterscale.io.layout import (NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir,
+                                    training_set)
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
-from clusterscale.runtime.resources import Resources, plan_actors
+from clusterscale.runtime.resources import plan_actors
+from clusterscale.runtime.stage_context import StageContext
+from clusterscale.stages.dedup import train_dedup_config
+from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.train import schedule
-from clusterscale.train.data import shard_set_manifest, strata_sizes
 from clusterscale.train.negatives import mine_fingerprint
+from clusterscale.train import recluster
 from clusterscale.train.recluster import segment_bounds, segment_dir
 
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
@@ -45,11 +51,49 @@ class TrainPlan:
         return train_dir(self.name)
 
 
-def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
-    """Check the shards, the negatives and the options against the config; print the warnings and the plan.
+def run_train(ctx: StageContext) -> StageResult:
+    """Train in segments; between two segments (train.recluster_every) the pairs are re-clustered with the
+    model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
+    cfg, run = ctx.cfg, ctx.run
+    if cfg.train.shards.dedup:  # the clustered shards of the kept pairs, after the dedup stage (once per clustering)
+        dedup_cfg = train_dedup_config(cfg)
+        ctx.stage("dedup", dedup_cfg, run)
+        ctx.stage("dedup_shards", dedup_cfg, run)
+    elif cfg.train.schedule.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
+        ctx.stage("shard_set", cfg, run)
+    plan = plan_training(cfg, run, ctx.resume)
+    if cfg.train.objective.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
+        sidecars_for_training(cfg, run, run)
+    shards_uri, recluster_s, result = run.uri, 0.0, None
+    for segment in segments_to_train(run, plan):
+        if segment > 0:
+            started = time.time()
+            shards_uri = recluster_segment(ctx, plan.name, segment).uri
+            recluster_s += time.time() - started
+        result = train_segment(ctx, plan, segment, shards_uri, ctx.resume or segment > 0)
+    return finish_training(cfg, run, plan, result, recluster_s)
 
-    The train stage of clusterscale.pipeline runs the segments of the plan (re-clustering between them)
-    with train_segment, then finish_training."""
+
+def recluster_segment(ctx: StageContext, name: str, segment: int) -> RunDir:
+    """Embed, fit, assign and shard the training pairs with the segment's encoder into its child run directory
+    (its own done markers; costs recorded in the parent run as recluster:<name>:seg-<s>:<stage>)."""
+    cfg, run = ctx.cfg, ctx.run
+    child = RunDir(run.child_uri(segment_dir(name, segment)))
+    # A URI (or local path) every node can read: embed actors copy an object-store model locally.
+    child_cfg = recluster.segment_config(cfg, run.child_uri(segment_dir(name, segment), "encoder"))
+    print(f"[recluster] segment {segment}: re-embedding, re-fitting (k={cfg.cluster.k}) and re-sharding the "
+          f"training pairs with the model after step {recluster.segment_start_step(cfg, segment)}", flush=True)
+    for verb in ("embed", "fit", "assign", "shard"):
+        ctx.stage(verb, child_cfg, child, source=run if verb == "embed" else None,
+                  cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
+    if cfg.train.objective.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
+        sidecars_for_training(cfg, run, child)
+    return child
+
+
+def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
+    """Check the shards, the negatives and the options against the config; print the warnings and the plan
+    (run_train runs its segments with train_segment, then finish_training)."""
     tc, name = cfg.train, cfg.train_name()
     batches, out = tc.schedule, train_dir(name)
     manifest = shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size,
@@ -59,13 +103,12 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.objective.negatives_per_query:
         _check_negatives(cfg, run)
-    sizes = strata_sizes(manifest)
-    num_steps = schedule.total_steps(sizes, batches.global_batch_size, batches.epochs, batches.steps)
-    if num_steps == 0 or schedule.batches_per_epoch(sizes, batches.global_batch_size) == 0:
-        raise ConfigError(f"train.sampler={batches.sampler} finds no stratum with a full global batch of "
-                          f"{batches.global_batch_size} pairs: lower train.global_batch_size.")
-    unused = schedule.unused_pairs(sizes, batches.global_batch_size, batches.sampler, batches.seed, 0,
-                                   batches.cluster_weighting)
+    sizes = manifest.strata_sizes
+    num_steps = schedule.total_steps(sizes, tc.schedule.global_batch_size, tc.schedule.epochs, tc.schedule.steps)
+    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.schedule.global_batch_size) == 0:
+        raise ConfigError(f"train.sampler={tc.schedule.sampler} finds no stratum with a full global batch of "
+                          f"{tc.schedule.global_batch_size} pairs: lower train.global_batch_size.")
+    unused = schedule.unused_pairs(sizes, tc.schedule.global_batch_size, tc.schedule.sampler, tc.schedule.seed, 0, tc.schedule.cluster_weighting)
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:
@@ -89,13 +132,12 @@ def segments_to_train(run: RunDir, plan: TrainPlan) -> list[int]:
             if start < plan.stop_step and not run.exists(segment_dir(plan.name, segment), "_TRAINED.json")]
 
 
-def train_segment(cfg: Config, run: RunDir, plan: TrainPlan, segment: int, shards_uri: str, resume: bool,
-                  fail_at_step: int | None):
+def train_segment(ctx: StageContext, plan: TrainPlan, segment: int, shards_uri: str, resume: bool):
     """One Ray Train run over the steps of `segment`, on the shards under shards_uri; when another segment
     follows, the model goes to that segment's folder (the encoder its re-clustering embeds with)."""
     seg_start, seg_stop = plan.segments[segment]
-    result = _fit(cfg, run, plan.name, plan.num_steps, (segment, seg_start, seg_stop), shards_uri, resume,
-                  fail_at_step)
+    run = ctx.run
+    result = _fit(ctx, plan.name, plan.num_steps, (segment, seg_start, seg_stop), shards_uri, resume)
     if len(plan.segments) > 1 and seg_stop < plan.num_steps and seg_stop <= plan.stop_step:
         _export_model(run, result.checkpoint, f"{segment_dir(plan.name, segment + 1)}/encoder")
         run.write_json(f"{segment_dir(plan.name, segment)}/_TRAINED.json", {"steps": [seg_start, seg_stop]})
@@ -162,21 +204,19 @@ def _check_negatives(cfg: Config, run: RunDir) -> None:
                                 f"negatives in {run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
 
 
-def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str,
-         resume: bool, fail_at_step: int | None):
+def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str, resume: bool):
     """One Ray Train run over the steps of one segment (all steps when re-clustering is off)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from clusterscale.train.trainer import train_loop_per_worker  # imports ray.train.torch: ~0.8 s of CLI start
 
-    compute = cfg.train.compute
-    # ranks share the CPUs
-    workers = plan_actors(Resources(gpus=1), max_actors=compute.num_workers, use_gpu=compute.use_gpu)
+    cfg, run, compute = ctx.cfg, ctx.run, ctx.cfg.train.compute
+    workers = plan_actors(ctx.resources, max_actors=compute.num_workers, use_gpu=compute.use_gpu)  # ranks share the CPUs
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "run_uri": run.uri, "num_steps": num_steps, "name": name,
-                           "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": fail_at_step,
+                           "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": ctx.fail_at_step,
                            "segment": segment, "shards_uri": shards_uri},
         scaling_config=ScalingConfig(num_workers=compute.num_workers, use_gpu=compute.use_gpu,
                                      resources_per_worker=workers.resources_per_worker),

@@ -23,8 +23,9 @@ import pyarrow.parquet as pq
 
 from clusterscale.config import Config
 from clusterscale.errors import UserError
-from clusterscale.io.layout import NEGATIVES, shard_set_dir, shard_set_manifest_path, train_dir
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.layout import NEGATIVES, read_manifest, shard_set_dir, shard_set_manifest_path, train_dir
+from clusterscale.io.records import ShardManifest
+from clusterscale.io.rundir import DONE, RunDir
 
 
 MINE_SECTIONS = ("data", "embed", "cluster", "mine")  # the config sections negatives/ depends on (mining is
@@ -41,22 +42,22 @@ class NegativesError(UserError, ValueError):
 
 
 # --- which shards, and the fingerprint --------------------------------------------------------------------
-def training_manifest(cfg: Config, run: RunDir) -> tuple[str, dict] | None:
+def training_manifest(cfg: Config, run: RunDir) -> tuple[str, ShardManifest] | None:
     """(folder, manifest) of the shard set training reads (train.sampler's); None before it was written."""
     folder = shard_set_dir(cfg.cluster.k, cfg.train.schedule.sampler)
     path = shard_set_manifest_path(cfg.cluster.k, cfg.train.schedule.sampler)
-    return (folder, run.read_json(path)) if run.exists(path) else None
+    return (folder, read_manifest(run, path)) if run.exists(path) else None
 
 
-def shard_files(manifest: dict) -> list[tuple[str, int]]:
+def shard_files(manifest: ShardManifest) -> list[tuple[str, int]]:
     """(shard file, its rows) of every file in a manifest, in manifest order."""
     out = []
-    for cluster in manifest["clusters"]:
-        rows = cluster.get("file_rows")
+    for cluster in manifest.clusters:
+        rows = cluster.file_rows
         if rows is None:  # every file but the last holds rows_per_file rows
-            per_file = manifest["rows_per_file"]
-            rows = [min(per_file, cluster["rows"] - start) for start in range(0, cluster["rows"], per_file)]
-        out += list(zip(cluster["files"], rows))
+            per_file = manifest.rows_per_file
+            rows = [min(per_file, cluster.rows - start) for start in range(0, cluster.rows, per_file)]
+        out += list(zip(cluster.files, rows))
     return out
 
 
@@ -64,8 +65,8 @@ def mine_extra(cfg: Config, run: RunDir) -> dict | None:
     """The fingerprint of the training run whose model mines (mine.encoder=train:<name>); None otherwise."""
     if not cfg.mine.encoder.startswith("train:"):
         return None
-    done = f"{train_dir(cfg.mine.encoder.split(':', 1)[1])}/_DONE.json"
-    return {"encoder_run": run.read_json(done)["fingerprint"] if run.exists(done) else None}
+    trained = train_dir(cfg.mine.encoder.split(':', 1)[1])
+    return {"encoder_run": run.done_marker(trained).fingerprint if run.exists(trained, DONE) else None}
 
 
 def mine_fingerprint(cfg: Config, run: RunDir) -> str:
@@ -94,9 +95,9 @@ def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 # --- sidecar layout ----------------------------------------------------------------------------------------
-def groups_per_piece(manifest: dict) -> int:
+def groups_per_piece(manifest: ShardManifest) -> int:
     """Row groups per sidecar piece for shards written with the manifest's row-group size."""
-    return max(1, SIDECAR_PIECE_ROWS // int(manifest.get("row_group_rows", 1)))
+    return max(1, SIDECAR_PIECE_ROWS // int(manifest.row_group_rows))
 
 
 def sidecar_marker(set_dir: str) -> str:

@@ -25,6 +25,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from clusterscale.runtime.hashing import SeededPermutation
+
 SAMPLERS = ("clustered", "random", "random_clusters", "source")
 WEIGHTINGS = ("proportional", "uniform")
 _DRAW_CHUNK = 4096  # uniform weighting draws strata in seeded chunks of this many steps
@@ -41,43 +43,6 @@ class GlobalBatch:
     def rank_rows(self, rank: int, world_size: int) -> np.ndarray:
         per_rank = len(self.rows) // world_size
         return self.rows[rank * per_rank:(rank + 1) * per_rank]
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): the Feistel round function."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-class SeededPermutation:
-    """A pseudo-random permutation of range(n), evaluated at any positions in O(1) memory.
-
-    A 4-round Feistel network over the smallest even-bit domain >= n; values that land at or past n
-    are encrypted again (cycle walking), which keeps it a bijection of range(n). Seeded by `key`."""
-
-    ROUNDS = 4
-
-    def __init__(self, n: int, key: Sequence[int]):
-        self.n = int(n)
-        self.half = max(1, (max(self.n - 1, 1).bit_length() + 1) // 2)
-        self.mask = np.uint64((1 << self.half) - 1)
-        self.keys = np.random.default_rng([int(k) for k in key]).integers(0, 2 ** 63, self.ROUNDS, dtype=np.uint64)
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        shift = np.uint64(self.half)
-        left, right = x >> shift, x & self.mask
-        for k in self.keys:
-            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
-        return (left << shift) | right
-
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        out = self._encrypt(np.asarray(positions, dtype=np.uint64))
-        outside = out >= self.n
-        while outside.any():
-            out[outside] = self._encrypt(out[outside])
-            outside = out >= self.n
-        return out.astype(np.int64)
 
 
 class Schedule:

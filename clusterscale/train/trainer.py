@@ -20,11 +20,11 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.io.rundir import RunDir
-from clusterscale.io.layout import training_set
+from clusterscale.io.layout import shard_set_manifest, training_set
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
-from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows, shard_set_manifest, strata_sizes
+from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 from clusterscale.train.optim import build_optimizer
@@ -100,7 +100,7 @@ class TrainData:
         self.job = job
         self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.schedule.global_batch_size,
                                            training_set(tc.schedule.sampler, tc.shards.dedup), check_files=False)
-        self.sizes = strata_sizes(self.manifest)
+        self.sizes = self.manifest.strata_sizes
         self.negatives, sidecars = None, None
         if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
             self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
@@ -130,8 +130,8 @@ class TrainData:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
         if self.tc.schedule.sampler == "random":
             return None, "random"
-        shard = self.manifest["clusters"][gb.shard]
-        return shard["cluster"], shard["name"]
+        shard = self.manifest.clusters[gb.shard]
+        return shard.cluster, shard.name
 
 
 class Trainer:

@@ -1,0 +1,255 @@
+"""The executor: what a stage of the pipeline is (Stage, Input, ExtraOutput) and `execute`, which runs one.
+
+A stage declares the folders it reads, the folder it writes, the config sections its output depends on and the
+resources each actor of its pool asks for; its run function gets a StageContext and returns a StageResult.
+`execute` owns the rest: the output's lock, the input check, the fingerprint, reuse of an output made with the
+same config (refusal or replacement of one made with another), clearing an interrupted attempt, the done marker
+and the cost record in report/costs.json. No stage module does any of that itself. The list of stages is
+clusterscale.pipeline.STAGES.
+
+An output made with another config is refused (or replaced with --replace), except the output of a stage that
+holds one clustering at a time (Stage.one_clustering: dedup/), which the same stage at another clustering
+replaces; a stage reading such an output checks it was made with its own config (Input.made_with).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Callable
+
+from clusterscale.config import Config, Fingerprint
+from clusterscale.io.layout import TRAIN, eval_path
+from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
+from clusterscale.runtime.resources import Resources
+from clusterscale.runtime.stage_context import RunStage, StageContext
+
+PerConfig = str | Callable[[Config], str]  # a folder or text, or a named function of the config giving it
+Sections = tuple[str, ...] | Callable[[Config], tuple[str, ...]]  # config sections, or a function of the config
+
+
+def resolve(value: PerConfig, cfg: Config) -> str:
+    return value(cfg) if callable(value) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class PerK:
+    """A folder of one clustering: `layout(cfg.cluster.k)` (io/layout's kmeans_dir, assign_dir, shards_dir...)."""
+    layout: Callable[[int], str]
+
+    def __call__(self, cfg: Config) -> str:
+        return self.layout(cfg.cluster.k)
+
+    @property
+    def shown(self) -> str:
+        return self.layout("<k>")  # type: ignore[arg-type]  # the layout functions only format k
+
+
+@dataclasses.dataclass(frozen=True)
+class PerConfigFolder:
+    """A folder that depends on more of the config than k: `of(cfg)`; `shown`: its name in the README diagram
+    (train/<name>/)."""
+    of: Callable[[Config], str]
+    shown: str
+
+    def __call__(self, cfg: Config) -> str:
+        return self.of(cfg)
+
+
+def shown(folder: str | PerK | PerConfigFolder) -> str:
+    """How the architecture diagram names a folder."""
+    if isinstance(folder, PerConfigFolder):
+        return folder.shown
+    return f"{folder if isinstance(folder, str) else folder.shown}/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """A folder a stage reads: it must carry a done marker; otherwise the user is told to run `verb` first."""
+    folder: str | PerK | PerConfigFolder
+    verb: str
+    what: str
+    """What the folder holds, for the message when it is missing ("Centroids"; a PerK folder adds "for k=<k>")."""
+    made_with: Sections = ()
+    """For a folder that holds one config's output at a time (dedup/kept/): the config sections its marker must
+    have been made with (this config's values), checked before the stage runs (not when its output is reused)."""
+
+    def describe(self, cfg: Config) -> str:
+        return f"{self.what} for k={cfg.cluster.k}" if isinstance(self.folder, PerK) else self.what
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraOutput:
+    """A folder written besides the stage's output and marked done with it (ingest: heldout/, quarantine/).
+    Its marker stats come from result.outputs[folder] (a StageResult)."""
+    folder: PerConfig
+    sections: tuple[str, ...]
+
+
+def _always(cfg: Config) -> bool:
+    """always"""
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline. Every field the executor reads is documented here."""
+    name: str
+    help: str
+    """Its line in `clusterscale --help`."""
+    run: Callable[[StageContext], StageResult]
+    """The stage's work: run(ctx) -> StageResult, the one signature of every stage."""
+    output: str | PerK | PerConfigFolder
+    """The folder it writes (locked while it runs, marked done after)."""
+    inputs: tuple[Input, ...] = ()
+    sections: tuple[str, ...] = ()
+    """The config sections the output's fingerprint covers; () = the stage writes no done marker (evaluate caches
+    per model, report is rewritten each time)."""
+    extra: Callable[[Config, RunDir], dict | None] | None = None
+    """Values beyond `sections` that the fingerprint covers (the shards: the global batch size)."""
+    extra_outputs: tuple[ExtraOutput, ...] = ()
+    resources: Resources | None = None
+    """What each actor of the stage's pool asks for: handed to run() as ctx.resources, from which the stage's
+    runtime.resources.plan_actors call sizes its pool. None: the stage starts no actor pool."""
+    cost_key: PerConfig | None = None
+    """Its entry in report/costs.json (default: the name); "" = the stage records no cost (report)."""
+    after_done: Callable[[Config, RunDir, StageResult], None] | None = None
+    """Work that needs the done marker (train: the model card, dropping checkpoints)."""
+    refusal_hint: str = ""
+    """Said instead of the --replace advice when an output made with another config cannot be replaced."""
+    keeps_units: bool = False
+    """The stage resumes an interrupted attempt from its own unit plan (embed, mine), so the executor does not
+    clear its output before running it."""
+    shared: bool = False
+    """Preprocessing: made once and shared by compare's arms and sweep's values (its cost counts as preprocessing
+    in the report). A shared stage whose fingerprint covers `cluster` runs once per cluster.k in a sweep."""
+    one_clustering: bool = False
+    """The output holds one clustering at a time (dedup/): made at another clustering (only cluster.* differs),
+    the stage replaces it instead of refusing."""
+    in_run: Callable[[Config], bool] | None = _always
+    """Whether `clusterscale run` (and a stage verb of the CLI) runs it for a config (mine only with mined
+    negatives, dedup only when on); None: no step of `run` and no verb: another stage runs it through ctx.stage
+    when needed (the shard sets of training) or a command of its own does (synth). Its docstring says when, in
+    the README's diagram."""
+
+    @property
+    def per_k(self) -> bool:
+        """Run once per cluster.k by a sweep (kmeans/k=<k>/, or dedup/ one clustering at a time)."""
+        return self.shared and "cluster" in self.sections
+
+    def output_of(self, cfg: Config) -> str:
+        return resolve(self.output, cfg)
+
+    def fingerprint_of(self, cfg: Config, run: RunDir) -> Fingerprint:
+        return cfg.fingerprint(self.sections, extra=self.extra(cfg, run) if self.extra else None)
+
+
+def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | None = None, source: RunDir | None = None,
+            resume: bool = False, fail_at_step: int | None = None, max_tasks_in_flight: int | None = None,
+            replace: str = "", command: str = "", cost_key: str | None = None,
+            costs_run: RunDir | None = None) -> StageResult:
+    """Run one stage holding the lock of its output; record its cost.
+
+    run_stage: how the stage runs another one (ctx.stage; pipeline.execute passes its run_stage). replace: ""
+    refuses an output made with another config (but replaces a one_clustering stage's output made for another
+    clustering); "changed" replaces it (and what was made from it); "always" also replaces one made with this
+    config. command: the user's command line, for the advice of a refusal. cost_key: the entry in
+    report/costs.json ("" = none; default: the stage's); costs_run: the run whose report/costs.json gets it
+    (default: run). A result whose stats say `reused` (a stage without a marker that found every output cached,
+    e.g. evaluate) keeps the cost record of the invocation that did the work."""
+    started = time.time()
+    ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
+                       fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)
+    with run.lock(stage.output_of(cfg)):
+        if replace == "always":
+            _replace(run, stage.output_of(cfg))
+        try:
+            result = _run_once(stage, ctx)
+        except ConfigMismatchError as exc:
+            if stage.refusal_hint:
+                raise ConfigMismatchError(f"{exc} {stage.refusal_hint}", exc.stage_dir) from None
+            if exc.stage_dir and not replace and _other_clustering(stage, cfg, run, exc.stage_dir):
+                run.remove(exc.stage_dir)  # only it: what was made from it stays right for its own clustering
+            elif not exc.stage_dir or not replace:
+                again = command or f"clusterscale {stage.name} --run-dir {run.uri} [your CONFIG and --set keys]"
+                raise ConfigMismatchError(
+                    f"{exc} To go on, either use a new --run-dir, or replace {exc.stage_dir or 'that output'}/ and "
+                    f"every output made from it: {again} --replace", exc.stage_dir) from None
+            else:
+                _replace(run, exc.stage_dir)
+            result = _run_once(stage, ctx)
+    key = resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
+    if key and not result.stats.get("reused"):  # a reuse keeps the record of the work
+        record = {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
+        record["invocation_s"] = round(time.time() - started, 3)
+        if stage.shared and key.split(":", 1)[0] == stage.name:  # not a re-clustering segment's (recluster:...)
+            record["preprocess"] = True  # what costs and the report count as preprocessing
+        (costs_run or run).record_cost(key, record)
+    return result
+
+
+def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
+    """Inputs, then reuse, or clear + run + mark done."""
+    cfg, run = ctx.cfg, ctx.run
+    for need in stage.inputs:
+        ctx.source.require(resolve(need.folder, cfg), need.verb, need.describe(cfg))
+    if not stage.sections:
+        return stage.run(ctx)
+    out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
+    extras = [(resolve(e.folder, cfg), cfg.fingerprint(e.sections), e.sections == stage.sections)
+              for e in stage.extra_outputs]
+    # An extra output fingerprinted like the stage's own is said with it; one with its own sections is said too.
+    if run.is_done(out, fingerprint) and all(run.is_done(f, fp, quiet=same) for f, fp, same in extras):
+        return StageResult(run.done_stats(out))
+    for need in stage.inputs:
+        _check_made_with(ctx.source, need, cfg)
+    if not (stage.keeps_units or ctx.resume):  # an interrupted attempt's partial output
+        for folder in (out, *(f for f, _, _ in extras)):
+            run.begin(folder)
+    result = stage.run(dataclasses.replace(ctx, fingerprint=fingerprint))
+    if result.complete:
+        for folder, extra_fingerprint, _ in extras:
+            marker = result.outputs[folder]
+            run.mark_done(folder, extra_fingerprint, marker.stats, marker.config)
+        run.mark_done(out, fingerprint, result.stats, result.config)
+        if stage.after_done:
+            stage.after_done(cfg, run, result)
+    return result
+
+
+def _check_made_with(source: RunDir, need: Input, cfg: Config) -> None:
+    """Refuse an input folder that holds one config's output at a time and holds another config's now."""
+    sections = need.made_with(cfg) if callable(need.made_with) else need.made_with
+    if not sections:
+        return
+    folder = resolve(need.folder, cfg)
+    done = source.done_marker(folder)
+    expected = cfg.fingerprint(sections)
+    if done.fingerprint != expected:
+        raise StageMissingError(
+            f"{source.path(folder)} holds the output of another config (changed: "
+            f"{changed_keys(done.covers, expected.values)}), not of this one: run `clusterscale {need.verb}` "
+            f"with the same config and --run-dir first (it replaces that output).")
+
+
+def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) -> bool:
+    """Whether `stage_dir` is the output of a one_clustering stage made with this config but for another
+    clustering: its marker's covered values differ from this config's in the cluster section only. Said."""
+    if not stage.one_clustering or stage_dir != stage.output_of(cfg):
+        return False
+    old = run.done_marker(stage_dir).covers or {}
+    new = json.loads(json.dumps(stage.fingerprint_of(cfg, run).values))
+    if old.get("cluster") == new.get("cluster") or {s: v for s, v in old.items() if s != "cluster"} != \
+            {s: v for s, v in new.items() if s != "cluster"}:
+        return False
+    print(f"[{stage_dir}] holds the output of another clustering ({changed_keys(old, new)}); it holds one "
+          f"clustering at a time: replaced (what was made from it stays)", flush=True)
+    return True
+
+
+def _replace(run: RunDir, stage_dir: str) -> None:
+    removed = run.replace(stage_dir)
+    for folder in removed:  # a replaced model's cached evaluation goes with it
+        if folder.startswith(f"{TRAIN}/"):
+            run.remove(eval_path(folder.removeprefix(f"{TRAIN}/")))
+    print(f"replaced: removed {', '.join(f + '/' for f in removed)}", flush=True)

@@ -1,0 +1,124 @@
+"""The dedup stage: mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by
+cluster, as Ray Data steps over assign/k=<k>/; its stats and the removed rows it leaves."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from clusterscale.config import Config
+from clusterscale.io.layout import DEDUP_KEPT, DEDUP_REMOVED, assign_dir
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.runtime import dedup_core as core
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, one_key_per_partition, read_row_groups
+from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.stage_context import StageContext
+from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
+from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
+from clusterscale.stages.dedup.policy import check_config
+from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, dedup_cluster
+from clusterscale.stages.kmeans import load_centroids
+
+ROWS_PER_BUCKET = 25_000  # rows of one exact-dedup reduce task (all columns of its rows are in memory)
+MARK_BATCH_ROWS = 4096  # rows per map batch (mark, and routing held-out vectors)
+NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
+
+
+def removed_table(run: RunDir) -> pa.Table:
+    """Every removed row (pair_id, duplicate_of, similarity, reason, cluster) of the finished dedup stage (of the
+    clustering dedup/_DONE.json names)."""
+    files = run.files(DEDUP_REMOVED)
+    if not files:
+        return REMOVED_SCHEMA.empty_table()
+    return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
+
+
+def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np.ndarray) -> ray.data.Dataset | None:
+    """The held-out vectors as rows of `schema`, one per (held-out pair, probed cluster) (route_heldout); None
+    without a semantic threshold or held-out pairs."""
+    files, vectors = run.files("heldout"), vector_columns(schema.names)
+    if cfg.dedup.semantic_threshold <= 0 or not files:
+        return None
+    source = heldout_vector_source(cfg, run, vectors)
+    columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
+    return read_row_groups(run, files, columns).map_batches(
+        route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
+                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema,
+                                  "cluster_keys": cluster_keys},
+        batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
+
+
+def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
+    """Run mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by cluster; the
+    per-cluster results."""
+    files = run.files(assign_dir(cfg.cluster.k))
+    with run.fs.open_input_file(files[0]) as f:
+        schema = pq.read_schema(f).remove_metadata()
+    columns = schema.names
+    dedup = cfg.to_dict()["dedup"]
+    # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
+    # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
+    buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
+    bucket_keys, cluster_keys = one_key_per_partition(buckets), one_key_per_partition(clusters)
+    progress, results = ProgressLine("dedup", n_rows), []
+    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
+        ds = read_row_groups(run, files, columns)
+        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "bucket_keys": bucket_keys,
+                                                  "cluster_keys": cluster_keys},
+                            batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
+        if cfg.dedup.exact:
+            ds = ds.groupby("bucket", num_partitions=buckets).map_groups(resolve_exact, batch_format="pyarrow")
+        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), cluster_keys)
+        if held is not None:
+            ds = ds.union(held)
+        ds = ds.groupby("part", num_partitions=clusters).map_groups(
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns},
+            batch_format="pyarrow")
+        for result in ds.iter_rows():
+            results.append(result)
+            progress.advance(result["rows"])
+    return results
+
+
+def run_dedup(ctx: StageContext) -> StageResult:
+    """Write dedup/kept/ and dedup/removed/ from assign/k=<k>/ and heldout/; kept + removed = assigned. The done
+    markers (dedup/_DONE.json with the counts, dedup/kept/'s with the kept rows) carry k."""
+    cfg, run = ctx.cfg, ctx.run
+    check_config(cfg)
+    started = time.time()
+    n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
+    heldout = load_heldout_keys(run)
+    results = dedup_all(cfg, run, heldout, n_rows)
+    stats = stage_stats(cfg, results, n_rows, heldout["pairs"], time.time() - started)
+    print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
+          f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
+          flush=True)
+    config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
+    kept = StageResult({"rows": stats["rows"], "k": cfg.cluster.k}, config=config)
+    return StageResult(stats, outputs={DEDUP_KEPT: kept}, config=config)
+
+
+def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
+    """The done marker's figures: rows = kept (what shard reads), removed per reason and per cluster, the histogram
+    of best cosines near the threshold, example groups; raises when kept + removed != assigned."""
+    totals = {name: sum(r[name] for r in results) for name in ("rows", "kept", *core.REASONS.values())}
+    removed = sum(totals[name] for name in core.REASONS.values())
+    if totals["rows"] != n_rows or totals["kept"] + removed != n_rows:
+        raise RuntimeError(f"dedup saw {totals['rows']} rows (kept {totals['kept']}, removed {removed}) but "
+                           f"assign/k={cfg.cluster.k}/ holds {n_rows}: rerun `clusterscale dedup`.")
+    edges, _ = core.histogram_near(np.zeros(0), cfg.dedup.semantic_threshold)
+    histogram = np.sum([r["histogram"] for r in results], axis=0).astype(int).tolist() if results else []
+    examples = sorted((json.loads(r["example"]) for r in results if r["example"]),
+                      key=lambda e: (-e["size"], e["cluster"]))
+    return {"rows": totals["kept"], "assigned": n_rows, "removed": removed,
+            **{name: totals[name] for name in core.REASONS.values()}, "heldout_pairs": n_heldout,
+            "removed_per_cluster": {str(r["cluster"]): r["rows"] - r["kept"] for r in sorted(
+                results, key=lambda r: r["cluster"])},
+            "similarity_histogram": {"edges": edges, "counts": histogram} if cfg.dedup.semantic_threshold else None,
+            "examples": examples[:NUM_EXAMPLES], "k": cfg.cluster.k, "wall_s": round(wall, 3),
+            "worker_s": round(wall, 3)}
