@@ -24,7 +24,7 @@ from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, TRAIN, assign_dir, eval_path,
                                     kmeans_dir, manifest_path, shard_set_dir, shards_dir, train_dir)
 from clusterscale.io.rundir import DONE, ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
-from clusterscale.runtime import session
+from clusterscale.runtime import interrupt, session
 from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
@@ -115,6 +115,7 @@ class Stage:
     # The output holds one clustering at a time (dedup/): made at another clustering (only cluster.* differs), the
     # stage replaces it instead of refusing.
     one_clustering: bool = False
+    interrupted: str = ""  # what Ctrl-C says while the stage runs ('' = runtime.interrupt.MESSAGE)
 
     def output_of(self, cfg: Config) -> str:
         return _resolve(self.output, cfg)
@@ -243,7 +244,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           _train, _train_dir,
           inputs=(Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg: f"Shards for k={cfg.cluster.k}"),),
           sections=(*_CLUSTERING, "shard", "train"), extra=_train_extra, resources=_ON_GPU,
-          cost_key=lambda cfg: f"train:{cfg.train_name()}", after_done=loop.after_training),
+          cost_key=lambda cfg: f"train:{cfg.train_name()}", after_done=loop.after_training,
+          interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and --run-dir) "
+                      "continues from train's latest checkpoint (train.checkpoint_every_steps)"),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.",
           lambda c: run_evaluate(c.cfg, c.run), EVAL,
           inputs=(Input("heldout", "ingest", "Held-out pairs"),
@@ -299,7 +302,7 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, source: RunDir | None = N
     that found every output cached, e.g. evaluate) keeps the cost record of the invocation that did the work."""
     started = time.time()
     call = StageCall(cfg, run, source or run, resume=resume, fail_at_step=fail_at_step)
-    with run.lock(stage.output_of(cfg)):
+    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted):
         if replace == "always":
             _replace(run, stage.output_of(cfg))
         try:

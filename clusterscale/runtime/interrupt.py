@@ -15,11 +15,13 @@ nothing; it also replaces SIG_IGN, which a process started in the background by 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 
 from clusterscale.io.rundir import release_held_locks
 
@@ -28,6 +30,7 @@ MESSAGE = "interrupted: finished units are kept; rerun the same command to resum
 SHUTDOWN_TIMEOUT_S = 5.0  # the most the first SIGINT waits for Ray to disconnect before the process ends
 FLUSH_TIMEOUT_S = 1.0  # the most it waits for buffered output (a full pipe must not hold the exit)
 
+_messages = [MESSAGE]  # the line the first SIGINT prints: the innermost `saying` in force
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # kept referenced: the C handler writes to it
 
 
@@ -47,6 +50,17 @@ def install() -> bool:
     _wakeup = (reader, writer)
     threading.Thread(target=_watch, args=(reader,), name="clusterscale-sigint", daemon=True).start()
     return True
+
+
+@contextlib.contextmanager
+def saying(message: str) -> Iterator[None]:
+    """While the block runs, a Ctrl-C prints `message` instead of MESSAGE ('' keeps the one in force): a stage
+    whose rerun does not resume by itself (train needs --resume) says so."""
+    _messages.append(message or _messages[-1])
+    try:
+        yield
+    finally:
+        _messages.pop()
 
 
 def _ignore(signum, frame) -> None:
@@ -71,7 +85,7 @@ def _watch(reader: socket.socket) -> None:
 def _stop() -> None:
     """Say it, silence what Ray prints while it disconnects, give back the stage locks, exit 130 (bounded)."""
     _bounded(_flush, FLUSH_TIMEOUT_S)  # lines already printed come out before ours
-    os.write(2, f"\n{MESSAGE}\n".encode())  # unbuffered: the main thread may hold sys.stderr's lock
+    os.write(2, f"\n{_messages[-1]}\n".encode())  # unbuffered: the main thread may hold sys.stderr's lock
     # Ray Data's executor thread and Ray Train print tracebacks when Ray goes away under them: not the user's news.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
