@@ -14,15 +14,15 @@ from clusterscale.runtime import interrupt
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A process whose first-SIGINT stop never finishes (a Ray disconnect that hangs), so only the second can end it;
+# A process whose first-SIGINT stop never finishes (a lock release that hangs), so only the second can end it;
 # it runs "train", whose line differs from the default (its rerun needs --resume).
 HANGING_STOP = """
 import threading, time
 from clusterscale.pipeline import STAGES
 from clusterscale.pipeline import STAGES
 from clusterscale.runtime import interrupt
-interrupt.SHUTDOWN_TIMEOUT_S = 3600.0
-interrupt._release = lambda: threading.Event().wait()
+interrupt.RELEASE_TIMEOUT_S = 3600.0
+interrupt.release_held_locks = lambda: threading.Event().wait()
 assert interrupt.install()
 with interrupt.saying(STAGES["train"].interrupted), interrupt.saying(""):
     print("ready", flush=True)

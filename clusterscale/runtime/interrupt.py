@@ -2,19 +2,24 @@
 
 A stage's finished work is already safe against a kill (units, checkpoints and done markers are written under a
 temporary name and renamed; a rerun skips what is complete and clears temporary leftovers), so the first SIGINT
-says so in one line, gives back this process's stage locks, disconnects from Ray (bounded) and ends the process
-with os._exit(130); a second SIGINT ends it at once. Nothing unwinds: a KeyboardInterrupt raised somewhere in Ray
-Data's iterator or a Ray Train fit would print a traceback, or be caught and turned into an exit 0.
+says so in one line, gives back this process's stage locks and ends the process with os._exit(130), as a kill
+would; a second SIGINT ends it at once (a lock on an object store that does not answer). Nothing unwinds: a
+KeyboardInterrupt raised in Ray Data's iterator or in a Ray Train fit printed a traceback or was turned into an exit
+0. Ray is left to notice the driver is gone, as after a kill: a joined cluster ends the driver's tasks and actors,
+a local instance dies with the process that started it. No ray.shutdown() first: the main thread still runs
+meanwhile, and Ray calls failing or a Ray Data stream ending under it could let a stage take a partial output for
+a whole one.
 
-Why a watcher thread reading a wakeup fd rather than the Python handler itself: Ray Train's fit() replaces the
-SIGINT handler with its own (abort the run, exit 0 at the third signal), and a Python handler runs only when the
-main thread gets back to the interpreter. The C-level handler writes every signal to the wakeup fd whatever
-Python handler is installed, so the watcher sees each SIGINT in time. The Python handler installed here does
-nothing; it also replaces SIG_IGN, which a process started in the background by a non-interactive shell
+Why a watcher thread reading a wakeup fd rather than the Python handler itself: a Python handler runs only when
+the main thread gets back to the interpreter, and a library may replace it (Ray Train's fit() does: abort the
+run, exit 0 at the third signal; `keep_sigint` stops that). The C-level handler writes every signal to the wakeup
+fd whatever Python handler is installed, so the watcher sees each SIGINT in time. The Python handler installed
+here does nothing; it also replaces SIG_IGN, which a process started in the background by a non-interactive shell
 (`clusterscale run ... &` in a script) inherits for SIGINT and under which Ctrl-C was silently ignored.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -27,11 +32,12 @@ from clusterscale.io.rundir import release_held_locks
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 MESSAGE = "interrupted: finished units are kept; rerun the same command to resume"
-SHUTDOWN_TIMEOUT_S = 5.0  # the most the first SIGINT waits for Ray to disconnect before the process ends
+RELEASE_TIMEOUT_S = 5.0  # the most the first SIGINT waits for the locks to be given back (an object store)
 FLUSH_TIMEOUT_S = 1.0  # the most it waits for buffered output (a full pipe must not hold the exit)
 
 _messages = [MESSAGE]  # the line the first SIGINT prints: the innermost `saying` in force
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # kept referenced: the C handler writes to it
+_stopping = threading.Event()  # set by the first SIGINT; the main thread must not end the process meanwhile
 
 
 def install() -> bool:
@@ -49,7 +55,20 @@ def install() -> bool:
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     _wakeup = (reader, writer)
     threading.Thread(target=_watch, args=(reader,), name="clusterscale-sigint", daemon=True).start()
+    atexit.register(_wait_for_stop)
     return True
+
+
+def installed() -> bool:
+    return _wakeup is not None
+
+
+def keep_sigint(obj, method: str) -> None:
+    """Make obj.<method> (a library's own SIGINT registration, e.g. Ray Train's trainer._register_sigint_handler)
+    a no-op while this module owns SIGINT: its handler would act on the main thread (abort the run and let the
+    stage go on) in the moment before the process ends."""
+    if installed() and hasattr(obj, method):
+        setattr(obj, method, lambda *args, **kwargs: None)
 
 
 @contextlib.contextmanager
@@ -83,15 +102,21 @@ def _watch(reader: socket.socket) -> None:
 
 
 def _stop() -> None:
-    """Say it, silence what Ray prints while it disconnects, give back the stage locks, exit 130 (bounded)."""
+    """Say it, give back the stage locks (bounded), exit 130."""
+    _stopping.set()
     _bounded(_flush, FLUSH_TIMEOUT_S)  # lines already printed come out before ours
     os.write(2, f"\n{_messages[-1]}\n".encode())  # unbuffered: the main thread may hold sys.stderr's lock
-    # Ray Data's executor thread and Ray Train print tracebacks when Ray goes away under them: not the user's news.
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    devnull = os.open(os.devnull, os.O_WRONLY)  # the one line is the last: nothing the main thread prints after it
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    _bounded(_release, SHUTDOWN_TIMEOUT_S)
+    _bounded(release_held_locks, RELEASE_TIMEOUT_S)
     os._exit(EXIT_INTERRUPTED)
+
+
+def _wait_for_stop() -> None:
+    """atexit: a main thread that ends while the stop runs (the command finished, or failed) waits for its exit 130."""
+    if _stopping.is_set():
+        threading.Event().wait(FLUSH_TIMEOUT_S + RELEASE_TIMEOUT_S + 1.0)
 
 
 def _bounded(work, timeout_s: float) -> None:
@@ -107,14 +132,3 @@ def _flush() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 - best effort: the process ends anyway
             pass
-
-
-def _release() -> None:
-    """Ray first (a local instance's workers stop writing), then this process's stage locks."""
-    try:
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
-    except Exception:  # noqa: BLE001 - best effort: the process ends anyway
-        pass
-    release_held_locks()

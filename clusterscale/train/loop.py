@@ -17,6 +17,7 @@ from clusterscale.errors import UserError
 from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, train_dir, training_set
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
+from clusterscale.runtime import interrupt
 from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.train import schedule
 from clusterscale.train.data import shard_set_manifest, strata_sizes
@@ -176,6 +177,7 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    interrupt.keep_sigint(trainer, "_register_sigint_handler")  # Ctrl-C stays clusterscale's (runtime.interrupt)
     result = trainer.fit()
     if result.error:
         raise result.error
