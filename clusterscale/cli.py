@@ -16,6 +16,7 @@ from clusterscale.io.layout import load_manifest, shards_dir
 from clusterscale.redact import redact_uri, redacted_command
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import STAGE_VERBS, STAGES, execute, open_run
+from clusterscale.runtime import interrupt
 from clusterscale.runtime.session import check_run_dir_shared, init_ray
 from clusterscale.stages.mteb_eval import LOCAL_PREFIX, run_mteb
 from clusterscale.stages.shards import cluster_table, format_cluster_table
@@ -181,6 +182,8 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
 
 @redacted_command
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself (console script, python -m), not a caller passing arguments
+        interrupt.install()
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

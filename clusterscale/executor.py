@@ -21,6 +21,7 @@ from typing import Callable
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import TRAIN, eval_path
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
+from clusterscale.runtime import interrupt
 from clusterscale.runtime.resources import Resources
 from clusterscale.runtime.stage_context import RunStage, StageContext
 
@@ -126,6 +127,8 @@ class Stage:
     one_clustering: bool = False
     """The output holds one clustering at a time (dedup/): made at another clustering (only cluster.* differs),
     the stage replaces it instead of refusing."""
+    interrupted: str = ""
+    """What Ctrl-C says while the stage runs ('' = runtime.interrupt.MESSAGE: finished units are kept, rerun)."""
     in_run: Callable[[Config], bool] | None = _always
     """Whether `clusterscale run` (and a stage verb of the CLI) runs it for a config (mine only with mined
     negatives, dedup only when on); None: no step of `run` and no verb: another stage runs it through ctx.stage
@@ -160,7 +163,7 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
     started = time.time()
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
                        fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)
-    with run.lock(stage.output_of(cfg)):
+    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted):
         if replace == "always":
             _replace(run, stage.output_of(cfg))
         try:

@@ -139,7 +139,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining),
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
           inputs=(_SHARDED,), sections=(*_SHARDS, "train"), extra=_train_extra, resources=_ON_GPU,
-          cost_key=_train_cost_key, after_done=after_training),
+          cost_key=_train_cost_key, after_done=after_training,
+          interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and "
+                      "--run-dir) continues from train's latest checkpoint (train.checkpoint_every_steps)"),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.", run_evaluate, EVAL,
           inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU),
     Stage("report", "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",

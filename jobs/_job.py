@@ -21,7 +21,7 @@ if REPO not in sys.path:
 
 from clusterscale import pipeline  # noqa: E402
 
-from clusterscale.runtime import session
+from clusterscale.runtime import interrupt, session  # noqa: E402
 from clusterscale.errors import user_message  # noqa: E402
 from clusterscale.redact import redact_uri, redacted_command  # noqa: E402
 
@@ -43,7 +43,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 @redacted_command
 def run_job(description: str, body: Callable, argv: list[str] | None = None,
             parser: argparse.ArgumentParser | None = None) -> int:
-    """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status."""
+    """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status.
+    Ctrl-C: exit 130, finished units kept (runtime.interrupt; only when run as a program, argv None)."""
+    if argv is None:
+        interrupt.install()
     args = (parser or build_parser(description)).parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_uri = redact_uri(args.run_dir)

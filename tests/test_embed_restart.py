@@ -20,6 +20,7 @@ from clusterscale import config as config_mod
 from clusterscale.runtime.vectors import emb_matrix
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.pipeline import run_stage
+from clusterscale.runtime import interrupt
 from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs
 from tests.test_embed import save_nan_model
@@ -188,3 +189,40 @@ def test_truncated_texts_are_counted(ingested, tiny_model, tmp_path):
     tokenizer = Encoder(tiny_model, max_length=12, device="cpu").tokenizer
     expected = sum(len(ids) > 12 for ids in tokenizer(passages)["input_ids"])
     assert 0 < stats["truncated"] == expected
+
+
+def test_sigint_stops_with_130_keeps_finished_units_and_the_rerun_resumes(ingested, reference, tmp_path, ray_local):
+    """Ctrl-C mid-embed: one line, exit 130, no traceback; finished units and no lock left; the rerun resumes."""
+    run = fresh_copy(ingested, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(ingested[0])]
+    out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+        deadline = time.time() + 300
+        while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the driver ended before Ctrl-C:\n{err.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=120)
+    log = err.read_text()
+    assert status == 130, log[-3000:]
+    assert log.count(interrupt.MESSAGE) == 1 and log.rstrip().endswith(interrupt.MESSAGE) and "Traceback" not in log
+    survivors = len(run.files("embeddings"))
+    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json") and not run.files("locks", suffix=".json")
+
+    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
+    assert stats["units_skipped"] >= survivors and stats["rows"] == 600
+    got = read_embeddings(run)  # every pair_id once
+    assert sorted(got) == sorted(reference) == pair_ids(run)
+    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
+
+
+def test_report_of_an_ingest_only_run_names_only_ingest(ingested, tmp_path, capsys):
+    run = fresh_copy(ingested, tmp_path)
+    assert cli.main(["report", "--run-dir", run.uri, "--set", *overrides(ingested[0])]) == 0
+    report = run.read_bytes("report/report.md").decode()
+    title = next(line for line in report.splitlines() if line.startswith("Preprocessing ("))
+    assert title.startswith("Preprocessing (ingest; cost keys ingest) on 600 pairs: ") and "so far" in title
+    assert "embed" not in title and "fit" not in report.split("## Cost")[1].split("|")[0]
+    assert "Extrapolation" not in report and "No extrapolation: it needs at least the embed stage" in report

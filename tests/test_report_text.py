@@ -7,7 +7,7 @@ import pytest
 from clusterscale import config
 
 from clusterscale.stages import report
-from clusterscale.stages.costs import extrapolate
+from clusterscale.stages.costs import extrapolate, summarize
 from clusterscale.io.rundir import RunDir
 
 
@@ -75,3 +75,27 @@ def test_sweep_report_does_not_claim_no_evaluation(tmp_path):
     text = open(report.write_report(config.load(None, []), run)).read()
     assert "No evaluation yet" not in text and "| 100 | 2 | 2 |" in text
     assert "sweep.png" in text
+
+
+def _cost_text(tmp_path, stages: tuple[str, ...]) -> str:
+    """The cost section's text of a run whose costs.json holds only `stages` (2 worker-s each, 600 pairs)."""
+    cfg = config.load(None, ["cluster.k=4"])
+    costs = {s: {"worker_s": 2.0, "wall_s": 2.0, "pairs": 600, "rows": 600, "preprocess": True} for s in stages}
+    return "\n".join(report.cost_summary_text(summarize(cfg, RunDir(str(tmp_path)), costs)))
+
+
+def test_cost_title_and_extrapolation_name_only_the_stages_that_ran(tmp_path):
+    only_ingest = _cost_text(tmp_path, ("ingest",))
+    assert only_ingest.startswith("Preprocessing (ingest; cost keys ingest) on 600 pairs: **2.0 worker-s** (so far: ")
+    assert "embed" not in only_ingest.split("\n")[0] and "fit" not in only_ingest and "k=4" not in only_ingest
+    assert "Extrapolation" not in only_ingest and "No extrapolation: it needs at least the embed stage" in only_ingest
+
+    embedded = _cost_text(tmp_path, ("ingest", "embed"))
+    assert embedded.startswith("Preprocessing (ingest + embed; cost keys ingest, embed) on 600 pairs")
+    assert ("Extrapolation (not a measurement) to 100,000,000 pairs of ingest + embed, proportional to rows from "
+            "the measured points (600 rows, 4.0 s): preprocessing so far (ingest + embed) ~6.67e+05 worker-s") in embedded
+
+    complete = _cost_text(tmp_path, ("ingest", "embed", "fit", "assign", "shard"))
+    assert complete.startswith("Preprocessing (ingest + embed + fit + assign + shard at k=4; cost keys ingest, embed, "
+                               "fit, assign, shard) on 600 pairs: **10.0 worker-s**.")
+    assert "pairs of ingest + embed + fit + assign + shard, " in complete and ": preprocessing ~1.67e+06" in complete

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from clusterscale.config import TrainConfig
 from clusterscale.io.rundir import RunDir
-from clusterscale.train.metrics import (JsonlLog, MetricsProcessor, StepFigures, StepResult, read_jsonl_lines,
+from clusterscale.train.metrics import (JsonlLog, MetricsProcessor, StepFigures, StepResult, model_flops_utilization,
+                                        peak_flops, read_jsonl_lines,
                                         reduce_step_figures)
 from clusterscale.train.schedule import GlobalBatch
 from clusterscale.train.step import contrastive_backward
@@ -71,7 +73,7 @@ def _result(step: int, loss: float, neg_cos: float) -> StepResult:
 def test_records_printed_lines_and_collapse(tmp_path, capsys):
     run = RunDir(str(tmp_path))
     tc = TrainConfig.of(global_batch_size=4, log_every_steps=2, warmup_steps=0, log_batches=True)
-    processor = MetricsProcessor(run, "t", tc, rank=0, world=2, peak=1e9, resume_step=None, num_steps=6,
+    processor = MetricsProcessor(run, "t", tc, rank=0, world=2, peak=8e9, resume_step=None, num_steps=6,
                                  stop_step=6, segment=0)
     verdicts = []
     for step in range(6):  # chance loss with every text in one direction: collapsed after 3 intervals of 2 steps
@@ -85,14 +87,41 @@ def test_records_printed_lines_and_collapse(tmp_path, capsys):
                                 "neg_cos_mean", "neg_cos_max", "masked_false_negatives", "tokens", "pairs_per_s",
                                 "step_s", "tflops_per_s", "mfu"]
     assert records[0]["tokens"] == 64 and isinstance(records[0]["tokens"], int)
-    assert records[0]["mfu"] == pytest.approx(2e9 / 0.5 / 2e9) and records[0]["pairs_per_s"] == 8.0
+    assert records[0]["mfu"] == pytest.approx(2e9 / 0.5 / (2 * 8e9)) and records[0]["pairs_per_s"] == 8.0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step")]
     assert len(lines) == 3 and lines[0].startswith("[train] step 2/6 epoch 0 loss 1.3863 lr 1.00e-03 neg_cos 0.950 ")
-    assert lines[0].endswith("pairs/s MFU 200.0%")
+    assert lines[0].endswith("pairs/s MFU 25.0%")
     assert run.read_json("train/t/collapse.json")["step"] == 6
     batches = run.read_bytes("train/t/batches/rank-0.jsonl").decode().splitlines()
     assert json.loads(batches[2]) == {"step": 2, "epoch": 0, "shard": 1, "group": 1, "pair_ids": [20, 21]}
     assert processor.report(6)["loss"] == pytest.approx(math.log(4)) and processor.report(6)["step"] == 6
+
+
+def test_mfu_formula_and_an_impossible_one_is_unknown(tmp_path, capsys):
+    """MFU = achieved FLOP/s / (peak per worker x workers); a step that beats its peak proves the peak wrong."""
+    assert model_flops_utilization(4e9, 4e9, 2) == pytest.approx(0.5)
+    assert model_flops_utilization(4e9, 2e9, 2) == pytest.approx(1.0)
+    assert model_flops_utilization(5e9, 2e9, 2) is None and model_flops_utilization(1e9, None, 2) is None
+    tc = TrainConfig.of(global_batch_size=4, log_every_steps=1, warmup_steps=0)
+    processor = MetricsProcessor(RunDir(str(tmp_path)), "t", tc, rank=0, world=2, peak=1e9, resume_step=None,
+                                 num_steps=1, stop_step=1, segment=0)
+    processor.log(_result(0, 1.0, 0.1))  # 2e9 FLOP in 0.5 s on 2 workers of 1e9 FLOP/s: 200%, impossible
+    assert processor.metrics.pending == [] and "MFU unknown" in capsys.readouterr().out
+    assert json.loads(RunDir(str(tmp_path)).read_bytes("train/t/metrics.jsonl"))["mfu"] is None
+
+
+def test_cpu_peak_is_not_below_what_a_training_sized_matmul_reaches():
+    """The CPU peak (what MFU divides by) must not read below the rate of the matmuls a step runs, else MFU > 100%
+    (121.7% was printed). A BERT-base feed-forward matmul on 512 tokens, with this process's threads."""
+    peak = peak_flops(torch.device("cpu"))
+    a, b = torch.randn(512, 768), torch.randn(768, 3072)
+    a @ b
+    started, repeats = time.perf_counter(), 8
+    for _ in range(repeats):
+        a @ b
+    reached = repeats * 2 * 512 * 768 * 3072 / (time.perf_counter() - started)
+    assert peak >= reached, (peak, reached)
+    assert peak_flops(torch.device("cpu")) == peak  # measured once per process
 
 
 @pytest.mark.parametrize("appendable", [True, False])

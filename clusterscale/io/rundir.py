@@ -279,13 +279,18 @@ class RunDir:
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(rel, me, stop), daemon=True)
         renewer.start()
+        _HELD_LOCKS[me["id"]] = (self, rel)
         try:
             yield
         finally:
             stop.set()
             renewer.join()
-            if (self._read_lock(rel) or {}).get("id") == me["id"]:
-                self.remove(rel)
+            self._release_lock(rel, me["id"])
+            _HELD_LOCKS.pop(me["id"], None)
+
+    def _release_lock(self, rel: str, lock_id: str) -> None:
+        if (self._read_lock(rel) or {}).get("id") == lock_id:
+            self.remove(rel)
 
     def _acquire(self, rel: str, stage_dir: str) -> dict:
         me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
@@ -358,6 +363,20 @@ class RunDir:
         costs = self.read_json(rel) if self.exists(rel) else {}
         costs[key] = record
         self.write_json(rel, costs)
+
+
+# The locks this process holds now ({lock id: (run, lock file)}), for a process that ends without unwinding.
+_HELD_LOCKS: dict[str, tuple[RunDir, str]] = {}
+
+
+def release_held_locks() -> None:
+    """Give back every lock this process holds (Ctrl-C ends the process with os._exit, which runs no `finally`):
+    a rerun on another host would otherwise wait LOCK_TTL_S for the lease to expire. Best effort."""
+    for lock_id, (run, rel) in list(_HELD_LOCKS.items()):
+        try:
+            run._release_lock(rel, lock_id)
+        except Exception:  # noqa: BLE001 - the process is ending; an unreleased lease still expires
+            pass
 
 
 def _refuse_file_in_the_way(root: str) -> None:

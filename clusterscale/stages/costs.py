@@ -19,6 +19,12 @@ from clusterscale.train import schedule
 from clusterscale.train.metrics import read_metrics
 
 TOKEN_SAMPLE_ROWS = 256
+# Preprocessing stages whose output does not depend on k; the others (fit, assign, dedup, shard) run per k, and
+# shard is the last: a summary without it describes preprocessing so far. An extrapolation needs embed (the part
+# that grows with N); ingest alone says nothing about the cost of preprocessing at scale.
+BEFORE_CLUSTERING = ("ingest", "embed")
+LAST_PREPROCESS = "shard"
+EXTRAPOLATED_FROM = "embed"
 
 
 def stage_of(key: str) -> str:
@@ -163,7 +169,9 @@ def summarize(cfg: Config, run: RunDir, costs: dict, train_names: list[str] | No
     used as further measured points of the extrapolation."""
     pre_s, used = preprocess_cost(costs, cfg.cluster.k)
     rows = costs.get("embed", {}).get("rows") or costs.get("ingest", {}).get("pairs")
+    stages = list(dict.fromkeys(stage_of(key) for key in used))
     out: dict = {"k": cfg.cluster.k, "rows": rows, "preprocess_worker_s": pre_s, "preprocess_stages": used,
+                 "preprocess_stage_names": stages, "preprocess_complete": LAST_PREPROCESS in stages,
                  "flops": estimate_flops(cfg, run, costs), "epochs": cfg.train.schedule.epochs}
     train_keys = [key for key in costs if stage_of(key) == "train"
                   and (train_names is None or key.split(":", 1)[-1] in train_names)]
@@ -175,10 +183,11 @@ def summarize(cfg: Config, run: RunDir, costs: dict, train_names: list[str] | No
                     "ratio_per_epoch": pre_s / epoch_s if epoch_s else None,
                     "ratio_total": pre_s / (epoch_s * cfg.train.schedule.epochs) if epoch_s else None})
     target = cfg.eval.extrapolate_to_rows
-    if target and rows and pre_s:
+    if target and rows and pre_s and EXTRAPOLATED_FROM in stages:
         points = [(rows, pre_s)] + [(p["rows"], p["preprocess_worker_s"]) for p in extra_points or []
                                     if p.get("rows") and p.get("preprocess_worker_s")]
-        out["extrapolation"] = {"target_rows": target, "preprocess": extrapolate(points, target)}
+        out["extrapolation"] = {"target_rows": target, "preprocess": extrapolate(points, target), "stages": stages,
+                                "complete": out["preprocess_complete"]}
         if epochs:
             tpoints = [(out["train_rows"], out["train_epoch_worker_s"])] + [
                 (p["train_rows"], p["train_epoch_worker_s"]) for p in extra_points or [] if p.get("train_epoch_worker_s")]

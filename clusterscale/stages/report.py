@@ -12,7 +12,7 @@ import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
-from clusterscale.stages.costs import device_seconds_label, stage_of, summarize
+from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
                                     manifest_path, read_manifest)
 from clusterscale.io.records import ShardManifest
@@ -107,10 +107,21 @@ def cost_table(costs: dict, flops: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def preprocess_title(summary: dict) -> str:
+    """'ingest + embed + fit + assign + shard at k=4': the preprocessing stages this run measured, and only them."""
+    stages = summary.get("preprocess_stage_names") or sorted({stage_of(key) for key in summary["preprocess_stages"]})
+    at_k = f" at k={summary['k']}" if any(s not in BEFORE_CLUSTERING for s in stages) else ""
+    return " + ".join(stages) + at_k
+
+
 def cost_summary_text(summary: dict) -> list[str]:
-    lines = [f"Preprocessing (ingest + embed + fit/assign/shard at k={summary['k']}; cost keys "
-             f"{', '.join(summary['preprocess_stages']) or 'none'}) on {summary['rows']} pairs: "
-             f"**{summary['preprocess_worker_s']:.1f} worker-s**."]
+    if not summary["preprocess_stages"]:
+        lines = ["Preprocessing: no preprocessing stage has recorded a cost in this run yet."]
+    else:
+        so_far = "" if summary.get("preprocess_complete", True) else \
+            " (so far: the later preprocessing stages have not run in this run directory)"
+        lines = [f"Preprocessing ({preprocess_title(summary)}; cost keys {', '.join(summary['preprocess_stages'])}) "
+                 f"on {summary['rows']} pairs: **{summary['preprocess_worker_s']:.1f} worker-s**{so_far}."]
     if "train_epoch_worker_s" in summary:
         lines.append(f"Training ({', '.join(summary['train_runs'])}; one epoch = startup + batches per epoch x "
                      f"measured mean step time): **{summary['train_epoch_worker_s']:.1f} worker-s per epoch**, "
@@ -120,6 +131,8 @@ def cost_summary_text(summary: dict) -> list[str]:
     ext = summary.get("extrapolation")
     if ext:
         lines += extrapolation_text(ext)
+    elif summary["preprocess_stages"] and EXTRAPOLATED_FROM not in (summary.get("preprocess_stage_names") or []):
+        lines.append(f"No extrapolation: it needs at least the {EXTRAPOLATED_FROM} stage's measured cost.")
     return lines
 
 
@@ -128,11 +141,14 @@ def _estimate(part: dict, what: str) -> str:
 
 
 def extrapolation_text(ext: dict) -> list[str]:
-    """The extrapolation line, with every flagged fit spelled out under it (never a bare number from a bad fit)."""
+    """The extrapolation line, with every flagged fit spelled out under it (never a bare number from a bad fit).
+    It names the stages it covers (ext['stages']): a run whose preprocessing is incomplete extrapolates only those."""
     pre = ext["preprocess"]
     pts = ", ".join(f"({int(n)} rows, {c:.1f} s)" for n, c in pre["points"])
-    text = (f"Extrapolation (not a measurement) to {ext['target_rows']:,} pairs, {pre['method']} from the measured "
-            f"points {pts}: {_estimate(pre, 'preprocessing')}")
+    covers = f" of {' + '.join(ext['stages'])}" if ext.get("stages") else ""
+    what = "preprocessing" if ext.get("complete", True) else f"preprocessing so far ({' + '.join(ext['stages'])})"
+    text = (f"Extrapolation (not a measurement) to {ext['target_rows']:,} pairs{covers}, {pre['method']} from the "
+            f"measured points {pts}: {_estimate(pre, what)}")
     if "train_epoch" in ext:
         ratio = ext["ratio_per_epoch"]
         text += (f", {_estimate(ext['train_epoch'], 'training')} per epoch, ratio "

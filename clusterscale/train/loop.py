@@ -24,6 +24,7 @@ from clusterscale.runtime.resources import plan_actors
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.mine_rows import sidecars_for_training
+from clusterscale.runtime import interrupt
 from clusterscale.train import schedule
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.train import recluster
@@ -224,6 +225,7 @@ def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, 
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=cfg.train.checkpoint.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    interrupt.keep_sigint(trainer, "_register_sigint_handler")  # Ctrl-C stays clusterscale's (runtime.interrupt)
     result = trainer.fit()
     if result.error:
         raise result.error
