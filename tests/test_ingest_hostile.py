@@ -71,7 +71,7 @@ def test_cli_reads_each_file_once_skips_run_dirs_and_keeps_csv_row_numbers(tmp_p
     run = RunDir(str(tmp_path / "run"))
     code, out, err = _cli_ingest(capsys, run.uri, data)
     assert code == 0, err
-    assert "2 input file(s)" in out and "4 folder(s) or file(s) reached again through a symlink" in out
+    assert "2 input file(s)" in out and "4 folder(s) or file(s) reached again under another name" in out
     assert f"run directory(ies) inside data.path skipped (their files are a run's outputs, not input pairs): " \
            f"{data / 'old_run'}" in out
     stats = run.done_stats("pairs")

@@ -283,8 +283,8 @@ def run_ingest(cfg: Config, run: RunDir) -> StageResult:
 
 def _print_skipped(walk) -> None:
     if walk.links_skipped:
-        print(f"[ingest] {walk.links_skipped} folder(s) or file(s) reached again through a symlink (a loop, or "
-              f"two names of one file) skipped: each file is read once", flush=True)
+        print(f"[ingest] {walk.links_skipped} folder(s) or file(s) reached again under another name (a symlink "
+              f"loop, or a link to something already listed) skipped: each file is read once", flush=True)
     if walk.run_dirs_skipped:
         print(f"[ingest] {len(walk.run_dirs_skipped)} clusterscale run directory(ies) inside data.path skipped "
               f"(their files are a run's outputs, not input pairs): "
