@@ -112,8 +112,11 @@ def refuse_run_dir_in_data(data: DataConfig, run_uri: str) -> None:
     """A run directory inside the folder ingest lists would have its own files (locks, outputs) read as input."""
     if data.path == BUILTIN_DOCSTRINGS or not data.path:
         return
-    data_fs, root, pattern = _listing_root(data.path)
-    run_fs, run_path = resolve_filesystem(run_uri)
+    try:
+        data_fs, root, pattern = _listing_root(data.path)
+        run_fs, run_path = resolve_filesystem(run_uri)
+    except (pa.ArrowException, ValueError, OSError):  # not a filesystem (synth://): nothing to list, or the
+        return  # listing itself reports the URI
     if data_fs.type_name != run_fs.type_name:
         return
     if isinstance(data_fs, pafs.LocalFileSystem):
