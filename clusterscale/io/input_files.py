@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_path
 from clusterscale.config import DataConfig
 from clusterscale.errors import UserError
+from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.input_walk import InputWalk, walk_files
-from clusterscale.io.rundir import resolve_filesystem
 from clusterscale.redact import redact_uri
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
@@ -99,38 +99,48 @@ def find_input_files(data: DataConfig) -> InputListing:
 
 def _listing_root(path: str) -> tuple[pafs.FileSystem, str, str | None]:
     """(filesystem, the file or folder data.path names or its glob starts from, the glob pattern or None)."""
+    base = _glob_base(path)
+    if base is None:
+        return (*resolve_filesystem(path), None)
+    fs, root = resolve_filesystem(base)
+    return fs, root.rstrip("/"), resolve_filesystem(path)[1]
+
+
+def _glob_base(path: str) -> str | None:
+    """The folder (path or URI, query kept) a glob in data.path starts from; None when it holds no glob."""
     # In a URI '?' starts the query (s3://b/p?endpoint_override=...), so it is a wildcard only in local paths.
     location, sep, query = path.partition("?") if "://" in path else (path, "", "")
-    has_glob = any(ch in location for ch in ("*[" if sep or "://" in path else "*?["))
-    if not has_glob:
-        return (*resolve_filesystem(path), None)
-    fs, base = resolve_filesystem(location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query)
-    return fs, base.rstrip("/"), resolve_filesystem(path)[1]
+    if not any(ch in location for ch in ("*[" if sep or "://" in path else "*?[")):
+        return None
+    return location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query
 
 
 def refuse_run_dir_in_data(data: DataConfig, run_uri: str) -> None:
-    """A run directory inside the folder ingest lists would have its own files (locks, outputs) read as input."""
-    if data.path == BUILTIN_DOCSTRINGS or not data.path:
+    """A run directory inside the folder ingest lists would have its own files (locks, outputs) read as input;
+    data inside the folders ingest replaces would be deleted. Compared by name, without opening a store."""
+    if data.path == BUILTIN_DOCSTRINGS or not data.path or ("://" in data.path) != ("://" in run_uri):
         return
-    try:
-        data_fs, root, pattern = _listing_root(data.path)
-        run_fs, run_path = resolve_filesystem(run_uri)
-    except (pa.ArrowException, ValueError, OSError):  # not a filesystem (synth://): nothing to list, or the
-        return  # listing itself reports the URI
-    if data_fs.type_name != run_fs.type_name:
-        return
-    if isinstance(data_fs, pafs.LocalFileSystem):
-        root, run_path = os.path.realpath(root), os.path.realpath(run_path)
-    if run_path == root or run_path.startswith(root.rstrip("/") + "/"):
+    root = _glob_base(data.path) or data.path
+    if "://" in root:
+        root, run_path = _uri_location(root), _uri_location(run_uri)
+    else:
+        root, run_path = os.path.realpath(os.path.expanduser(root)), os.path.realpath(os.path.expanduser(run_uri))
+    if run_path == root or run_path.startswith(root + "/"):
         raise IngestError(
             f"--run-dir {redact_uri(run_uri)} is inside data.path {redact_uri(data.path)}: ingest reads every "
-            f"file under {redact_uri(root if pattern is None else root + '/')}, so it would read this run's own "
-            f"files (its locks and outputs) as input pairs. Choose a --run-dir outside that folder.")
-    written = [run_path.rstrip("/") + f"/{folder}" for folder in ("pairs", "heldout", "quarantine")]
+            f"file under {redact_uri(root)}, so it would read this run's own files (its locks and outputs) as "
+            f"input pairs. Choose a --run-dir outside that folder.")
+    written = [f"{run_path}/{folder}" for folder in ("pairs", "heldout", "quarantine")]
     if any(root == w or root.startswith(w + "/") for w in written):
         raise IngestError(f"data.path {redact_uri(data.path)} is inside the folders ingest replaces in --run-dir "
                           f"{redact_uri(run_uri)} (pairs/, heldout/, quarantine/): it would delete its own input. "
                           f"Copy those files out of the run, or ingest into another --run-dir.")
+
+
+def _uri_location(uri: str) -> str:
+    """scheme://bucket/path of a URI: no credentials, no query, no trailing slash."""
+    scheme, _, rest = uri.partition("?")[0].partition("://")
+    return f"{scheme.lower()}://{rest.rsplit('@', 1)[-1]}".rstrip("/")
 
 
 def _refuse_dataset_dict(fs: pafs.FileSystem, base: str, path: str) -> None:

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
+from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
                                          infer_format, is_encodable, iter_records, list_input_files,
@@ -252,7 +253,8 @@ def run_ingest(cfg: Config, run: RunDir) -> StageResult:
     executor, which marks all three done)."""
     data = effective_data_config(cfg)
     refuse_run_dir_in_data(data, run.uri)
-    listing = find_input_files(data)
+    with filesystem_errors(data.path):  # an unreachable store is named by data.path (redacted)
+        listing = find_input_files(data)
     fs, files = listing.fs, listing.walk.files
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
