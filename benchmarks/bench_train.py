@@ -35,7 +35,7 @@ from clusterscale.train import schedule  # noqa: E402
 from clusterscale.train.data import ShardReader, row_group_rows_for, schedule_block_rows  # noqa: E402
 from clusterscale.train.metrics import read_metrics  # noqa: E402
 from clusterscale.modeling.student import build_student  # noqa: E402
-from clusterscale.train.step import StepSettings, contrastive_backward  # noqa: E402
+from clusterscale.train.step import contrastive_backward  # noqa: E402
 
 MODEL = ["train.init=scratch", "train.scratch_hidden_size=128", "train.scratch_num_layers=2",
          "train.scratch_num_heads=2", "train.scratch_intermediate_size=512", "train.query_max_length=32",
@@ -54,11 +54,11 @@ def loader_and_plain(run, cfg, steps: int) -> dict:
     manifest = run.read_json(manifest_path(4))
     sizes = [c["rows"] for c in manifest["clusters"]]
     model, tokenizer, pooling = build_student(tc)
-    settings = StepSettings.from_train_config(tc, pooling, amp=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.optimizer.lr)
     reader = ShardReader(run, manifest)
     block_rows = schedule_block_rows(manifest)
-    streams = {s: schedule.iterate(sizes, tc.global_batch_size, s, tc.seed, steps + 2, block_rows=block_rows)
+    batch, seed = tc.schedule.global_batch_size, tc.schedule.seed
+    streams = {s: schedule.iterate(sizes, batch, s, seed, steps + 2, block_rows=block_rows)
                for s in ("clustered", "random")}
     times: dict[str, dict[str, list[float]]] = {s: {"load": [], "step": [], "plain": []} for s in streams}
     for i in range(steps + 2):
@@ -69,8 +69,8 @@ def loader_and_plain(run, cfg, steps: int) -> dict:
             queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
             t1 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            contrastive_backward(model, tokenizer, queries, passages, settings, torch.device("cpu"))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+            contrastive_backward(model, tokenizer, queries, passages, tc, torch.device("cpu"), pooling=pooling)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.max_grad_norm)
             optimizer.step()
             t2 = time.perf_counter()
             plain_s = plain_step(model, tokenizer, optimizer, queries, passages, tc) if sampler == "clustered" else 0
@@ -90,13 +90,15 @@ def plain_step(model, tokenizer, optimizer, queries, passages, tc) -> float:
     """What a user would write without clusterscale: CLS embeddings, in-batch InfoNCE, AdamW."""
     started = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    q_in = tokenizer(queries, padding=True, truncation=True, max_length=tc.query_max_length, return_tensors="pt")
-    p_in = tokenizer(passages, padding=True, truncation=True, max_length=tc.passage_max_length, return_tensors="pt")
+    lengths = tc.student
+    q_in = tokenizer(queries, padding=True, truncation=True, max_length=lengths.query_max_length, return_tensors="pt")
+    p_in = tokenizer(passages, padding=True, truncation=True, max_length=lengths.passage_max_length,
+                     return_tensors="pt")
     q = torch.nn.functional.normalize(model(**q_in).last_hidden_state[:, 0], dim=-1)
     p = torch.nn.functional.normalize(model(**p_in).last_hidden_state[:, 0], dim=-1)
-    loss = torch.nn.functional.cross_entropy(q @ p.T / tc.temperature, torch.arange(len(q)))
+    loss = torch.nn.functional.cross_entropy(q @ p.T / tc.objective.temperature, torch.arange(len(q)))
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.max_grad_norm)
     optimizer.step()
     return time.perf_counter() - started
 
@@ -133,17 +135,17 @@ def memory_points(sizes: list[int], chunk: int, gpu: bool) -> list[float]:
                                  f"train.grad_cache_chunk={chunk}"])
     model, tokenizer, pooling = build_student(cfg.train)
     model.to(device)
-    settings = StepSettings.from_train_config(cfg.train, pooling, amp=gpu)
+    step_options = {"pooling": pooling, "amp": gpu}
     table = make_pairs(max(sizes), seed=1)
     queries, passages = table.column("q").to_pylist(), table.column("p").to_pylist()
-    contrastive_backward(model, tokenizer, queries[:32], passages[:32], settings, device)  # warm-up
+    contrastive_backward(model, tokenizer, queries[:32], passages[:32], cfg.train, device, **step_options)  # warm-up
     base = torch.cuda.memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     points = []
     for size in sorted(sizes):
         model.zero_grad(set_to_none=True)
         if gpu:
             torch.cuda.reset_peak_memory_stats()
-        contrastive_backward(model, tokenizer, queries[:size], passages[:size], settings, device)
+        contrastive_backward(model, tokenizer, queries[:size], passages[:size], cfg.train, device, **step_options)
         peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         points.append((peak - base) / 2 ** 20)
     return points

@@ -77,7 +77,7 @@ def set_manifest(run_dir: str, k: int, sampler: str) -> tuple[dict, float | None
         started = time.time()
         pipeline.execute(pipeline.SHARD_SET, cfg, run)
         written = round(time.time() - started, 1)
-    return data.shard_set_manifest(run, k, cfg.train.global_batch_size, sampler), written
+    return data.shard_set_manifest(run, k, cfg.train.schedule.global_batch_size, sampler), written
 
 
 def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer_cache_mb: float | None,

@@ -25,7 +25,7 @@ from clusterscale.config import TrainConfig
 from clusterscale.train.optim import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student, embed
-from clusterscale.train.step import StepSettings, contrastive_backward
+from clusterscale.train.step import contrastive_backward
 
 BASE = dict(init="scratch", pooling="cls", scratch_hidden_size=128, scratch_num_layers=2, scratch_num_heads=2,
             scratch_intermediate_size=512, temperature=0.02, lr=4e-4, global_batch_size=64, query_max_length=32,
@@ -70,9 +70,9 @@ def build(tc: TrainConfig, bert_changes: dict):
 @torch.no_grad()
 def heldout_scores(model, tokenizer, pooling, tc, queries, passages) -> tuple[float, float]:
     model.eval()
-    q = torch.cat([embed(model, tokenizer, queries[i:i + 128], tc.query_max_length, pooling, "cpu")
+    q = torch.cat([embed(model, tokenizer, queries[i:i + 128], tc.student.query_max_length, pooling, "cpu")
                    for i in range(0, len(queries), 128)])
-    p = torch.cat([embed(model, tokenizer, passages[i:i + 128], tc.passage_max_length, pooling, "cpu")
+    p = torch.cat([embed(model, tokenizer, passages[i:i + 128], tc.student.passage_max_length, pooling, "cpu")
                    for i in range(0, len(passages), 128)])
     scores = q @ p.T
     rank = (scores > scores.diag()[:, None]).sum(1)  # 0 = the positive is on top
@@ -81,25 +81,25 @@ def heldout_scores(model, tokenizer, pooling, tc, queries, passages) -> tuple[fl
 
 
 def run_variant(name, changes, bert_changes, warmup_frac, steps, seed, train_rows, heldout_rows) -> dict:
-    tc = TrainConfig(**(BASE | changes | {"seed": seed, "warmup_steps": max(1, int(warmup_frac * steps)),
+    tc = TrainConfig.of(**(BASE | changes | {"seed": seed, "warmup_steps": max(1, int(warmup_frac * steps)),
                                           "final_lr": (BASE | changes)["lr"] / 10}))
     torch.manual_seed(seed)
     model, tokenizer, pooling = build(tc, bert_changes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    settings = StepSettings.from_train_config(tc, pooling, amp=False)
-    guard = CollapseGuard(chance_loss(tc.global_batch_size), tc.warmup_steps if warmup_frac else 0, tc.log_every_steps)
+    opt, batch = tc.optimizer, tc.schedule.global_batch_size
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+    guard = CollapseGuard(chance_loss(batch), opt.warmup_steps if warmup_frac else 0, tc.logging.log_every_steps)
     rng = np.random.default_rng(seed)
     queries, passages = train_rows
     history, verdict_step, started = [], None, time.time()
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tc, steps) if warmup_frac else tc.lr + (tc.final_lr - tc.lr) * step / steps
-        rows = rng.choice(len(queries), tc.global_batch_size, replace=False)
+            group["lr"] = lr_at(step, opt, steps) if warmup_frac else opt.lr + (opt.final_lr - opt.lr) * step / steps
+        rows = rng.choice(len(queries), batch, replace=False)
         model.train()
         optimizer.zero_grad(set_to_none=True)
         loss, stats = contrastive_backward(model, tokenizer, [queries[i] for i in rows], [passages[i] for i in rows],
-                                           settings, torch.device("cpu"))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+                                           tc, torch.device("cpu"), pooling=pooling)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.max_grad_norm)
         optimizer.step()
         history.append((float(loss), float(stats["neg_cos_mean"]), float(stats["pos_cos"])))
         if guard.observe(step, float(loss), float(stats["neg_cos_mean"])) and verdict_step is None:
@@ -107,7 +107,7 @@ def run_variant(name, changes, bert_changes, warmup_frac, steps, seed, train_row
     top1, ndcg = heldout_scores(model, tokenizer, pooling, tc, *heldout_rows)
     tail = np.array(history[-20:])
     result = {"variant": name, "loss_last20": round(float(tail[:, 0].mean()), 3),
-              "chance": round(math.log(tc.global_batch_size), 3), "neg_cos_last20": round(float(tail[:, 1].mean()), 3),
+              "chance": round(math.log(batch), 3), "neg_cos_last20": round(float(tail[:, 1].mean()), 3),
               "pos_cos_last20": round(float(tail[:, 2].mean()), 3), "collapsed_at_step": verdict_step,
               "heldout_top1": round(top1, 4), "heldout_ndcg10": round(ndcg, 4), "seconds": round(time.time() - started, 1),
               "loss_every_25": [round(h[0], 3) for h in history[::25]],

@@ -120,10 +120,10 @@ def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
                           f"({', '.join(ARMS)}), or define it with --arm {name}:train.key=value,...")
     keys = dict(ARMS[name])
     if keys.get("recluster_every") == "half":
-        if not cfg.train.steps or cfg.train.steps < 2:
+        if not cfg.train.schedule.steps or cfg.train.schedule.steps < 2:
             raise ConfigError("The recluster arm re-clusters halfway through train.steps: set train.steps (>= 2), or "
                               "define the arm yourself with --arm NAME:train.recluster_every=N.")
-        keys["recluster_every"] = (cfg.train.steps + 1) // 2  # two segments, also for odd step counts
+        keys["recluster_every"] = (cfg.train.schedule.steps + 1) // 2  # two segments, also for odd step counts
     return keys
 
 
@@ -135,17 +135,17 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     stage_options: keyword arguments of every run_stages call (replace, command)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
-    seed_list = [cfg.train.seed + i for i in range(seeds)]
+    seed_list = [cfg.train.schedule.seed + i for i in range(seeds)]
     custom_arms = custom_arms or {}
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
     arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
                 for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
     check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
     for arm_cfgs in arms.values():  # e.g. train.dedup with dedup applied to the shared shards: refused now
-        if arm_cfgs[0].train.dedup:
+        if arm_cfgs[0].train.shards.dedup:
             train_dedup_config(arm_cfgs[0])
     started = time.time()
-    mining = [a[0] for a in arms.values() if a[0].train.negatives_per_query]
+    mining = [a[0] for a in arms.values() if a[0].train.objective.negatives_per_query]
     stage_options = stage_options or {}
     run_stages(cfg, run, pipeline(cfg, last=PREPROCESS[-1]), **stage_options)
     if mining:  # one mining pass serves every arm with mined negatives (same mine config)
@@ -166,20 +166,21 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
 
 
 def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], metrics: dict, frozen: dict) -> dict:
-    dedup_arms = [name for name, arm_cfgs in arms.items() if arm_cfgs[0].train.dedup]
+    dedup_arms = [name for name, arm_cfgs in arms.items() if arm_cfgs[0].train.shards.dedup]
     dedup_note = (f" ({', '.join(dedup_arms)}: on the shards of the pairs dedup keeps, "
                   f"{_dedup_text(train_dedup_config(arms[dedup_arms[0]][0]))})" if dedup_arms else "")
-    out = {"description": (f"{len(next(iter(arms.values())))} seed(s) per arm, every arm {cfg.train.steps or 'full-epoch'} "
-                           f"steps x {cfg.train.global_batch_size} pairs on the same shards (k={cfg.cluster.k})"
+    batches = cfg.train.schedule
+    out = {"description": (f"{len(next(iter(arms.values())))} seed(s) per arm, every arm {batches.steps or 'full-epoch'} "
+                           f"steps x {batches.global_batch_size} pairs on the same shards (k={cfg.cluster.k})"
                            f"{dedup_note}, evaluated on the same held-out set; std is the sample standard deviation "
                            f"over seeds."),
-           "k": cfg.cluster.k, "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
+           "k": cfg.cluster.k, "steps": batches.steps, "global_batch_size": batches.global_batch_size,
            "frozen": frozen, "arms": {}}
     for sampler, arm_cfgs in arms.items():
         names = [a.train_name() for a in arm_cfgs]
         per_seed = [metrics[sampler][n] for n in names]
         records = [read_metrics(run, n) for n in names]
-        arm = {"seeds": [a.train.seed for a in arm_cfgs], "runs": names,
+        arm = {"seeds": [a.train.schedule.seed for a in arm_cfgs], "runs": names,
                "metrics": {key: spread([m[key] for m in per_seed]) for key in per_seed[0]},
                "final_loss_mean": float(np.mean([np.mean([r["loss"] for r in recs[-10:]]) for recs in records if recs]))
                if any(records) else None,
@@ -219,13 +220,14 @@ def _dedup_text(cfg: Config) -> str:
 
 def _seed_differences(metrics: dict, arm: str, arm_cfgs: list[Config], baseline: str, baseline_cfgs: list[Config],
                       key: str) -> list[float]:
-    base = {a.train.seed: metrics[baseline][a.train_name()][key] for a in baseline_cfgs}
-    return [metrics[arm][a.train_name()][key] - base[a.train.seed] for a in arm_cfgs]
+    base = {a.train.schedule.seed: metrics[baseline][a.train_name()][key] for a in baseline_cfgs}
+    return [metrics[arm][a.train_name()][key] - base[a.train.schedule.seed] for a in arm_cfgs]
 
 
 def _differing_train_keys(base: Config, arm: Config) -> dict:
     ignore = {"seed", "name"}
-    return {k: v for k, v in arm.to_dict()["train"].items() if k not in ignore and base.to_dict()["train"][k] != v}
+    base_train = base.train.to_dict()
+    return {k: v for k, v in arm.train.to_dict().items() if k not in ignore and base_train[k] != v}
 
 
 # --- sweep --------------------------------------------------------------------------------------------
@@ -260,7 +262,8 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     if any(k < 1 for k in ks) or any(n < 1 for n in limits or []):
         raise ConfigError(f"--k and --limit values must be positive, got k={ks} limit={limits}.")
     report_k = cfg.cluster.k if cfg.cluster.k in ks else ks[0]
-    check_arm_names(cfg, [arm_name("sweep", f"{cfg.train.sampler}-k{k}", cfg.train.seed) for k in ks])
+    batches = cfg.train.schedule  # every data size's base config has the same
+    check_arm_names(cfg, [arm_name("sweep", f"{batches.sampler}-k{k}", batches.seed) for k in ks])
     sizes = [(n, RunDir(join_uri(run_dir, f"limit={n}"))) for n in limits] if limits \
         else [(cfg.data.limit, RunDir(run_dir))]
     points, cost_points = [], []
@@ -270,8 +273,8 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         run_stages(base, run, pipeline(base, last="embed"), **stage_options)
         rows = run.done_stats("embeddings")["rows"]
         for k in ks:
-            kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{base.train.sampler}-k{k}",
-                                                                          base.train.seed)})
+            kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{batches.sampler}-k{k}",
+                                                                          batches.seed)})
             print(f"== sweep: N={rows} k={k} ==", flush=True)
             per_k = tuple(s for s in PER_K_STAGES if s in pipeline(kcfg))  # dedup (this k's, into dedup/) when on
             try:
@@ -289,12 +292,12 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
                 point["train_worker_s"] = run.done_stats(train_dir(kcfg.train_name())).get("worker_s")
             points.append(point)
         report_cfg = variant(base, cluster={"k": report_k}, train={
-            "name": arm_name("sweep", f"{base.train.sampler}-k{report_k}", base.train.seed)})
+            "name": arm_name("sweep", f"{batches.sampler}-k{report_k}", batches.seed)})
         costs = run.read_json("report/costs.json")
         cost_points.append(summarize(report_cfg, run, costs, train_names=None if preprocess_only
                                      else [report_cfg.train_name()]) | {"limit": limit, "run": run.uri})
     sweep = {"description": (f"k in {ks}, data sizes {[p['rows'] for p in cost_points]} pairs "
-                             f"({'preprocessing only' if preprocess_only else f'trained {cfg.train.steps} steps per k'}); "
+                             f"({'preprocessing only' if preprocess_only else f'trained {batches.steps} steps per k'}); "
                              f"one embedding pass per data size. Stage seconds are wall-clock."),
              "ks": ks, "limits": [n for n, _ in sizes], "preprocess_only": preprocess_only,
              "points": points, "cost_points": cost_points}
@@ -306,7 +309,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         if run.uri != top.uri:
             run.write_json("report/sweep.json", sweep)
         run_stage("report", variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
-            "name": arm_name("sweep", f"{cfg.train.sampler}-k{report_k}", cfg.train.seed)}), run)
+            "name": arm_name("sweep", f"{cfg.train.schedule.sampler}-k{report_k}", cfg.train.schedule.seed)}), run)
     if len(sizes) > 1:
         run_stage("report", variant(cfg, cluster={"k": report_k}), top)
     return sweep

@@ -132,8 +132,8 @@ def _train_dir(cfg: Config) -> str:
 
 def _train_extra(cfg: Config, run: RunDir) -> dict | None:
     """Training with mined negatives depends on the negatives/ it reads; with train.dedup, on the dedup keys."""
-    extra = {"negatives": mine_fingerprint(cfg, run)} if cfg.train.negatives_per_query else {}
-    if cfg.train.dedup:
+    extra = {"negatives": mine_fingerprint(cfg, run)} if cfg.train.objective.negatives_per_query else {}
+    if cfg.train.shards.dedup:
         extra["dedup"] = config_mod.output_keys(train_dedup_config(cfg).dedup)
     return extra or None
 
@@ -150,14 +150,14 @@ def _train(call: StageCall) -> StageResult:
     """Train in segments; between two segments (train.recluster_every) the pairs are re-clustered with the
     model so far, by the ordinary embed, fit, assign and shard stages into the segment's child run."""
     cfg, run = call.cfg, call.run
-    if cfg.train.dedup:  # the clustered shards of the kept pairs, after the dedup stage (once per clustering)
+    if cfg.train.shards.dedup:  # the clustered shards of the kept pairs, after the dedup stage (once per clustering)
         dedup_cfg = train_dedup_config(cfg)
         execute(STAGES["dedup"], dedup_cfg, run)
         execute(DEDUP_SHARDS, dedup_cfg, run)
-    elif cfg.train.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
+    elif cfg.train.schedule.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
         execute(SHARD_SET, cfg, run)
     plan = loop.plan_training(cfg, run, call.resume)
-    if cfg.train.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
+    if cfg.train.objective.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
         sidecars_for_training(cfg, run, run)
     shards_uri, recluster_s, result = run.uri, 0.0, None
     for segment in loop.segments_to_train(run, plan):
@@ -181,7 +181,7 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
     for verb in ("embed", "fit", "assign", "shard"):
         execute(STAGES[verb], child_cfg, child, source=run if verb == "embed" else None,
                 cost_key=f"recluster:{name}:seg-{segment}:{verb}", costs_run=run)
-    if cfg.train.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
+    if cfg.train.objective.negatives_per_query:  # the run's mined negatives, aligned to the segment's shards
         sidecars_for_training(cfg, run, child)
     return child
 
@@ -189,7 +189,7 @@ def _recluster(cfg: Config, run: RunDir, name: str, segment: int) -> RunDir:
 def _shard_extra(cfg: Config, run: RunDir) -> dict:
     """Shards depend on the batch size (small-cluster policy) and, when built from dedup's kept rows, on the dedup
     keys."""
-    extra = {"global_batch_size": cfg.train.global_batch_size}
+    extra = {"global_batch_size": cfg.train.schedule.global_batch_size}
     return extra | ({"dedup": config_mod.output_keys(cfg.dedup)} if dedup_applied(cfg) else {})
 
 
@@ -261,11 +261,11 @@ _SHARDS_INPUT = Input(lambda cfg: shards_dir(cfg.cluster.k), "shard", lambda cfg
 # The shards of train.sampler random / random_clusters / source, written from the clustered ones when a training
 # run needs them (not a step of its own in the list above).
 SHARD_SET = Stage("shard_set", "Write the shards of train.sampler random, random_clusters or source.",
-                  lambda c: run_shard_set(c.cfg, c.run, c.fingerprint), lambda cfg: shard_set_dir(cfg.cluster.k, cfg.train.sampler), inputs=(_SHARDS_INPUT,),
+                  lambda c: run_shard_set(c.cfg, c.run, c.fingerprint), lambda cfg: shard_set_dir(cfg.cluster.k, cfg.train.schedule.sampler), inputs=(_SHARDS_INPUT,),
                   sections=(*_CLUSTERING, "shard"),
-                  extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
-                                          "sampler": cfg.train.sampler},
-                  resources=Resources(cpus_per_actor=0.5), cost_key=lambda cfg: f"shard:{cfg.train.sampler}")
+                  extra=lambda cfg, run: {"global_batch_size": cfg.train.schedule.global_batch_size,
+                                          "sampler": cfg.train.schedule.sampler},
+                  resources=Resources(cpus_per_actor=0.5), cost_key=lambda cfg: f"shard:{cfg.train.schedule.sampler}")
 # The clustered shards of the pairs dedup keeps, for train.dedup=true (compare's clustered_dedup arm) beside the
 # run's shards of every assigned pair; the shard stage's code with dedup/kept/ (of this k) as input.
 DEDUP_SHARDS = Stage("dedup_shards", "Write the clustered shards of the deduplicated pairs (train.dedup).",
@@ -274,7 +274,7 @@ DEDUP_SHARDS = Stage("dedup_shards", "Write the clustered shards of the deduplic
                      lambda cfg: shard_set_dir(cfg.cluster.k, DEDUP_SET),
                      inputs=(_SHARDS_INPUT, Input(DEDUP_KEPT, "dedup", "Deduplicated pairs", made_with=_DEDUP)),
                      sections=(*_CLUSTERING, "shard"),
-                     extra=lambda cfg, run: {"global_batch_size": cfg.train.global_batch_size,
+                     extra=lambda cfg, run: {"global_batch_size": cfg.train.schedule.global_batch_size,
                                              "dedup": config_mod.output_keys(cfg.dedup)},
                      resources=Resources(cpus_per_actor=0.5), cost_key=f"shard:{DEDUP_SET}")
 
@@ -402,7 +402,7 @@ def pipeline(cfg: Config, first: str = "ingest", last: str = "report") -> tuple[
     only when it is on."""
     names = list(STAGES)
     chosen = names[names.index(first):names.index(last) + 1]
-    return tuple(s for s in chosen if (s != "mine" or cfg.train.negatives_per_query)
+    return tuple(s for s in chosen if (s != "mine" or cfg.train.objective.negatives_per_query)
                  and (s != "dedup" or cfg.dedup.enabled))
 
 

@@ -173,4 +173,5 @@ def test_config_errors_name_the_key(override, message):
 
 def test_config_accepts_clp():
     cfg = config.load(None, ["train.loss=clp", "train.negatives_per_query=4", "train.clp_lambda=0.2"])
-    assert (cfg.train.loss, cfg.train.negatives_per_query, cfg.train.clp_lambda) == ("clp", 4, 0.2)
+    objective = cfg.train.objective
+    assert (objective.loss, objective.negatives_per_query, objective.clp_lambda) == ("clp", 4, 0.2)

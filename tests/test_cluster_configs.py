@@ -48,7 +48,7 @@ def test_every_yaml_is_of_a_known_kind_and_all_kinds_are_shipped():
 @pytest.mark.parametrize("path", [p for p, _ in by_kind("pipeline")], ids=lambda p: p.name)
 def test_pipeline_configs_pass_the_schema_and_use_gpus(path):
     cfg = config_mod.load(path)
-    assert cfg.train.use_gpu and cfg.train.global_batch_size % cfg.train.num_workers == 0
+    assert cfg.train.compute.use_gpu and cfg.train.schedule.global_batch_size % cfg.train.compute.num_workers == 0
     assert cfg.data.path.startswith(("s3://", "gs://", "hdfs://")), "the default path is Parquet in an object store"
     assert not cfg.embed.trust_remote_code
 
@@ -57,25 +57,27 @@ def test_paper_config_is_the_papers_recipe():
     cfg = config_mod.load(CONFIGS / "msmarco-paper.yaml")
     assert (cfg.embed.model, cfg.embed.side, cfg.cluster.k) == ("Snowflake/snowflake-arctic-embed-m", "passage", 10)
     t = cfg.train
-    assert (t.init, t.pooling, t.global_batch_size, t.epochs, t.warmup_steps) == ("scratch", "mean", 4096, 3, 50)
-    assert (t.lr, t.final_lr, t.temperature, t.max_grad_norm) == (4e-4, 4e-5, 0.02, 1.0)
-    assert (t.query_max_length, t.passage_max_length) == (32, 256)
-    assert (t.scratch_hidden_size, t.scratch_num_layers, t.scratch_num_heads) == (768, 12, 12)
+    assert (t.student.init, t.student.pooling, t.schedule.global_batch_size, t.schedule.epochs,
+            t.optimizer.warmup_steps) == ("scratch", "mean", 4096, 3, 50)
+    assert (t.optimizer.lr, t.optimizer.final_lr, t.objective.temperature,
+            t.optimizer.max_grad_norm) == (4e-4, 4e-5, 0.02, 1.0)
+    assert (t.student.query_max_length, t.student.passage_max_length) == (32, 256)
+    assert (t.student.scratch_hidden_size, t.student.scratch_num_layers, t.student.scratch_num_heads) == (768, 12, 12)
 
 
 def test_scale_config_has_hundreds_of_clusters_and_one_actor_per_gpu():
     cfg = config_mod.load(CONFIGS / "scale-100m.yaml")
     assert 100 <= cfg.cluster.k < 1000
-    assert cfg.embed.num_actors == cfg.train.num_workers  # both sized to the cluster's GPU count
-    assert 100_000_000 // cfg.cluster.k >= 10 * cfg.train.global_batch_size  # clusters yield many full batches
+    assert cfg.embed.num_actors == cfg.train.compute.num_workers  # both sized to the cluster's GPU count
+    assert 100_000_000 // cfg.cluster.k >= 10 * cfg.train.schedule.global_batch_size  # clusters yield many full batches
 
 
 @pytest.mark.parametrize("path", [p for p, _ in by_kind("pipeline")], ids=lambda p: p.name)
 def test_pipeline_configs_survive_a_preempted_node(path):
     """Spot nodes: checkpoints every few percent of the run, and Ray Train restarts the workers from them."""
     t = config_mod.load(path).train
-    steps = (100_000_000 if "100m" in path.name else 500_000) // t.global_batch_size * t.epochs
-    assert t.max_failures >= 1 and 0 < t.checkpoint_every_steps <= 0.1 * steps
+    steps = (100_000_000 if "100m" in path.name else 500_000) // t.schedule.global_batch_size * t.schedule.epochs
+    assert t.checkpoint.max_failures >= 1 and 0 < t.checkpoint.checkpoint_every_steps <= 0.1 * steps
 
 
 def test_launcher_has_gpu_workers_token_auth_loopback_dashboard_and_the_pinned_ray():

@@ -14,7 +14,7 @@ from clusterscale.train.loop import TrainingCollapsedError
 from clusterscale.train.optim import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student
-from clusterscale.train.step import StepSettings, contrastive_backward
+from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
 from tests.train_data import make_sharded_run
 
@@ -53,22 +53,22 @@ def test_chance_loss_counts_mined_negatives_and_clp_weight():
 
 def _verdict_of_core_loop(steps: int = 28, **overrides) -> str | None:
     """The training step core on 640 topical pairs, its figures fed to the guard as the trainer does."""
-    tc = TrainConfig(**(SCRATCH | overrides))
+    tc = TrainConfig.of(**(SCRATCH | overrides))
     pairs = make_pairs(640)
     queries, passages = pairs.column("q").to_pylist(), pairs.column("p").to_pylist()
     torch.set_num_threads(1)
     model, tokenizer, pooling = build_student(tc)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
-    settings = StepSettings.from_train_config(tc, pooling, amp=False)
-    guard = CollapseGuard(chance_loss(tc.global_batch_size), tc.warmup_steps, tc.log_every_steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.optimizer.lr)
+    guard = CollapseGuard(chance_loss(tc.schedule.global_batch_size), tc.optimizer.warmup_steps,
+                          tc.logging.log_every_steps)
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tc, steps)
+            group["lr"] = lr_at(step, tc.optimizer, steps)
         rows = slice(step * 32 % 640, step * 32 % 640 + 32)
         optimizer.zero_grad()
-        loss, stats = contrastive_backward(model, tokenizer, queries[rows], passages[rows], settings,
-                                           torch.device("cpu"))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+        loss, stats = contrastive_backward(model, tokenizer, queries[rows], passages[rows], tc,
+                                           torch.device("cpu"), pooling=pooling)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.max_grad_norm)
         optimizer.step()
         verdict = guard.observe(step, float(loss), float(stats["neg_cos_mean"]))
         if verdict:

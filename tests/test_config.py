@@ -10,16 +10,16 @@ from clusterscale.config import ConfigError
 
 def test_embedded_default_applies_only_to_bundled_data():
     cfg = config.load()
-    assert cfg.data.path == "builtin:docstrings" and cfg.data.limit == 4000 and cfg.train.steps == 40
+    assert cfg.data.path == "builtin:docstrings" and cfg.data.limit == 4000 and cfg.train.schedule.steps == 40
     user = config.load(None, ["data.path=/data/pairs.parquet"])
-    assert user.data.limit is None and user.train.steps is None
+    assert user.data.limit is None and user.train.schedule.steps is None
 
 
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"cluster": {"k": 16}, "train": {"lr": "2e-4"}}))
     cfg = config.load(path, ["cluster.k=32", "eval.k_values=[1,5]"])
-    assert cfg.cluster.k == 32 and cfg.train.lr == 2e-4 and cfg.eval.k_values == [1, 5]
+    assert cfg.cluster.k == 32 and cfg.train.optimizer.lr == 2e-4 and cfg.eval.k_values == [1, 5]
 
 
 @pytest.mark.parametrize("override, message", [
@@ -58,8 +58,8 @@ def test_section_rules_name_their_keys(override, message):
 
 def bounded_keys() -> list[tuple[str, config.Bounds]]:
     """Every knob with numeric bounds, found from the dataclasses (so a new one is covered too)."""
-    return [(f"{section}.{f.name}", f.metadata["bounds"]) for section in config.SECTIONS
-            for f in config.fields(getattr(config.Config(), section)) if f.metadata["bounds"] is not None]
+    return [(f"{section}.{name}", f.metadata["bounds"]) for section in config.SECTIONS
+            for name, (_, f) in getattr(config.Config(), section).knobs().items() if f.metadata["bounds"] is not None]
 
 
 def test_every_bounded_knob_rejects_a_value_outside_its_bounds():
@@ -112,7 +112,7 @@ def float_keys() -> list[str]:
     keys = []
     for section in config.SECTIONS:
         obj = getattr(config.Config(), section)
-        keys += [f"{section}.{f.name}" for f in config.fields(obj) if isinstance(getattr(obj, f.name), float)]
+        keys += [f"{section}.{name}" for name, value in obj.to_dict().items() if isinstance(value, float)]
     return keys
 
 
@@ -194,4 +194,4 @@ def test_recluster_with_dedup_is_refused_with_the_way_out():
                                           r"dedup\.apply_to_shards=false"):
         config.load(None, ["train.recluster_every=5", "dedup.exact=true"])
     cfg = config.load(None, ["train.recluster_every=5", "dedup.exact=true", "dedup.apply_to_shards=false"])
-    assert cfg.train.recluster_every == 5 and not cfg.train.dedup
+    assert cfg.train.shards.recluster_every == 5 and not cfg.train.shards.dedup

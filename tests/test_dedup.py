@@ -197,7 +197,7 @@ def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model):
     cfg = load(None, ["data.path=unused.parquet", f"embed.model={tiny_model}", "embed.side=both",
                       "embed.max_length=32"])
     held = pa.table({"pair_id": [1, 2], "query": ["star orbit", "bake bread"], "passage": ["a comet", "an oven"]})
-    vectors = heldout_vectors(held, {"emb": "passage", "emb_query": "query"}, cfg.to_dict()["embed"])
+    vectors = heldout_vectors(held, {"emb": "passage", "emb_query": "query"}, cfg.embed)
     encoder = Encoder(tiny_model, max_length=32)
     assert set(vectors) == {"emb", "emb_query"}
     np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)

@@ -88,7 +88,7 @@ NO_HELDOUT = heldout_keys(pa.table({"pair_id": pa.array([], pa.int64()), "query"
                                     "passage": pa.array([], pa.string())}))
 
 
-def _mark(rows: pa.Table, dedup: dict, heldout: dict, buckets: int = 1) -> pa.Table:
+def _mark(rows: pa.Table, dedup: DedupConfig, heldout: dict, buckets: int = 1) -> pa.Table:
     """mark_rows with `buckets` exact buckets and K + 1 cluster keys (any distinct stand-ins do without a shuffle)."""
     return mark_rows(rows, dedup, heldout, np.arange(buckets, dtype=np.int64) * 7, np.arange(K + 1, dtype=np.int64) * 3)
 
@@ -97,7 +97,7 @@ def test_group_steps_do_not_depend_on_row_arrival(planted):
     """The exact and cluster steps give the same marks whatever order (or split) their rows arrive in."""
     x, cluster, pair_ids, cos = planted
     one = cluster == 0
-    dedup = vars(DedupConfig(exact=True, key="passage", semantic_threshold=THRESHOLD, block_rows=16))
+    dedup = DedupConfig(exact=True, key="passage", semantic_threshold=THRESHOLD, block_rows=16)
     passages = [f"p{i % 150}" for i in range(len(x))]  # exact copies too
     table = _rows(x[one], cluster[one], pair_ids[one], cos[one], passages=[p for p, o in zip(passages, one) if o])
     outs = []
@@ -106,7 +106,7 @@ def test_group_steps_do_not_depend_on_row_arrival(planted):
         shuffled = table.take(pa.array(perm))
         marked = pa.concat_tables([_mark(shuffled.slice(s, 37), dedup, NO_HELDOUT, 3)
                                    for s in range(0, table.num_rows, 37)])
-        out = semantic_pass(resolve_exact(marked).sort_by("pair_id"), DedupConfig(**dedup))
+        out = semantic_pass(resolve_exact(marked).sort_by("pair_id"), dedup)
         outs.append(out.select(["pair_id", "reason", "duplicate_of", "similarity"]).to_pydict())
         assert {core.EXACT, core.SEMANTIC} <= set(out.column("reason").to_pylist())
     assert outs[0] == outs[1]
@@ -119,18 +119,18 @@ def test_heldout_text_leaks_are_marked():
                                      "passage": ["hp0", "hp1", "p7 "]}))
     queries = [f"q{i}" for i in range(50)]
     queries[5] = "hq2"  # leaks by query text (normalised)
-    marked = _mark(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), vars(DedupConfig()), heldout)
+    marked = _mark(_rows(x, cluster, pair_ids, np.ones(50), queries=queries), DedupConfig(), heldout)
     leaks = {p: d for p, r, d in zip(pair_ids, marked.column("reason").to_pylist(),
                                      marked.column("duplicate_of").to_pylist()) if r == core.HELDOUT_LEAK}
     assert leaks == {5: 902, 7: 902}
 
 
-def _cluster_leaks(rows: pa.Table, held: pa.Table, centroids: np.ndarray, nprobe: int, dedup: dict,
+def _cluster_leaks(rows: pa.Table, held: pa.Table, centroids: np.ndarray, nprobe: int, dedup: DedupConfig,
                    tmp_path) -> dict[int, tuple[int, float]]:
     """Held-out leaks of every cluster's step (route_heldout, then dedup_cluster per cluster), one process."""
     marked = _mark(rows, dedup, NO_HELDOUT)
     schema = pa.schema([*rows.schema, *MARK_FIELDS])
-    routed = route_heldout(held, centroids, nprobe, None, {}, schema, np.arange(K + 1, dtype=np.int64) * 3)
+    routed = route_heldout(held, centroids, nprobe, None, None, schema, np.arange(K + 1, dtype=np.int64) * 3)
     assert routed.column("part").to_pylist() == (routed.column("cluster").to_numpy() * 3).tolist()
     both = pa.concat_tables([marked, routed])
     k = len(centroids)
@@ -163,7 +163,7 @@ def test_heldout_vector_leaks_equal_brute_force_over_the_probed_clusters(nprobe,
     held = pa.table({"pair_id": held_ids, "emb": emb_array(held_x)})
     pair_ids = np.arange(200, dtype=np.int64)
     rows = _rows(x, cluster, pair_ids, np.ones(200))
-    dedup = vars(DedupConfig(semantic_threshold=0.8, heldout_nprobe=nprobe, block_rows=16))
+    dedup = DedupConfig(semantic_threshold=0.8, heldout_nprobe=nprobe, block_rows=16)
     got = _cluster_leaks(rows, held, centroids, nprobe, dedup, tmp_path)
     expected = brute_force_heldout_vectors(x, cluster, held_x, held_ids, centroids, nprobe, 0.8)
     assert {int(pair_ids[i]): dup for i, (dup, _) in expected.items()} == {p: d for p, (d, _) in got.items()}
@@ -199,7 +199,7 @@ def test_shuffle_keys_put_one_bucket_and_one_cluster_in_each_partition(planted):
 
     x, cluster, pair_ids, cos = planted
     buckets = 6
-    marked = mark_rows(_rows(x, cluster, pair_ids, cos), vars(DedupConfig(exact=True)), NO_HELDOUT,
+    marked = mark_rows(_rows(x, cluster, pair_ids, cos), DedupConfig(exact=True), NO_HELDOUT,
                        one_key_per_partition(buckets), one_key_per_partition(K + 1))
     for column, partitions in (("bucket", buckets), ("part", K + 1)):
         parts = hash_partition(marked.select([column]), hash_cols=[column], num_partitions=partitions)

@@ -103,7 +103,6 @@ def _kinds_by_id(run) -> dict[int, tuple[str, str]]:
 
 
 def test_big_parquet_file_is_split_into_row_group_units_with_the_same_ids(tmp_path, ray_local):
-    from dataclasses import asdict
 
     from clusterscale.stages.ingest import IngestUnit, file_units, ingest_unit, list_input_files
 
@@ -117,7 +116,7 @@ def test_big_parquet_file_is_split_into_row_group_units_with_the_same_ids(tmp_pa
     assert [(u.row_start, u.rows, len(u.row_groups)) for u in units] == [(0, 300, 3), (300, 300, 3), (600, 300, 3),
                                                                         (900, 100, 1)]
     whole = RunDir(str(tmp_path / "whole"))
-    ingest_unit(whole.uri, fs, IngestUnit(0, files[0]), asdict(cfg.data))  # today's one task per file
+    ingest_unit(whole.uri, fs, IngestUnit(0, files[0]), cfg.data)  # today's one task per file
     run, stats = _ingest(tmp_path, path, "data.rows_per_part=250")
     assert stats["rows_in"] == 1000 and stats["input_files"] == 1 and stats["quarantine"] == 11
     assert _kinds_by_id(run) == _kinds_by_id(whole) and len(_kinds_by_id(run)) == 1000

@@ -6,7 +6,6 @@ import gzip
 import io
 import json
 import unicodedata
-from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -27,7 +26,7 @@ def _ingest(tmp_path, data_path, *extra) -> tuple[dict, list[dict]]:
                              "data.heldout_fraction=0.3", *extra])
     run = RunDir(str(tmp_path / "run"))
     fs, files = list_input_files(cfg.data)
-    counts = [ingest_unit(run.uri, fs, IngestUnit(i, f), asdict(cfg.data)) for i, f in enumerate(files)]
+    counts = [ingest_unit(run.uri, fs, IngestUnit(i, f), cfg.data) for i, f in enumerate(files)]
     return _conserved(run, counts), counts
 
 

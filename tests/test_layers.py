@@ -8,6 +8,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
+                     ("schedule", "optim", "loss", "data", "trainer", "metrics", "checkpoint")] + \
+                    [f"clusterscale.modeling.{name}_config" for name in ("student", "moe")]
+
 # Top to bottom; a module may import its own layer and the layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
@@ -18,7 +22,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
     ("runtime", ["clusterscale.runtime", "clusterscale.runtime.*"]),
     ("io", ["clusterscale.io", "clusterscale.io.*"]),
-    ("config", ["clusterscale.config"]),
+    # Each training component's config sits next to its code but is torch-free and imports only the schema
+    # (clusterscale.knobs): it belongs to the config layer, which the config package composes from it.
+    ("config", ["clusterscale.config", "clusterscale.config.*", *COMPONENT_CONFIGS, "clusterscale.knobs"]),
     ("base", ["clusterscale.errors", "clusterscale.redact", "clusterscale"]),
 ]
 
@@ -108,3 +114,20 @@ def test_the_checks_see_imports_inside_functions_and_cycles():
     assert "clusterscale.modeling.moe" in graph["clusterscale.modeling.moe_hf"]  # a relative import
     assert "jobs._job" in graph["jobs.sweep"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_config_loading_imports_neither_torch_nor_ray():
+    """The component configs live beside torch code but in torch-free modules: reading and describing a config
+    (`clusterscale config`, every verb's start) imports neither torch nor Ray."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from clusterscale import config; config.load(); config.describe(); "
+            "print(sorted(m for m in ('torch', 'ray', 'transformers', 'faiss') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_component_config_module_is_in_the_config_layer():
+    found = sorted(m for m in import_graph() if m.endswith("_config") and m.startswith("clusterscale."))
+    assert found == sorted(COMPONENT_CONFIGS)

@@ -38,7 +38,8 @@ def test_model_card_names_base_data_k_sampler_steps_and_gains_metrics_after_eval
     card = run.read_bytes(f"train/{name}/model/README.md").decode()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card  # train.init=bundled
     for text in ("`/data/pairs.parquet`: 3600 training pairs", "k=12", "| sampler | random_clusters",
-                 f"| steps | 40 x {cfg.train.global_batch_size} pairs", "| pooling, lengths | CLS, query", "passage 96 tokens",
+                 f"| steps | 40 x {cfg.train.schedule.global_batch_size} pairs", "| pooling, lengths | CLS, query",
+                 "passage 96 tokens",
                  "Not evaluated yet"):
         assert text in card, text
     run.write_json(f"eval/{name}.json", {"metrics": {"ndcg_at_10": 0.71, "mrr_at_10": 0.6}, "num_queries": 300})

@@ -10,7 +10,7 @@ import torch
 from clusterscale.config import ConfigError, TrainConfig, from_dict
 from clusterscale.modeling.encoder import load_model, load_tokenizer, save_sentence_transformers_dir
 from clusterscale.modeling.moe import MoeLinear, add_moe, freeze_all_but_intermediate, moe_aux_loss, moe_layers
-from clusterscale.train.step import StepSettings, contrastive_backward
+from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
 
 
@@ -118,8 +118,8 @@ def _step(path: str, chunk: int, aux_weight: float) -> tuple[float, float, torch
         if name.startswith("pooler."):
             param.requires_grad_(False)
     table = make_pairs(12, seed=3)
-    settings = StepSettings(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
-                            grad_cache_chunk=chunk, moe_aux_loss_weight=aux_weight)
+    settings = TrainConfig.of(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
+                              grad_cache_chunk=chunk, moe_aux_loss_weight=aux_weight)
     loss, stats = contrastive_backward(model, tokenizer, table.column("q").to_pylist(), table.column("p").to_pylist(),
                                        settings, torch.device("cpu"))
     assert all(not layer.records for layer in moe_layers(model))  # nothing left over for the next step
@@ -169,21 +169,21 @@ def test_export_round_trip_gives_identical_embeddings(tiny_model, tmp_path):
 def test_train_only_intermediate_and_build_student(tiny_model, tmp_path):
     from clusterscale.modeling.student import build_student
 
-    model, _, _ = build_student(TrainConfig(init=tiny_model, moe_experts=3, moe_top_k=1,
+    model, _, _ = build_student(TrainConfig.of(init=tiny_model, moe_experts=3, moe_top_k=1,
                                             moe_train_only_intermediate=True))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".intermediate.dense.experts." in n or ".intermediate.dense.gate." in n
                              for n in trainable)
     assert len(trainable) == 2 * (3 * 2 + 1)  # 2 layers x (3 experts x (weight, bias) + gate)
-    dense, _, _ = build_student(TrainConfig(init=tiny_model, moe_train_only_intermediate=True))
+    dense, _, _ = build_student(TrainConfig.of(init=tiny_model, moe_train_only_intermediate=True))
     assert {n for n, p in dense.named_parameters() if p.requires_grad} == {
         f"encoder.layer.{i}.intermediate.dense.{w}" for i in (0, 1) for w in ("weight", "bias")}
     # an MoE export as init keeps its experts; a different expert count is an error naming the key
     save_sentence_transformers_dir(model, load_tokenizer(tiny_model), str(tmp_path / "m"), "mean", 64)
-    again, _, _ = build_student(TrainConfig(init=str(tmp_path / "m"), moe_experts=3, moe_top_k=1))
+    again, _, _ = build_student(TrainConfig.of(init=str(tmp_path / "m"), moe_experts=3, moe_top_k=1))
     assert len(moe_layers(again)) == 2
     with pytest.raises(ValueError, match="train.moe_experts"):
-        build_student(TrainConfig(init=str(tmp_path / "m"), moe_experts=4))
+        build_student(TrainConfig.of(init=str(tmp_path / "m"), moe_experts=4))
 
 
 def test_matmul_params_count_the_experts_a_token_uses(tiny_model):
@@ -210,7 +210,7 @@ def test_add_moe_names_a_model_without_intermediate_layers():
 def test_config_errors_name_the_key(values, key):
     with pytest.raises(ConfigError, match=key):
         from_dict({"train": values})
-    assert from_dict({"train": {"moe_experts": 4, "moe_top_k": 4}}).train.moe_top_k == 4
+    assert from_dict({"train": {"moe_experts": 4, "moe_top_k": 4}}).train.moe.moe_top_k == 4
 
 
 def test_freeze_without_intermediate_layers_is_an_error():
@@ -234,10 +234,10 @@ def test_moe_on_gpu_in_bf16(tiny_model):
     for chunk in (0, 4):
         model = _moe_model(tiny_model).to(device)
         table = make_pairs(12, seed=3)
-        settings = StepSettings(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
-                                grad_cache_chunk=chunk, amp=True, moe_aux_loss_weight=0.5)
+        settings = TrainConfig.of(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
+                                  grad_cache_chunk=chunk, moe_aux_loss_weight=0.5)
         contrastive_backward(model, tokenizer, table.column("q").to_pylist(), table.column("p").to_pylist(),
-                             settings, device)
+                             settings, device, amp=True)
         grads[chunk] = _grads(model).float().cpu()
     assert torch.isfinite(grads[0]).all()
     assert float((grads[4] - grads[0]).norm() / grads[0].norm()) < 5e-2  # bf16 autocast in both paths

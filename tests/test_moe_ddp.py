@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from clusterscale.modeling.encoder import load_model, load_tokenizer
 from clusterscale.modeling.student import embed
 from clusterscale.modeling.moe import add_moe, moe_aux_loss, moe_layers
-from clusterscale.train.step import StepSettings, contrastive_backward
+from clusterscale.config import TrainConfig
+from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
 from tests.test_train_grad import _free_port
 
@@ -42,9 +43,9 @@ def _model(path: str) -> torch.nn.Module:
     return model
 
 
-def _settings(chunk: int, aux_weight: float = AUX_WEIGHT) -> StepSettings:
-    return StepSettings(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
-                        grad_cache_chunk=chunk, moe_aux_loss_weight=aux_weight)
+def _settings(chunk: int, aux_weight: float = AUX_WEIGHT) -> TrainConfig:
+    return TrainConfig.of(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean",
+                          grad_cache_chunk=chunk, moe_aux_loss_weight=aux_weight)
 
 
 def _grads(model) -> torch.Tensor:

@@ -57,8 +57,8 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch):
     cfg = config_mod.load(None, ["data.path=data/*.jsonl", "embed.model=models/enc", "train.init=models/enc",
                                  "mine.encoder=frozen", "train.tokenizer=org/not-here"])
     assert cfg.data.path == str(tmp_path / "data" / "*.jsonl")
-    assert cfg.embed.model == cfg.train.init == str(tmp_path / "models" / "enc")
-    assert (cfg.mine.encoder, cfg.train.tokenizer) == ("frozen", "org/not-here")  # keywords and hub ids stay
+    assert cfg.embed.model == cfg.train.student.init == str(tmp_path / "models" / "enc")
+    assert (cfg.mine.encoder, cfg.train.student.tokenizer) == ("frozen", "org/not-here")  # keywords and hub ids stay
     assert RunDir("runs/x").uri == str(tmp_path / "runs" / "x")
     assert RunDir(f"file://{tmp_path}/runs/y").uri == f"file://{tmp_path}/runs/y"  # URIs stay as given
 
@@ -87,7 +87,7 @@ def test_stage_verb_starts_from_the_runs_config(existing_run, no_ray):
     before = existing_run.read_bytes("config.yaml")
     assert cli.main(["fit", "--run-dir", existing_run.uri, "--set", "cluster.k=3"]) == 0
     cfg = no_ray[0]
-    assert (cfg.data.path, cfg.cluster.k, cfg.train.steps) == ("/data/pairs.parquet", 3, 3)
+    assert (cfg.data.path, cfg.cluster.k, cfg.train.schedule.steps) == ("/data/pairs.parquet", 3, 3)
     assert existing_run.read_bytes("config.yaml") == before  # never rewritten behind the user's back
     assert existing_run.exists(kmeans_dir(3), "_DONE.json")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from clusterscale.train.step import StepSettings, contrastive_backward
+from clusterscale.config import TrainConfig
+from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
 
 N = 16  # global batch
@@ -33,8 +34,9 @@ def _model(path: str, dropout: bool):
     return model, tokenizer
 
 
-def _settings(**kw) -> StepSettings:
-    return StepSettings(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean", **kw)
+def _settings(**kw) -> TrainConfig:
+    """The train section of these tests (the keys as in YAML; not validated, like a step's inputs)."""
+    return TrainConfig.of(temperature=0.05, query_max_length=16, passage_max_length=32, pooling="mean", **kw)
 
 
 def _grads(model) -> torch.Tensor:
@@ -42,7 +44,7 @@ def _grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 
-def _reference(path: str, settings: StepSettings) -> tuple[float, torch.Tensor]:
+def _reference(path: str, settings: TrainConfig) -> tuple[float, torch.Tensor]:
     model, tokenizer = _model(path, dropout=False)
     queries, passages = _texts()
     loss, _ = contrastive_backward(model, tokenizer, queries, passages, settings, torch.device("cpu"))
@@ -158,6 +160,7 @@ def test_gradcache_on_gpu_in_bf16(tiny_model):
         model, tokenizer = _model(tiny_model, dropout=False)
         model.to(device)
         queries, passages = _texts()
-        contrastive_backward(model, tokenizer, queries, passages, _settings(grad_cache_chunk=chunk, amp=True), device)
+        contrastive_backward(model, tokenizer, queries, passages, _settings(grad_cache_chunk=chunk), device,
+                             amp=True)
         grads[chunk] = _grads(model).float().cpu()
     assert _rel(grads[4], grads[0]) < 2e-2  # bf16 autocast: both paths round differently

@@ -181,7 +181,8 @@ def test_gradcache_with_clp_on_gpu_in_bf16(tiny_model):
     for chunk in (0, 4):
         model, tokenizer = _model(tiny_model, dropout=False)
         model.to(device)
-        settings = _settings(loss="clp", grad_cache_chunk=chunk, amp=True)
-        contrastive_backward(model, tokenizer, queries, passages, settings, device, negatives, negative_queries)
+        settings = _settings(loss="clp", grad_cache_chunk=chunk)
+        contrastive_backward(model, tokenizer, queries, passages, settings, device, negatives, negative_queries,
+                             amp=True)
         grads[chunk] = _grads(model).float().cpu()
     assert _rel(grads[4], grads[0]) < 2e-2  # bf16 autocast: both paths round differently

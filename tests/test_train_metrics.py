@@ -70,7 +70,7 @@ def _result(step: int, loss: float, neg_cos: float) -> StepResult:
 
 def test_records_printed_lines_and_collapse(tmp_path, capsys):
     run = RunDir(str(tmp_path))
-    tc = TrainConfig(global_batch_size=4, log_every_steps=2, warmup_steps=0, log_batches=True)
+    tc = TrainConfig.of(global_batch_size=4, log_every_steps=2, warmup_steps=0, log_batches=True)
     processor = MetricsProcessor(run, "t", tc, rank=0, world=2, peak=1e9, resume_step=None, num_steps=6,
                                  stop_step=6, segment=0)
     verdicts = []

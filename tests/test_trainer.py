@@ -9,7 +9,7 @@ from clusterscale.train.trainer import SegmentJob
 
 def _job(tmp_path, *extra: str, segment=(1, 4, 8), resume=True) -> SegmentJob:
     cfg = config_mod.load(None, ["train.recluster_every=4", *extra])
-    return SegmentJob.from_loop_config({"cfg": cfg.to_dict(), "run_uri": str(tmp_path), "name": "t", "num_steps": 8,
+    return SegmentJob.from_loop_config({"cfg": cfg, "run_uri": str(tmp_path), "name": "t", "num_steps": 8,
                                         "segment": segment, "resume": resume, "shards_uri": str(tmp_path / "c")})
 
 

@@ -14,11 +14,11 @@ BUNDLED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what train.init=bun
 
 
 def _base_model(cfg: Config) -> str:
-    tc = cfg.train
-    if tc.init == "scratch":
-        return (f"none: BERT from scratch ({tc.scratch_num_layers} layers, hidden {tc.scratch_hidden_size}), "
-                f"tokenizer `{tc.tokenizer}`")
-    return f"`{tc.init}`"
+    student = cfg.train.student
+    if student.init == "scratch":
+        return (f"none: BERT from scratch ({student.scratch_num_layers} layers, hidden {student.scratch_hidden_size}), "
+                f"tokenizer `{student.tokenizer}`")
+    return f"`{student.init}`"
 
 
 def _exported_pooling(run: RunDir, name: str) -> str:
@@ -59,10 +59,10 @@ def _metrics_lines(run: RunDir, name: str) -> list[str]:
 def model_card(cfg: Config, run: RunDir, name: str) -> str:
     tc, stats = cfg.train, run.done_stats(train_dir(name)) if run.exists(train_dir(name), "_DONE.json") else {}
     pairs = run.done_stats("pairs").get("pairs") if run.exists("pairs", "_DONE.json") else None
-    steps = stats.get("steps", tc.steps)
+    steps = stats.get("steps", tc.schedule.steps)
     return "\n".join([
         "---", "library_name: sentence-transformers", "pipeline_tag: sentence-similarity",
-        "tags: [sentence-transformers, feature-extraction, clusterscale]", *_hub_base_model(tc.init), "---",
+        "tags: [sentence-transformers, feature-extraction, clusterscale]", *_hub_base_model(tc.student.init), "---",
         f"# {name}", "",
         "A text-embedding model trained with clusterscale: contrastive (InfoNCE, in-batch negatives) training "
         "where every global batch is drawn from one stratum of the data.", "",
@@ -70,12 +70,13 @@ def model_card(cfg: Config, run: RunDir, name: str) -> str:
         f"| base model | {_base_model(cfg)} |",
         f"| data | `{cfg.data.path}`: {pairs if pairs is not None else '?'} training pairs |",
         f"| clusters | k={cfg.cluster.k} (spherical k-means over `{cfg.embed.model}` embeddings) |",
-        f"| sampler | {tc.sampler} ({tc.cluster_weighting}) |",
-        f"| steps | {steps} x {tc.global_batch_size} pairs, lr {tc.lr:g} -> {tc.final_lr:g}, "
-        f"{tc.warmup_steps} warm-up steps, temperature {tc.temperature:g} |",
-        f"| pooling, lengths | {_exported_pooling(run, name)}, query {tc.query_max_length} / passage "
-        f"{tc.passage_max_length} tokens |",
-        f"| seed | {tc.seed} |", "",
+        f"| sampler | {tc.schedule.sampler} ({tc.schedule.cluster_weighting}) |",
+        f"| steps | {steps} x {tc.schedule.global_batch_size} pairs, lr {tc.optimizer.lr:g} -> "
+        f"{tc.optimizer.final_lr:g}, "
+        f"{tc.optimizer.warmup_steps} warm-up steps, temperature {tc.objective.temperature:g} |",
+        f"| pooling, lengths | {_exported_pooling(run, name)}, query {tc.student.query_max_length} / passage "
+        f"{tc.student.passage_max_length} tokens |",
+        f"| seed | {tc.schedule.seed} |", "",
         "## Held-out retrieval", "", *_metrics_lines(run, name), "",
         "## Use", "", "```python", "from sentence_transformers import SentenceTransformer", "",
         "model = SentenceTransformer(\"PATH/TO/THIS/FOLDER\")",

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from clusterscale.config import TrainConfig
+from clusterscale.modeling.moe_config import MoeConfig
+from clusterscale.modeling.student_config import StudentConfig
 from clusterscale.modeling.encoder import detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.modeling.moe import add_moe, freeze_all_but_intermediate, moe_layers
@@ -12,27 +14,28 @@ from clusterscale.modeling.moe import add_moe, freeze_all_but_intermediate, moe_
 
 def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
     """(model, tokenizer, pooling). Unused heads (BERT's pooler) are frozen so DDP sees no idle params."""
-    if cfg.init == "scratch":
-        tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer))
-        torch.manual_seed(cfg.seed)
-        model = scratch_bert(cfg, len(tokenizer))
+    student = cfg.student
+    if student.init == "scratch":
+        tokenizer = load_tokenizer(resolve_model_path(student.tokenizer))
+        torch.manual_seed(cfg.schedule.seed)
+        model = scratch_bert(student, len(tokenizer))
         # Mean, not the paper's CLS: a BERT from scratch with CLS pooling collapsed (loss at chance, every text one
         # direction) under every lr, temperature, warm-up, depth, width and init scale tried; mean pooling learned
         # under all of them (benchmarks/collapse_causes.py, RESULTS.md).
-        pooling = "mean" if cfg.pooling == "auto" else cfg.pooling
+        pooling = "mean" if student.pooling == "auto" else student.pooling
     else:
-        path = resolve_model_path(cfg.init)
+        path = resolve_model_path(student.init)
         tokenizer = load_tokenizer(path)
         model = load_model(path)
-        pooling = detect_pooling(path) if cfg.pooling == "auto" else cfg.pooling
+        pooling = detect_pooling(path) if student.pooling == "auto" else student.pooling
     for name, param in model.named_parameters():
         if name.startswith("pooler."):
             param.requires_grad_(False)
-    apply_moe_options(model, cfg)
+    apply_moe_options(model, cfg.moe, seed=cfg.schedule.seed)
     return model, tokenizer, pooling
 
 
-def scratch_bert(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+def scratch_bert(cfg: StudentConfig, vocab_size: int) -> torch.nn.Module:
     """The randomly initialised BERT of train.init=scratch (train.scratch_*), without a pooler: the student pools
     itself. Built under `torch.device("meta")` it gives the parameter count without memory (the cost model)."""
     from transformers import BertConfig, BertModel
@@ -43,11 +46,11 @@ def scratch_bert(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
         max_position_embeddings=max(512, cfg.passage_max_length)), add_pooling_layer=False)
 
 
-def apply_moe_options(model: torch.nn.Module, cfg: TrainConfig) -> None:
+def apply_moe_options(model: torch.nn.Module, cfg: MoeConfig, seed: int) -> None:
     """train.moe_experts / moe_top_k / moe_train_only_intermediate on a freshly built student."""
     existing = moe_layers(model)  # init from an MoE export: keep its experts
     if cfg.moe_experts and not existing:
-        add_moe(model, cfg.moe_experts, cfg.moe_top_k, seed=cfg.seed)
+        add_moe(model, cfg.moe_experts, cfg.moe_top_k, seed=seed)
     elif cfg.moe_experts and (existing[0].num_experts, existing[0].top_k) != (cfg.moe_experts, cfg.moe_top_k):
         raise ValueError(f"train.init is an MoE model with {existing[0].num_experts} experts, top_k "
                          f"{existing[0].top_k}; set train.moe_experts/moe_top_k to those (or 0 to keep them).")

@@ -48,14 +48,14 @@ def param_count(model: str) -> int | None:
 
 def student_param_count(cfg: Config) -> int | None:
     """Parameters of the student: its init weights, or a from-scratch BERT built on the meta device (no memory)."""
-    if cfg.train.init != "scratch":
-        return param_count(cfg.train.init)
+    if cfg.train.student.init != "scratch":
+        return param_count(cfg.train.student.init)
     try:
-        vocab = len(load_tokenizer(resolve_model_path(cfg.train.tokenizer)))
+        vocab = len(load_tokenizer(resolve_model_path(cfg.train.student.tokenizer)))
     except Exception:
         return None
     with torch.device("meta"):
-        model = scratch_bert(cfg.train, vocab)
+        model = scratch_bert(cfg.train.student, vocab)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -74,8 +74,8 @@ def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist())["input_ids"]])
                for side in ("query", "passage")}
     return {"embed": float(np.minimum(lengths[cfg.embed.side], cfg.embed.max_length).mean()),
-            "train_query": float(np.minimum(lengths["query"], cfg.train.query_max_length).mean()),
-            "train_passage": float(np.minimum(lengths["passage"], cfg.train.passage_max_length).mean()),
+            "train_query": float(np.minimum(lengths["query"], cfg.train.student.query_max_length).mean()),
+            "train_passage": float(np.minimum(lengths["passage"], cfg.train.student.passage_max_length).mean()),
             "sample_rows": table.num_rows}
 
 
@@ -92,7 +92,7 @@ def estimate_flops(cfg: Config, run: RunDir, costs: dict) -> dict[str, float]:
     for key, rec in costs.items():
         if stage_of(key) == "train" and rec.get("steps"):
             if student:
-                pairs = rec["steps"] * rec.get("global_batch_size", cfg.train.global_batch_size)
+                pairs = rec["steps"] * rec.get("global_batch_size", cfg.train.schedule.global_batch_size)
                 out[key] = 6.0 * student * pairs * (tokens["train_query"] + tokens["train_passage"])
     return out
 
@@ -129,12 +129,12 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     steps = [r["step_s"] for r in read_metrics(run, name)]
-    manifest = shard_set_manifest_path(cfg.cluster.k, record.get("sampler", cfg.train.sampler))
+    manifest = shard_set_manifest_path(cfg.cluster.k, record.get("sampler", cfg.train.schedule.sampler))
     if not (record.get("steps") and steps and run.exists(manifest)):
         return None
     sizes = strata_sizes(run.read_json(manifest))
-    batches = schedule.batches_per_epoch(sizes, record.get("global_batch_size", cfg.train.global_batch_size))
-    workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.num_workers
+    batches = schedule.batches_per_epoch(sizes, record.get("global_batch_size", cfg.train.schedule.global_batch_size))
+    workers = record["worker_s"] / record["wall_s"] if record.get("wall_s") else cfg.train.compute.num_workers
     overhead = max(0.0, record["wall_s"] - sum(steps))
     epoch_wall = overhead + batches * float(np.mean(steps))
     return {"name": name, "rows": int(sum(sizes)), "batches_per_epoch": batches, "mean_step_s": float(np.mean(steps)),
@@ -165,16 +165,16 @@ def summarize(cfg: Config, run: RunDir, costs: dict, train_names: list[str] | No
     pre_s, used = preprocess_cost(costs, cfg.cluster.k)
     rows = costs.get("embed", {}).get("rows") or costs.get("ingest", {}).get("pairs")
     out: dict = {"k": cfg.cluster.k, "rows": rows, "preprocess_worker_s": pre_s, "preprocess_stages": used,
-                 "flops": estimate_flops(cfg, run, costs), "epochs": cfg.train.epochs}
+                 "flops": estimate_flops(cfg, run, costs), "epochs": cfg.train.schedule.epochs}
     train_keys = [key for key in costs if stage_of(key) == "train"
                   and (train_names is None or key.split(":", 1)[-1] in train_names)]
     epochs = [e for key in train_keys for e in [train_per_epoch(run, cfg, key, costs[key])] if e]
     if epochs:
         epoch_s = float(np.mean([e["epoch_worker_s"] for e in epochs]))
         out.update({"train_runs": [e["name"] for e in epochs], "train_epoch_worker_s": epoch_s,
-                    "train_total_worker_s": epoch_s * cfg.train.epochs, "train_rows": epochs[0]["rows"],
+                    "train_total_worker_s": epoch_s * cfg.train.schedule.epochs, "train_rows": epochs[0]["rows"],
                     "ratio_per_epoch": pre_s / epoch_s if epoch_s else None,
-                    "ratio_total": pre_s / (epoch_s * cfg.train.epochs) if epoch_s else None})
+                    "ratio_total": pre_s / (epoch_s * cfg.train.schedule.epochs) if epoch_s else None})
     target = cfg.eval.extrapolate_to_rows
     if target and rows and pre_s:
         points = [(rows, pre_s)] + [(p["rows"], p["preprocess_worker_s"]) for p in extra_points or []

@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, DedupConfig, variant
+from clusterscale.config import Config, DedupConfig, EmbedConfig, variant
 from clusterscale.errors import UserError
 from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
@@ -175,18 +175,18 @@ def _encoder(model: str, pooling: str, max_length: int, trust_remote_code: bool,
                    max_tokens_per_batch=max_tokens_per_batch)
 
 
-def heldout_vectors(batch: pa.Table, source: dict | None, embed: dict) -> dict[str, np.ndarray]:
+def heldout_vectors(batch: pa.Table, source: dict | None, embed: EmbedConfig | None) -> dict[str, np.ndarray]:
     """{vector column: (n, d) vectors} of a batch of held-out pairs: stored in it (source None), else embedded
     with the frozen encoder embed.model from the text side source[column]."""
     if source is None:
         return {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
-    encoder = _encoder(embed["model"], embed["pooling"], embed["max_length"], embed["trust_remote_code"],
-                       embed["max_tokens_per_batch"])
-    return {c: encoder.encode(batch.column(side).to_pylist(), embed["batch_size"]) for c, side in source.items()}
+    encoder = _encoder(embed.model, embed.pooling, embed.max_length, embed.trust_remote_code,
+                       embed.max_tokens_per_batch)
+    return {c: encoder.encode(batch.column(side).to_pylist(), embed.batch_size) for c, side in source.items()}
 
 
-def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None, embed: dict,
-                  schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
+def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None,
+                  embed: EmbedConfig | None, schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
     'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
     cluster's shuffle key `part` (cluster_keys: see mark_rows; other columns null), so it travels through the
@@ -229,13 +229,12 @@ MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), p
                pa.field("best", pa.float64())]
 
 
-def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
+def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
               ) -> pa.Table:
     """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (the exact step's
     shuffle key: the stand-in in bucket_keys of a hash bucket of the text key), part (the cluster step's: the
     stand-in in cluster_keys of its cluster), reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity
     and best (set by the semantic pass)."""
-    dc = DedupConfig(**dedup)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))
@@ -336,12 +335,11 @@ def example_group(group: pa.Table) -> dict | None:
                 "passage": texts["passage"][int(r)].as_py()[:200]} for r in members]}
 
 
-def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]) -> pa.Table:
+def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str]) -> pa.Table:
     """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
-    rows are written; returns the cluster's counts and histogram of best cosines (one row). dedup: the dedup
-    section's keys."""
+    rows are written; returns the cluster's counts and histogram of best cosines (one row). dc: the dedup
+    section."""
     release_freed_memory()  # what the worker's previous group or task freed
-    dc = DedupConfig(**dedup)
     cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
@@ -378,7 +376,7 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np
     columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
     return read_row_groups(run, files, columns).map_batches(
         route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
-                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema,
+                                  "source": source, "embed": cfg.embed, "schema": schema,
                                   "cluster_keys": cluster_keys},
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
@@ -390,7 +388,6 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     with run.fs.open_input_file(files[0]) as f:
         schema = pq.read_schema(f).remove_metadata()
     columns = schema.names
-    dedup = cfg.to_dict()["dedup"]
     # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
     # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
     buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
@@ -398,7 +395,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     progress, results = ProgressLine("dedup", n_rows), []
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
-        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "bucket_keys": bucket_keys,
+        ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
                                                   "cluster_keys": cluster_keys},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
@@ -407,7 +404,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         if held is not None:
             ds = ds.union(held)
         ds = ds.groupby("part", num_partitions=clusters).map_groups(
-            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns},
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dc": cfg.dedup, "columns": columns},
             batch_format="pyarrow")
         for result in ds.iter_rows():
             results.append(result)
@@ -434,7 +431,7 @@ def run_dedup(cfg: Config, run: RunDir) -> StageResult:
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
-    config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
+    config = {"dedup": cfg.dedup.to_dict(), "cluster": cfg.cluster.to_dict()}
     kept = StageResult({"rows": stats["rows"], "k": cfg.cluster.k}, config=config)
     return StageResult(stats, outputs={DEDUP_KEPT: kept}, config=config)
 

@@ -79,7 +79,7 @@ def make_plan(cfg: Config, actors: int, pairs_run: RunDir) -> dict:
     """The unit list of a fresh embedding (work_units.load_or_make_plan stores it with the fingerprint)."""
     n_rows = pairs_run.done_stats("pairs")["pairs"]
     rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
-    return {"rows_per_unit": rows_per_unit, "embed": cfg.to_dict()["embed"],
+    return {"rows_per_unit": rows_per_unit, "embed": cfg.embed.to_dict(),
             "units": plan_units(pairs_run, rows_per_unit)}
 
 
@@ -130,10 +130,10 @@ class EncodeTokens:
     A batch is one or more whole units (one block each); its texts are sorted by length and batched by
     the token budget across the batch, and the vectors return in row order as `emb<suffix>`."""
 
-    def __init__(self, embed: dict, threads: int):
+    def __init__(self, embed: EmbedConfig, threads: int):
         from clusterscale.modeling.encoder import Encoder  # torch and the model load in the actors only
 
-        self.cfg = EmbedConfig(**embed)
+        self.cfg = embed
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
                                trust_remote_code=self.cfg.trust_remote_code, threads=threads,
                                max_tokens_per_batch=self.cfg.max_tokens_per_batch)
@@ -216,7 +216,6 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     Each stage streams into the next, so reading, tokenising and writing overlap the forward passes. A
     unit is one block from read to write (no block size limit on this dataset), so its writer holds it
     whole; the three operators are actor pools of their own, so Ray Data does not fuse them."""
-    embed = cfg.to_dict()["embed"]
     ds = ray.data.from_items(todo, override_num_blocks=len(todo))
     ds.context.target_max_block_size = None
     tokenise_pool, cpus = cpu_stage_pool(pool, len(todo))
@@ -226,7 +225,7 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     # takes one at a time (a local fetch), so no unit waits queued at a busy actor while another is free.
     encode_pool = ray.data.ActorPoolStrategy(size=min(pool.actors, len(todo)),
                                              max_tasks_in_flight_per_actor=2 if pool.on_gpu else 1)
-    ds = ds.map_batches(EncodeTokens, fn_constructor_args=(embed, pool.threads), batch_size=None,
+    ds = ds.map_batches(EncodeTokens, fn_constructor_args=(cfg.embed, pool.threads), batch_size=None,
                         batch_format="pyarrow", compute=encode_pool, **pool.options)
     write_pool, cpus = cpu_stage_pool(pool, len(todo))
     return ds.map_batches(WriteUnits, fn_constructor_args=(run.uri, cfg.embed.side), batch_size=None,
@@ -304,4 +303,4 @@ def run_embed(cfg: Config, run: RunDir, fingerprint: Fingerprint, pairs_run: Run
     print(f"[embed] {embedded} rows in {wall:.1f}s ({stats['rows_per_s']:.1f} rows/s, {stats['actors']} actor(s), "
           f"{worker_s:.0f} {device}-actor-seconds, {stats['busy_s']:.0f} busy); {len(done)} unit(s) reused; "
           f"{stats['truncated']} texts truncated at {cfg.embed.max_length} tokens", flush=True)
-    return StageResult(stats, config={"embed": cfg.to_dict()["embed"], "rows_per_unit": plan["rows_per_unit"]})
+    return StageResult(stats, config={"embed": cfg.embed.to_dict(), "rows_per_unit": plan["rows_per_unit"]})

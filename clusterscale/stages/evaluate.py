@@ -236,7 +236,7 @@ def evaluate_model(cfg: Config, run: RunDir, eval_name: str, model: str, pooling
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
-    q, p = encode_on_actor(model, pooling, (cfg.train.query_max_length, cfg.train.passage_max_length),
+    q, p = encode_on_actor(model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth)
@@ -310,7 +310,8 @@ def run_evaluate(cfg: Config, run: RunDir) -> StageResult:
     outputs: {"results": per model, "by_cluster": NDCG@10 per cluster or None}."""
     started = time.time()
     eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
-    lengths = {"query_max_length": cfg.train.query_max_length, "passage_max_length": cfg.train.passage_max_length}
+    student = cfg.train.student
+    lengths = {"query_max_length": student.query_max_length, "passage_max_length": student.passage_max_length}
     name = cfg.train_name()
     # A URI, not a driver-local copy: the encoding task may run on another node.
     models = {"frozen": (cfg.embed.model, cfg.embed.pooling, cfg.fingerprint(("data", "embed", "eval"), extra=lengths)),

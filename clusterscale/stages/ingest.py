@@ -19,7 +19,7 @@ import json
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -154,14 +154,13 @@ class _PartWriter:
         return f"{kind}/part-{self.unit.file_index:05d}-{self.unit.unit_index:05d}-{part:05d}.parquet"
 
 
-def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data_dict: dict,
+def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data: DataConfig,
                 row_budget: int | None = None) -> dict:
     """Process one work unit (its first row_budget rows, if given); write its pairs/heldout/quarantine
     parts. Returns its counts and the run-relative names of everything it wrote ("written").
 
     A file that cannot be read is an IngestError naming it (data.bad_files=error), or its unit writes
     nothing and reports the error under "bad_file" (data.bad_files=quarantine)."""
-    data = DataConfig(**data_dict)
     run = RunDir(run_uri)
     fmt = infer_format(unit.path, data.format)
     writer = _PartWriter(run, unit, data.rows_per_part)
@@ -242,7 +241,7 @@ def _repr(value, rec: dict | None = None) -> str | None:
 
 def effective_data_config(cfg: Config) -> DataConfig:
     """The bundled dataset carries its package name as the source column."""
-    data = DataConfig(**asdict(cfg.data))
+    data = replace(cfg.data)  # a copy: the run's config is not changed
     if data.path == BUILTIN_DOCSTRINGS and data.source_column is None:
         data.source_column = "source"
     return data
@@ -280,7 +279,7 @@ def run_ingest(cfg: Config, run: RunDir) -> StageResult:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
-                       config={"data": asdict(data)})
+                       config={"data": data.to_dict()})
 
 
 def _print_skipped(walk) -> None:
@@ -301,12 +300,12 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
     width = ClusterResources.current().cpus
 
     def rerun(unit: IngestUnit, budget: int) -> dict:
-        return ray.get(task.remote(run.uri, fs, unit, asdict(data), budget))
+        return ray.get(task.remote(run.uri, fs, unit, data, budget))
 
     accepted, start = _Accepted(run, data.limit), 0
     while start < len(units) and not accepted.full():
         batch = speculative_batch(units[start:], accepted.remaining(), width)
-        refs = [task.remote(run.uri, fs, unit, asdict(data), budget) for unit, budget in batch]
+        refs = [task.remote(run.uri, fs, unit, data, budget) for unit, budget in batch]
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=1)

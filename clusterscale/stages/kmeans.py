@@ -163,7 +163,7 @@ def run_fit(cfg: Config, run: RunDir) -> StageResult:
     run.write_json(fit_stats_path(k), stats)
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
-    return StageResult(stats, config={"cluster": cfg.to_dict()["cluster"]})
+    return StageResult(stats, config={"cluster": cfg.cluster.to_dict()})
 
 
 def load_centroids(run: RunDir, k: int) -> np.ndarray:

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config, ConfigError, Fingerprint, MineConfig, from_dict, variant
+from clusterscale.config import Config, ConfigError, EmbedConfig, Fingerprint, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
@@ -95,11 +95,10 @@ def vectors_run(cfg: Config, run: RunDir, encoder: str | None, embed: EmbedInto)
 class EncodeQueries:
     """Ray Data callable class: adds emb_query (the frozen encoder's query vectors) to a batch of pairs."""
 
-    def __init__(self, cfg: dict, threads: int):
+    def __init__(self, ec: EmbedConfig, threads: int):
         import torch
 
         torch.set_num_threads(threads)
-        ec = from_dict(cfg).embed
         self.batch_size = ec.batch_size
         self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
                                trust_remote_code=ec.trust_remote_code, max_tokens_per_batch=ec.max_tokens_per_batch)
@@ -141,7 +140,7 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
     options = pool.options if pool.on_gpu else {"num_cpus": min(pool.num_cpus, ClusterResources.current().cpus / 2)}
     # Whole read blocks as batches: a query's vector (its padding, its sub-batch) then never depends on which
     # rows arrived with it, so a rerun ranks near-ties the same way.
-    return ds.map_batches(EncodeQueries, fn_constructor_args=(cfg.to_dict(), pool.threads), batch_size=None,
+    return ds.map_batches(EncodeQueries, fn_constructor_args=(cfg.embed, pool.threads), batch_size=None,
                           batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool.actors),
                           **options), True
 
@@ -183,20 +182,20 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
                              pa.array(group_keys[routed.column("group").to_numpy()]))
 
 
-def _search(group: pa.Table, mine: dict, bucket_keys: np.ndarray) -> pa.Table:
+def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
     import faiss
 
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
-    out = search_cluster(group, MineConfig(**mine), len(bucket_keys))
+    out = search_cluster(group, mine, len(bucket_keys))
     out = out.set_column(out.schema.get_field_index("bucket"), "bucket",
                          pa.array(bucket_keys[out.column("bucket").to_numpy()]))
     release_freed_memory()
     return out
 
 
-def _merge_and_write(group: pa.Table, run_uri: str, mine: dict, bucket_keys: np.ndarray) -> pa.Table:
+def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
     """Merge one bucket's queries and write its negatives file; returns its counts (one row)."""
-    out, drops = merge_candidates(group, MineConfig(**mine))
+    out, drops = merge_candidates(group, mine)
     bucket = int(np.flatnonzero(bucket_keys == group.column("bucket")[0].as_py())[0])
     RunDir(run_uri).write_parquet(bucket_file(bucket), out)
     release_freed_memory()
@@ -217,7 +216,7 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buck
     ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder)
     groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
-    mine = cfg.to_dict()["mine"]
+    mine = cfg.mine
     bucket_keys = one_key_per_partition(buckets)
     ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
                                            "by_query": encoder is None, "groups": groups,
@@ -242,7 +241,7 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, buck
 def plan_units(n_rows: int, cfg: Config) -> dict:
     """One unit per negatives/ file (a hash bucket of pair_ids); work_units.load_or_make_plan stores it."""
     buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE))
-    return {"mine": cfg.to_dict()["mine"], "units": [{"output": bucket_file(b)} for b in range(buckets)]}
+    return {"mine": cfg.mine.to_dict(), "units": [{"output": bucket_file(b)} for b in range(buckets)]}
 
 
 def write_empty_buckets(run: RunDir, plan: dict) -> None:
@@ -282,7 +281,7 @@ def run_mine(cfg: Config, run: RunDir, fingerprint: Fingerprint, embed: EmbedInt
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
           flush=True)
-    return StageResult(stats, config={"mine": cfg.to_dict()["mine"]})
+    return StageResult(stats, config={"mine": cfg.mine.to_dict()})
 
 
 def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,

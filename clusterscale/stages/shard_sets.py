@@ -120,8 +120,8 @@ def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]
 
 
 def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarray, list[str]]:
-    """(row keys, rows per stratum, stratum names) of the set of cfg.train.sampler."""
-    sampler, seed, max_group = cfg.train.sampler, cfg.cluster.seed, cfg.shard.max_group_rows
+    """(row keys, rows per stratum, stratum names) of the set of cfg.train.schedule.sampler."""
+    sampler, seed, max_group = cfg.train.schedule.sampler, cfg.cluster.seed, cfg.shard.max_group_rows
     row_group_rows = file_sizes(cfg)[1]
     base_sizes = np.array(strata_sizes(base), dtype=np.int64)
     total = int(base_sizes.sum())
@@ -138,10 +138,10 @@ def set_strata(cfg: Config, run: RunDir, base: dict) -> tuple[SetKeys, np.ndarra
 
 def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageResult:
     """Write shards/k=<k>/<train.sampler>/ from the clustered shards: the set's files and its manifest."""
-    k, sampler, started = cfg.cluster.k, cfg.train.sampler, time.time()
+    k, sampler, started = cfg.cluster.k, cfg.train.schedule.sampler, time.time()
     if sampler not in SET_SAMPLERS:
         raise ValueError(f"train.sampler={sampler} trains from the clustered shards, not from a shard set.")
-    base = checked_manifest(run, k, cfg.train.global_batch_size)
+    base = checked_manifest(run, k, cfg.train.schedule.global_batch_size)
     keys, sizes, names = set_strata(cfg, run, base)
     files = file_offsets(base)
     schema = pq.read_schema(run.fs.open_input_file(run.path(files[0]["file"])))
@@ -164,7 +164,7 @@ def run_shard_set(cfg: Config, run: RunDir, fingerprint: Fingerprint) -> StageRe
     stats["worker_s"] = stats["wall_s"]
     run.write_json(shard_set_manifest_path(k, sampler), {
         "k": k, "sampler": sampler, "fingerprint": fingerprint, "clustered_fingerprint": base["fingerprint"],
-        "global_batch_size": cfg.train.global_batch_size, "row_group_rows": row_group_rows,
+        "global_batch_size": cfg.train.schedule.global_batch_size, "row_group_rows": row_group_rows,
         "rows_per_file": rows_per_file, "seed": cfg.cluster.seed, "clusters": strata, "stats": stats})
     print(f"[shard] train.sampler={sampler}: {keys.total} rows into {len(strata)} shards ({stats['files']} files) "
           f"under {shard_set_dir(k, sampler)}/", flush=True)

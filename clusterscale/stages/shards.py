@@ -252,7 +252,7 @@ def file_sizes(cfg: Config) -> tuple[int, int]:
     A training rank reads the footer of each file it takes a row group from, and a footer describes every row
     group of its file: files sized from the global batch, not from the cluster or N, bound the footer bytes per
     row read (the formula is in benchmarks/results/h1_s7.md)."""
-    batch = cfg.train.global_batch_size
+    batch = cfg.train.schedule.global_batch_size
     row_group_rows = row_group_rows_for(batch)
     rows = min(cfg.shard.batches_per_file * batch, cfg.shard.target_rows_per_file)
     return max(1, rows // row_group_rows) * row_group_rows, row_group_rows
@@ -283,7 +283,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
     sums = cluster_stats(run, k, n_assigned or 0, source)
     counts = sums.rows
     centroids = load_centroids(run, k)
-    plan = plan_small_clusters(counts, centroids, cfg.train.global_batch_size, cfg.shard.small_cluster_policy)
+    plan = plan_small_clusters(counts, centroids, cfg.train.schedule.global_batch_size, cfg.shard.small_cluster_policy)
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
@@ -302,7 +302,7 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
              "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
              "wall_s": round(time.time() - started, 3)}
     stats["worker_s"] = stats["wall_s"]
-    manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.global_batch_size,
+    manifest = {"k": k, "fingerprint": fingerprint, "global_batch_size": cfg.train.schedule.global_batch_size,
                 "row_group_rows": row_group_rows, "rows_per_file": rows_per_file,
                 "small_cluster_policy": cfg.shard.small_cluster_policy, "seed": cfg.cluster.seed,
                 "max_group_rows": cfg.shard.max_group_rows, "keep_emb": cfg.shard.keep_emb,
@@ -315,10 +315,11 @@ def run_shard(cfg: Config, run: RunDir, fingerprint: Fingerprint, source: str = 
     moved_rows = int(sum(counts[int(c)] for c in plan["moved"]))
     if moved_rows > n_total / 2:
         print(f"[shard] warning: {moved_rows} of {n_total} rows ({moved_rows / n_total:.0%}) were in clusters smaller "
-              f"than one global batch ({cfg.train.global_batch_size}) and went to "
+              f"than one global batch ({cfg.train.schedule.global_batch_size}) and went to "
               f"{'the pool' if plan['pool_id'] is not None else 'the nearest large cluster'}: the shards no longer "
               f"follow the clustering. Lower cluster.k (about rows / (4 x batch) = "
-              f"{max(1, n_total // (4 * cfg.train.global_batch_size))} here) or train.global_batch_size.", flush=True)
+              f"{max(1, n_total // (4 * cfg.train.schedule.global_batch_size))} here) or train.global_batch_size.",
+              flush=True)
     return StageResult(stats)
 
 

@@ -218,9 +218,9 @@ def run_synth(cfg: Config, run: RunDir, spec: SynthSpec, max_tasks_in_flight: in
              "worker_s": wall * min(window, len(ranges)), "rows_per_s": round(spec.rows / wall, 1) if wall > 0 else 0.0}
     embeddings = StageResult({"rows": stats["pairs"], "rows_embedded": 0, "units": len(ranges), "truncated": 0,
                               "synthetic": True, "wall_s": wall},
-                             config={"embed": cfg.to_dict()["embed"], "synth": asdict(spec)})
+                             config={"embed": cfg.embed.to_dict(), "synth": asdict(spec)})
     print(f"[synth] pairs {stats['pairs']}, held out {stats['heldout']}, embeddings d={spec.dim}; {wall:.1f}s",
           flush=True)
     return StageResult(stats, outputs={"heldout": StageResult({"rows": stats["heldout"]}),
                                        "quarantine": StageResult({"rows": 0}), "embeddings": embeddings},
-                       config={"data": cfg.to_dict()["data"]})
+                       config={"data": cfg.data.to_dict()})

@@ -51,19 +51,21 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     The train stage of clusterscale.pipeline runs the segments of the plan (re-clustering between them)
     with train_segment, then finish_training."""
     tc, name = cfg.train, cfg.train_name()
-    out = train_dir(name)
-    manifest = shard_set_manifest(run, cfg.cluster.k, tc.global_batch_size, training_set(tc.sampler, tc.dedup))
-    if tc.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
+    batches, out = tc.schedule, train_dir(name)
+    manifest = shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size,
+                                  training_set(batches.sampler, tc.shards.dedup))
+    if tc.logging.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
-    if tc.negatives_per_query:
+    if tc.objective.negatives_per_query:
         _check_negatives(cfg, run)
     sizes = strata_sizes(manifest)
-    num_steps = schedule.total_steps(sizes, tc.global_batch_size, tc.epochs, tc.steps)
-    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.global_batch_size) == 0:
-        raise ConfigError(f"train.sampler={tc.sampler} finds no stratum with a full global batch of "
-                          f"{tc.global_batch_size} pairs: lower train.global_batch_size.")
-    unused = schedule.unused_pairs(sizes, tc.global_batch_size, tc.sampler, tc.seed, 0, tc.cluster_weighting)
+    num_steps = schedule.total_steps(sizes, batches.global_batch_size, batches.epochs, batches.steps)
+    if num_steps == 0 or schedule.batches_per_epoch(sizes, batches.global_batch_size) == 0:
+        raise ConfigError(f"train.sampler={batches.sampler} finds no stratum with a full global batch of "
+                          f"{batches.global_batch_size} pairs: lower train.global_batch_size.")
+    unused = schedule.unused_pairs(sizes, batches.global_batch_size, batches.sampler, batches.seed, 0,
+                                   batches.cluster_weighting)
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:
@@ -73,11 +75,12 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
                                     f"(it trains afresh), and set train.keep_checkpoint=true to keep them next time.")
         if not run.exists(out, "ray", RAY_RUN_NAME):
             raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
-    print(f"[train] {name}: {num_steps} steps x {tc.global_batch_size} pairs, sampler={tc.sampler} "
-          f"({tc.cluster_weighting}), {tc.num_workers} workers ({'GPU' if tc.use_gpu else 'CPU'}); {unused} pairs "
-          f"unused per epoch (remainders < one global batch)", flush=True)
-    return TrainPlan(name, num_steps, min(num_steps, tc.stop_after_steps or num_steps),
-                     segment_bounds(num_steps, tc.recluster_every), unused, time.time())
+    print(f"[train] {name}: {num_steps} steps x {batches.global_batch_size} pairs, sampler={batches.sampler} "
+          f"({batches.cluster_weighting}), {tc.compute.num_workers} workers "
+          f"({'GPU' if tc.compute.use_gpu else 'CPU'}); {unused} pairs unused per epoch (remainders < one global "
+          f"batch)", flush=True)
+    return TrainPlan(name, num_steps, min(num_steps, tc.checkpoint.stop_after_steps or num_steps),
+                     segment_bounds(num_steps, tc.shards.recluster_every), unused, time.time())
 
 
 def segments_to_train(run: RunDir, plan: TrainPlan) -> list[int]:
@@ -101,15 +104,16 @@ def train_segment(cfg: Config, run: RunDir, plan: TrainPlan, segment: int, shard
 
 def finish_training(cfg: Config, run: RunDir, plan: TrainPlan, result, recluster_s: float) -> StageResult:
     """The stage result of a training run; the model exported to train/<name>/model/ unless it stopped early."""
-    tc = cfg.train
+    tc, batches = cfg.train, cfg.train.schedule
     wall = time.time() - plan.started
-    stats = {"name": plan.name, "steps": plan.num_steps, "global_batch_size": tc.global_batch_size,
-             "sampler": tc.sampler, "cluster_weighting": tc.cluster_weighting,
+    stats = {"name": plan.name, "steps": plan.num_steps, "global_batch_size": batches.global_batch_size,
+             "sampler": batches.sampler, "cluster_weighting": batches.cluster_weighting,
              "unused_pairs_per_epoch": plan.unused_pairs, "wall_s": round(wall, 3),
-             "worker_s": round((wall - recluster_s) * tc.num_workers, 3), "device": "gpu" if tc.use_gpu else "cpu",
-             "pairs_per_s": round(plan.num_steps * tc.global_batch_size / wall, 2)}
-    if tc.negatives_per_query:
-        stats["mined_negatives_per_query"] = tc.negatives_per_query
+             "worker_s": round((wall - recluster_s) * tc.compute.num_workers, 3),
+             "device": "gpu" if tc.compute.use_gpu else "cpu",
+             "pairs_per_s": round(plan.num_steps * batches.global_batch_size / wall, 2)}
+    if tc.objective.negatives_per_query:
+        stats["mined_negatives_per_query"] = tc.objective.negatives_per_query
     if run.exists(collapse_path(plan.name)):  # train.stop_on_collapse=false: warned, went on; the report flags it
         stats["collapse_warning_at_step"] = run.read_json(collapse_path(plan.name))["step"]
     if len(plan.segments) > 1:
@@ -119,32 +123,34 @@ def finish_training(cfg: Config, run: RunDir, plan: TrainPlan, result, recluster
               f"`clusterscale train --resume` and the same config.", flush=True)
         return StageResult(stats | {"stopped_at_step": plan.stop_step}, complete=False)
     _export_model(run, result.checkpoint, model_dir(plan.name))
-    return StageResult(stats, config={"train": cfg.to_dict()["train"]})
+    return StageResult(stats, config={"train": cfg.train.to_dict()})
 
 
 def after_training(cfg: Config, run: RunDir, result: StageResult) -> None:
     """Once train/<name>/ is marked done: the model card, and the checkpoints dropped unless kept (until the
     marker exists, --resume needs them)."""
-    tc, out = cfg.train, train_dir(cfg.train_name())
+    keep, out = cfg.train.checkpoint.keep_checkpoint, train_dir(cfg.train_name())
     write_model_card(cfg, run, cfg.train_name())
-    if not tc.keep_checkpoint:
+    if not keep:
         run.remove(out, "ray")
     print(f"[train] done in {result.stats['wall_s']:.1f}s; model exported to {run.path(model_dir(cfg.train_name()))}"
-          f"{'' if tc.keep_checkpoint else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
+          f"{'' if keep else ' (checkpoints deleted; train.keep_checkpoint=true keeps them)'}", flush=True)
 
 
 def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_pairs: int) -> list[str]:
     """Settings that waste data or never leave warm-up, said before any compute is spent."""
-    warnings = []
+    warnings, optimizer, checkpoint = [], tc.optimizer, tc.checkpoint
     if total_pairs and unused_pairs >= 0.1 * total_pairs:
         warnings.append(f"{unused_pairs} of {total_pairs} pairs ({unused_pairs / total_pairs:.0%}) are unused per "
-                        f"epoch (each stratum's remainder below one global batch of {tc.global_batch_size}): lower "
-                        f"train.global_batch_size (or cluster.k) so that fewer pairs are left over.")
-    if tc.warmup_steps >= num_steps:
-        warnings.append(f"train.warmup_steps={tc.warmup_steps} >= the {num_steps} steps of this run: the learning "
-                        f"rate never reaches train.lr={tc.lr:g}; lower train.warmup_steps.")
-    if tc.max_failures and not tc.checkpoint_every_steps and num_steps > 1:
-        warnings.append(f"train.max_failures={tc.max_failures} restarts failed workers from the latest checkpoint, and "
+                        f"epoch (each stratum's remainder below one global batch of "
+                        f"{tc.schedule.global_batch_size}): lower train.global_batch_size (or cluster.k) so that fewer "
+                        f"pairs are left over.")
+    if optimizer.warmup_steps >= num_steps:
+        warnings.append(f"train.warmup_steps={optimizer.warmup_steps} >= the {num_steps} steps of this run: the "
+                        f"learning rate never reaches train.lr={optimizer.lr:g}; lower train.warmup_steps.")
+    if checkpoint.max_failures and not checkpoint.checkpoint_every_steps and num_steps > 1:
+        warnings.append(f"train.max_failures={checkpoint.max_failures} restarts failed workers from the latest "
+                        f"checkpoint, and "
                         f"train.checkpoint_every_steps=0 writes none before the end: a restart begins again at step "
                         f"0. Set train.checkpoint_every_steps (e.g. {max(1, num_steps // 50)}).")
     return warnings
@@ -152,8 +158,8 @@ def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:
     if not run.is_done(NEGATIVES, mine_fingerprint(cfg, run)):  # raises when mined with another config
-        raise StageMissingError(f"train.negatives_per_query={cfg.train.negatives_per_query} needs mined negatives in "
-                                f"{run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
+        raise StageMissingError(f"train.negatives_per_query={cfg.train.objective.negatives_per_query} needs mined "
+                                f"negatives in {run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
 
 
 def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str,
@@ -164,17 +170,19 @@ def _fit(cfg: Config, run: RunDir, name: str, num_steps: int, segment: tuple[int
 
     from clusterscale.train.trainer import train_loop_per_worker  # imports ray.train.torch: ~0.8 s of CLI start
 
-    tc = cfg.train
-    workers = plan_actors(Resources(gpus=1), max_actors=tc.num_workers, use_gpu=tc.use_gpu)  # ranks share the CPUs
+    compute = cfg.train.compute
+    # ranks share the CPUs
+    workers = plan_actors(Resources(gpus=1), max_actors=compute.num_workers, use_gpu=compute.use_gpu)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), "run_uri": run.uri, "num_steps": num_steps, "name": name,
+        train_loop_config={"cfg": cfg, "run_uri": run.uri, "num_steps": num_steps, "name": name,
                            "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": fail_at_step,
                            "segment": segment, "shards_uri": shards_uri},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=workers.resources_per_worker),
+        scaling_config=ScalingConfig(num_workers=compute.num_workers, use_gpu=compute.use_gpu,
+                                     resources_per_worker=workers.resources_per_worker),
         run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(train_dir(name), "ray"),
                              storage_filesystem=None if run.is_local else run.fs,
-                             failure_config=FailureConfig(max_failures=tc.max_failures),
+                             failure_config=FailureConfig(max_failures=cfg.train.checkpoint.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     result = trainer.fit()
     if result.error:

@@ -239,10 +239,13 @@ class MetricsProcessor:
         self.run, self.name, self.tc, self.rank, self.world, self.peak = run, name, tc, rank, world, peak
         self.num_steps, self.stop_step, self.segment = num_steps, stop_step, segment
         self.metrics = JsonlLog(run, metrics_path(name), resume_step) if rank == 0 else None
-        self.batches = JsonlLog(run, batches_path(name, rank), resume_step) if tc.log_batches else None
-        self.board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if tc.tensorboard and rank == 0 else None
-        self.guard = CollapseGuard(chance_loss(tc.global_batch_size, tc.negatives_per_query, tc.loss, tc.clp_lambda),
-                                   tc.warmup_steps, tc.log_every_steps)
+        self.batches = JsonlLog(run, batches_path(name, rank), resume_step) if tc.logging.log_batches else None
+        logs, objective = tc.logging, tc.objective
+        board = logs.tensorboard and rank == 0
+        self.board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if board else None
+        self.guard = CollapseGuard(chance_loss(tc.schedule.global_batch_size, objective.negatives_per_query,
+                                               objective.loss, objective.clp_lambda),
+                                   tc.optimizer.warmup_steps, logs.log_every_steps)
         self.progress: dict = {}  # the latest figures, for Ray's reports
         self.started = self.last_print = time.time()
 
@@ -259,7 +262,7 @@ class MetricsProcessor:
         self.metrics.append(record)
         if self.board is not None:
             self.board.log(record)
-        if (gb.step + 1) % self.tc.log_every_steps == 0 or gb.step + 1 == self.stop_step:
+        if (gb.step + 1) % self.tc.logging.log_every_steps == 0 or gb.step + 1 == self.stop_step:
             self.flush()
             self._print(record)
 
@@ -270,15 +273,16 @@ class MetricsProcessor:
         record = {"step": gb.step, "epoch": gb.epoch, "cluster": result.group[0], "cluster_name": result.group[1],
                   "loss": figures.loss, "lr": result.lr, "grad_norm": result.grad_norm, **figures.means,
                   **{k: int(v) for k, v in figures.sums.items()},
-                  "pairs_per_s": tc.global_batch_size / result.step_s, "step_s": result.step_s,
+                  "pairs_per_s": tc.schedule.global_batch_size / result.step_s, "step_s": result.step_s,
                   "tflops_per_s": flops_per_s / 1e12, "mfu": flops_per_s / (self.peak * self.world) if self.peak else None}
-        if tc.recluster_every:
+        if tc.shards.recluster_every:
             record["segment"] = self.segment
         return record
 
     def _print(self, record: dict) -> None:
         now = time.time()
-        pairs_per_s = self.tc.log_every_steps * self.tc.global_batch_size / max(now - self.last_print, 1e-9)
+        pairs = self.tc.logging.log_every_steps * self.tc.schedule.global_batch_size
+        pairs_per_s = pairs / max(now - self.last_print, 1e-9)
         self.last_print = now
         mfu = f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
         print(f"[train] step {record['step'] + 1}/{self.num_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
@@ -294,7 +298,7 @@ class MetricsProcessor:
         if verdict is not None and self.rank == 0:
             print(f"[train] WARNING: {verdict}", flush=True)
             self.run.write_json(collapse_path(self.name),
-                                {"step": step + 1, "stopped": self.tc.stop_on_collapse, "message": verdict})
+                                {"step": step + 1, "stopped": self.tc.logging.stop_on_collapse, "message": verdict})
         return verdict
 
     def report(self, step: int) -> dict:

@@ -43,8 +43,8 @@ class NegativesError(UserError, ValueError):
 # --- which shards, and the fingerprint --------------------------------------------------------------------
 def training_manifest(cfg: Config, run: RunDir) -> tuple[str, dict] | None:
     """(folder, manifest) of the shard set training reads (train.sampler's); None before it was written."""
-    folder = shard_set_dir(cfg.cluster.k, cfg.train.sampler)
-    path = shard_set_manifest_path(cfg.cluster.k, cfg.train.sampler)
+    folder = shard_set_dir(cfg.cluster.k, cfg.train.schedule.sampler)
+    path = shard_set_manifest_path(cfg.cluster.k, cfg.train.schedule.sampler)
     return (folder, run.read_json(path)) if run.exists(path) else None
 
 

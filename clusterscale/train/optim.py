@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from clusterscale.config import TrainConfig
+from clusterscale.train.optim_config import OptimizerConfig
 
 
-def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
+def lr_at(step: int, cfg: OptimizerConfig, num_steps: int) -> float:
     """Linear warmup 0 -> lr over warmup_steps, then linear decay to final_lr at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -15,7 +15,7 @@ def lr_at(step: int, cfg: TrainConfig, num_steps: int) -> float:
     return cfg.lr + (cfg.final_lr - cfg.lr) * frac
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig,
                     num_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters, and the scheduler that sets lr_at(step) (stepped once per global step)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,

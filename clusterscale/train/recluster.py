@@ -32,4 +32,4 @@ def segment_config(cfg: Config, encoder_uri: str) -> Config:
 
 
 def segment_start_step(cfg: Config, segment: int) -> int:
-    return segment * cfg.train.recluster_every
+    return segment * cfg.train.shards.recluster_every

@@ -9,34 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
+from clusterscale.config import TrainConfig
 from clusterscale.train.gradcache import grad_cache_backward
 from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
 from clusterscale.modeling.student import embed, text_keys
 from clusterscale.modeling.moe import MoeChunkAux, moe_aux_loss
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    temperature: float
-    query_max_length: int
-    passage_max_length: int
-    pooling: str
-    symmetric: bool = False
-    grad_cache_chunk: int = 0      # 0 = embed the whole slice with autograd in one pass
-    amp: bool = False              # bf16 autocast (GPU)
-    loss: str = "infonce"          # "clp": (1 - clp_lambda) * InfoNCE + clp_lambda * CLP penalty
-    clp_lambda: float = 0.1
-    moe_aux_loss_weight: float = 0.0  # weight of the MoE load-balancing loss (train.moe_aux_loss_weight)
-
-    @classmethod
-    def from_train_config(cls, tc, pooling: str, amp: bool) -> "StepSettings":
-        return cls(tc.temperature, tc.query_max_length, tc.passage_max_length, pooling, tc.symmetric,
-                   tc.grad_cache_chunk, amp, loss=tc.loss, clp_lambda=tc.clp_lambda,
-                   moe_aux_loss_weight=tc.moe_aux_loss_weight)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -53,13 +33,12 @@ def negative_query_keys(negative_queries: list[str | None] | None, num_negatives
     return keys
 
 
-def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list | None,
-                     settings: StepSettings) -> int:
+def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list | None, loss: str) -> int:
     """M, the mined negatives per query (0 = none); errors name the setting to fix."""
-    if settings.loss not in ("infonce", "clp"):
-        raise ValueError(f"train.loss must be 'infonce' or 'clp', got {settings.loss!r}.")
+    if loss not in ("infonce", "clp"):
+        raise ValueError(f"train.loss must be 'infonce' or 'clp', got {loss!r}.")
     if not negatives:
-        if settings.loss == "clp":
+        if loss == "clp":
             raise ValueError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 and run "
                              "`clusterscale mine` first.")
         return 0
@@ -69,15 +48,20 @@ def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list
     if negative_queries is not None and len(negative_queries) != len(negatives):
         raise ValueError(f"contrastive_backward: {len(negative_queries)} negative_queries for {len(negatives)} "
                          f"negatives; pass one (or None) per negative.")
-    if settings.loss == "clp" and negative_queries is None:
+    if loss == "clp" and negative_queries is None:
         raise ValueError("train.loss=clp needs negative_queries: the query of each mined negative's own pair.")
     return len(negatives) // n
 
 
 def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], passages: list[str],
-                         settings: StepSettings, device: torch.device, negatives: list[str] | None = None,
-                         negative_queries: list[str | None] | None = None) -> tuple[torch.Tensor, dict]:
+                         tc: TrainConfig, device: torch.device, negatives: list[str] | None = None,
+                         negative_queries: list[str | None] | None = None, *, pooling: str | None = None,
+                         amp: bool = False) -> tuple[torch.Tensor, dict]:
     """Accumulate the gradient of the global-batch loss into .grad; returns (loss, stats).
+
+    tc: the train section; the step reads its loss (tc.objective), token limits (tc.student), GradCache chunk
+    (tc.compute.grad_cache_chunk) and MoE aux weight (tc.moe). pooling: the student's resolved pooling (default
+    tc.student.pooling, which must then not be 'auto'); amp: bf16 autocast (GPU).
 
     negatives: optional b*M mined negative passages, M per query, grouped by query (every rank the
     same M); negative_queries: the query text of each negative's own pair, or None where unknown
@@ -89,9 +73,15 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     GradCache's extra forward). The returned loss is this rank's share: its mean over ranks is the
     global loss.
     """
+    objective, student = tc.objective, tc.student
+    pooling = pooling or student.pooling
+    if pooling == "auto":
+        raise ValueError("contrastive_backward needs the student's resolved pooling (build_student returns it), "
+                         "not 'auto'.")
+    chunk, aux_weight = tc.compute.grad_cache_chunk, tc.moe.moe_aux_loss_weight
     n = len(queries)
-    m = _check_negatives(n, negatives, negative_queries, settings)
-    clp = settings.loss == "clp"
+    m = _check_negatives(n, negatives, negative_queries, objective.loss)
+    clp = objective.loss == "clp"
     counters: dict = {"tokens": 0}
     moe_aux_loss(model)  # drop MoE routing records left by any earlier forward
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
@@ -103,41 +93,41 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     usable_rows = usable.nonzero().flatten().tolist() if clp else []
 
     def embed_texts(texts: list[str], max_length: int) -> torch.Tensor:
-        return embed(model, tokenizer, texts, max_length, settings.pooling, device, counters)
+        return embed(model, tokenizer, texts, max_length, pooling, device, counters)
 
     def forward(rows: slice) -> tuple[torch.Tensor, ...]:
         """Embeddings of queries `rows`: (q, p), then their negatives, then those negatives' own queries."""
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if settings.amp else contextlib.nullcontext()
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
         with autocast:
-            q = embed_texts(queries[rows], settings.query_max_length)
-            p = embed_texts(passages[rows], settings.passage_max_length)
+            q = embed_texts(queries[rows], student.query_max_length)
+            p = embed_texts(passages[rows], student.passage_max_length)
             out = [q, p]
             if m:
-                out.append(embed_texts(negatives[rows.start * m:rows.stop * m], settings.passage_max_length))
+                out.append(embed_texts(negatives[rows.start * m:rows.stop * m], student.passage_max_length))
             if clp:  # every negative's own query, usable or not: the same forward calls on every rank and chunk
                 own = [t or "" for t in negative_queries[rows.start * m:rows.stop * m]]
-                out.append(embed_texts(own, settings.query_max_length))
+                out.append(embed_texts(own, student.query_max_length))
         return tuple(x.float() for x in out)
 
     def loss_fn(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
                 own_queries: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        loss, stats = info_nce(q, p, settings.temperature, query_keys, passage_keys, settings.symmetric,
+        loss, stats = info_nce(q, p, objective.temperature, query_keys, passage_keys, objective.symmetric,
                                neg, neg_keys, neg_query_keys)
         if clp:
             term, clp_stats = clp_penalty(neg[usable], own_queries[usable])
-            loss = (1.0 - settings.clp_lambda) * loss + settings.clp_lambda * term
+            loss = (1.0 - objective.clp_lambda) * loss + objective.clp_lambda * term
             stats.update(clp_stats)
         return loss, stats
 
-    if settings.grad_cache_chunk and settings.grad_cache_chunk < n:
-        moe_aux = MoeChunkAux(model, settings.moe_aux_loss_weight)
-        loss, stats = grad_cache_backward(model, forward, n, settings.grad_cache_chunk, loss_fn, device, moe_aux)
+    if chunk and chunk < n:
+        moe_aux = MoeChunkAux(model, aux_weight)
+        loss, stats = grad_cache_backward(model, forward, n, chunk, loss_fn, device, moe_aux)
         stats["moe_aux_loss"] = moe_aux.value
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"] // 2, 8  # one extra forward
     else:
         loss, stats = loss_fn(*forward(slice(0, n)))
         aux = moe_aux_loss(model)  # None without experts; read even at weight 0 so records never pile up
-        (loss if aux is None else loss + settings.moe_aux_loss_weight * aux).backward()
+        (loss if aux is None else loss + aux_weight * aux).backward()
         stats["moe_aux_loss"] = 0.0 if aux is None else float(aux.detach())
         loss = loss.detach()
         stats["tokens"], stats["flops_per_param_token"] = counters["tokens"], 6  # forward 2 + backward 4

@@ -18,7 +18,7 @@ import ray.train
 import ray.train.torch as rt_torch
 import torch
 
-from clusterscale.config import Config, from_dict
+from clusterscale.config import Config
 from clusterscale.io.rundir import RunDir
 from clusterscale.io.layout import training_set
 from clusterscale.modeling.student import build_student, matmul_params
@@ -28,7 +28,7 @@ from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows, 
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 from clusterscale.train.optim import build_optimizer
-from clusterscale.train.step import StepSettings, contrastive_backward, step_seed
+from clusterscale.train.step import contrastive_backward, step_seed
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -57,22 +57,22 @@ class SegmentJob:
     @classmethod
     def from_loop_config(cls, config: dict) -> SegmentJob:
         segment, seg_start, seg_stop = config.get("segment", (0, 0, config["num_steps"]))
-        return cls(from_dict(config["cfg"]), RunDir(config["run_uri"]),
+        return cls(config["cfg"], RunDir(config["run_uri"]),
                    RunDir(config.get("shards_uri") or config["run_uri"]), config["name"], config["num_steps"],
                    segment, seg_start, seg_stop, bool(config.get("resume")), config.get("fail_at_step"))
 
     @property
     def stop_step(self) -> int:
         """The step this worker stops at: the segment's end, or train.stop_after_steps when earlier."""
-        return min(self.num_steps, self.cfg.train.stop_after_steps or self.num_steps, self.seg_stop)
+        return min(self.num_steps, self.cfg.train.checkpoint.stop_after_steps or self.num_steps, self.seg_stop)
 
     def cursor(self) -> dict:
         """What a checkpoint must have been made with to continue this run (checkpoint.check_cursor)."""
-        tc = self.cfg.train
-        cursor = {"num_steps": self.num_steps, "sampler": tc.sampler, "seed": tc.seed,
-                  "cluster_weighting": tc.cluster_weighting, "global_batch_size": tc.global_batch_size}
-        if tc.recluster_every:
-            cursor["recluster_every"] = tc.recluster_every
+        batches, every = self.cfg.train.schedule, self.cfg.train.shards.recluster_every
+        cursor = {"num_steps": self.num_steps, "sampler": batches.sampler, "seed": batches.seed,
+                  "cluster_weighting": batches.cluster_weighting, "global_batch_size": batches.global_batch_size}
+        if every:
+            cursor["recluster_every"] = every
         return cursor
 
     def check_start(self, start_step: int, restored: bool) -> None:
@@ -98,27 +98,27 @@ class TrainData:
     def __init__(self, job: SegmentJob):
         tc = self.tc = job.cfg.train
         self.job = job
-        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.global_batch_size,
-                                           training_set(tc.sampler, tc.dedup), check_files=False)
+        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.schedule.global_batch_size,
+                                           training_set(tc.schedule.sampler, tc.shards.dedup), check_files=False)
         self.sizes = strata_sizes(self.manifest)
         self.negatives, sidecars = None, None
-        if tc.negatives_per_query:  # each row's candidates come with it; the padding pool from the run's negatives/
-            self.negatives = MinedNegatives(job.run, tc.negatives_per_query, tc.seed)
+        if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
+            self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
             sidecars = NegativeSidecars(job.shards_run, self.manifest)
         self.reader = ShardReader(job.shards_run, self.manifest, sidecars=sidecars)
 
     def epoch_at(self, step: int) -> int:
         """The epoch (counted within the segment) that `step` falls in."""
-        per_epoch = schedule.batches_per_epoch(self.sizes, self.tc.global_batch_size)
+        per_epoch = schedule.batches_per_epoch(self.sizes, self.tc.schedule.global_batch_size)
         return (step - self.job.seg_start) // max(1, per_epoch)
 
     def batches(self, start_step: int) -> Iterator[schedule.GlobalBatch]:
         """The global batches from start_step to the stop, numbered in run steps (the segment's schedule counts
         from its own start, with its own seed)."""
-        job, tc = self.job, self.tc
-        for local in schedule.iterate(self.sizes, tc.global_batch_size, tc.sampler,
-                                      schedule.segment_seed(tc.seed, job.segment), job.stop_step - job.seg_start,
-                                      start_step - job.seg_start, tc.cluster_weighting,
+        job, batches = self.job, self.tc.schedule
+        for local in schedule.iterate(self.sizes, batches.global_batch_size, batches.sampler,
+                                      schedule.segment_seed(batches.seed, job.segment), job.stop_step - job.seg_start,
+                                      start_step - job.seg_start, batches.cluster_weighting,
                                       block_rows=schedule_block_rows(self.manifest)):
             yield dataclasses.replace(local, step=local.step + job.seg_start)
 
@@ -128,7 +128,7 @@ class TrainData:
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
-        if self.tc.sampler == "random":
+        if self.tc.schedule.sampler == "random":
             return None, "random"
         shard = self.manifest["clusters"][gb.shard]
         return shard["cluster"], shard["name"]
@@ -145,13 +145,13 @@ class Trainer:
         model, self.tokenizer, pooling = build_student(tc)
         self.flops_params = matmul_params(model)
         self.model = rt_torch.prepare_model(model)  # MoE: idle experts stay in the graph (moe.py), no unused parameters
-        self.optimizer, self.scheduler = build_optimizer(self.model, tc, job.num_steps)
-        self.settings = StepSettings.from_train_config(tc, pooling, amp=self.device.type == "cuda")
+        self.optimizer, self.scheduler = build_optimizer(self.model, tc.optimizer, job.num_steps)
+        self.pooling, self.amp = pooling, self.device.type == "cuda"  # bf16 autocast on GPU
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler, job.cursor(),
-                                         ModelExport(self.tokenizer, pooling, tc.passage_max_length))
+                                         ModelExport(self.tokenizer, pooling, tc.student.passage_max_length))
         self.start_step, self.restored = self._restore()
         self.metrics = MetricsProcessor(job.run, job.name, tc, rank, world,
-                                        peak=peak_flops(self.device, tc.peak_tflops) if rank == 0 else None,
+                                        peak=peak_flops(self.device, tc.compute.peak_tflops) if rank == 0 else None,
                                         resume_step=self.start_step if self.restored else None,
                                         num_steps=job.num_steps, stop_step=job.stop_step, segment=job.segment)
 
@@ -179,7 +179,7 @@ class Trainer:
             result = self.train_step(item)
             self.metrics.log(result)
             verdict = self.metrics.check(result)  # the same on every rank: they stop together
-            if verdict is not None and self.tc.stop_on_collapse:
+            if verdict is not None and self.tc.logging.stop_on_collapse:
                 self.metrics.close()  # the driver ends the run with the verdict
                 self.save(gb.step + 1, epoch, final=False, note={"collapsed": verdict})
                 return
@@ -192,30 +192,32 @@ class Trainer:
         clipping, optimizer and LR step; then the figures all-reduced (with the bytes read for the rows), so every
         rank holds the same ones."""
         gb, table, started = item.batch, item.table, time.time()
-        torch.manual_seed(step_seed(self.tc.seed, gb.step, self.rank))  # a resumed run replays the dropout masks
+        torch.manual_seed(step_seed(self.tc.schedule.seed, gb.step, self.rank))  # a resume replays the dropout masks
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._backward(table, gb.step)
         stats |= {"bytes_read": float(item.bytes_read), "bytes_used": float(item.bytes_used),
                   "footer_bytes_read": float(item.footer_bytes)}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.optimizer.max_grad_norm)
         self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         figures = reduce_step_figures(loss, stats, self.world)
         step_s = time.time() - started
-        pair_ids = table.column("pair_id").to_pylist() if self.tc.log_batches else None
+        pair_ids = table.column("pair_id").to_pylist() if self.tc.logging.log_batches else None
         return StepResult(gb, self.data.label(gb), figures, lr, float(grad_norm),
                           stats["flops_per_param_token"] * self.flops_params * figures.sums["tokens"], step_s, pair_ids)
 
     def _backward(self, table: pa.Table, step: int) -> tuple[torch.Tensor, dict]:
         """contrastive_backward on this rank's rows, with their mined negatives when train.negatives_per_query."""
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
+        step_options = {"pooling": self.pooling, "amp": self.amp}
         if self.data.negatives is None:
-            return contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device)
+            return contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
+                                        **step_options)
         neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
-        loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.settings, self.device,
-                                           negatives=neg_passages, negative_queries=neg_queries)
+        loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
+                                           negatives=neg_passages, negative_queries=neg_queries, **step_options)
         stats["negatives_padded"] = torch.tensor(float(padded))
         return loss, stats
 
@@ -224,9 +226,9 @@ class Trainer:
         logging step (Ray's dashboard and Result.metrics see them between checkpoints too)."""
         if done >= self.job.stop_step:
             return
-        if self.tc.checkpoint_every_steps and done % self.tc.checkpoint_every_steps == 0:
+        if self.tc.checkpoint.checkpoint_every_steps and done % self.tc.checkpoint.checkpoint_every_steps == 0:
             self.save(done, epoch, final=False)
-        elif done % self.tc.log_every_steps == 0:
+        elif done % self.tc.logging.log_every_steps == 0:
             ray.train.report(self.metrics.report(done))
 
     def save(self, step: int, epoch: int, final: bool, note: dict | None = None) -> None:

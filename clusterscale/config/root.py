@@ -1,0 +1,126 @@
+"""The whole config: its sections, building it from a nested dict (unknown keys and bad values are errors that
+name the key), variants, fingerprints of sections, and the key reference that `clusterscale config` prints."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterscale.config.sections import (ClusterConfig, DataConfig, DedupConfig, EmbedConfig, EvalConfig, MineConfig,
+                                          RayConfig, ShardConfig)
+from clusterscale.config.train import TrainConfig
+from clusterscale.errors import bounded_repr
+from clusterscale.knobs import ConfigError, check_type, output_keys
+from clusterscale.redact import redact_values
+
+
+class Fingerprint(str):
+    """A config hash that also carries the values it covers, so a refused rerun can name the changed keys."""
+
+    def __new__(cls, digest: str, values: dict | None = None) -> Fingerprint:
+        obj = super().__new__(cls, digest)
+        obj.values = values
+        return obj
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mine: MineConfig = field(default_factory=MineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def to_dict(self) -> dict:
+        """{section: {key: value}}, flat under each section as in YAML (the train components' keys merged)."""
+        return {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)}
+
+    def fingerprint(self, sections: tuple[str, ...], extra: dict | None = None) -> Fingerprint:
+        """Hash of the output-affecting keys of `sections`: equal fingerprints = reusable outputs."""
+        payload = {name: output_keys(getattr(self, name)) for name in sections}
+        if extra:
+            payload["extra"] = extra
+        # Credentials in a URI do not change what a stage outputs: rotating a key keeps completed work.
+        payload = redact_values(payload)
+        return Fingerprint(hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16], payload)
+
+    def hash(self) -> str:
+        return str(self.fingerprint(SECTIONS))
+
+    def validate(self) -> None:
+        """Each section checks its own keys (the first error raises ConfigError naming the key)."""
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        every = self.train.shards.recluster_every
+        if every and self.dedup.enabled and self.dedup.apply_to_shards:
+            raise ConfigError(f"{self.train.key('recluster_every')}={every} re-shards the pairs "
+                              "from a fresh embedding, without the dedup stage, so its segments would train on "
+                              "pairs dedup removed (duplicates, held-out leaks). Re-clustering with dedup applied to "
+                              f"the shards is not supported yet: set {self.train.key('recluster_every')}=0, or "
+                              "dedup.apply_to_shards=false (dedup then only reports), or turn dedup off.")
+
+    def train_name(self) -> str:
+        schedule = self.train.schedule
+        return schedule.name or f"{schedule.sampler}-seed{schedule.seed}"
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _key_text(key: Any) -> str:
+    """A key as the user wrote it, bounded (a key can be any YAML value)."""
+    return key if isinstance(key, str) and len(key) <= 60 else bounded_repr(key)
+
+
+def from_dict(raw: dict | None) -> Config:
+    """Build a Config from a nested dict, rejecting unknown sections/keys and bad values by name."""
+    cfg = Config()
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"The config must be a mapping of sections ({', '.join(SECTIONS)}), got "
+                          f"{type(raw).__name__}.")
+    for section, values in raw.items():
+        if section == "config_hash":  # present in a RUN/config.yaml fed back in
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"Unknown config section {bounded_repr(section)}; allowed sections: "
+                              f"{', '.join(SECTIONS)}.")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"Config section {section!r} must be a mapping of keys, got {bounded_repr(values)}.")
+        known = getattr(cfg, section).knobs()
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"Unknown config key {section}.{_key_text(key)}; allowed keys in {section}: "
+                                  f"{', '.join(sorted(known))}.")
+            owner, f = known[key]
+            setattr(owner, key, check_type(f"{section}.{key}", f, value))
+    cfg.validate()
+    return cfg
+
+
+def variant(cfg: Config, **sections: dict) -> Config:
+    """A copy of cfg with some keys changed, validated like a user's config (unknown values are errors)."""
+    raw = cfg.to_dict()
+    for section, updates in sections.items():
+        raw[section].update(updates)
+    return from_dict(raw)
+
+
+def describe() -> str:
+    """Every key with its default and doc: the reference printed by `clusterscale config`."""
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(Config(), section)
+        lines.append(f"{section}:")
+        for name, (owner, f) in obj.knobs().items():
+            choices = f" ({'|'.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+            lines.append(f"  {name}: {getattr(owner, name)!r}{choices}\n      {f.metadata['doc']}")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""The config schema: a knob (field + doc + allowed values), a Section of knobs, and a section composed of
+components (train). Torch-free and import-free, so that every component's config module can use it."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from clusterscale.errors import UserError, bounded_repr
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value is wrong; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed values of a numeric knob: above `low` (or at it when low_inclusive) and below `high`.
+
+    note says what a boundary value means ('0 = automatic'). A null value (of a key that allows null) is not checked."""
+    low: float = 0
+    low_inclusive: bool = True
+    high: float | None = None
+    note: str = ""
+
+    def check(self, key: str, value: float) -> None:
+        above_low = value >= self.low if self.low_inclusive else value > self.low
+        if above_low and (self.high is None or value < self.high):
+            return
+        if self.high is not None:
+            allowed = f"in [{self.low}, {self.high})"
+        else:
+            allowed = f">= {self.low}" if self.low_inclusive else f"greater than {self.low}"
+        note = f" ({self.note})" if self.note else ""
+        raise ConfigError(f"{key} must be {allowed}{note}, got {bounded_repr(value)}.")
+
+
+POSITIVE = Bounds(low_inclusive=False)
+NON_NEGATIVE = Bounds()
+FRACTION = Bounds(high=1)  # [0, 1)
+
+
+def zero_means(meaning: str) -> Bounds:
+    """>= 0, where 0 has a special meaning that the error names (e.g. 'automatic', 'off')."""
+    return Bounds(note=f"0 = {meaning}")
+
+
+def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True,
+         bounds: Bounds | None = None):
+    """A config field with its documentation, allowed values, and whether it changes a stage's output.
+
+    Fields with affects_output=False (worker counts, batch sizes of inference) may change between
+    reruns without invalidating completed work. bounds: the allowed range of a number (checked by validate).
+    """
+    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section:
+    """Base of the config dataclasses: `section` is the YAML name; validate() checks every knob's bounds, then
+    the rules between keys (check_rules). Errors name the key as the user writes it ('section.key')."""
+    section: ClassVar[str]
+
+    def knobs(self) -> dict[str, tuple[Section, dataclasses.Field]]:
+        """YAML key -> (the object holding it, its field), in documentation order."""
+        return {f.name: (self, f) for f in fields(self)}
+
+    def key(self, name: str) -> str:
+        """'section.name', the key of field `name` as written in YAML and in --set."""
+        if name not in self.knobs():
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        return f"{self.section}.{name}"
+
+    def check_bounds(self) -> None:
+        for name, (owner, f) in self.knobs().items():
+            value = getattr(owner, name)
+            if f.metadata["bounds"] is not None and value is not None:
+                f.metadata["bounds"].check(f"{self.section}.{name}", value)  # (dedup has a field named key)
+
+    def check_rules(self) -> None:
+        """Rules between this section's keys (a section with such rules overrides it)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first key whose value is out of its bounds or breaks a rule."""
+        self.check_bounds()
+        self.check_rules()
+
+    def to_dict(self) -> dict:
+        """The flat {key: value} of the section, as in YAML and RUN/config.yaml (values copied)."""
+        return {name: copy.deepcopy(getattr(owner, name)) for name, (owner, _) in self.knobs().items()}
+
+    def get_key(self, name: str) -> Any:
+        """The value of YAML key `name` (in whichever component holds it)."""
+        owner, _ = self.knobs()[name]
+        return getattr(owner, name)
+
+    def set_key(self, name: str, value: Any) -> None:
+        owner, _ = self.knobs()[name]
+        setattr(owner, name, value)
+
+
+class ComposedSection(Section):
+    """A section whose flat YAML keys belong to its components (each field a Section of its own, kept next to
+    the code it configures): the key -> component map is the union of the components' fields."""
+
+    def components(self) -> list[Section]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def knobs(self) -> dict[str, tuple[Section, dataclasses.Field]]:
+        found: dict[str, tuple[Section, dataclasses.Field]] = {}
+        for component in self.components():
+            for name, entry in component.knobs().items():
+                if name in found:  # one YAML key, one owner
+                    raise TypeError(f"{self.section}.{name} is a field of both {type(found[name][0]).__name__} "
+                                    f"and {type(component).__name__}")
+                found[name] = entry
+        return found
+
+    def check_rules(self) -> None:
+        for component in self.components():
+            component.check_rules()
+
+    @classmethod
+    def of(cls, **keys: Any):
+        """The section with flat keys set (as in YAML, not checked): TrainConfig.of(lr=1e-3, init='scratch')."""
+        obj = cls()
+        for name, value in keys.items():
+            if name not in obj.knobs():
+                raise TypeError(f"{cls.__name__} has no key {name!r}")
+            obj.set_key(name, value)
+        return obj
+
+
+def output_keys(section_obj: Section) -> dict:
+    """The keys of a section that change a stage's output, with their values: what its fingerprint hashes."""
+    return {name: getattr(owner, name) for name, (owner, f) in section_obj.knobs().items()
+            if f.metadata["affects_output"]}
+
+
+def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
+    """value (from YAML or --set) checked against the field's type and choices; a float from a string is parsed."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    optional = "None" in str(f.type)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} must not be null (default: {bounded_repr(default)}).")
+    kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {bounded_repr(value)}.")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {bounded_repr(value)}.")
+        if abs(value) >= 2**63:  # counts and seeds reach numpy/torch as int64
+            raise ConfigError(f"{key} is out of range (|value| < 2**63), got {bounded_repr(value)}.")
+    elif kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {bounded_repr(value)}.")
+        value = float(value)
+        if not math.isfinite(value):  # NaN passes every range check below and fails only at step 0
+            raise ConfigError(f"{key} must be a finite number, got {value}; the default is {default}.")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {bounded_repr(value)}.")
+    elif kind is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {bounded_repr(value)}.")
+    return value

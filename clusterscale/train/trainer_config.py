@@ -1,0 +1,22 @@
+"""The workers and devices of the train section (config only, torch-free; the trainer is train/trainer.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from clusterscale.knobs import NON_NEGATIVE, POSITIVE, Section, knob
+
+
+@dataclass
+class ComputeConfig(Section):
+    """Workers, devices and memory."""
+    section: ClassVar[str] = "train"
+
+    num_workers: int = knob(2, "Ray Train workers (DDP ranks).", affects_output=False, bounds=POSITIVE)
+    use_gpu: bool = knob(False, "One GPU per worker, nccl and bf16 autocast.", affects_output=False)
+    grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
+                                    "activation memory no longer grows with the batch; 0 = off. Same "
+                                    "gradients, ~1/3 more compute.", affects_output=False, bounds=NON_NEGATIVE)
+    peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
+                                   "GPU, or measure an fp32 matmul on CPU.", affects_output=False,
+                              bounds=NON_NEGATIVE)

@@ -1,0 +1,96 @@
+"""The config split of issue 26 changes nothing a user or a run directory sees: every YAML of the repo and every
+key `clusterscale config` printed (or the docs write) loads to the values, fingerprints and errors recorded by the
+code before the split (tests/fixtures/config_before/), and a run directory written by that code
+(tests/fixtures/old_run/: its markers, manifests and config.yaml) is reused, not redone."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale import pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+BEFORE = REPO / "tests" / "fixtures" / "config_before"
+OLD_RUN = REPO / "tests" / "fixtures" / "old_run"
+RECORDED_CWD = "/work/h4"  # the working directory keys.json was recorded in
+
+
+def snapshot(load, section: str | None = None) -> dict:
+    """What tests/fixtures/config_before recorded of one load: its values and fingerprints, or its error."""
+    try:
+        cfg = load()
+    except config_mod.ConfigError as exc:
+        return {"error": str(exc)}
+    if section:
+        return {"values": cfg.to_dict()[section], "fingerprint": str(cfg.fingerprint((section,))), "hash": cfg.hash()}
+    return {"values": cfg.to_dict(), "hash": cfg.hash(),
+            "fingerprints": {s: str(cfg.fingerprint((s,))) for s in config_mod.SECTIONS}}
+
+
+def test_describe_prints_the_same_keys_docs_and_defaults():
+    assert config_mod.describe() + "\n" == (BEFORE / "describe.txt").read_text()
+
+
+YAMLS = json.loads((BEFORE / "yamls.json").read_text())
+LOADERS = {"<defaults>": lambda: config_mod.from_dict({}), "<embedded default>": lambda: config_mod.load()}
+
+
+def test_every_pipeline_yaml_of_the_repo_is_in_the_snapshot():
+    yamls = [*REPO.glob("cluster_configs/*.yaml"), *REPO.glob("clusterscale/*.yaml")]
+    shipped = {str(p.relative_to(REPO)) for p in yamls
+               if "available_node_types" not in p.read_text() and "apiVersion" not in p.read_text()}
+    assert shipped and shipped <= set(YAMLS)
+
+
+@pytest.mark.parametrize("name", sorted(YAMLS))
+def test_yaml_loads_to_the_same_values_and_fingerprints(name):
+    load = LOADERS.get(name, lambda: config_mod.load(REPO / name))
+    assert json.loads(json.dumps(snapshot(load))) == YAMLS[name]
+
+
+def test_every_key_printed_or_documented_loads_the_same():
+    """Each key of `clusterscale config` set to its default, and each section.key=value in README, benchmarks and
+    cluster configs: the same section values, fingerprint and whole-config hash, or the same error message."""
+    recorded = json.loads((BEFORE / "keys.json").read_text())
+    assert len(recorded) > 150
+    for text, before in recorded.items():
+        now = json.loads(json.dumps(snapshot(lambda: config_mod.load(None, [text]), text.split(".")[0])))
+        if RECORDED_CWD in json.dumps(before):  # a relative path, made absolute in the folder it was recorded in
+            before = json.loads(json.dumps(before["values"]).replace(RECORDED_CWD, os.getcwd()))
+            now = now["values"]
+        assert now == before, text
+
+
+@pytest.fixture
+def old_run(tmp_path) -> Path:
+    shutil.copytree(OLD_RUN, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def markers(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("_DONE.json"))}
+
+
+def test_a_run_made_before_the_change_is_reused_not_redone(old_run):
+    cfg, run = pipeline.open_run(str(old_run), None, [])
+    random_cfg = config_mod.load(None, ["train.sampler=random", "train.negatives_per_query=0"],
+                                 run_config=run.config_in_force())
+    before = markers(old_run)
+    stages = [(pipeline.STAGES[name], cfg) for name in ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine",
+                                                        "train")]
+    stages += [(pipeline.SHARD_SET, random_cfg), (pipeline.STAGES["train"], random_cfg)]
+    covered = set()
+    for stage, stage_cfg in stages:
+        out = stage.output_of(stage_cfg)
+        recorded = json.loads((old_run / out / "_DONE.json").read_text())
+        assert stage.fingerprint_of(stage_cfg, run) == recorded["fingerprint"], stage.name
+        result = pipeline.execute(stage, stage_cfg, run)
+        assert result.stats == recorded["stats"], stage.name
+        covered |= {out, *(e.folder for e in stage.extra_outputs)}
+    assert markers(old_run) == before  # nothing was redone
+    assert {str(Path(m).parent) for m in before} <= covered  # every marker of the old run was checked
