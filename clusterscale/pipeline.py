@@ -21,6 +21,7 @@ from clusterscale.runtime.resources import Resources
 from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
+from clusterscale.io.input_files import refuse_run_dir_in_data
 from clusterscale.stages.ingest import run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
@@ -188,6 +189,8 @@ def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = 
     write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
     existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
     replace and command: see execute."""
+    if "ingest" in verbs:  # before the run writes its config.yaml and locks inside the data folder
+        refuse_run_dir_in_data(cfg.data, run.uri)
     session.init_ray(cfg.ray)
     session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
     if write_config and (replace or run.config_in_force() is None):

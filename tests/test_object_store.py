@@ -107,6 +107,25 @@ def test_globs_in_a_uri_keep_its_query(s3_endpoint):
     assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet"]
 
 
+def test_listing_skips_run_dirs_and_refuses_a_run_dir_inside_the_data(s3_endpoint):
+    from clusterscale.config import DataConfig
+    from clusterscale.io.input_files import IngestError, find_input_files, refuse_run_dir_in_data
+
+    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "walk-bucket"))
+    fs.create_dir("walk-bucket/in")
+    for name in ("a.parquet", "old_run/config.yaml", "old_run/pairs/_DONE.json", "old_run/pairs/part-0.parquet",
+                 "config_only/config.yaml", "config_only/b.parquet"):
+        with fs.open_output_stream(f"walk-bucket/in/{name}") as out:
+            out.write(b"x")
+    data = DataConfig(path=s3_uri(s3_endpoint, "walk-bucket/in"))
+    walk = find_input_files(data).walk
+    assert walk.files == ["walk-bucket/in/a.parquet", "walk-bucket/in/config_only/b.parquet"]
+    assert walk.run_dirs_skipped == ["walk-bucket/in/old_run"] and walk.links_skipped == 0
+    with pytest.raises(IngestError, match="is inside data.path"):
+        refuse_run_dir_in_data(data, s3_uri(s3_endpoint, "walk-bucket/in/runs/r1"))
+    refuse_run_dir_in_data(data, s3_uri(s3_endpoint, "walk-bucket/runs/r1"))  # a sibling is fine
+
+
 def test_run_dir_atomic_files_and_child_uris(s3_endpoint):
     run = RunDir(s3_uri(s3_endpoint, "rundir-bucket/runs/r1"))
     assert not run.is_local and run.root == "rundir-bucket/runs/r1"

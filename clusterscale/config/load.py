@@ -43,8 +43,16 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KiB; PyYAML parses ~0.3 MiB/s, so 1 MiB is ~3 s
+
+
 def parse_yaml(data: bytes | str, source: str) -> Any:
-    """YAML of a config file or a --set value (`source` names it in errors): UTF-8, no aliases, no duplicate keys."""
+    """YAML of a config file or a --set value (`source` names it in errors): UTF-8, at most MAX_CONFIG_BYTES,
+    no aliases, no duplicate keys."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source} is larger than {MAX_CONFIG_BYTES:,} bytes (1 MiB), the most a config may hold: "
+                          f"a config is a few keys, and parsing this would take minutes and copy it into "
+                          f"RUN/config.yaml. Check that it is the right file; keep long lists out of the config.")
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
@@ -81,7 +89,8 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None,
         if not p.exists():
             raise ConfigError(f"Config file {p} does not exist.")
         try:
-            data = p.read_bytes()
+            with p.open("rb") as f:  # read no more than the cap (the file may be huge, or a pipe)
+                data = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as exc:
             raise ConfigError(f"Config file {p} cannot be read ({exc.strerror}): pass a readable YAML file.") from None
         raw = parse_yaml(data, f"Config file {p}") or {}

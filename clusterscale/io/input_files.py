@@ -7,12 +7,16 @@ raises one of UNREADABLE, which ingest turns into an error naming the file or a 
 """
 from __future__ import annotations
 
+import codecs
+import collections
 import csv
 import fnmatch
 import io
 import json
+import os
 import posixpath
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -23,9 +27,12 @@ from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_
 from clusterscale.config import DataConfig
 from clusterscale.errors import UserError
 from clusterscale.io.filesystems import resolve_filesystem
+from clusterscale.io.input_walk import InputWalk, walk_files
+from clusterscale.redact import redact_uri
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
 BATCH_ROWS = 16_384
+CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
                   ".json": "jsonl", ".csv": "csv", ".jsonl.gz": "jsonl", ".csv.gz": "csv", ".arrow": "arrow"}
 # Hugging Face `save_to_disk` writes these next to its .arrow shards; they describe the data, they are not data.
@@ -49,45 +56,91 @@ def infer_format(path: str, declared: str) -> str:
                       f"parquet, jsonl, csv or arrow.")
 
 
-def _is_hidden(path: str, root: str) -> bool:
-    """Files and folders named `_*` or `.*` (Spark/Hive markers, temp files, .git) are not data."""
-    return any(part.startswith((".", "_")) for part in posixpath.relpath(path, root).split("/"))
-
-
 def list_input_files(data: DataConfig) -> tuple[pafs.FileSystem, list[str]]:
     """The input files of data.path (file, folder or glob), sorted: their order defines pair_ids."""
+    listing = find_input_files(data)
+    return listing.fs, listing.walk.files
+
+
+@dataclass
+class InputListing:
+    fs: pafs.FileSystem
+    walk: InputWalk  # the files, and what the walk skipped (symlinked repeats, run directories)
+
+
+def find_input_files(data: DataConfig) -> InputListing:
+    """The input files of data.path (file, folder or glob), sorted, and what listing them skipped."""
     path = builtin_docstrings_path() if data.path == BUILTIN_DOCSTRINGS else data.path
     if not path:
         raise IngestError("data.path is empty: set it to a file, folder or glob of pairs.")
-    # In a URI '?' starts the query (s3://b/p?endpoint_override=...), so it is a wildcard only in local paths.
-    location, sep, query = path.partition("?") if "://" in path else (path, "", "")
-    has_glob = any(ch in location for ch in ("*[" if sep or "://" in path else "*?["))
-    fs, base = resolve_filesystem(location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query if has_glob else path)
-    if has_glob:
-        _, pattern = resolve_filesystem(path)
-        root = base.rstrip("/")
-        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-        files = [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, pattern)
-                 and not _is_hidden(i.path, root)]
+    fs, root, pattern = _listing_root(path)
+    if pattern is not None:
+        walk = walk_files(fs, root)
+        walk.files = [f for f in walk.files if fnmatch.fnmatch(f, pattern)]
     else:
-        info = fs.get_file_info(base)
+        info = fs.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise IngestError(f"data.path {path!r} does not exist.")
         if info.type == pafs.FileType.File:
-            files = [base]
+            walk = InputWalk(files=[root])
         else:
-            _refuse_dataset_dict(fs, base, path)
-            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-            files = [i.path for i in infos if i.type == pafs.FileType.File and not _is_hidden(i.path, base)
-                     and any(i.path.lower().endswith(s) for s in SUFFIX_FORMATS)]
-            files = _hf_data_files(fs, files)
-    if not files:
+            _refuse_dataset_dict(fs, root, path)
+            walk = walk_files(fs, root)
+            walk.files = _hf_data_files(fs, [f for f in walk.files
+                                             if any(f.lower().endswith(s) for s in SUFFIX_FORMATS)])
+    if not walk.files:
         raise IngestError(f"No input files found at data.path {path!r} (looked for "
                           f"{', '.join(sorted(set(SUFFIX_FORMATS)))}; files and folders named _* or .* are "
                           f"skipped).")
-    if len(files) >= 1 << (63 - ROW_BITS):
-        raise IngestError(f"{len(files)} input files is more than pair_ids can number; merge them.")
-    return fs, sorted(files)
+    if len(walk.files) >= 1 << (63 - ROW_BITS):
+        raise IngestError(f"{len(walk.files)} input files is more than pair_ids can number; merge them.")
+    return InputListing(fs, walk)
+
+
+def _listing_root(path: str) -> tuple[pafs.FileSystem, str, str | None]:
+    """(filesystem, the file or folder data.path names or its glob starts from, the glob pattern or None)."""
+    base = _glob_base(path)
+    if base is None:
+        return (*resolve_filesystem(path), None)
+    fs, root = resolve_filesystem(base)
+    return fs, root.rstrip("/"), resolve_filesystem(path)[1]
+
+
+def _glob_base(path: str) -> str | None:
+    """The folder (path or URI, query kept) a glob in data.path starts from; None when it holds no glob."""
+    # In a URI '?' starts the query (s3://b/p?endpoint_override=...), so it is a wildcard only in local paths.
+    location, sep, query = path.partition("?") if "://" in path else (path, "", "")
+    if not any(ch in location for ch in ("*[" if sep or "://" in path else "*?[")):
+        return None
+    return location.split("*")[0].rsplit("/", 1)[0] + "/" + sep + query
+
+
+def refuse_run_dir_in_data(data: DataConfig, run_uri: str) -> None:
+    """A run directory inside the folder ingest lists would have its own files (locks, outputs) read as input;
+    data inside the folders ingest replaces would be deleted. Compared by name, without opening a store."""
+    if data.path == BUILTIN_DOCSTRINGS or not data.path or ("://" in data.path) != ("://" in run_uri):
+        return
+    root = _glob_base(data.path) or data.path
+    if "://" in root:
+        root, run_path = _uri_location(root), _uri_location(run_uri)
+    else:
+        root, run_path = os.path.realpath(os.path.expanduser(root)), os.path.realpath(os.path.expanduser(run_uri))
+    if run_path == root or run_path.startswith(root + "/"):
+        raise IngestError(
+            f"--run-dir {redact_uri(run_uri)} is inside data.path {redact_uri(data.path)}: ingest reads every "
+            f"file under {redact_uri(root)}, so it would read this run's own files (its locks and outputs) as "
+            f"input pairs. Choose a --run-dir outside that folder.")
+    written = [f"{run_path}/{folder}" for folder in ("pairs", "heldout", "quarantine")]
+    if any(root == w or root.startswith(w + "/") for w in written):
+        raise IngestError(f"data.path {redact_uri(data.path)} is inside the folders ingest replaces in --run-dir "
+                          f"{redact_uri(run_uri)} (pairs/, heldout/, quarantine/): it would delete its own input. "
+                          f"Copy those files out of the run, or ingest into another --run-dir.")
+
+
+def _uri_location(uri: str) -> str:
+    """scheme://bucket/path of a URI: no credentials, no query, no trailing slash."""
+    scheme, _, rest = uri.partition("?")[0].partition("://")
+    return f"{scheme.lower()}://{rest.rsplit('@', 1)[-1]}".rstrip("/")
 
 
 def _refuse_dataset_dict(fs: pafs.FileSystem, base: str, path: str) -> None:
@@ -138,10 +191,12 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
         yield from _arrow_records(fs, path, columns, data)
     elif fmt == "csv":
         yield from _csv_records(fs, path, columns, data)
-    elif _starts_with(fs, path, "["):
-        yield from _json_array_records(fs, path, data)
     else:
-        yield from _jsonl_records(fs, path, data)
+        _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
+        if _starts_with(fs, path, "["):
+            yield from _json_array_records(fs, path, columns, data)
+        else:
+            yield from _jsonl_records(fs, path, columns, data)
 
 
 def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
@@ -160,30 +215,81 @@ def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
 
 def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
     """Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only the empty
-    cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined."""
+    cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined in
+    their place, so every row keeps its number in the file (blank lines are not rows)."""
+    _refuse_binary(fs, path, "csv")
     with fs.open_input_stream(path, compression="detect") as stream:
         header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace")), None)
     if header is None:
         raise pa.ArrowInvalid("empty CSV file: no header line")
     check_columns(header, path, data)
-    ragged: list[dict] = []
+    ragged: collections.deque[tuple[int, dict]] = collections.deque()
 
     def on_ragged(row) -> str:
-        ragged.append({"__reason__": f"csv_cells:{row.actual_columns}_of_{row.expected_columns}",
-                       "__raw__": row.text})
+        # row.number counts records from 1 with the header (serial parsing): the data row index is number - 2.
+        ragged.append((row.number - 2, {"__reason__": f"csv_cells:{row.actual_columns}_of_{row.expected_columns}",
+                                        "__raw__": row.text}))
         return "skip"
 
     reader = pacsv.open_csv(
         fs.open_input_stream(path, compression="detect"),
-        read_options=pacsv.ReadOptions(use_threads=False),
+        read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
         parse_options=pacsv.ParseOptions(invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.binary() for c in columns},
                                              strings_can_be_null=True, null_values=[""]))
+    row = 0  # the file's data row the next record is
     for batch in reader:
-        yield batch.to_pylist()
-    # The parser reads ahead of the batches it yields, so ragged rows come last: their ids stay stable.
-    for start in range(0, len(ragged), BATCH_ROWS):
-        yield ragged[start:start + BATCH_ROWS]
+        # The parser is ahead of the batches it yields: every ragged row before this batch's end is known.
+        merged = []
+        for record in batch.to_pylist():
+            while ragged and ragged[0][0] <= row:
+                merged.append(ragged.popleft()[1])
+                row += 1
+            merged.append(record)
+            row += 1
+        yield merged
+    rest = [record for _, record in ragged]
+    for start in range(0, len(rest), BATCH_ROWS):
+        yield rest[start:start + BATCH_ROWS]
+
+
+# The first bytes of files that are not text, for telling a user what a mislabelled file is.
+BINARY_MAGIC = {b"PAR1": ("Parquet", "parquet"), b"ARROW1": ("an Arrow IPC file", "arrow"),
+                b"\xff\xff\xff\xff": ("an Arrow IPC stream", "arrow"), b"\x1f\x8b": ("gzip-compressed", None),
+                b"PK\x03\x04": ("a zip archive (an .xlsx workbook?)", None), b"(\xb5/\xfd": ("zstd-compressed", None)}
+SNIFF_BYTES = 1 << 16
+
+
+def _refuse_binary(fs: pafs.FileSystem, path: str, fmt: str) -> None:
+    """A text format's file that starts like a binary format, or is full of NUL bytes, is refused whole rather
+    than read as garbled rows; a stray NUL or bad byte in text is left to its row (quarantined)."""
+    with fs.open_input_stream(path, compression="detect") as stream:
+        head = stream.read(SNIFF_BYTES)
+    nuls = head.count(b"\0")
+    if not nuls and _is_utf8_start(head):
+        return
+    for magic, (what, fix_format) in BINARY_MAGIC.items():
+        if head.startswith(magic):
+            fix = (f"rename it to .{fix_format} or set data.format={fix_format}" if fix_format else
+                   "decompress it, or give it the suffix of its compression (.gz)" if "compressed" in what else
+                   "export it as CSV, JSONL or Parquet")
+            raise NotTextError(f"this is not {fmt.upper()} (it looks like {what}: it starts with {magic!r}); {fix}")
+    if nuls > max(8, len(head) // 100):
+        raise NotTextError(f"this is not {fmt.upper()} text: it holds NUL bytes (binary data, or text in UTF-16/32); "
+                           f"save it as UTF-8 {fmt.upper()}, or set data.format to its format")
+
+
+def _is_utf8_start(head: bytes) -> bool:
+    """Whether `head` is valid UTF-8 (a character cut at its end allowed)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class NotTextError(pa.ArrowInvalid):
+    """A text-format file holds binary data (a mislabelled Parquet file, a compressed file without its suffix)."""
 
 
 def _starts_with(fs: pafs.FileSystem, path: str, char: str) -> bool:
@@ -196,48 +302,72 @@ def _starts_with(fs: pafs.FileSystem, path: str, char: str) -> bool:
     return False
 
 
-def _jsonl_records(fs: pafs.FileSystem, path: str, data: DataConfig) -> Iterator[list[dict]]:
+def _jsonl_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
     """JSON lines, parsed line by line so one bad line is quarantined, not fatal."""
     stream = fs.open_input_stream(path, compression="detect")
     # surrogateescape keeps undecodable bytes recoverable, so such a line is quarantined with its bytes.
     text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape")
-    return _checked_batches((_jsonl_record(line.strip()) for line in text), path, data)
+    return _checked_batches((_jsonl_record(line.strip(), columns) for line in text), path, data)
 
 
-def _jsonl_record(line: str) -> dict:
+def _jsonl_record(line: str, columns: list[str]) -> dict:
     if not line:
         return {"__reason__": "blank_line"}
     if not is_encodable(line):  # the undecodable bytes kept as \xNN escapes
         return {"__reason__": "invalid_utf8",
                 "__raw__": line.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")}
     try:
-        return _json_record(json.loads(line), line)
+        return _json_record(_JSON.decode(line), line, columns)
     except json.JSONDecodeError:
         return {"__reason__": "invalid_json", "__raw__": line}
 
 
-def _json_record(value: object, raw: str) -> dict:
-    """The row dict of one parsed JSON value, or the reason it is not one (with its raw text kept)."""
-    if not isinstance(value, dict):
-        return {"__reason__": "not_an_object", "__raw__": raw}
+class _KeysRepeated(dict):
+    """A JSON object that named some key twice (json keeps the last value silently); `keys_in_order` lists all."""
+
+    keys_in_order: list[str]
+
+
+def _json_object(pairs: list[tuple[str, object]]) -> dict:
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        value = _KeysRepeated(value)
+        value.keys_in_order = [key for key, _ in pairs]
     return value
 
 
-def _json_array_records(fs: pafs.FileSystem, path: str, data: DataConfig) -> Iterator[list[dict]]:
+_JSON = json.JSONDecoder(object_pairs_hook=_json_object)
+
+
+def _json_record(value: object, raw: str, columns: list[str]) -> dict:
+    """The row dict of one parsed JSON value, or the reason it is not one (with its raw text kept)."""
+    if not isinstance(value, dict):
+        return {"__reason__": "not_an_object", "__raw__": raw}
+    if isinstance(value, _KeysRepeated):
+        twice = [c for c in columns if value.keys_in_order.count(c) > 1]
+        if twice:  # which value is the text is a guess: the row is quarantined (the file's first object: an error)
+            return {"__reason__": "repeated_key:" + ",".join(twice), "__raw__": raw, "__keys__": value.keys_in_order}
+    return value
+
+
+def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig
+                        ) -> Iterator[list[dict]]:
     """A file holding one JSON array of objects, read element by element (memory: one element)."""
     stream = fs.open_input_stream(path, compression="detect")
     items = _json_array_items(io.TextIOWrapper(stream, encoding="utf-8"))
-    return _checked_batches((_json_record(value, raw) for value, raw in items), path, data)
+    return _checked_batches((_json_record(value, raw, columns) for value, raw in items), path, data)
 
 
 def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
-    """Row dicts in batches of BATCH_ROWS; the first good row's keys are checked against the column mapping."""
+    """Row dicts in batches of BATCH_ROWS; the first object's keys are checked against the column mapping
+    (a mapped key named twice there is the file's shape, an error; in a later row, that row's fault)."""
     rows, checked = [], False
     for row in records:
-        rows.append(row)
-        if not checked and "__reason__" not in row:
-            check_columns(list(row), path, data)
+        if not checked and ("__reason__" not in row or "__keys__" in row):
+            check_columns(row.pop("__keys__", None) or list(row), path, data)
             checked = True
+        row.pop("__keys__", None)
+        rows.append(row)
         if len(rows) == BATCH_ROWS:
             yield rows
             rows = []
@@ -247,7 +377,7 @@ def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> It
 
 def _json_array_items(text: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterator[tuple[object, str]]:
     """(value, its JSON text) per element of the top-level array; raises JSONDecodeError where it is invalid."""
-    decoder, buf, pos = json.JSONDecoder(), "", 0
+    decoder, buf, pos = _JSON, "", 0
 
     def next_char() -> str:  # the next non-blank character, reading on as needed; "" at the end of the file
         nonlocal buf, pos
@@ -291,14 +421,30 @@ def _json_array_items(text: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterat
 
 
 def check_columns(found: list[str], path: str, data: DataConfig) -> None:
+    """The mapped columns are in the file, each once (a name twice would read one of them, silently)."""
     wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
     if data.source_column:
         wanted["data.source_column"] = data.source_column
+    repeated = {col: [i + 1 for i, name in enumerate(found) if name == col] for col in set(wanted.values())}
+    repeated = {col: places for col, places in repeated.items() if len(places) > 1}
+    if repeated:
+        keys = [key for key, col in wanted.items() if col in repeated]
+        raise IngestError(f"{path}: the column name(s) " + ", ".join(
+            f"{col!r} (columns {', '.join(map(str, places))})" for col, places in sorted(repeated.items())) +
+            f" appear more than once among the {len(found)} columns {bounded_names(found)}, so which one holds "
+            f"the text is a guess. Rename the repeated columns in the file to unique names, or map "
+            f"{'/'.join(keys)} to a column whose name appears once.")
     missing = [f"{key}={col!r}" for key, col in wanted.items() if col not in found]
     if missing:
         raise IngestError(f"{path}: column(s) {', '.join(missing)} not found. Columns found: "
-                          f"{', '.join(map(repr, found))}. Set the data.*_column keys to match "
+                          f"{bounded_names(found)}. Set the data.*_column keys to match "
                           f"(e.g. --set data.query_column=question data.passage_column=answer).")
+
+
+def bounded_names(names: list[str], most: int = 20) -> str:
+    """The column names for a message: the first `most`, each cut to 60 characters."""
+    shown = ", ".join(repr(n if len(n) <= 60 else n[:60] + "...") for n in names[:most])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def is_encodable(text: str) -> bool:

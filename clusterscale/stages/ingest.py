@@ -29,8 +29,9 @@ import ray
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
-from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
-                                      iter_records, list_input_files)
+from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
+                                         infer_format, is_encodable, iter_records, list_input_files,
+                                         refuse_run_dir_in_data)
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
@@ -167,7 +168,7 @@ def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data: DataC
     try:
         counts = _route_unit(fs, unit, fmt, data, writer, row_budget)
     except UNREADABLE as err:
-        found = f"{type(err).__name__}: {err}"
+        found = str(err) if isinstance(err, NotTextError) else f"{type(err).__name__}: {err}"
         if data.bad_files == "error":
             raise IngestError(f"{unit.path}: cannot be read as {fmt} ({found}). Repair or remove the file, or set "
                               f"data.bad_files=quarantine to skip unreadable files (they are listed in "
@@ -252,15 +253,20 @@ def run_ingest(ctx: StageContext) -> StageResult:
     executor, which marks all three done)."""
     cfg, run = ctx.cfg, ctx.run
     data = effective_data_config(cfg)
+    refuse_run_dir_in_data(data, run.uri)
     with filesystem_errors(data.path):  # an unreachable store is named by data.path (redacted)
-        fs, files = list_input_files(data)
+        listing = find_input_files(data)
+    fs, files = listing.fs, listing.walk.files
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
     units = plan_units(fs, files, data)
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
+    _print_skipped(listing.walk)
     results = run_units(run, fs, units, data)
     stats = _total(results)
+    stats["links_skipped"] = listing.walk.links_skipped
+    stats["run_dirs_skipped"] = [redact_uri(d) for d in listing.walk.run_dirs_skipped]
     if stats["bad_files"]:
         run.write_json(BAD_FILES, stats["bad_files"])
     if stats["pairs"] == 0:
@@ -276,6 +282,16 @@ def run_ingest(ctx: StageContext) -> StageResult:
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def _print_skipped(walk) -> None:
+    if walk.links_skipped:
+        print(f"[ingest] {walk.links_skipped} folder(s) or file(s) reached again under another name (a symlink "
+              f"loop, or a link to something already listed) skipped: each file is read once", flush=True)
+    if walk.run_dirs_skipped:
+        print(f"[ingest] {len(walk.run_dirs_skipped)} clusterscale run directory(ies) inside data.path skipped "
+              f"(their files are a run's outputs, not input pairs): "
+              f"{', '.join(redact_uri(d) for d in walk.run_dirs_skipped)}", flush=True)
 
 
 def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig

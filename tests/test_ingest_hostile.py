@@ -1,0 +1,170 @@
+"""Ingest on hostile input, round 2 (issue 31): symlink loops and files reached twice, repeated column names,
+ragged CSV rows keeping their numbers, a mislabelled binary file, run directories inside the data folder and
+an oversized config. User faults exit 2 with one paragraph; every row is read once and kept or quarantined."""
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import cli
+from clusterscale.io import input_files
+from clusterscale.io.rundir import RunDir
+from clusterscale.stages.ingest import ROW_BITS, IngestError
+from test_ingest_inputs import KINDS, _ingest
+
+ROW_MASK = (1 << ROW_BITS) - 1
+
+
+def _cli_ingest(capsys, run_dir, data_path, *extra) -> tuple[int, str, str]:
+    code = cli.main(["ingest", "--run-dir", str(run_dir), "--set", f"data.path={data_path}", "data.query_column=q",
+                     "data.passage_column=p", "data.heldout_fraction=0.3", *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _user_fault(code: int, err: str) -> None:
+    """Exit 2 with one `error:` paragraph and no traceback."""
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _ragged_csv(rows: int) -> tuple[bytes, set[int]]:
+    """A CSV whose row i holds "q{i}" (good) or a wrong number of cells starting with "r{i}" (ragged)."""
+    ragged = {i for i in range(rows) if i % 7 in (0, 3)} | {rows - 1}
+    lines = [f"r{i},too,many,cells" if i in ragged else f"q{i},p{i},x" for i in range(rows)]
+    return ("q,p,extra\n" + "\n".join(lines) + "\n").encode(), ragged
+
+
+def _row_numbers_hold(rows: list[dict], file_index: int, ragged: set[int], total: int) -> None:
+    """Each row's pair_id (and a quarantined row's input_row) is its row in the file, and says what it holds."""
+    assert sorted(r["pair_id"] for r in rows) == [(file_index << ROW_BITS) | i for i in range(total)]
+    for r in rows:
+        row = r["pair_id"] & ROW_MASK
+        assert r["query"].startswith(f"r{row},") if row in ragged else r["query"] == f"q{row}"
+        if "input_row" in r:
+            assert r["input_row"] == row and (row in ragged) == r["reason"].startswith("csv_cells")
+
+
+def _table_rows(run: RunDir) -> list[dict]:
+    return [r for kind in KINDS for f in run.files(kind) for r in pq.read_table(f).to_pylist()]
+
+
+def test_cli_reads_each_file_once_skips_run_dirs_and_keeps_csv_row_numbers(tmp_path, ray_local, capsys):
+    """One data folder holding a symlink loop, two more names of one file, a linked folder, another run
+    directory and a ragged CSV: every file is read once, the run directory not at all."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({"q": [f"a{i}" for i in range(100)], "p": ["text"] * 100}), data / "a.parquet")
+    os.symlink("../data", data / "self")  # a loop
+    os.symlink("../a.parquet", data / "sub" / "again.parquet")  # a second name of a.parquet
+    os.link(data / "a.parquet", data / "hard.parquet")  # a third one
+    os.symlink(data / "sub", data / "sub_link")  # a second name of a folder
+    csv_bytes, ragged = _ragged_csv(60)
+    (data / "b.csv").write_bytes(csv_bytes)
+    old = RunDir(str(data / "old_run"))  # an earlier run's outputs are not input pairs
+    old.write_text("config.yaml", "data: {}\n")
+    old.write_parquet("pairs/part-00000-00000-00000.parquet", pa.table({"q": ["old"], "p": ["old"]}))
+    old.mark_done("pairs", "f", {})
+
+    run = RunDir(str(tmp_path / "run"))
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0, err
+    assert "2 input file(s)" in out and "4 folder(s) or file(s) reached again under another name" in out
+    assert f"run directory(ies) inside data.path skipped (their files are a run's outputs, not input pairs): " \
+           f"{data / 'old_run'}" in out
+    stats = run.done_stats("pairs")
+    assert stats["links_skipped"] == 4 and stats["run_dirs_skipped"] == [str(data / "old_run")]
+    rows = _table_rows(run)
+    assert stats["rows_in"] == 160 == len(rows) == stats["pairs"] + stats["heldout"] + stats["quarantine"]
+    assert stats["quarantine"] == len(ragged)
+    _row_numbers_hold([r for r in rows if r["pair_id"] >> ROW_BITS == 1], 1, ragged, 60)  # b.csv sorts after a.parquet
+    assert sorted(r["query"] for r in rows if r["pair_id"] >> ROW_BITS == 0) == sorted(f"a{i}" for i in range(100))
+
+
+def test_ragged_csv_rows_keep_their_numbers_across_parser_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(input_files, "CSV_BLOCK_BYTES", 256)  # ~20 rows a block: ragged rows in many blocks
+    csv_bytes, ragged = _ragged_csv(400)
+    (tmp_path / "pairs.csv").write_bytes(csv_bytes)
+    tables, counts = _ingest(tmp_path, tmp_path / "pairs.csv")
+    assert counts[0]["rows_in"] == 400 and len(tables["quarantine"]) == len(ragged)
+    _row_numbers_hold([r for kind in KINDS for r in tables[kind]], 0, ragged, 400)
+
+
+REPEATED = {  # the issue's case: the last "q" holds ids, and was read as the query
+    "pairs.parquet": lambda path: pq.write_table(pa.Table.from_arrays(
+        [pa.array(["what", "why"]), pa.array(["this", "that"]), pa.array(["1", "2"])], names=["q", "p", "q"]), path),
+    "pairs.csv": lambda path: path.write_text("q,p,q\nwhat,this,1\nwhy,that,2\n"),
+    "pairs.jsonl": lambda path: path.write_text('{"q": "what", "p": "this", "q": 1}\n'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPEATED))
+def test_repeated_column_name_is_an_error_naming_it_and_its_places(tmp_path, name):
+    REPEATED[name](tmp_path / name)
+    with pytest.raises(IngestError) as err:
+        _ingest(tmp_path, tmp_path / name)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / name}: the column name(s) 'q' (columns 1, 3) appear more than once")
+    assert "Rename the repeated columns" in message and "map data.query_column to a column" in message
+
+
+def test_repeated_key_in_a_later_json_line_quarantines_that_line(tmp_path):
+    lines = ['{"q": "what", "p": "this", "meta": 1, "meta": 2}', '{"q": "why", "p": "that", "q": 17}',
+             '{"q": "how", "p": "so"}']
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    tables, counts = _ingest(tmp_path, tmp_path / "pairs.jsonl")  # an unmapped key twice is harmless
+    assert counts[0]["rows_in"] == 3 and len(tables["pairs"]) + len(tables["heldout"]) == 2
+    assert [(r["reason"], r["query"], r["input_row"]) for r in tables["quarantine"]] == [
+        ("repeated_key:q", lines[1], 1)]
+
+
+def test_cli_repeated_column_exits_2(tmp_path, ray_local, capsys):
+    REPEATED["pairs.parquet"](tmp_path / "pairs.parquet")
+    code, _, err = _cli_ingest(capsys, tmp_path / "run", tmp_path / "pairs.parquet")
+    _user_fault(code, err)
+    assert "'q' (columns 1, 3) appear more than once" in err and str(tmp_path / "pairs.parquet") in err
+
+
+def test_cli_parquet_named_csv_says_it_is_not_csv(tmp_path, ray_local, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"q": ["what"], "p": ["this"]}), data / "pairs.csv")
+    (data / "z.jsonl").write_text('{"q": "why", "p": "that"}\n')
+    code, _, err = _cli_ingest(capsys, tmp_path / "run", data)
+    _user_fault(code, err)
+    assert (f"{data / 'pairs.csv'}: cannot be read as csv (this is not CSV (it looks like Parquet: it starts with "
+            f"b'PAR1'); rename it to .parquet or set data.format=parquet)") in err
+
+    (tmp_path / "nul.jsonl").write_bytes('{"q": "a", "p": "b"}\n'.encode("utf-16-le"))
+    tables, counts = _ingest(tmp_path / "lenient", data, "data.bad_files=quarantine")
+    assert [c["rows_in"] for c in counts] == [0, 1] and counts[0]["bad_file"].startswith("this is not CSV")
+    with pytest.raises(IngestError, match="this is not JSONL text: it holds NUL bytes .* UTF-16/32"):
+        _ingest(tmp_path / "utf16", tmp_path / "nul.jsonl")
+    (tmp_path / "one_nul.jsonl").write_bytes(b'{"q": "a\x00", "p": "b"}\n{"q": "c", "p": "d"}\n')
+    tables, counts = _ingest(tmp_path / "stray", tmp_path / "one_nul.jsonl")  # a stray NUL is its line's fault
+    assert counts[0]["rows_in"] == 2 and [r["reason"] for r in tables["quarantine"]] == ["invalid_json"]
+
+
+def test_cli_run_dir_inside_the_data_folder_is_refused_before_writing(tmp_path, ray_local, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "pairs.jsonl").write_text('{"q": "why", "p": "that"}\n')
+    for run_dir, data_path in ((data / "runs" / "r1", data), (data / "r2", f"{data}/*.jsonl")):
+        code, _, err = _cli_ingest(capsys, run_dir, data_path)
+        _user_fault(code, err)
+        assert f"--run-dir {run_dir} is inside data.path {data_path}" in err and "outside that folder" in err
+    assert sorted(os.listdir(data)) == ["pairs.jsonl"]  # no config.yaml, no lock left in the data folder
+    code, _, err = _cli_ingest(capsys, tmp_path / "r3", tmp_path / "r3" / "pairs")  # the input ingest would delete
+    _user_fault(code, err)
+    assert "is inside the folders ingest replaces in --run-dir" in err and not (tmp_path / "r3").exists()
+
+
+def test_cli_oversized_config_file_is_refused_unparsed(tmp_path, capsys):
+    path = tmp_path / "big.yaml"
+    path.write_text("eval:\n  mteb_tasks:\n" + "  - x\n" * 300_000)  # 1.8 MB
+    assert cli.main(["ingest", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Config file {path} is larger than 1,048,576 bytes (1 MiB)") and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
