@@ -13,7 +13,7 @@ from clusterscale import config as config_mod
 from clusterscale import experiments, pipeline
 from clusterscale.errors import bounded_repr, user_message
 from clusterscale.io.layout import load_manifest, shards_dir
-from clusterscale.redact import redact_uri
+from clusterscale.redact import redact_uri, redacted_command
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import STAGES, execute, open_run, synth_stage
 from clusterscale.runtime.session import check_run_dir_shared, init_ray
@@ -179,6 +179,7 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     print(f"table written to {json_path}")
 
 
+@redacted_command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

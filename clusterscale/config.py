@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import yaml
 
 from clusterscale.errors import UserError, bounded_repr
-from clusterscale.redact import redact_values
+from clusterscale.redact import ENCODE_ADVICE, redact_uri, redact_values, uri_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -123,6 +123,10 @@ class DataConfig(Section):
         if self.query_column == self.passage_column:
             raise ConfigError(f"{self.key('query_column')} and {self.key('passage_column')} must name different "
                               f"columns.")
+        problem = uri_problem(self.path)
+        if problem:  # before any cluster time, and without quoting the URI (it may hold a secret)
+            raise ConfigError(f"{self.key('path')} {redact_uri(self.path)} is not a valid URI: {problem}. "
+                              f"{ENCODE_ADVICE}.")
 
 
 @dataclass

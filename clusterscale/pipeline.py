@@ -23,6 +23,7 @@ from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, TRAIN, assign_dir, eval_path,
                                     kmeans_dir, manifest_path, shard_set_dir, shards_dir, train_dir)
+from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.io.rundir import DONE, ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
 from clusterscale.runtime import session
 from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
@@ -408,8 +409,10 @@ def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tup
     """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
     default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
     relative to this working directory reaches a Ray worker."""
-    run = RunDir(run_dir)
-    return config_mod.load(config_path, overrides, run_config=run.config_in_force()), run
+    with filesystem_errors(run_dir):  # the first contact with an object store names the --run-dir
+        run = RunDir(run_dir)
+        run_config = run.config_in_force()
+    return config_mod.load(config_path, overrides, run_config=run_config), run
 
 
 def run_stage(name: str, cfg: Config, run: RunDir, **options: Any) -> StageResult:

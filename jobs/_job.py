@@ -23,7 +23,7 @@ from clusterscale import pipeline  # noqa: E402
 
 from clusterscale.runtime import session
 from clusterscale.errors import user_message  # noqa: E402
-from clusterscale.redact import redact_uri  # noqa: E402
+from clusterscale.redact import redact_uri, redacted_command  # noqa: E402
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+@redacted_command
 def run_job(description: str, body: Callable, argv: list[str] | None = None,
             parser: argparse.ArgumentParser | None = None) -> int:
     """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status."""

@@ -12,7 +12,7 @@ from ray.train import WorkerGroupError
 
 from clusterscale import cli
 from clusterscale.config import ConfigError
-from clusterscale.errors import user_message
+from clusterscale.errors import object_store_error, storage_error, user_message
 from clusterscale.io.rundir import RunDir
 
 
@@ -55,6 +55,8 @@ def test_storage_faults_name_the_path_also_inside_ray(code, advice):
         "No space left on device (/runs/b/x): free space")
     assert "free space on it" in user_message(ray_task_error(OutOfDiskError("object store full"), "tb"))
     assert user_message(RuntimeError("a bug")) is None and user_message(OSError(errno.EIO, "io")) is None
+    assert "(the path was not reported; most likely under --run-dir)" in user_message(
+        OSError(errno.ENOSPC, "No space left on device"))
 
 
 @pytest.fixture
@@ -136,3 +138,60 @@ def test_job_prints_one_paragraph_for_a_ray_wrapped_fault_and_redacts_tracebacks
     err = capsys.readouterr().err
     assert "Traceback" in err and "s3://***@bucket/x?session_token=***" in err
     assert "SECRET" not in err and "TOKEN" not in err
+
+
+class FullDisk:
+    """A run directory's filesystem whose writes fail as a full disk does, naming no path (as a bare OSError)."""
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def open_output_stream(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def test_a_full_disk_is_named_by_the_file_being_written(tmp_path, monkeypatch, capsys):
+    fake_shards(tmp_path / "run", yaml.safe_dump({"cluster": {"k": 2}}))
+    opened = RunDir.__init__
+
+    def on_full_disk(self, uri):
+        opened(self, uri)
+        self.fs = FullDisk(self.fs)
+
+    monkeypatch.setattr(RunDir, "__init__", on_full_disk)
+    assert cli.main(["inspect", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: No space left on device (writing {tmp_path}/run/shards/k=2/inspect.json): free space on "
+                   f"that disk (or choose a --run-dir on one with room) and rerun; completed stages are kept.\n")
+    # pyarrow's own text, when it has more than the bare strerror, is kept after the path
+    found = user_message(storage_error(OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28]"),
+                                       "/runs/a/x.parquet"))
+    assert found.startswith("No space left on device (writing /runs/a/x.parquet; Error writing bytes to file.")
+
+
+@pytest.mark.parametrize("below", ["", "/sub/run"])
+def test_run_dir_that_is_a_file(tmp_path, capsys, below):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli.main(["ingest", "--run-dir", f"{tmp_path}/notes.txt{below}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --run-dir {tmp_path}/notes.txt{below}") and err.count("\n") == 1
+    assert f"{tmp_path}/notes.txt exists and is not a folder" in err and "Traceback" not in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+AWS_ERROR = ("When getting information for key 'run/config.yaml' in bucket 'bucket': AWS Error NETWORK_CONNECTION "
+             "during HeadObject operation: curlCode: 7, Could not connect to server")
+
+
+def test_object_store_errors_are_one_paragraph_also_inside_ray():
+    for exc in (OSError(AWS_ERROR), ray_task_error(OSError(AWS_ERROR), "tb"),
+                ray_task_error(UserCodeException("UDF failed"), f"Traceback ...\nOSError: {AWS_ERROR}\n")):
+        message = user_message(exc)
+        assert message.startswith("the object store cannot be used: When getting information for key"), message
+        assert "?endpoint_override=HOST:PORT" in message and "?region=NAME" in message
+    named = user_message(object_store_error(OSError(AWS_ERROR), "s3://KEY:S3KRET@bucket/run?session_token=T0K"))
+    assert named.startswith("s3://***@bucket/run?session_token=***: the object store cannot be used")
+    assert user_message(OSError("When reading: something else")) is None

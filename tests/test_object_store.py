@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli
-from clusterscale.io.rundir import RunDir, local_copy, resolve_filesystem
+from clusterscale.io.filesystems import resolve_filesystem
+from clusterscale.io.rundir import RunDir, local_copy
 from tests.conftest import make_pairs, tiny_overrides
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -74,6 +75,21 @@ def test_uri_query_and_environment_reach_the_same_store(s3_endpoint, monkeypatch
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{s3_endpoint}")
     fs2, root2 = resolve_filesystem("s3://env-bucket/a")
     assert root2 == root and fs2.get_file_info(f"{root2}/x.txt").size == 5
+
+
+def test_credentials_in_the_uri_query_are_used(s3_endpoint):
+    # pyarrow's from_uri refuses these parameters; the README says a URI may carry them
+    uri = (s3_uri(s3_endpoint, "cred-bucket/a") + "&access_key=AKIAQUERY&secret_key=s3cr%2Fet+x&session_token=T0K")
+    fs, root = resolve_filesystem(uri)
+    options = fs.__reduce__()[1][0]
+    assert (options["access_key"], options["secret_key"], options["session_token"]) == ("AKIAQUERY", "s3cr/et+x", "T0K")
+    assert options["endpoint_override"] == s3_endpoint and options["allow_bucket_creation"]
+    run = RunDir(uri)
+    run.write_json("x.json", {"rows": 3})
+    assert run.read_json("x.json") == {"rows": 3} and root == "cred-bucket/a"
+    keyed, _ = resolve_filesystem(s3_uri(s3_endpoint, "cred-bucket/a").replace("s3://", "s3://AKIAUSER:pw@")
+                                  + "&session_token=T0K")
+    assert keyed.__reduce__()[1][0]["access_key"] == "AKIAUSER" and keyed.__reduce__()[1][0]["session_token"] == "T0K"
 
 
 def test_globs_in_a_uri_keep_its_query(s3_endpoint):

@@ -43,3 +43,14 @@ def test_memory_request_capped_at_the_largest_node():
     capped = plan_actors(Resources(cpus=0.5, memory_bytes=3e10), cluster=node)  # never unschedulable
     assert capped.options["memory"] == 8_000_000_000
     assert "memory" not in plan_actors(Resources(cpus=0.5), cluster=node).options
+
+
+def test_no_actor_asks_for_more_cpus_than_one_node_holds():
+    nodes = ClusterResources(cpus=256, gpus=0, nodes=8, node_cpus=32)  # 8 nodes of 32 CPUs
+    evaluate = plan_actors(Resources(gpus=1), max_actors=1, cluster=nodes)  # one actor "with every CPU"
+    assert (evaluate.threads, evaluate.num_cpus) == (32, 32)
+    ranks = plan_actors(Resources(gpus=1), max_actors=2, use_gpu=False, cluster=nodes)  # two DDP ranks
+    assert ranks.resources_per_worker == {"CPU": 32}
+    assert plan_actors(Resources(cpus=64), cluster=nodes).num_cpus == 32
+    one_cpu_workers = ClusterResources(cpus=3, gpus=0, nodes=3, node_cpus=1)  # head with no CPU + 3 x 1 CPU
+    assert plan_actors(Resources(gpus=1), max_actors=1, cluster=one_cpu_workers).num_cpus == 1

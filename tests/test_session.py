@@ -104,3 +104,22 @@ def test_local_run_dir_is_refused_on_a_growing_cluster_unless_declared_shared(mo
     remote = RunDir(str(tmp_path / "remote"))
     remote.is_local = False  # as for an object-store URI: shared by construction
     session.check_run_dir_shared(remote)
+
+
+def test_joining_an_address_where_nothing_listens_is_one_paragraph_at_once():
+    """A wrong RAY_ADDRESS fails before Ray's minutes of retries, naming the address and what to check."""
+    import socket
+
+    import pytest
+
+    from clusterscale.config import ConfigError, RayConfig
+    from clusterscale.runtime.session import init_ray
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError) as caught:
+        init_ray(RayConfig(address=f"127.0.0.1:{port}"))
+    message = str(caught.value)
+    assert f"Could not join the Ray cluster at 127.0.0.1:{port}" in message
+    assert "ray status --address" in message and "unset RAY_ADDRESS" in message

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_path
 from clusterscale.config import DataConfig
 from clusterscale.errors import UserError
-from clusterscale.io.rundir import resolve_filesystem
+from clusterscale.io.filesystems import resolve_filesystem
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
 BATCH_ROWS = 16_384

@@ -25,9 +25,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import yaml
-from clusterscale.errors import UserError
+from clusterscale.errors import UserError, storage_error
 
 from clusterscale.config import Config, to_yaml
+from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.redact import redact_uri, redact_values
 
 DONE = "_DONE.json"
@@ -67,13 +68,6 @@ class StageLockedError(UserError, RuntimeError):
 LOCK_TTL_S = 300.0  # a lease its holder stopped renewing for this long is stale (the holder is gone)
 LOCK_RENEW_S = 30.0
 LOCK_SETTLE_S = 2.0  # object stores: how long a new lease must stay ours before we trust it
-
-
-def resolve_filesystem(uri_or_path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for a local path or a pyarrow filesystem URI."""
-    if "://" in uri_or_path:
-        return pafs.FileSystem.from_uri(uri_or_path)
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri_or_path))
 
 
 def join_uri(uri: str, *parts: str) -> str:
@@ -122,6 +116,8 @@ class RunDir:
         # Absolute, so that Ray workers (which run in their own working directory) find the same folder.
         self.uri = uri if "://" in uri else self.root
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        if self.is_local:
+            _refuse_file_in_the_way(self.root)
 
     # paths -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
@@ -166,11 +162,17 @@ class RunDir:
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write to a temporary name, then rename: readers never see a half-written file."""
         final = self.path(rel)
-        self.fs.create_dir(posixpath.dirname(final), recursive=True)
         tmp = posixpath.join(posixpath.dirname(final), f".tmp-{uuid.uuid4().hex}-{posixpath.basename(final)}")
-        with self.fs.open_output_stream(tmp) as out:
-            out.write(data)
-        self.fs.move(tmp, final)
+        try:
+            self.fs.create_dir(posixpath.dirname(final), recursive=True)
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            self.fs.move(tmp, final)
+        except OSError as err:  # pyarrow names the path only sometimes: a full disk's message names it always
+            found = storage_error(err, redact_uri(self.child_uri(rel)))
+            if found is None:
+                raise
+            raise found from None
 
     def write_parquet(self, rel: str, table: pa.Table, **write_options: Any) -> None:
         """Write `table` as one Parquet file at `rel`, atomically (write_bytes); options go to pq.write_table."""
@@ -353,6 +355,17 @@ class RunDir:
         costs = self.read_json(rel) if self.exists(rel) else {}
         costs[key] = record
         self.write_json(rel, costs)
+
+
+def _refuse_file_in_the_way(root: str) -> None:
+    """A local run directory (or a folder above it) that is a file cannot hold a run: say so before any write."""
+    path = root
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        where = "" if path == root else f" (inside {path})"
+        raise UserError(f"--run-dir {root}{where}: {path} exists and is not a folder (a file?), so it cannot hold "
+                        f"a run. Pass a --run-dir that is a folder: an existing run, or a new path (it is created).")
 
 
 def _lock_is_stale(held: dict) -> bool:

@@ -2,7 +2,8 @@
 
 The one place that reads `ray.cluster_resources()` (as NeMo Curator's stages declare Resources and its
 backend sizes them). On a GPU cluster an actor takes `gpus` GPUs and one torch/faiss thread; on a CPU
-cluster either a fixed number of CPUs each (`cpus`), or an equal share of the cluster's CPUs.
+cluster either a fixed number of CPUs each (`cpus`), or an equal share of the cluster's CPUs; never more than
+one node holds (on 8 nodes of 32 CPUs an actor asks for at most 32, not 256).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class ClusterResources:
     nodes: int
     node_memory_bytes: float = 0.0
     """Ray's `memory` resource of the largest node (0: unknown)."""
+    node_cpus: int = 0
+    """CPUs of the node with the most (0: unknown, taken as `cpus`). One actor or rank never asks for more: Ray
+    places an actor on one node, and a request no node can meet waits forever."""
 
     @classmethod
     def current(cls) -> ClusterResources:
@@ -27,7 +31,13 @@ class ClusterResources:
         alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         nodes = sum(1 for r in alive if r.get("CPU"))
         return cls(cpus=max(1, int(totals.get("CPU", 1))), gpus=int(totals.get("GPU", 0)), nodes=max(1, nodes),
-                   node_memory_bytes=max((r.get("memory", 0.0) for r in alive), default=0.0))
+                   node_memory_bytes=max((r.get("memory", 0.0) for r in alive), default=0.0),
+                   node_cpus=max((int(r.get("CPU", 0)) for r in alive), default=0))
+
+    @property
+    def cpus_per_node(self) -> int:
+        """The most CPUs one actor may ask for: the largest node's."""
+        return max(1, min(self.node_cpus or self.cpus, self.cpus))
 
 
 @dataclass(frozen=True)
@@ -92,12 +102,12 @@ def plan_actors(need: Resources, max_actors: int = 0, work_units: int | None = N
         actors = max_actors or max(1, int(cluster.gpus // (need.gpus or 1)))
         return ActorPlan(_clamp(actors, work_units), 1, need.cpus_with_gpu, need.gpus or 1)
     if need.cpus is not None:
-        num_cpus = min(need.cpus, cluster.cpus)
+        num_cpus = min(need.cpus, cluster.cpus_per_node)
         actors = max_actors or cpu_actors or max(1, int(cluster.cpus // num_cpus))
         memory = min(need.memory_bytes, cluster.node_memory_bytes or need.memory_bytes) if need.memory_bytes else None
         return ActorPlan(_clamp(actors, work_units), max(1, int(num_cpus)), num_cpus, 0, memory)
     actors = _clamp(max_actors or cpu_actors or 1, work_units)
-    threads = max(1, cluster.cpus // actors)
+    threads = max(1, min(cluster.cpus // actors, cluster.cpus_per_node))
     return ActorPlan(actors, threads, min(threads, cluster.cpus / actors), 0)
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -83,6 +84,59 @@ def _is_loopback_address(address: str) -> bool:
     return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
+def _loopback_only(address: str) -> str | None:
+    """The host:port of a Ray on this machine that listens on loopback only (started by init_ray, or by
+    `ray start --node-ip-address=127.0.0.1`), or None for any other cluster.
+
+    Ray rewrites a loopback address to the machine's routable IP before it connects; a Ray bound to loopback is
+    not there, and the driver waits for it in vain. The opposite mistake fails too: a driver that forces its node
+    IP to 127.0.0.1 finds no raylet registered at it on a cluster started with plain `ray start` (its nodes
+    register at the routable IP). So ask the machine: does the port answer on the routable IP?"""
+    if address == "auto":
+        from ray._private.services import find_bootstrap_address
+
+        address = find_bootstrap_address(None) or ""
+    if not address or not _is_loopback_address(address):
+        return None
+    host_port = address.split("://", 1)[-1]
+    try:
+        port = int(host_port.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    from ray._private.services import node_ip_address_from_perspective
+
+    routable = node_ip_address_from_perspective()
+    if _is_loopback_address(f"{routable}:0"):
+        return host_port
+    try:
+        socket.create_connection((routable, port), timeout=2).close()
+        return None
+    except OSError:
+        return host_port
+
+
+def _join_failed(address: str, exc: BaseException) -> ConfigError:
+    source = "ray.address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS"
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return ConfigError(
+        f"Could not join the Ray cluster at {address} ({source}): {reason}. Check that the cluster is up and "
+        f"reachable from this machine (`ray status --address {address}`), and that this machine holds the "
+        f"cluster's auth token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). Every form Ray takes "
+        f"works: host:port (loopback or the head's IP), auto, or ray://host:10001. To run on a local Ray "
+        f"instead, unset RAY_ADDRESS and ray.address.")
+
+
+def _check_reachable(address: str) -> None:
+    """Fail at once on a host:port where nothing listens (Ray itself retries for minutes before it gives up)."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except (OSError, ValueError) as exc:
+        raise _join_failed(address, exc) from None
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Start or join Ray once per process. Jobs submitted with `ray job submit` join via RAY_ADDRESS."""
     if ray.is_initialized():
@@ -90,11 +144,12 @@ def init_ray(cfg: RayConfig) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     address = cluster_address(cfg)
     kwargs = dict(address=address, logging_level=logging.WARNING, log_to_driver=True)
-    # A Ray on this machine bound to loopback (one started by init_ray) is joined with the same node IP: a driver
-    # that takes the routable IP looks for the raylet there and never finds it.
-    loopback = address is None or _is_loopback_address(address)
-    if loopback and address is not None:
-        kwargs["_node_ip_address"] = "127.0.0.1"
+    loopback = address is None
+    if address is not None:
+        _check_reachable(address)
+    if address is not None and (bound := _loopback_only(address)):
+        kwargs.update(address=bound, _node_ip_address="127.0.0.1")
+        loopback = True
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
         # Ray Train sends each print of a rank both to stdout and to its root logger: every line twice.
@@ -107,8 +162,11 @@ def init_ray(cfg: RayConfig) -> None:
                 ray.init(**kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            if address is not None:
+                ray.shutdown()
+                raise _join_failed(address, exc) from None
             # Ray waits a fixed 30 s for a local raylet; on an overloaded machine that is not enough.
-            if address is not None or "timed out during startup" not in str(exc) or attempt == 2:
+            if "timed out during startup" not in str(exc) or attempt == 2:
                 raise
             print(f"[ray] the local Ray node did not start within Ray's 30 s (machine busy?); retrying "
                   f"({attempt + 2}/3)", flush=True)

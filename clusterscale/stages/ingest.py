@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
+from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, escaped, infer_format, is_encodable,
                                       iter_records, list_input_files)
@@ -250,7 +251,8 @@ def run_ingest(cfg: Config, run: RunDir) -> StageResult:
     """Ingest every input file (one Ray task each) into pairs/, heldout/ and quarantine/ (cleared by the
     executor, which marks all three done)."""
     data = effective_data_config(cfg)
-    fs, files = list_input_files(data)
+    with filesystem_errors(data.path):  # an unreachable store is named by data.path (redacted)
+        fs, files = list_input_files(data)
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
