@@ -1,7 +1,9 @@
-"""Shared fixtures: a local Ray, a tiny random BERT saved like a hub model, and tiny topical pair data."""
+"""Shared fixtures: a local Ray, a tiny random BERT saved like a hub model, tiny topical pair data, and one
+finished tiny run (trained, compared, reported) that the end-to-end tests read."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+# Ray Train's controller polls its workers every 2 s by default, so each of the suite's ~25 training runs waits up
+# to that long at every state change (start, each report, the end); a short poll only trades idle waiting for a
+# little controller CPU. Set before the session's Ray starts: its workers (the controller too) inherit it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 TOPICS = {
     "astronomy": "star galaxy planet orbit telescope comet nebula moon solar cosmic asteroid eclipse",
@@ -87,3 +93,70 @@ def tiny_overrides(model: str, data_path: str) -> list[str]:
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
     return tmp_path / "run"
+
+
+# Rows the ingest must quarantine (not drop): an empty query, a null passage, a whitespace-only query.
+BAD_ROWS = [{"q": "", "p": "text", "src": "x"}, {"q": "query", "p": None, "src": "x"},
+            {"q": "  \t ", "p": "passage", "src": "x"}]
+SHARED_SAMPLERS, SHARED_SEEDS = ("clustered", "random"), 2
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """The finished run, the number of input rows, and what the fixture saw between its commands."""
+    run: object  # clusterscale.io.rundir.RunDir: <base>/runs/x
+    base: Path  # the working directory of the commands, holding data/pairs.parquet
+    rows_in: int
+    embedded_at: str  # embeddings/_DONE.json's finished_at after `run`
+    trained: dict  # train/clustered-seed0/_DONE.json after `run`
+    evaluate_cost: dict  # report/costs.json's "evaluate" before the last `evaluate` (everything cached by then)
+
+
+def shard_ids(run, folder: str) -> list[int]:
+    """pair_ids of folder's Parquet files, not of the shard sets in its subfolders (shards/k=<k>/random/)."""
+    import pyarrow.dataset as pads
+
+    sets = ("/random/", "/random_clusters/", "/source/", "/dedup/")
+    files = [f for f in run.files(folder) if not any(s in f[len(run.path(folder)):] for s in sets)]
+    if not files:
+        return []
+    return pads.dataset(files, format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, tiny_model, ray_local) -> SharedRun:
+    """One tiny run that test_pipeline_e2e, test_quickstart_relative, test_experiments_compare and test_report all
+    read (each trained its own before: ~5 min of the suite). It is made as a newcomer types the quick start:
+    relative --run-dir, data.path and model folder from the run's parent folder, then verbs on the finished run
+    without --set (they start from its config.yaml):
+      run (clustered, 6 steps, rank batch logs; 300 pairs + 3 bad rows) -> compare clustered,random x 2 seeds
+      -> train with the source sampler -> report -> evaluate again (every result cached).
+    Tests only read it (a refused or reused rerun writes nothing)."""
+    from clusterscale import cli
+    from clusterscale.io.rundir import RunDir
+
+    base = tmp_path_factory.mktemp("shared")
+    rows = make_pairs(300).to_pylist() + BAD_ROWS
+    (base / "data").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), base / "data" / "pairs.parquet")
+    cwd = os.getcwd()
+    os.chdir(base)
+    try:
+        overrides = tiny_overrides(os.path.relpath(tiny_model), "data/pairs.parquet") + [
+            "eval.extrapolate_to_rows=1000000"]
+        assert cli.main(["run", "--run-dir", "runs/x", "--set", *overrides]) == 0
+        run = RunDir(str(base / "runs" / "x"))
+        embedded_at = run.read_json("embeddings/_DONE.json")["finished_at"]
+        trained = run.read_json("train/clustered-seed0/_DONE.json")
+        assert cli.main(["compare", "--run-dir", "runs/x", "--samplers", ",".join(SHARED_SAMPLERS),
+                         "--seeds", str(SHARED_SEEDS)]) == 0
+        # data.source_column=src: the source sampler's run must reach the cost summary too.
+        # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.
+        assert cli.main(["train", "--run-dir", "runs/x", "--set", "train.sampler=source",
+                         "train.log_every_steps=2"]) == 0
+        assert cli.main(["report", "--run-dir", "runs/x"]) == 0
+        evaluate_cost = run.read_json("report/costs.json")["evaluate"]
+        assert cli.main(["evaluate", "--run-dir", "runs/x"]) == 0
+    finally:
+        os.chdir(cwd)
+    return SharedRun(run, base, len(rows), embedded_at, trained, evaluate_cost)

@@ -7,25 +7,16 @@ import numpy as np
 import pytest
 
 from clusterscale import cli
-from tests.conftest import make_pairs, tiny_overrides
+from tests.conftest import SHARED_SAMPLERS, SHARED_SEEDS, tiny_overrides
 
-SAMPLERS = ("clustered", "random")
-SEEDS = 2
+SAMPLERS, SEEDS = SHARED_SAMPLERS, SHARED_SEEDS
+STEPS = 6  # the shared run's train.steps: compare ran without --set, on the finished run's config
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory, tiny_model, ray_local):
-    import pyarrow.parquet as pq
-
-    from clusterscale.io.rundir import RunDir
-
-    base = tmp_path_factory.mktemp("compare")
-    pq.write_table(make_pairs(240), base / "pairs.parquet")
-    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["train.steps=3", "train.log_batches=false"]
-    rc = cli.main(["compare", "--run-dir", str(base / "run"), "--samplers", ",".join(SAMPLERS),
-                   "--seeds", str(SEEDS), "--set", *overrides])
-    assert rc == 0
-    return RunDir(str(base / "run"))
+def compared(shared_run):
+    """conftest's shared run: `run`, then `compare --samplers clustered,random --seeds 2` on it (then more verbs)."""
+    return shared_run.run
 
 
 def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
@@ -35,10 +26,10 @@ def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
         for seed in range(SEEDS):
             name = f"compare-{sampler}-seed{seed}"
             done = run.read_json(f"train/{name}/_DONE.json")
-            assert done["stats"]["steps"] == 3 and done["stats"]["sampler"] == sampler
+            assert done["stats"]["steps"] == STEPS and done["stats"]["sampler"] == sampler
             assert done["config"]["train"]["seed"] == seed
             lines = run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
-            assert len(lines) == 3
+            assert len(lines) == STEPS
             assert run.exists(f"eval/{name}.json")
     assert run.read_json("shards/k=4/manifest.json")["fingerprint"] == manifest_fp
     # Different seeds give different batch schedules, so different losses.
@@ -82,10 +73,11 @@ def test_costs_and_report_cover_every_arm(compared):
     assert "clustered - random, paired by seed: NDCG@10" in report and "95% interval" in report
     assert run.exists("report/paired.png")
     assert "![compare](compare.png)" in report and run.exists("report/compare.png")
-    # The per-cluster breakdown includes every arm, not only the last one evaluated.
+    # The per-cluster breakdown includes every arm, not only the last one evaluated (and the run's own model,
+    # which `run` evaluated before the compare).
     breakdown = run.read_json("eval/by_cluster/k=4.json")
     models = {m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]}
-    assert models == {"frozen"} | {f"compare-{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
+    assert models == {"frozen", "clustered-seed0"} | {f"compare-{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
 
 
 def test_unknown_sampler_fails_before_any_work(tmp_path, tiny_model, ray_local, capsys):

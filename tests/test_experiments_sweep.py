@@ -50,13 +50,19 @@ def test_preprocess_only_over_k_and_sizes(tmp_path, data_path, tiny_model, ray_l
     assert top.exists("report/report.md") and top.exists("report/sweep.png")
 
 
-def test_sweep_with_training(tmp_path, data_path, tiny_model, ray_local):
+def test_sweep_with_training(tmp_path, shared_run):
+    """On a copy of conftest's finished shared run (sweep reuses its embeddings; k=2 and k=3 are new to it)."""
+    import shutil
+
     from clusterscale.io.rundir import RunDir
 
-    overrides = tiny_overrides(tiny_model, data_path) + ["train.steps=2", "train.log_batches=false"]
-    assert cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,4", "--set", *overrides]) == 0
+    shutil.copytree(shared_run.run.path(), tmp_path / "run")
+    overrides = ["train.steps=2", "train.log_batches=false"]  # over the run's config.yaml, as on any finished run
+    assert cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,3", "--set", *overrides]) == 0
     run = RunDir(str(tmp_path / "run"))
+    assert run.read_json("embeddings/_DONE.json")["finished_at"] == shared_run.embedded_at  # reused
     sweep = run.read_json("report/sweep.json")
+    assert [point["k"] for point in sweep["points"]] == [2, 3]
     for point in sweep["points"]:
         name = f"sweep-clustered-k{point['k']}-seed0"
         assert point["ndcg_at_10"] == run.read_json(f"eval/{name}.json")["metrics"]["ndcg_at_10"]
@@ -66,7 +72,7 @@ def test_sweep_with_training(tmp_path, data_path, tiny_model, ray_local):
     assert run.exists("report/sweep.png") and run.exists("report/loss.png")
     # Each k's training run is costed under its own name, next to the per-k preprocessing stages.
     costs = run.read_json("report/costs.json")
-    assert {"train:sweep-clustered-k2-seed0", "train:sweep-clustered-k4-seed0", "fit:k=2", "shard:k=4"} <= set(costs)
+    assert {"train:sweep-clustered-k2-seed0", "train:sweep-clustered-k3-seed0", "fit:k=2", "shard:k=3"} <= set(costs)
 
 
 def test_bad_k_list_is_a_clear_error(tmp_path, data_path, tiny_model, capsys):

@@ -207,20 +207,28 @@ def sharded_mined_run(mined_run):
     return run_dir, overrides
 
 
-def test_train_with_mined_negatives_and_clp(sharded_mined_run):
+@pytest.fixture(scope="module")
+def clp_recluster_run(sharded_mined_run):
+    """One training that both tests below read (one Ray Train run each before): 2 mined negatives per query with
+    the CLP loss, 4 steps re-clustered after 2 (two segments, the second on re-embedded, re-sharded pairs)."""
+    run_dir, overrides = sharded_mined_run
+    extra = ["train.negatives_per_query=2", "train.loss=clp", "train.recluster_every=2", "train.steps=4",
+             "train.name=recl"]
+    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
+    return RunDir(str(run_dir))
+
+
+def test_train_with_mined_negatives_and_clp(clp_recluster_run):
     from clusterscale.train.data import ShardReader
     from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 
-    run_dir, overrides = sharded_mined_run
-    run = RunDir(str(run_dir))
-    extra = ["train.negatives_per_query=2", "train.loss=clp", "train.steps=3", "train.name=clp"]
-    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
-    metrics = _jsonl(run, "train/clp/metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2]
-    for m in metrics:
+    run = clp_recluster_run
+    metrics = _jsonl(run, "train/recl/metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    for m in metrics:  # both segments: the re-clustered shards carry the mined negatives too
         assert m["mined_negatives"] == 16 * 2
         assert 0.0 <= m["clp_penalty"] <= 2.0 and np.isfinite(m["loss"])
-    assert run.exists("train/clp/model/model.safetensors")
+    assert run.exists("train/recl/model/model.safetensors")
     # Every shard row carries its candidates from negatives/ (best first) with their texts, in the sidecars.
     manifest = read_manifest(run, "shards/k=4/manifest.json")
     pair_ids, candidates = load_negatives(run)
@@ -259,14 +267,11 @@ def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
     assert rc != 0 and "negatives" in capsys.readouterr().err
 
 
-def test_recluster_during_training(sharded_mined_run):
+def test_recluster_during_training(clp_recluster_run):
     from clusterscale.io.layout import load_manifest
     from clusterscale.train.negatives import sidecar_path
 
-    run_dir, overrides = sharded_mined_run
-    run = RunDir(str(run_dir))
-    extra = ["train.recluster_every=2", "train.steps=4", "train.name=recl", "train.negatives_per_query=1"]
-    assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
+    run = clp_recluster_run
     metrics = _jsonl(run, "train/recl/metrics.jsonl")
     assert [(m["step"], m["segment"]) for m in metrics] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     child = RunDir(run.child_uri("train/recl/recluster/seg-1"))

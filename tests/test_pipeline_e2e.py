@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from clusterscale import cli
-from tests.conftest import tiny_overrides
+from tests.conftest import shard_ids, tiny_overrides
 
 
 def _ids(run, folder):
@@ -25,31 +25,15 @@ def _ids_of(run, files):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model, ray_local):
-    import pyarrow.parquet as pq
-
-    from tests.conftest import make_pairs
-
-    base = tmp_path_factory.mktemp("e2e")
-    table = make_pairs(300)
-    # Bad rows the ingest must quarantine (not drop): empty, null and whitespace-only texts.
-    rows = table.to_pylist() + [{"q": "", "p": "text", "src": "x"}, {"q": "query", "p": None, "src": "x"},
-                                {"q": "  \t ", "p": "passage", "src": "x"}]
-    import pyarrow as pa
-
-    pq.write_table(pa.Table.from_pylist(rows), base / "pairs.parquet")
-    run_dir = base / "run"
-    rc = cli.main(["run", "--run-dir", str(run_dir), "--set", *tiny_overrides(tiny_model, str(base / "pairs.parquet"))])
-    assert rc == 0
-    from clusterscale.io.rundir import RunDir
-
-    return RunDir(str(run_dir)), len(rows)
+def finished_run(shared_run):
+    """conftest's shared run: `run` on 300 pairs + 3 bad rows, then compare, train and report on it."""
+    return shared_run.run, shared_run.rows_in
 
 
 def test_every_row_lands_exactly_once(finished_run):
     run, n_rows = finished_run
     pairs, held, quarantined = _ids(run, "pairs"), _ids(run, "heldout"), _ids(run, "quarantine")
-    sharded = _ids(run, "shards/k=4")
+    sharded = shard_ids(run, "shards/k=4")  # the run's shards (compare's random arm has its own set beside them)
     assert len(quarantined) == 3
     assert sorted(pairs) == sorted(sharded)  # every training pair is in exactly one shard
     everything = held + quarantined + sharded

@@ -1,5 +1,6 @@
-"""The report renders from a real tiny run (clustered, random and source-stratified training): every figure a
-valid PNG, costs sane; the exported model is a complete sentence-transformers folder with a model card."""
+"""The report renders from a real tiny run (clustered, compare's clustered and random arms, and source-stratified
+training; conftest's shared_run): every figure a valid PNG, costs sane; the exported model is a complete
+sentence-transformers folder with a model card."""
 from __future__ import annotations
 
 import io
@@ -8,31 +9,15 @@ import re
 import numpy as np
 import pytest
 
-from clusterscale import cli
-from tests.conftest import make_pairs, tiny_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def reported(tmp_path_factory, tiny_model, ray_local):
-    import pyarrow.parquet as pq
-
-    from clusterscale.io.rundir import RunDir
-
-    base = tmp_path_factory.mktemp("report")
-    pq.write_table(make_pairs(240), base / "pairs.parquet")
-    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["train.log_batches=false",
-                                                                            "eval.extrapolate_to_rows=1000000"]
-    run_dir = str(base / "run")
-    assert cli.main(["run", "--run-dir", run_dir, "--set", *overrides]) == 0
-    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=random"]) == 0
-    # data.source_column=src (tiny_overrides): the source sampler's run must reach the cost summary too.
-    # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.
-    assert cli.main(["train", "--run-dir", run_dir, "--set", *overrides, "train.sampler=source",
-                     "train.log_every_steps=2"]) == 0
-    assert cli.main(["report", "--run-dir", run_dir, "--set", *overrides]) == 0
-    return RunDir(run_dir)
+def reported(shared_run):
+    """`run` (eval.extrapolate_to_rows=1000000), compare's arms, `train` with train.sampler=source and
+    train.log_every_steps=2 (metrics-only ray.train.report calls between the checkpoints), then `report`."""
+    return shared_run.run
 
 
 def test_every_linked_figure_is_a_valid_png(reported):
@@ -58,7 +43,8 @@ def test_report_sections(reported):
                     "NDCG@10 per cluster", "## Training dynamics"):
         assert heading in report, heading
     assert "Extrapolation (not a measurement) to 1,000,000 pairs" in report
-    assert "clustered-seed0" in report and "random-seed0" in report
+    assert re.search(r"(?<![\w-])clustered-seed0", report)  # the main run's own, not only compare's arms
+    assert "compare-random-seed0" in report and "source-seed0" in report
 
 
 def test_cost_summary_is_consistent_with_costs_json(reported):
@@ -102,7 +88,7 @@ def test_cluster_breakdown_partitions_the_heldout_queries(reported):
 def test_source_sampler_run_is_in_the_cost_summary(reported):
     summary = reported.read_json("report/cost_summary.json")
     assert "train:source-seed0" in reported.read_json("report/costs.json")
-    assert {"clustered-seed0", "random-seed0", "source-seed0"} <= set(summary["train_runs"])
+    assert {"clustered-seed0", "compare-random-seed0", "source-seed0"} <= set(summary["train_runs"])
     assert summary["train_epoch_worker_s"] > 0
 
 
@@ -116,5 +102,7 @@ def test_exported_model_is_complete_and_its_checkpoints_are_gone(reported):
     card = run.read_bytes(f"{model}/README.md").decode()
     assert "k=4" in card and "| sampler | clustered" in card and "| steps | 6 x 16 pairs" in card
     assert "| this model |" in card  # `run` evaluated it after the export
-    for name in ("clustered-seed0", "random-seed0", "source-seed0"):
+    trained = run.listdir("train")
+    assert {"clustered-seed0", "compare-random-seed0", "source-seed0"} <= set(trained)
+    for name in trained:
         assert run.exists(f"train/{name}/model/model.safetensors") and not run.exists(f"train/{name}/ray")
