@@ -18,13 +18,12 @@ MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), p
                pa.field("best", pa.float64())]
 
 
-def mark_rows(batch: pa.Table, dedup: dict, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
+def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
               ) -> pa.Table:
     """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (the exact step's
     shuffle key: the stand-in in bucket_keys of a hash bucket of the text key), part (the cluster step's: the
     stand-in in cluster_keys of its cluster), reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity
     and best (set by the semantic pass)."""
-    dc = DedupConfig(**dedup)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))

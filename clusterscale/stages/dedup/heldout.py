@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.config import Config, DedupConfig
+from clusterscale.config import Config, DedupConfig, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
@@ -90,18 +90,18 @@ def _encoder(model: str, pooling: str, max_length: int, trust_remote_code: bool,
                    max_tokens_per_batch=max_tokens_per_batch)
 
 
-def heldout_vectors(batch: pa.Table, source: dict | None, embed: dict) -> dict[str, np.ndarray]:
+def heldout_vectors(batch: pa.Table, source: dict | None, embed: EmbedConfig | None) -> dict[str, np.ndarray]:
     """{vector column: (n, d) vectors} of a batch of held-out pairs: stored in it (source None), else embedded
     with the frozen encoder embed.model from the text side source[column]."""
     if source is None:
         return {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
-    encoder = _encoder(embed["model"], embed["pooling"], embed["max_length"], embed["trust_remote_code"],
-                       embed["max_tokens_per_batch"])
-    return {c: encoder.encode(batch.column(side).to_pylist(), embed["batch_size"]) for c, side in source.items()}
+    encoder = _encoder(embed.model, embed.pooling, embed.max_length, embed.trust_remote_code,
+                       embed.max_tokens_per_batch)
+    return {c: encoder.encode(batch.column(side).to_pylist(), embed.batch_size) for c, side in source.items()}
 
 
-def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None, embed: dict,
-                  schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
+def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None,
+                  embed: EmbedConfig | None, schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
     'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
     cluster's shuffle key `part` (cluster_keys: see mark_rows; other columns null), so it travels through the

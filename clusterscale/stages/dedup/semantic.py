@@ -79,12 +79,11 @@ def example_group(group: pa.Table) -> dict | None:
                 "passage": texts["passage"][int(r)].as_py()[:200]} for r in members]}
 
 
-def dedup_cluster(group: pa.Table, run_uri: str, dedup: dict, columns: list[str]) -> pa.Table:
+def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str]) -> pa.Table:
     """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
-    rows are written; returns the cluster's counts and histogram of best cosines (one row). dedup: the dedup
-    section's keys."""
+    rows are written; returns the cluster's counts and histogram of best cosines (one row). dc: the dedup
+    section."""
     release_freed_memory()  # what the worker's previous group or task freed
-    dc = DedupConfig(**dedup)
     cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")

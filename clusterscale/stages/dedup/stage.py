@@ -48,7 +48,7 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np
     columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
     return read_row_groups(run, files, columns).map_batches(
         route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
-                                  "source": source, "embed": cfg.to_dict()["embed"], "schema": schema,
+                                  "source": source, "embed": cfg.embed, "schema": schema,
                                   "cluster_keys": cluster_keys},
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
@@ -60,7 +60,6 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     with run.fs.open_input_file(files[0]) as f:
         schema = pq.read_schema(f).remove_metadata()
     columns = schema.names
-    dedup = cfg.to_dict()["dedup"]
     # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
     # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
     buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
@@ -68,7 +67,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     progress, results = ProgressLine("dedup", n_rows), []
     with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
-        ds = ds.map_batches(mark_rows, fn_kwargs={"dedup": dedup, "heldout": heldout, "bucket_keys": bucket_keys,
+        ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
                                                   "cluster_keys": cluster_keys},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
@@ -77,7 +76,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         if held is not None:
             ds = ds.union(held)
         ds = ds.groupby("part", num_partitions=clusters).map_groups(
-            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dedup": dedup, "columns": columns},
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dc": cfg.dedup, "columns": columns},
             batch_format="pyarrow")
         for result in ds.iter_rows():
             results.append(result)
@@ -98,7 +97,7 @@ def run_dedup(ctx: StageContext) -> StageResult:
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
-    config = {"dedup": cfg.to_dict()["dedup"], "cluster": cfg.to_dict()["cluster"]}
+    config = {"dedup": cfg.dedup.to_dict(), "cluster": cfg.cluster.to_dict()}
     kept = StageResult({"rows": stats["rows"], "k": cfg.cluster.k}, config=config)
     return StageResult(stats, outputs={DEDUP_KEPT: kept}, config=config)
 
