@@ -3,7 +3,9 @@
 stages/mine.py distributes these three steps over Ray Data (a map, a grouping by search group, a grouping by
 a hash bucket of the query's pair_id); each is a plain function of an Arrow table, so tests can run them
 against a brute-force reference on a single process. A search group is one cluster's passages and the
-queries that probe it, split (SearchGroups) so no group holds more than mine.max_group_rows of either.
+queries that probe it; a cluster is split (SearchGroups) only when its passages exceed mine.max_group_rows
+(by default auto_group_rows: what a quarter of a search task's memory holds), or its probing queries exceed
+the queries such a group is sized for.
 """
 from __future__ import annotations
 
@@ -46,22 +48,53 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
 
 
 # --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
+ROUTED_ROW_BYTES = 40   # a routed row besides its vector: kind, group, pair_id, two text keys, pos_score
+ROUTED_COPIES = 2      # a search task holds its group as received and sorted by pair_id
+CANDIDATE_BYTES = 28   # one candidate of a result row: score (4), pair_id and two text keys (8 each)
+TOPK_BYTES = 12        # one faiss hit of a query block: score (float32) and row (int64)
+MEMORY_SHARE = 4       # a group's vectors take at most 1 / MEMORY_SHARE of its task's memory
+
+
+def auto_group_rows(memory_bytes: float, dim: int, stored_bytes: int, queries_per_passage: float,
+                    query_block: int, depth: int) -> int:
+    """mine.max_group_rows=auto: the passages G of one search group whose bytes fit memory_bytes / MEMORY_SHARE.
+
+    memory_bytes: one search task's memory (a task per CPU: the node's Ray `memory` / its CPUs, as
+    ClusterResources.task_memory_bytes gives; a GPU's memory where the search runs on one). The group holds:
+    - per passage: its float32 copy in the flat index (4 d) and its routed row (stored_bytes d + ROUTED_ROW_BYTES,
+      ROUTED_COPIES times);
+    - per query routed to it, queries_per_passage of them per passage (mine.nprobe: each query probes nprobe
+      clusters, so a cluster of G passages is probed by about nprobe x G queries): its routed row (as above) and
+      its result row (depth x CANDIDATE_BYTES);
+    - one block of query_block queries streaming through the index: their float32 vectors (4 d) and faiss's
+      top-depth scores and rows (depth x TOPK_BYTES each).
+    So G = (memory_bytes / MEMORY_SHARE - block) / (passage + queries_per_passage x query), at least 1."""
+    routed = ROUTED_COPIES * (stored_bytes * dim + ROUTED_ROW_BYTES)
+    per_passage = 4 * dim + routed
+    per_query = routed + depth * CANDIDATE_BYTES
+    block = query_block * (4 * dim + depth * TOPK_BYTES)
+    return max(1, int((memory_bytes / MEMORY_SHARE - block) // (per_passage + queries_per_passage * per_query)))
+
+
 @dataclass(frozen=True)
 class SearchGroups:
     """How each cluster's search is split. Cluster c's passages fall in passage_parts[c] parts and the queries
     that probe c in query_parts[c] parts (a hash of the pair_id); group (c, i, j) searches passage part i with
     query part j, so every (query, passage) pair of a cluster meets in exactly one group, and the merge's top
-    K over a query's groups is the top K over its probed clusters."""
+    K over a query's groups is the top K over its probed clusters. A cluster within the bounds is one group:
+    its passages and its queries each travel once."""
     passage_parts: np.ndarray  # (k,) int64, >= 1
     query_parts: np.ndarray    # (k,) int64, >= 1
 
     @classmethod
-    def plan(cls, passages: np.ndarray, queries: np.ndarray, max_group_rows: int) -> "SearchGroups":
-        """Parts such that no group holds more than about max_group_rows passages or queries (hash parts
-        are balanced only in expectation); passages, queries: (k,) rows per cluster."""
-        def parts(counts):
-            return np.maximum(1, -(-np.asarray(counts, np.int64) // max_group_rows))
-        return cls(parts(passages), parts(queries))
+    def plan(cls, passages: np.ndarray, queries: np.ndarray, max_group_rows: int,
+             max_group_queries: int | None = None) -> "SearchGroups":
+        """Parts such that no group holds more than about max_group_rows passages or max_group_queries
+        (default max_group_rows) queries (hash parts are balanced only in expectation); passages, queries:
+        (k,) rows per cluster."""
+        def parts(counts, bound):
+            return np.maximum(1, -(-np.asarray(counts, np.int64) // max(1, int(bound))))
+        return cls(parts(passages, max_group_rows), parts(queries, max_group_queries or max_group_rows))
 
     @classmethod
     def one_per_cluster(cls, k: int) -> "SearchGroups":
@@ -203,10 +236,10 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     scores, rows = np.zeros((b, depth), np.float32), np.zeros((b, depth), np.int64)
     if b and depth:
         index = build_index(emb_matrix(passages.column("vec")), mc)
-        q = emb_matrix(queries.column("vec"))
-        for start in range(0, b, mc.query_batch_size):
+        vectors = queries.column("vec").combine_chunks()
+        for start in range(0, b, mc.query_batch_size):  # one block of float32 query vectors at a time
             sl = slice(start, start + mc.query_batch_size)
-            scores[sl], rows[sl] = index.search(q[sl], depth)
+            scores[sl], rows[sl] = index.search(emb_matrix(vectors[sl]), depth)
     ids = passages.column("pair_id").to_numpy()
     # An approximate (IVF) index may return fewer than `depth` hits (-1): they sort last and are cut below.
     hit_ids = np.where(rows >= 0, ids[np.maximum(rows, 0)], np.iinfo(np.int64).max)
