@@ -1,4 +1,4 @@
-"""How mine sizes its work (no Ray): mine.max_group_rows=auto from a search task's memory, whole clusters when
+"""How mine sizes its work (no Ray): mine.max_group_rows=auto (auto_group_bounds) from a search task's memory, whole clusters when
 they fit (each passage routed once, each query once per probed cluster), split groups equal to brute force, the
 sidecar grouping's partitions sized by the data, and the resume path counting from the bucket files' footers."""
 from __future__ import annotations
@@ -13,18 +13,20 @@ from clusterscale.config import ConfigError, MineConfig
 from clusterscale.io.rundir import RunDir
 from clusterscale.stages import mine
 from clusterscale.stages.mine_rows import candidate_partitions
-from clusterscale.stages.mine_search import SearchGroups, auto_group_rows, cluster_counts, route_rows
+from clusterscale.stages.mine_search import SearchGroups, auto_group_bounds, cluster_counts, route_rows
 from tests.test_mine_clusters import K, N, brute_force, mine_in_one_process, pairs  # noqa: F401 - a fixture
 
 
-def test_auto_group_rows_on_known_numbers():
-    # 4 GB per task, 768-d fp16 vectors, nprobe 4, query blocks of 4,096, top 30: a quarter is 1e9 bytes, less
-    # the block (4,096 x (4 x 768 + 30 x 12)), over a passage (index 4 x 768 + two routed rows of 2 x 768 + 40)
-    # plus 4 queries (two routed rows + 30 x 28 bytes of results each).
-    assert auto_group_rows(4e9, 768, 2, 4, 4096, 30) == 44_427
-    assert auto_group_rows(8e9, 768, 2, 4, 4096, 30) == 89_489  # twice the memory: about twice the rows
-    assert auto_group_rows(4e9, 384, 2, 4, 4096, 30) > 44_427     # smaller vectors: more rows
-    assert auto_group_rows(1e6, 768, 2, 4, 4096, 30) == 1          # no room: one passage per group, never 0
+def test_auto_group_bounds_on_known_numbers():
+    # 4 GB per task, 768-d fp16 vectors, nprobe 4, query blocks of 4,096, top 30. A routed row is 2 x 768 + 40
+    # = 1,576 B. Passages: a quarter (1e9 B) less the block (4,096 x (1,576 + 4 x 768 + 30 x 12)), over a
+    # passage (two routed rows + 4 x 768 in the index): 157,372. Queries: 4 x that, under what half the memory
+    # holds at 1,576 + 30 x 28 B each (827,814).
+    assert auto_group_bounds(4e9, 768, 2, 4, 4096, 30) == (157_372, 629_488)
+    assert auto_group_bounds(4e9, 768, 2, 8, 4096, 30) == (157_372, 827_814)  # nprobe 8: half the memory binds
+    assert auto_group_bounds(8e9, 768, 2, 4, 4096, 30)[0] == 318_041          # twice the memory: > twice the rows
+    assert auto_group_bounds(4e9, 384, 2, 4, 4096, 30)[0] > 157_372            # smaller vectors: more rows
+    assert auto_group_bounds(1e6, 768, 2, 4, 4096, 30)[0] == 1                 # no room: 1 passage, never 0
 
 
 def test_max_group_rows_is_auto_by_default_and_an_integer_overrides():
@@ -36,14 +38,14 @@ def test_max_group_rows_is_auto_by_default_and_an_integer_overrides():
 
 
 def test_auto_searches_whole_clusters_moving_each_row_once_per_probe(pairs):
-    """Groups sized by auto_group_rows on an ordinary task's memory hold whole clusters: the routed rows are
+    """Groups sized by auto_group_bounds on an ordinary task's memory hold whole clusters: the routed rows are
     N passages + N x nprobe queries, whatever the cluster sizes."""
     table, centroids = pairs
     nprobe = 2
-    rows = auto_group_rows(2 * 1024**3, table.column("emb").type.list_size, 2, nprobe, 4096, 30)
+    bounds = auto_group_bounds(2 * 1024**3, table.column("emb").type.list_size, 2, nprobe, 4096, 30)
     passages, queries = cluster_counts(table, centroids, nprobe)
-    assert rows > passages.max()
-    groups = SearchGroups.plan(passages, queries, rows, rows * nprobe)
+    assert bounds[0] > passages.max() and bounds[1] > queries.max()
+    groups = SearchGroups.plan(passages, queries, *bounds)
     assert groups.num_groups == K
     kind = route_rows(table, centroids, nprobe, True, groups).column("kind").to_numpy()
     assert (kind == 0).sum() == N and (kind == 1).sum() == N * nprobe

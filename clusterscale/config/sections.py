@@ -199,7 +199,7 @@ class MineConfig(Section):
                                              "queries): a cluster with more is searched as several groups (parts "
                                              "by a hash of pair_id; the merge ranks each query over all its groups, "
                                              "so a flat index gives the same negatives). 'auto' = what a quarter of "
-                                             "a search task's memory holds (mine_search.auto_group_rows); an "
+                                             "a search task's memory holds (mine_search.auto_group_bounds); an "
                                              "integer sets it. Bounds a search task's memory.",
                                      choices=("auto",), bounds=POSITIVE)
     num_actors: int = knob(0, "Actors that embed the queries when embeddings/ holds passages only; 0 = one per "

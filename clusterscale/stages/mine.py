@@ -4,7 +4,7 @@ Run with `clusterscale mine [CONFIG] --run-dir R` (after `shard`). The search is
 clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
 k: exact search over all passages). A counting pass (map tasks; k-vectors summed on the driver) gives each
 cluster's passages and probing queries; a cluster with more than mine.max_group_rows passages (auto: what a
-quarter of a search task's memory holds, mine_search.auto_group_rows), or more than nprobe times that many
+quarter of a search task's memory holds, mine_search.auto_group_bounds), or more than nprobe times that many
 probing queries, is split into several search groups (mine_search.SearchGroups). A cluster within those
 bounds is one group: its passages travel once, each query once per probed cluster. Then three Ray Data
 steps, none of which holds all passages:
@@ -41,7 +41,7 @@ import ray
 from clusterscale.config import Config, ConfigError, EmbedConfig, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
-from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, auto_group_rows, cluster_counts,
+from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, auto_group_bounds, cluster_counts,
                                              merge_candidates, queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
@@ -172,17 +172,15 @@ def vector_layout(run: RunDir, source: RunDir, cfg: Config, encoder: str | None)
 
 
 def group_bounds(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, k: int) -> tuple[int, int]:
-    """(most passages, most queries) of one search group: mine.max_group_rows, or with 'auto' what a quarter of
-    a search task's memory holds (mine_search.auto_group_rows); queries: nprobe per passage."""
+    """(most passages, most queries) of one search group: mine.max_group_rows passages and nprobe x as many
+    queries, or with 'auto' what a search task's memory holds (mine_search.auto_group_bounds)."""
     mc = cfg.mine
-    per_passage = min(mc.nprobe, k)
-    if mc.max_group_rows == "auto":
-        dim, stored = vector_layout(run, source, cfg, encoder)
-        memory = ClusterResources.current().task_memory_bytes or DEFAULT_TASK_MEMORY_BYTES
-        rows = auto_group_rows(memory, dim, stored, per_passage, mc.query_batch_size, mc.range_max)
-    else:
-        rows = int(mc.max_group_rows)
-    return rows, rows * per_passage
+    nprobe = min(mc.nprobe, k)
+    if mc.max_group_rows != "auto":
+        return int(mc.max_group_rows), int(mc.max_group_rows) * nprobe
+    dim, stored = vector_layout(run, source, cfg, encoder)
+    memory = ClusterResources.current().task_memory_bytes or DEFAULT_TASK_MEMORY_BYTES
+    return auto_group_bounds(memory, dim, stored, nprobe, mc.query_batch_size, mc.range_max)
 
 
 def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool,
