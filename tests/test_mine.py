@@ -219,8 +219,10 @@ def clp_recluster_run(sharded_mined_run):
     """One training that both tests below read (one Ray Train run each before): 2 mined negatives per query with
     the CLP loss, 4 steps re-clustered after 2 (two segments, the second on re-embedded, re-sharded pairs)."""
     run_dir, overrides = sharded_mined_run
+    # ray.disk_shuffle=false: the sidecars training writes (the segment's) shuffle through the object store; the
+    # disk shuffle's per-node start-up (~20 s here) is the mine stage's, tested by every mine run above.
     extra = ["train.negatives_per_query=2", "train.loss=clp", "train.recluster_every=2", "train.steps=4",
-             "train.name=recl"]
+             "train.name=recl", "ray.disk_shuffle=false"]
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     return RunDir(str(run_dir))
 
@@ -260,7 +262,8 @@ def test_mined_negatives_ride_the_shard_set_of_another_sampler(sharded_mined_run
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
-    extra = ["train.negatives_per_query=1", "train.sampler=random_clusters", "train.steps=2", "train.name=rc"]
+    extra = ["train.negatives_per_query=1", "train.sampler=random_clusters", "train.steps=2", "train.name=rc",
+             "ray.disk_shuffle=false"]  # as in clp_recluster_run
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     assert [m["mined_negatives"] for m in _jsonl(run, "train/rc/metrics.jsonl")] == [16, 16]
     assert run.exists(sidecar_marker("shards/k=4/random_clusters"))

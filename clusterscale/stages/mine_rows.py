@@ -9,6 +9,8 @@ Ray Data, with no process holding every text or every candidate list:
      (hash join on the anchor's pair_id), then to the candidate's texts (hash join on its pair_id);
   3. group by piece: each group reads its piece's pair_ids from the shard file and writes the sidecar piece
      in that order with the shard file's row groups (train/negatives.sidecar_table).
+Every shuffle has about JOIN_ROWS_PER_PARTITION rows per partition (candidate_partitions), so a reduce task
+does not grow with N, and runs inside bounded_shuffle_maps, from `mine` and from training alike.
 A candidate that is not a training row of these shards (removed by dedup) drops out in the join. The padding
 pool is a hash-ordered sample of the same text rows: each read task keeps the rows whose hash falls below a
 threshold (about 2 x PADDING_POOL_ROWS rows in all), and the driver keeps the PADDING_POOL_ROWS smallest.
