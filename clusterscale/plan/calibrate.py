@@ -1,1 +1,129 @@
-"""placeholder"""
+"""`clusterscale plan --calibrate`: time fit, assign and shard on two small synth runs on this machine, sample
+the peak memory (USS) of the driver and of the largest Ray worker during each stage, and write the calibration
+file that plan/rates.py documents. Two sizes give each stage a start-up and a per-work rate (a line)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+
+from clusterscale.io.rundir import RunDir
+from clusterscale.pipeline import STAGES, execute, open_run, run_stages
+from clusterscale.plan.cluster import this_machine
+from clusterscale.plan.estimate import MB, Models, Planner
+from clusterscale.plan.rates import (CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, line_fit)
+from clusterscale.plan.shape import run_shape, stage_work
+from clusterscale.runtime.session import init_ray
+from clusterscale.stages.synthetic import SynthSpec
+
+CALIBRATED_STAGES = ("fit", "assign", "shard")
+CALIBRATION_DIM = 384
+CALIBRATION_K = 64
+SAMPLE_INTERVAL_S = 0.2
+# Processes of Ray itself, not tasks or actors: left out of the largest task's peak.
+RAY_DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent")
+
+
+class PeakSampler:
+    """Peak USS of this process (the driver) and of its largest descendant that is a Ray worker, sampled on a
+    thread while a stage runs (psutil, which Ray ships)."""
+
+    def __init__(self):
+        import ray  # noqa: F401  (puts Ray's bundled psutil on sys.path)
+        import psutil
+
+        self.psutil, self.me = psutil, psutil.Process()
+        self.driver_bytes = self.worker_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _uss(self, proc) -> int:
+        try:
+            return proc.memory_full_info().uss
+        except (self.psutil.Error, OSError):
+            return 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.driver_bytes = max(self.driver_bytes, self._uss(self.me))
+            for child in self.me.children(recursive=True):
+                try:
+                    name = " ".join(child.cmdline()[:3])
+                except (self.psutil.Error, OSError):
+                    continue
+                if not any(daemon in name for daemon in RAY_DAEMONS):
+                    self.worker_bytes = max(self.worker_bytes, self._uss(child))
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir, dict, dict]:
+    """A synth run of `rows` pairs through CALIBRATED_STAGES; (run, costs.json, {stage: (worker MB, driver MB)})."""
+    spec = SynthSpec(rows=rows, dim=CALIBRATION_DIM, topics=100, seed=0)
+    cfg, run = open_run(os.path.join(root, f"rows={rows}"), None,
+                        [f"cluster.k={CALIBRATION_K}", *overrides, f"data.path={spec.data_path()}"])
+    init_ray(cfg.ray)
+    run.write_config(cfg)
+    execute(STAGES["synth"], cfg, run)
+    peaks = {}
+    for stage in CALIBRATED_STAGES:
+        with PeakSampler() as sampler:
+            run_stages(cfg, run, (stage,), write_config=False)
+        peaks[stage] = (sampler.worker_bytes / MB, sampler.driver_bytes / MB)
+    return run, run.read_json("report/costs.json"), peaks
+
+
+def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
+    """Run the calibration at each size in `sizes` and write the calibration file; its path."""
+    from clusterscale.train.metrics import cpu_matmul_flops
+
+    path = os.path.abspath(os.path.expanduser(path or DEFAULT_CALIBRATION))
+    points: dict[str, list] = {s: [] for s in CALIBRATED_STAGES}
+    memory: dict[str, list] = {s: [] for s in CALIBRATED_STAGES}
+    folders: dict[str, list] = {}
+    machine = this_machine()
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
+        for rows in sorted(sizes):
+            run, costs, peaks = calibration_run(rows, root, overrides)
+            cfg = open_run(run.uri, None, overrides)[0]
+            shape = run_shape(cfg, rows, CALIBRATION_K, CALIBRATION_DIM,
+                              run.read_json(f"shards/k={CALIBRATION_K}/manifest.json")["original_counts"])
+            models = Models(0, 0, 0, 0, "")
+            for folder, size in folder_bytes(run.root).items():
+                count = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}.get(folder)
+                if count:
+                    folders.setdefault(folder, []).append(size / count)
+            planner = Planner(cfg, shape, machine, Rates(bytes_per_row={k: v[-1] for k, v in folders.items()}),
+                              models, None)
+            for stage in CALIBRATED_STAGES:
+                points[stage].append([stage_work(stage, cfg, shape), costs[stage]["wall_s"]])
+                task, driver = planner.task_bytes(stage)
+                memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
+    stages = {}
+    for stage in CALIBRATED_STAGES:
+        fixed, per_work = line_fit(points[stage])
+        stages[stage] = {"points": points[stage], "fixed_s": fixed, "cpu_s_per_work": per_work * machine.cpus,
+                         "cpus": machine.cpus, "task_base_mb": max(0.0, min(m[0] for m in memory[stage])),
+                         "driver_base_mb": max(0.0, min(m[1] for m in memory[stage]))}
+    data = {"format": CALIBRATION_FORMAT, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": {"cpus": machine.cpus, "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0]},
+            "runs": [{"rows": n, "k": CALIBRATION_K, "dim": CALIBRATION_DIM, "data": "clusterscale synth"}
+                     for n in sorted(sizes)],
+            "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
+            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1),
+            "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return path

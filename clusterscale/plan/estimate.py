@@ -11,7 +11,7 @@ import numpy as np
 
 from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
-from clusterscale.plan.rates import Rates
+from clusterscale.plan.rates import DATASHEET_MFU, Rates
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
                                      shard_sizes, stage_work, train_shape)
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
@@ -105,6 +105,20 @@ class Planner:
         per_item, source = gpu_encoder_rate(1.0, self.cluster, self.rates, what)  # FLOP/s per GPU
         fixed = self.rates.stages[fixed_stage].fixed_s if fixed_stage in self.rates.stages else 0.0
         return fixed + flops / (per_item * max(1, gpus)), source
+
+    def cpu_flops_time(self, name: str) -> tuple[float, str]:
+        """An encoder stage on CPUs without a measured rate: its FLOPs at the calibrated matmul FLOP/s per CPU."""
+        models, shape = self.models, self.shape
+        if name == "embed":
+            flops = 2.0 * models.embed_params * models.embed_tokens * shape.train_rows
+        elif name == "train":
+            flops = self.train_flops_per_pair() * self.train.steps_per_epoch * self.cfg.train.schedule.global_batch_size
+        else:
+            items = self.cfg.eval.max_queries + self.cfg.eval.num_distractors + shape.heldout_rows
+            flops = 2.0 * (models.embed_params + models.student_params) * models.embed_tokens * items
+        rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * DATASHEET_MFU
+        return flops / rate, (f"FLOPs at the calibrated fp32 matmul rate per CPU x {DATASHEET_MFU:.0%} (assumed "
+                              f"MFU)")
 
     # --- memory: the stages' own sizing rules ----------------------------------------------------------------------
     def base(self, stage: str) -> tuple[float, float, str]:
@@ -224,6 +238,8 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
+            if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
+                wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)
         task_base, driver_base, mem_source = self.base(name)
         disk, files = self.outputs(name)
@@ -236,8 +252,10 @@ class Planner:
                          source, mem_source)
 
     def train_flops_per_pair(self) -> float:
-        """6 x params x tokens (forward + backward), plus a forward more with GradCache (its re-forward)."""
-        factor = 8.0 if self.cfg.train.compute.grad_cache_chunk else 6.0
+        """6 x params x tokens (forward + backward), plus a forward more with GradCache (its re-forward) unless a
+        GPU calibration measured the MFU of a GradCache step (benchmarks/gpu_check.py counts 6 x, the re-forward
+        inside its time)."""
+        factor = 8.0 if self.cfg.train.compute.grad_cache_chunk and not self.rates.gpu else 6.0
         return factor * self.models.student_params * self.models.train_tokens
 
     def plan(self) -> dict[str, StagePlan]:

@@ -80,16 +80,19 @@ def read_json_file(path: str, what: str) -> dict:
 
 
 def line_fit(points: list[list[float]]) -> tuple[float, float]:
-    """(fixed seconds, seconds per work) of a least-squares line through (work, wall_s) points; one point, or a
-    line with a negative intercept or slope, falls back to proportional (the larger point's rate)."""
+    """(fixed seconds, seconds per work) of a least-squares line through (work, wall_s) points. One point is
+    proportional (its start-up scaled with the work: an upper bound); a negative intercept is taken as 0 with the
+    slope through the largest point; a slope <= 0 (the work part under the noise at these sizes) keeps the
+    smallest wall as start-up and 0 per work, which rates_from_calibration flags."""
     points = sorted(points)
     work, wall = points[-1]
     if len(points) > 1 and len({p[0] for p in points}) > 1:
         slope, intercept = (float(v) for v in np.polyfit([p[0] for p in points], [p[1] for p in points], 1))
         if slope > 0 and intercept >= 0:
             return intercept, slope
-        if slope > 0:  # a negative start-up is noise: keep the slope through the largest point
+        if slope > 0:
             return 0.0, wall / work
+        return min(p[1] for p in points), 0.0
     return 0.0, wall / work if work else 0.0
 
 
@@ -113,6 +116,10 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
     rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
                   cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"))
     for stage, rec in data.get("stages", {}).items():
+        if not rec["cpu_s_per_work"]:
+            rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "
+                               f"larger than the per-row time): its time is the start-up only; calibrate with larger "
+                               f"--calibrate-rows on a quiet machine")
         rates.stages[stage] = StageRate(rec["fixed_s"], rec["cpu_s_per_work"], f"calibrated {when} ({path})",
                                         rec.get("task_base_mb", 0.0), rec.get("driver_base_mb", 0.0))
     return rates
