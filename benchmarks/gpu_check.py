@@ -63,12 +63,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, seconds: float, min_iters: int = 3) -> tuple[float, int]:
-    """Mean seconds per call over at least min_iters calls and about `seconds`, after two warm-up calls."""
-    fn(), fn()
+MIN_ITERS = 3
+
+
+def timed(fn, device: torch.device, seconds: float) -> tuple[float, int]:
+    """Mean seconds per call over at least MIN_ITERS calls and about `seconds`, after a warm-up call."""
+    fn()
     sync(device)
     iters, started = 0, time.perf_counter()
-    while iters < min_iters or time.perf_counter() - started < seconds:
+    while iters < MIN_ITERS or time.perf_counter() - started < seconds:
         fn()
         iters += 1
     sync(device)
@@ -145,7 +148,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     peak = peak_flops(device)
-    seconds = 0.2 if args.quick else args.seconds
+    seconds = 0.0 if args.quick else args.seconds
+    if args.quick:
+        global MIN_ITERS
+        MIN_ITERS = 1
     started = time.time()
     out = {"format": FORMAT, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",

@@ -40,15 +40,17 @@ class PlanRequest:
     imbalance: float | None
 
 
-def load_config(request: PlanRequest) -> tuple[Config, RunDir | None]:
+def load_config(request: PlanRequest) -> tuple[Config, RunDir | None, Config | None]:
+    """(the config planned for, the run of --run-dir, the config that run was made with)."""
     run = RunDir(request.run_dir) if request.run_dir else None
-    saved = None
-    if run is not None:
-        if not run.exists("config.yaml"):
-            raise ConfigError(f"--run-dir {request.run_dir} holds no config.yaml: pass the run directory of a "
-                              f"clusterscale run (its report/costs.json calibrates the plan), or leave --run-dir out.")
-        saved = config_mod.parse_yaml(run.read_bytes("config.yaml"), run.path("config.yaml"))
-    return config_mod.load(request.config, request.overrides, run_config=saved), run
+    if run is None:
+        return config_mod.load(request.config, request.overrides), None, None
+    if not run.exists("config.yaml"):
+        raise ConfigError(f"--run-dir {request.run_dir} holds no config.yaml: pass the run directory of a "
+                          f"clusterscale run (its report/costs.json calibrates the plan), or leave --run-dir out.")
+    saved = config_mod.parse_yaml(run.read_bytes("config.yaml"), run.path("config.yaml"))
+    return (config_mod.load(request.config, request.overrides, run_config=saved), run,
+            config_mod.load(None, [], run_config=saved))
 
 
 def count_input_rows(cfg: Config) -> tuple[int, str]:
@@ -131,11 +133,11 @@ def models_of(cfg: Config) -> Models:
 def make_plan(request: PlanRequest) -> dict:
     """The plan as a JSON-ready dict: stages of the first k at N, the training shape, warnings, the ratio, and a
     table over every k and N/4, N, 4N."""
-    cfg, run = load_config(request)
+    cfg, run, run_cfg = load_config(request)
     data, path = load_calibration(request.calibration)
     rates = rates_from_calibration(data, path) if data else Rates()
     load_gpu_calibration(request.gpu_calibration, rates)
-    measured = run_measurements(run, cfg, rates) if run else {"sizes": None, "dim": None, "rows": None}
+    measured = run_measurements(run, run_cfg, rates) if run else {"sizes": None, "dim": None, "rows": None}
     if request.rows is not None:
         rows, rows_from = request.rows, "--rows"
     elif run is None or measured["rows"] is None:
@@ -150,12 +152,16 @@ def make_plan(request: PlanRequest) -> dict:
     cluster = load_cluster(request.cluster, request.gpus, request.gpu_type, request.nodes)
     if cfg.train.compute.use_gpu and not cluster.gpus:
         rates.notes.append("train.use_gpu is true but the cluster has no GPUs: training is planned on its CPUs")
+    if cluster.source != "this machine":
+        rates.notes.append(f"CPU stages: the measured CPU-seconds spread over the cluster's {cluster.cpus:,} CPUs "
+                           f"(assumed: the calibration machine's per-core speed, linear scaling); start-ups as "
+                           f"measured")
     dim, dim_from = embedding_dim(cfg, measured["dim"])
     models = models_of(cfg)
     imbalance = request.imbalance or rates.imbalance_factor
 
     def planner(n: int, k: int) -> Planner:
-        sizes = measured["sizes"] if k == cfg.cluster.k else None
+        sizes = measured["sizes"] if run_cfg and k == run_cfg.cluster.k else None
         return Planner(cfg, run_shape(cfg, n, k, dim, sizes, imbalance), cluster, rates, models,
                        request.price_per_gpu_hour)
 

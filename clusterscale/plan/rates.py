@@ -143,6 +143,7 @@ def stage_of_cost_key(key: str) -> str:
 def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str) -> None:
     """Rates of the stages a run measured (report/costs.json): wall less the calibration's fixed start-up, per
     work at the run's CPUs. A stage without a calibrated start-up is proportional (flagged)."""
+    proportional = []
     for key, record in costs.items():
         stage = stage_of_cost_key(key)
         work = run_work.get(key) or run_work.get(stage)
@@ -151,10 +152,12 @@ def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_c
         known = rates.stages.get(stage)
         fixed = min(known.fixed_s, 0.9 * record["wall_s"]) if known else 0.0
         if not known:
-            rates.notes.append(f"{stage}: one measured size and no calibrated start-up, so the start-up is scaled "
-                               f"with the work (an upper bound); `clusterscale plan --calibrate` measures it")
+            proportional.append(stage)
         rates.stages[stage] = StageRate(fixed, (record["wall_s"] - fixed) * run_cpus / work, source,
                                         known.task_base_mb if known else 0.0, known.driver_base_mb if known else 0.0)
+    if proportional:
+        rates.notes.append(f"{', '.join(proportional)}: one measured size and no calibrated start-up, so the start-up "
+                           f"is scaled with the work (an upper bound); `clusterscale plan --calibrate` measures it")
 
 
 def load_gpu_calibration(path: str | None, rates: Rates) -> None:

@@ -26,7 +26,7 @@ def size(n: float) -> str:
 
 
 def _hours(h: float) -> str:
-    return "?" if h is None or math.isnan(h) else ("0" if h == 0 else f"{h:,.2f}" if h < 100 else f"{h:,.0f}")
+    return "?" if h is None or math.isnan(h) else ("0" if h == 0 else f"{h:.2g}" if h < 10 else f"{h:,.0f}")
 
 
 def plan_text(plan: dict) -> str:
