@@ -14,7 +14,7 @@ from clusterscale.io.input_files import infer_format, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.plan.cluster import load_cluster
-from clusterscale.plan.estimate import Models, Planner, preprocess_over_train
+from clusterscale.plan.estimate import Models, Planner, preprocess_over_train, uncalibrated
 from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_calibration, load_gpu_calibration,
                                      merge_run_costs, rates_from_calibration)
 from clusterscale.plan.shape import run_shape, stage_work, train_shape, shard_sizes
@@ -177,14 +177,16 @@ def make_plan(request: PlanRequest) -> dict:
                            "global_batches_per_cluster": dict(zip(("min", "median", "max"), t.batches_per_cluster)),
                            "mean_global_batches_per_cluster": t.mean_batches_per_cluster,
                            "shards": len(main.shards), "cluster_sizes_from": main.shape.sizes_from},
-           "warnings": main.warnings(stages), "notes": [models.note, *rates.notes],
+           "warnings": main.warnings(stages), "notes": [models.note, *rates.notes] + (
+               [f"no rate for {', '.join(uncalibrated(stages))}: left out of the sums and the ratio"]
+               if uncalibrated(stages) else []),
            "price_per_gpu_hour": request.price_per_gpu_hour, "table": []}
     for k in k_values:
         for n in sorted({max(1, rows // 4), rows, rows * 4}):
             p = planner(n, k)
             s = p.plan()
             pre = sum(v.wall_s for name, v in s.items() if name not in ("train", "evaluate")
-                      and not v.runs_on.startswith("skipped"))
+                      and not v.runs_on.startswith("skipped") and not math.isnan(v.wall_s))
             out["table"].append({"k": k, "rows": n, "preprocess_s": pre, "train_epoch_s": s["train"].wall_s,
                                  "preprocess_over_train": preprocess_over_train(s, epochs),
                                  "steps_per_epoch": p.train.steps_per_epoch,

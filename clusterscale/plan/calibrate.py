@@ -18,7 +18,7 @@ from clusterscale.plan.shape import run_shape, stage_work
 from clusterscale.runtime.session import init_ray
 from clusterscale.stages.synthetic import SynthSpec
 
-CALIBRATED_STAGES = ("fit", "assign", "shard")
+CALIBRATED_STAGES = ("fit", "assign", "shard")  # and ingest, on the synth pairs written out as Parquet
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
@@ -66,20 +66,56 @@ class PeakSampler:
             self._stop.wait(SAMPLE_INTERVAL_S)
 
 
+def sampled_stage(cfg, run: RunDir, stage: str) -> tuple[float, float]:
+    """Run one stage; (peak MB of the largest worker, of the driver) while it ran."""
+    with PeakSampler() as sampler:
+        run_stages(cfg, run, (stage,), write_config=False)
+    return sampler.worker_bytes / MB, sampler.driver_bytes / MB
+
+
 def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir, dict, dict]:
-    """A synth run of `rows` pairs through CALIBRATED_STAGES; (run, costs.json, {stage: (worker MB, driver MB)})."""
+    """A synth run of `rows` pairs through CALIBRATED_STAGES, and an ingest of its pairs written out as one Parquet
+    file; (run, costs.json with ingest's record added, {stage: (worker MB, driver MB)})."""
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
     spec = SynthSpec(rows=rows, dim=CALIBRATION_DIM, topics=100, seed=0)
     cfg, run = open_run(os.path.join(root, f"rows={rows}"), None,
                         [f"cluster.k={CALIBRATION_K}", *overrides, f"data.path={spec.data_path()}"])
     init_ray(cfg.ray)
     run.write_config(cfg)
     execute(STAGES["synth"], cfg, run)
-    peaks = {}
-    for stage in CALIBRATED_STAGES:
-        with PeakSampler() as sampler:
-            run_stages(cfg, run, (stage,), write_config=False)
-        peaks[stage] = (sampler.worker_bytes / MB, sampler.driver_bytes / MB)
-    return run, run.read_json("report/costs.json"), peaks
+    peaks = {stage: sampled_stage(cfg, run, stage) for stage in CALIBRATED_STAGES}
+    costs = run.read_json("report/costs.json")
+    source = os.path.join(root, f"input-{rows}.parquet")
+    pq.write_table(pads.dataset(run.files("pairs") + run.files("heldout"), format="parquet").to_table(
+        columns=["query", "passage"]), source)
+    icfg, irun = open_run(os.path.join(root, f"ingest-{rows}"), None, [*overrides, f"data.path={source}"])
+    irun.write_config(icfg)
+    peaks["ingest"] = sampled_stage(icfg, irun, "ingest")
+    costs["ingest"] = irun.read_json("report/costs.json")["ingest"]
+    return run, costs, peaks
+
+
+def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATION_DIM) -> float:
+    """CPU-seconds per (row x centroid x dim) of faiss's flat inner-product search on one thread: assign's search
+    term, which the synth calibration (k=64) barely exercises."""
+    import faiss
+    import numpy as np
+
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        rng = np.random.default_rng(0)
+        x, c = rng.standard_normal((rows, dim), dtype=np.float32), rng.standard_normal((k, dim), dtype=np.float32)
+        index = faiss.IndexFlatIP(dim)
+        index.add(c)
+        index.search(x[:1000], 1)
+        started = time.perf_counter()
+        index.search(x, 1)
+        return (time.perf_counter() - started) / (rows * k * dim)
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
@@ -87,8 +123,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     from clusterscale.train.metrics import cpu_matmul_flops
 
     path = os.path.abspath(os.path.expanduser(path or DEFAULT_CALIBRATION))
-    points: dict[str, list] = {s: [] for s in CALIBRATED_STAGES}
-    memory: dict[str, list] = {s: [] for s in CALIBRATED_STAGES}
+    points: dict[str, list] = {s: [] for s in ("ingest", *CALIBRATED_STAGES)}
+    memory: dict[str, list] = {s: [] for s in ("ingest", *CALIBRATED_STAGES)}
     folders: dict[str, list] = {}
     machine = this_machine()
     load_before = os.getloadavg()[0]
@@ -105,12 +141,12 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                     folders.setdefault(folder, []).append(size / count)
             planner = Planner(cfg, shape, machine, Rates(bytes_per_row={k: v[-1] for k, v in folders.items()}),
                               models, None)
-            for stage in CALIBRATED_STAGES:
+            for stage in ("ingest", *CALIBRATED_STAGES):
                 points[stage].append([stage_work(stage, cfg, shape), costs[stage]["wall_s"]])
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
     stages = {}
-    for stage in CALIBRATED_STAGES:
+    for stage in ("ingest", *CALIBRATED_STAGES):
         fixed, per_work = line_fit(points[stage])
         stages[stage] = {"points": points[stage], "fixed_s": fixed, "cpu_s_per_work": per_work * machine.cpus,
                          "cpus": machine.cpus, "task_base_mb": max(0.0, min(m[0] for m in memory[stage])),
@@ -120,7 +156,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
             "runs": [{"rows": n, "k": CALIBRATION_K, "dim": CALIBRATION_DIM, "data": "clusterscale synth"}
                      for n in sorted(sizes)],
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
-            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1),
+            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": faiss_search_seconds(),
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

@@ -238,6 +238,8 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
+            if name == "assign" and self.rates.search_cpu_s_per_row_k_d:  # the search, at faiss's measured rate
+                wall += self.rates.search_cpu_s_per_row_k_d * shape.train_rows * shape.k * shape.dim / cluster.cpus
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)
@@ -304,8 +306,13 @@ class Planner:
 
 
 def preprocess_over_train(stages: dict[str, StagePlan], epochs: int) -> float | None:
-    """Cluster time of preprocessing / of `epochs` training epochs (the cluster is paid while either runs)."""
-    pre = sum(s.wall_s for n, s in stages.items() if n in PREPROCESS and not s.runs_on.startswith("skipped"))
+    """Cluster time of preprocessing / of `epochs` training epochs (the cluster is paid while either runs); stages
+    without a rate are left out (make_plan names them)."""
+    pre = sum(s.wall_s for n, s in stages.items() if n in PREPROCESS and not s.runs_on.startswith("skipped")
+              and not math.isnan(s.wall_s))
     train = stages["train"].wall_s * epochs
-    return pre / train if train and not math.isnan(train) and not math.isnan(pre) else None
+    return pre / train if train and not math.isnan(train) else None
 
+
+def uncalibrated(stages: dict[str, StagePlan]) -> list[str]:
+    return [n for n, s in stages.items() if not s.runs_on.startswith("skipped") and math.isnan(s.wall_s)]

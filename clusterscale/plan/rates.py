@@ -13,7 +13,7 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
    "stages": {"<stage>": {"points": [[work, wall_s], ...], "fixed_s", "cpu_s_per_work", "cpus",
                           "task_base_mb", "driver_base_mb"}},
    "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
-   "cpu_flops_per_s_per_cpu"}
+   "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search)}
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
 the memory formula gives at the calibration size: the process's own footprint (Python, pyarrow, Ray).
 """
@@ -51,6 +51,7 @@ class Rates:
     bytes_per_row: dict[str, float] = field(default_factory=dict)
     imbalance_factor: float | None = None
     cpu_flops_per_s_per_cpu: float | None = None
+    search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
     gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
     gpu_source: str = ""
     notes: list[str] = field(default_factory=list)
@@ -114,7 +115,8 @@ def load_calibration(path: str | None) -> tuple[dict | None, str]:
 def rates_from_calibration(data: dict, path: str) -> Rates:
     when = data.get("measured_at", "?")
     rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
-                  cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"))
+                  cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
+                  search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"))
     for stage, rec in data.get("stages", {}).items():
         if not rec["cpu_s_per_work"]:
             rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "

@@ -143,13 +143,12 @@ def fit_sample_rows(cfg: Config, shape: RunShape) -> int:
 # --- work: what each stage's time is proportional to ------------------------------------------------------
 def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:
     """The quantity a stage's CPU time grows with: rows for the passes that touch each row a fixed number of
-    times; rows x k x d for the nearest-centroid search; sample x k x d x niter for Lloyd; rows x (rows per
-    searched cluster) x d for the in-cluster searches (dedup's semantic pass, mine)."""
+    times (assign too: its reads and writes; its nearest-centroid search, rows x k x d, is added by the planner at
+    the calibrated faiss rate); sample x k x d x niter for Lloyd; rows x (rows per searched cluster) x d for the
+    in-cluster searches (dedup's semantic pass, mine)."""
     n, k, d = shape.train_rows, shape.k, shape.dim
     if stage == "fit":
         return float(fit_sample_rows(cfg, shape)) * k * d * cfg.cluster.niter
-    if stage == "assign":
-        return float(n) * k * d
     if stage == "dedup":
         return float(n) * (n / k) * d if cfg.dedup.semantic_threshold else float(n)
     if stage == "mine":
