@@ -13,7 +13,7 @@ from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
-                                     shard_sizes, stage_work, train_shape)
+                                     search_work, shard_sizes, stage_work, train_shape)
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
@@ -238,8 +238,8 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
-            if name == "assign" and self.rates.search_cpu_s_per_row_k_d:  # the search, at faiss's measured rate
-                wall += self.rates.search_cpu_s_per_row_k_d * shape.train_rows * shape.k * shape.dim / cluster.cpus
+            if self.rates.search_cpu_s_per_row_k_d:  # fit's and assign's searches, at faiss's measured rate
+                wall += self.rates.search_cpu_s_per_row_k_d * search_work(name, cfg, shape) / cluster.cpus
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)

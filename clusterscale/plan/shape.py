@@ -141,14 +141,23 @@ def fit_sample_rows(cfg: Config, shape: RunShape) -> int:
 
 
 # --- work: what each stage's time is proportional to ------------------------------------------------------
+def search_work(stage: str, cfg: Config, shape: RunShape) -> float:
+    """Rows x centroids x dimensions of a stage's nearest-centroid searches (0 for a stage without one)."""
+    if stage == "fit":
+        return float(fit_sample_rows(cfg, shape)) * shape.k * shape.dim * cfg.cluster.niter
+    if stage == "assign":
+        return float(shape.train_rows) * shape.k * shape.dim
+    return 0.0
+
+
 def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:
     """The quantity a stage's CPU time grows with: rows for the passes that touch each row a fixed number of
-    times (assign too: its reads and writes; its nearest-centroid search, rows x k x d, is added by the planner at
-    the calibrated faiss rate); sample x k x d x niter for Lloyd; rows x (rows per searched cluster) x d for the
-    in-cluster searches (dedup's semantic pass, mine)."""
+    times, and the sample rows the fit reads (the nearest-centroid searches, rows x k x d in assign and sample x k
+    x d x niter in the fit, are search_work(), at faiss's calibrated rate); rows x (rows per searched cluster) x d
+    for the in-cluster searches (dedup's semantic pass, mine)."""
     n, k, d = shape.train_rows, shape.k, shape.dim
     if stage == "fit":
-        return float(fit_sample_rows(cfg, shape)) * k * d * cfg.cluster.niter
+        return float(fit_sample_rows(cfg, shape))
     if stage == "dedup":
         return float(n) * (n / k) * d if cfg.dedup.semantic_threshold else float(n)
     if stage == "mine":
