@@ -88,12 +88,25 @@ def test_plan_json_keys_and_text(tmp_path, capsys):
     assert plan["stages"]["embed"]["runs_on"] == "gpu" and plan["stages"]["assign"]["runs_on"] == "cpu"
     assert plan["stages"]["assign"]["peak_task_mb"] > 100  # formula + the calibrated footprint
     assert plan["preprocess_over_train"] > 0
+    assert plan["stages"]["evaluate"]["wall_s"] > 0  # on the GPU: FLOPs at the datasheet MFU
+    assert plan["stages"]["shard"]["time_from"].startswith("calibrated")
     assert [(r["k"], r["rows"]) for r in plan["table"]] == [(k, n) for k in (100, 400)
                                                             for n in (250_000, 1_000_000, 4_000_000)]
     # 1M pairs less 5% held out, at k=400 clusters of ~2 batches of 1,024: the mean-cluster warning
     small = make_plan(PlanRequest(None, ["train.global_batch_size=1024"], None, 1_000_000, [400], None, 16, "H100", 2,
                                   None, calibration, None, None))
     assert any("global batches (< 10)" in w for w in small["warnings"])
+
+
+def test_a_stage_without_a_rate_is_null_and_named(tmp_path):
+    """On this machine's CPUs with no rate for embed (the calibration has none, nor a matmul rate), embed's figures
+    are null in strict JSON, the stage is named, and the ratio sums the stages that have a rate."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--rows", "20000", "--calibration", write_calibration(tmp_path / "cal.json"),
+                     "--json", str(out)]) == 0
+    plan = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert plan["stages"]["embed"]["wall_s"] is None and plan["stages"]["fit"]["wall_s"] > 0
+    assert any("no rate for embed" in n for n in plan["notes"])
 
 
 @pytest.mark.parametrize("argv, said", [

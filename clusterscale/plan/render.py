@@ -75,8 +75,20 @@ def plan_json(plan: dict) -> dict:
     """The --json document: the issue's keys first (stages with JSON_STAGE_KEYS, preprocess_over_train,
     warnings), then the rest of the plan."""
     stages = {name: {key: s[key] for key in JSON_STAGE_KEYS} | s for name, s in plan["stages"].items()}
-    return {"stages": stages, "preprocess_over_train": plan["preprocess_over_train"], "warnings": plan["warnings"]} \
+    document = {"stages": stages, "preprocess_over_train": plan["preprocess_over_train"], "warnings": plan["warnings"]} \
         | {key: value for key, value in plan.items() if key not in ("stages", "preprocess_over_train", "warnings")}
+    return _no_nan(document)
+
+
+def _no_nan(value):
+    """A stage without a rate has NaN figures; JSON has no NaN, so they are written as null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
 
 
 def prediction_table(prediction: dict, costs: dict) -> str:
