@@ -10,7 +10,8 @@ pyarrow and numpy (the lent GPU machine has no Ray and no faiss):
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--quick] [--budget-s 420]
 
 MFU = model FLOPs / time / the GPU's datasheet bf16 peak (train/metrics.GPU_PEAK_TFLOPS); model FLOPs are
-2 x params x tokens for a forward and 6 x params x tokens for a training step (attention's s^2 terms left out,
+2 x params x tokens for a forward and 6 x params x tokens for a training step (params without the embedding
+tables) (attention's s^2 terms left out,
 GradCache's re-forward counted as overhead, so that plan's 6 x params x tokens / MFU gives the time). --quick runs
 tiny models on the CPU in seconds (a test of the script, not a figure).
 """
@@ -55,7 +56,8 @@ def bert(shape: dict, device: torch.device):
 
 
 def params_of(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters without the embedding tables (they do no FLOPs per token), as clusterscale plan counts them."""
+    return sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.embeddings.parameters())
 
 
 def sync(device: torch.device) -> None:

@@ -2,6 +2,7 @@
 calibration) and the cluster, then estimate every stage for each k, and N/4, N, 4N."""
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_ca
 from clusterscale.plan.shape import run_shape, stage_work, train_shape, shard_sizes
 
 BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
+BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
 SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in the first MiB of each file, scaled by the file size
 
 
@@ -114,19 +116,41 @@ def run_measurements(run: RunDir, cfg: Config, rates: Rates) -> dict:
     return out
 
 
+def embedding_table_params(model: str, hidden: int | None = None) -> int | None:
+    """Parameters of a BERT-like model's embedding tables ((vocab + positions + token types) x hidden), which do
+    no FLOPs per token; from its config.json (a local folder), or the tokenizer's vocab for a from-scratch shape."""
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
+
+    try:
+        with open(os.path.join(resolve_model_path(model), "config.json")) as f:
+            c = json.load(f)
+        if hidden is None:
+            return (c["vocab_size"] + c.get("max_position_embeddings", 0) + c.get("type_vocab_size", 0)) * c["hidden_size"]
+        return (len(load_tokenizer(resolve_model_path(model))) + c.get("max_position_embeddings", 512) + 2) * hidden
+    except Exception:  # a hub id not on disk
+        return None
+
+
 def models_of(cfg: Config) -> Models:
+    """Parameters (all, for memory; without the embedding tables, for FLOPs) and tokens of the encoder and student."""
     from clusterscale.stages.costs import param_count, student_param_count
 
+    st = cfg.train.student
     embed, student = param_count(cfg.embed.model), student_param_count(cfg)
+    embed_table = embedding_table_params(cfg.embed.model) if embed else None
+    student_table = (embedding_table_params(st.tokenizer, st.scratch_hidden_size) if st.init == "scratch"
+                     else embedding_table_params(st.init)) if student else None
     notes = []
     if embed is None:
         notes.append(f"{cfg.embed.model} not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
     if student is None:
         notes.append(f"student not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
-    st = cfg.train.student
-    notes.append(f"tokens per text at the configured caps (embed {cfg.embed.max_length}; train {st.query_max_length} "
-                 f"+ {st.passage_max_length}): an upper bound, real texts are shorter")
-    return Models(embed or BERT_BASE_PARAMS, student or BERT_BASE_PARAMS, cfg.embed.max_length,
+    notes.append(f"FLOPs = 2 (forward) or 6 (training) x parameters without the embedding tables x tokens, tokens at "
+                 f"the configured caps (embed {cfg.embed.max_length}; train {st.query_max_length} + "
+                 f"{st.passage_max_length}): an upper bound, real texts are shorter")
+    embed, student = embed or BERT_BASE_PARAMS, student or BERT_BASE_PARAMS
+    return Models(embed, student, embed - (embed_table or BERT_BASE_EMBEDDING_TABLES),
+                  student - (student_table or BERT_BASE_EMBEDDING_TABLES), cfg.embed.max_length,
                   st.query_max_length + st.passage_max_length, "; ".join(notes))
 
 

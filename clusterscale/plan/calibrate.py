@@ -134,7 +134,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
             cfg = open_run(run.uri, None, overrides)[0]
             shape = run_shape(cfg, rows, CALIBRATION_K, CALIBRATION_DIM,
                               run.read_json(f"shards/k={CALIBRATION_K}/manifest.json")["original_counts"])
-            models = Models(0, 0, 0, 0, "")
+            models = Models(0, 0, 0, 0, 0, 0, "")
             for folder, size in folder_bytes(run.root).items():
                 count = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}.get(folder)
                 if count:

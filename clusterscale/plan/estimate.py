@@ -58,6 +58,8 @@ class Models:
 
     embed_params: int
     student_params: int
+    embed_flop_params: int    # without the embedding tables: what the FLOPs per token count
+    student_flop_params: int
     embed_tokens: int
     train_tokens: int   # query + passage tokens of a pair
     note: str
@@ -110,12 +112,12 @@ class Planner:
         """An encoder stage on CPUs without a measured rate: its FLOPs at the calibrated matmul FLOP/s per CPU."""
         models, shape = self.models, self.shape
         if name == "embed":
-            flops = 2.0 * models.embed_params * models.embed_tokens * shape.train_rows
+            flops = 2.0 * models.embed_flop_params * models.embed_tokens * shape.train_rows
         elif name == "train":
             flops = self.train_flops_per_pair() * self.train.steps_per_epoch * self.cfg.train.schedule.global_batch_size
         else:
             items = self.cfg.eval.max_queries + self.cfg.eval.num_distractors + shape.heldout_rows
-            flops = 2.0 * (models.embed_params + models.student_params) * models.embed_tokens * items
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
         rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * DATASHEET_MFU
         return flops / rate, (f"FLOPs at the calibrated fp32 matmul rate per CPU x {DATASHEET_MFU:.0%} (assumed "
                               f"MFU)")
@@ -222,7 +224,7 @@ class Planner:
         gpus_used = 0
         if name == "embed" and cluster.gpus:
             gpus_used = min(self.embed_actors(), cluster.gpus)
-            wall, source = self.gpu_time(2.0 * models.embed_params * models.embed_tokens * shape.train_rows,
+            wall, source = self.gpu_time(2.0 * models.embed_flop_params * models.embed_tokens * shape.train_rows,
                                          gpus_used, "encoder", "embed")
         elif name == "train" and cluster.gpus and cfg.train.compute.use_gpu:
             gpus_used = min(cfg.train.compute.num_workers, cluster.gpus)
@@ -231,7 +233,7 @@ class Planner:
         elif name == "evaluate" and cluster.gpus:
             gpus_used = 1
             items = cfg.eval.max_queries + cfg.eval.num_distractors + shape.heldout_rows
-            flops = 2.0 * (models.embed_params + models.student_params) * models.embed_tokens * items
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
             wall, source = self.gpu_time(flops, 1, "encoder", "evaluate")
         else:
             work = stage_work(name, cfg, shape)
@@ -258,7 +260,7 @@ class Planner:
         GPU calibration measured the MFU of a GradCache step (benchmarks/gpu_check.py counts 6 x, the re-forward
         inside its time)."""
         factor = 8.0 if self.cfg.train.compute.grad_cache_chunk and not self.rates.gpu else 6.0
-        return factor * self.models.student_params * self.models.train_tokens
+        return factor * self.models.student_flop_params * self.models.train_tokens
 
     def plan(self) -> dict[str, StagePlan]:
         return {name: self.stage(name) for name in STAGES}

@@ -97,13 +97,20 @@ def line_fit(points: list[list[float]]) -> tuple[float, float]:
     return 0.0, wall / work if work else 0.0
 
 
+# A source checkout ships the calibration measured on its CI box (README "Sizing"); the user's own comes first.
+SHIPPED_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                   "benchmarks", "results", "plan_calibration.json")
+
+
 def load_calibration(path: str | None) -> tuple[dict | None, str]:
-    """The calibration file at `path` (or the default one when it exists); None when there is none."""
-    chosen = path or DEFAULT_CALIBRATION
-    if not os.path.exists(os.path.expanduser(chosen)):
-        if path:
-            raise ConfigError(f"--calibration {path} does not exist: write it with `clusterscale plan --calibrate "
-                              f"--calibration {path}`.")
+    """The calibration file at `path`, else ~/.clusterscale/plan_calibration.json, else the one a source checkout
+    ships; None when there is none."""
+    if path and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"--calibration {path} does not exist: write it with `clusterscale plan --calibrate "
+                          f"--calibration {path}`.")
+    chosen = path or next((p for p in (DEFAULT_CALIBRATION, SHIPPED_CALIBRATION)
+                           if os.path.exists(os.path.expanduser(p))), None)
+    if chosen is None:
         return None, ""
     data = read_json_file(chosen, "Calibration file")
     if data.get("format") != CALIBRATION_FORMAT:
