@@ -1,40 +1,38 @@
-"""`clusterscale plan --calibrate`: time fit, assign and shard on two small synth runs on this machine, sample
-the peak memory (USS) of the driver and of the largest Ray worker during each stage, and write the calibration
-file that plan/rates.py documents. Two sizes give each stage a start-up and a per-work rate (a line)."""
+"""`clusterscale plan --calibrate`: time ingest, fit, assign and shard on two small synth runs on this machine (each
+stage its own `clusterscale` process, as a user runs it), sample the peak memory (USS) of its driver and of its
+largest Ray worker, and write the calibration file that plan/rates.py documents. Two sizes give each stage a
+start-up and a per-work rate (a line)."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 from clusterscale.io.rundir import RunDir
-from clusterscale.pipeline import STAGES, execute, open_run, run_stages
+from clusterscale.pipeline import open_run
 from clusterscale.plan.cluster import this_machine
 from clusterscale.plan.estimate import MB, Models, Planner
 from clusterscale.plan.rates import (CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, line_fit)
 from clusterscale.plan.shape import run_shape, stage_work
-from clusterscale.runtime.session import init_ray
-from clusterscale.stages.synthetic import SynthSpec
 
 CALIBRATED_STAGES = ("fit", "assign", "shard")  # and ingest, on the synth pairs written out as Parquet
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
-# Processes of Ray itself, not tasks or actors: left out of the largest task's peak.
-RAY_DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent")
-
-
 class PeakSampler:
-    """Peak USS of this process (the driver) and of its largest descendant that is a Ray worker, sampled on a
-    thread while a stage runs (psutil, which Ray ships)."""
+    """Peak USS of a command's process (the driver) and of its largest descendant titled `ray::...` or running
+    default_worker.py (a Ray task, actor or Ray Data operator), sampled on a thread (psutil, which Ray ships):
+    what benchmarks/bench_scale.py calls driver_peak_uss_mb and worker_peak_uss_mb."""
 
-    def __init__(self):
+    def __init__(self, pid: int):
         import ray  # noqa: F401  (puts Ray's bundled psutil on sys.path)
         import psutil
 
-        self.psutil, self.me = psutil, psutil.Process()
+        self.psutil, self.root = psutil, psutil.Process(pid)
         self.driver_bytes = self.worker_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -55,21 +53,35 @@ class PeakSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.driver_bytes = max(self.driver_bytes, self._uss(self.me))
-            for child in self.me.children(recursive=True):
+            self.driver_bytes = max(self.driver_bytes, self._uss(self.root))
+            try:
+                children = self.root.children(recursive=True)
+            except (self.psutil.Error, OSError):
+                children = []
+            for child in children:
                 try:
-                    name = " ".join(child.cmdline()[:3])
+                    cmdline = " ".join(child.cmdline())
                 except (self.psutil.Error, OSError):
                     continue
-                if not any(daemon in name for daemon in RAY_DAEMONS):
+                if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
                     self.worker_bytes = max(self.worker_bytes, self._uss(child))
             self._stop.wait(SAMPLE_INTERVAL_S)
 
 
-def sampled_stage(cfg, run: RunDir, stage: str) -> tuple[float, float]:
-    """Run one stage; (peak MB of the largest worker, of the driver) while it ran."""
-    with PeakSampler() as sampler:
-        run_stages(cfg, run, (stage,), write_config=False)
+def cli_stage(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> tuple[float, float]:
+    """Run `clusterscale VERB` as its own process (its own local Ray, as a user runs a stage), sampling its tree;
+    (peak MB of the largest Ray worker, of the driver)."""
+    argv = [sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        with PeakSampler(proc.pid) as sampler:
+            rc = proc.wait()
+        if rc:
+            log.seek(0)
+            raise RuntimeError(f"calibration: `{' '.join(argv)}` failed (exit {rc}):\n"
+                               + log.read().decode(errors="replace")[-3000:])
+    print(f"[calibrate] {verb} {os.path.basename(run_dir)}: largest worker {sampler.worker_bytes / MB:.0f} MB, driver "
+          f"{sampler.driver_bytes / MB:.0f} MB", flush=True)
     return sampler.worker_bytes / MB, sampler.driver_bytes / MB
 
 
@@ -79,21 +91,18 @@ def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir,
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    spec = SynthSpec(rows=rows, dim=CALIBRATION_DIM, topics=100, seed=0)
-    cfg, run = open_run(os.path.join(root, f"rows={rows}"), None,
-                        [f"cluster.k={CALIBRATION_K}", *overrides, f"data.path={spec.data_path()}"])
-    init_ray(cfg.ray)
-    run.write_config(cfg)
-    execute(STAGES["synth"], cfg, run)
-    peaks = {stage: sampled_stage(cfg, run, stage) for stage in CALIBRATED_STAGES}
+    run_dir = os.path.join(root, f"rows={rows}")
+    keys = [f"cluster.k={CALIBRATION_K}", *overrides]
+    cli_stage("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(CALIBRATION_DIM), "--topics", "100"])
+    peaks = {stage: cli_stage(stage, run_dir, keys) for stage in CALIBRATED_STAGES}
+    run = RunDir(run_dir)
     costs = run.read_json("report/costs.json")
     source = os.path.join(root, f"input-{rows}.parquet")
     pq.write_table(pads.dataset(run.files("pairs") + run.files("heldout"), format="parquet").to_table(
         columns=["query", "passage"]), source)
-    icfg, irun = open_run(os.path.join(root, f"ingest-{rows}"), None, [*overrides, f"data.path={source}"])
-    irun.write_config(icfg)
-    peaks["ingest"] = sampled_stage(icfg, irun, "ingest")
-    costs["ingest"] = irun.read_json("report/costs.json")["ingest"]
+    ingest_dir = os.path.join(root, f"ingest-{rows}")
+    peaks["ingest"] = cli_stage("ingest", ingest_dir, [*overrides, f"data.path={source}"])
+    costs["ingest"] = RunDir(ingest_dir).read_json("report/costs.json")["ingest"]
     return run, costs, peaks
 
 

@@ -140,8 +140,9 @@ class Planner:
         if stage == "fit":
             actors = self.cluster.gpus or self.cluster.nodes  # stages/kmeans.fit_resources: per GPU, else per node
             return fit_sample_rows(cfg, shape) / actors * d * 4 + 2 * centroids, 2 * k * d * 8.0
-        if stage == "assign":  # one work unit in, the same rows with cluster and cos out
-            return ASSIGN_UNIT_ROWS * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
+        if stage == "assign":  # one work unit (<= ASSIGN_UNIT_ROWS rows of one embeddings file) in, and out again
+            unit = min(ASSIGN_UNIT_ROWS, max(embed_files(cfg, shape, self.embed_actors()), default=0))
+            return unit * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
         if stage == "shard":
             groups = groups_per_shard(self.shards.astype(np.int64), cfg.shard.max_group_rows)
             largest = int((self.shards / np.maximum(groups, 1)).max())
