@@ -151,6 +151,8 @@ class Planner:
         if stage == "dedup":
             return cfg.dedup.block_rows ** 2 * 4.0 * 2 + cfg.dedup.block_rows * d * 4.0 * 2, k * 8.0
         if stage == "mine":
+            if cfg.mine.max_group_rows == "auto":  # mine_search.auto_group_bounds: a quarter + a half of a task's memory
+                return 0.75 * self.cluster.node_memory_bytes / max(1, self.cluster.cpus_per_node), centroids
             return 2 * cfg.mine.max_group_rows * (d * 4.0 + self.text_bytes), centroids
         if stage == "train":
             return self.rank_bytes(), 0.0
