@@ -1,0 +1,240 @@
+"""More than one node: the pipeline on a multi-node Ray cluster on this machine, its outputs against a single-node run
+of the same config, and a worker node lost in the middle of a stage.
+
+The cluster is Ray's own multi-node test harness (ray.cluster_utils.Cluster): a head that offers no CPU (the driver's
+node: no work runs beside it) and two worker nodes of one CPU each, every node a raylet of its own, token auth on.
+`clusterscale run` joins it through RAY_ADDRESS, as on a real cluster. Removing a node kills its raylet and its
+workers, which is how a lost spot node looks to Ray. One cluster serves the module; it is stopped by killing the
+processes it started (never with `ray stop`, which would stop every Ray on the machine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import config as config_mod
+from clusterscale.io.layout import batches_path
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.nodes import TEST_UNIT_DELAY_ENV
+from tests.conftest import make_pairs, tiny_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+K, TRAIN = 4, "train/clustered-seed0"
+# Exact dedup (the input repeats 20 pairs) and one mined negative per query: every stage of the pipeline runs.
+# Checkpoints every 2 of the 6 steps and two restarts: a lost node costs training at most 2 steps.
+EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1",
+         "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
+WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
+
+
+@dataclass
+class MultiNode:
+    cluster: object  # ray.cluster_utils.Cluster
+    env: dict  # a driver's environment: RAY_ADDRESS names the head
+    delay_file: Path  # runtime.nodes.TEST_UNIT_DELAY_ENV: {stage: seconds per unit} while a test writes it
+
+    def add_worker(self):
+        """One more 1-CPU worker node (a lost node's replacement, as an autoscaler would add), with the test hook."""
+        with pytest.MonkeyPatch.context() as env:  # the node's processes (its workers too) inherit it
+            env.setenv(TEST_UNIT_DELAY_ENV, str(self.delay_file))
+            node = self.cluster.add_node(num_cpus=1)
+        self.cluster.wait_for_nodes()
+        return node
+
+    def slow(self, stage: str, seconds: float) -> None:
+        self.delay_file.write_text(json.dumps({stage: seconds}))
+
+    def worker_ids(self) -> set[str]:
+        return {n.node_id for n in self.cluster.worker_nodes}
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    delay_file = tmp_path_factory.mktemp("hook") / "unit_delay.json"
+    temp_dir = tempfile.mkdtemp(prefix="csmn-", dir="/tmp")  # short: Ray's socket paths are length-limited
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "token")  # with the token of ~/.ray/auth_token, which a local ray.init wrote
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
+                                                                "include_dashboard": False})
+        try:
+            nodes = MultiNode(cluster, {}, delay_file)
+            for _ in range(2):
+                nodes.add_worker()
+            nodes.env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster.address}
+            yield nodes
+        finally:
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> str:
+    table = make_pairs(300)
+    path = tmp_path_factory.mktemp("mn-data") / "pairs.parquet"
+    pq.write_table(pa.concat_tables([table, table.slice(0, 20)]), path)  # 20 exact duplicates for dedup
+    return str(path)
+
+
+def overrides(tiny_model: str, pairs_file: str) -> list[str]:
+    return tiny_overrides(tiny_model, pairs_file) + EXTRA
+
+
+def clusterscale(multinode: MultiNode, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusterscale.cli", *args], env=multinode.env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def multinode_run(multinode, tiny_model, pairs_file, tmp_path_factory) -> RunDir:
+    run_dir = tmp_path_factory.mktemp("mn-run") / "run"
+    done = clusterscale(multinode, "run", "--run-dir", str(run_dir), "--set", *overrides(tiny_model, pairs_file))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return RunDir(str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def single_node_run(ray_local, tiny_model, pairs_file, tmp_path_factory) -> RunDir:
+    """The same config on the suite's local one-node Ray, ingest to train (evaluate and report compare nothing)."""
+    from clusterscale import pipeline
+
+    cfg = config_mod.load(None, overrides(tiny_model, pairs_file))
+    run = RunDir(str(tmp_path_factory.mktemp("sn-run") / "run"))
+    pipeline.run_stages(cfg, run, pipeline.pipeline(cfg, last="train"))
+    return run
+
+
+def embeddings(run: RunDir) -> dict[int, np.ndarray]:
+    table = pq.read_table(run.files("embeddings"), columns=["pair_id", "emb"])
+    ids = table.column("pair_id").to_pylist()
+    assert len(ids) == len(set(ids)), "a pair_id twice in embeddings/"
+    vectors = np.asarray(table.column("emb").combine_chunks().flatten(), dtype=np.float32).reshape(len(ids), -1)
+    return dict(zip(ids, vectors))
+
+
+def shard_pair_ids(run: RunDir) -> list[list[int]]:
+    """pair_ids of each cluster shard of the manifest, in file and row order."""
+    manifest = run.read_json(f"shards/k={K}/manifest.json")
+    return [pq.read_table([run.path(f) for f in c["files"]], columns=["pair_id"]).column("pair_id").to_pylist()
+            for c in manifest["clusters"]]
+
+
+def drawn_batches(run: RunDir) -> list[list[tuple[int, list[int]]]]:
+    return [[(r["step"], r["pair_ids"]) for r in map(json.loads, run.read_bytes(batches_path("clustered-seed0", rank))
+                                                    .decode().splitlines())] for rank in (0, 1)]
+
+
+def negatives(run: RunDir) -> dict[int, list[int]]:
+    table = pq.read_table(run.files("negatives"), columns=["pair_id", "neg_pair_ids"])
+    return dict(zip(table.column("pair_id").to_pylist(), table.column("neg_pair_ids").to_pylist()))
+
+
+def test_every_stage_runs_and_spreads_over_the_worker_nodes(multinode, multinode_run):
+    run, workers = multinode_run, multinode.worker_ids()
+    for folder in ("pairs", "embeddings", f"kmeans/k={K}", f"assign/k={K}", "dedup", f"shards/k={K}", "negatives",
+                   TRAIN):
+        assert run.exists(folder, "_DONE.json"), folder
+    assert run.exists(f"eval/clustered-seed0.json") and run.exists("report/report.md")
+    for folder in WORKED_ON:
+        nodes = run.done_stats(folder)["nodes"]
+        assert len(nodes) >= 2 and set(nodes) <= workers, (folder, nodes, workers)  # never the CPU-less head
+    for folder in (f"kmeans/k={K}", "dedup", "negatives"):
+        assert set(run.done_stats(folder)["nodes"]) <= workers and run.done_stats(folder)["nodes"], folder
+    costs = run.read_json("report/costs.json")
+    assert costs["embed"]["num_nodes"] >= 2 and costs["train:clustered-seed0"]["num_nodes"] >= 2
+    assert run.done_stats("dedup")["exact"] >= 1  # the repeated pairs went
+
+
+def test_outputs_equal_a_single_node_run(multinode_run, single_node_run):
+    multi, single = multinode_run, single_node_run
+    got, want = embeddings(multi), embeddings(single)
+    assert sorted(got) == sorted(want)
+    assert max(float(np.abs(got[i] - want[i]).max()) for i in want) <= 1e-6
+    fit_multi, fit_single = (r.read_json(f"kmeans/k={K}/fit_stats.json") for r in (multi, single))
+    assert fit_multi["objective"] == pytest.approx(fit_single["objective"], rel=1e-6)
+    assert shard_pair_ids(multi) == shard_pair_ids(single)
+    assert negatives(multi) == negatives(single)
+    assert drawn_batches(multi) == drawn_batches(single)
+
+
+def copy_run(run: RunDir, dest: Path, *folders: str) -> RunDir:
+    """A new run directory holding `folders` of `run` (with their done markers) and its config."""
+    dest.mkdir(parents=True)
+    shutil.copy(run.path("config.yaml"), dest / "config.yaml")
+    for folder in folders:
+        shutil.copytree(run.path(folder), dest / folder)
+    return RunDir(str(dest))
+
+
+def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_per_unit: float, stage: str,
+                       rerun: tuple[str, ...] = (), timeout: float = 240) -> tuple[str, str]:
+    """Run `clusterscale *args`, each unit of `stage` slowed down; once `started()` (the stage is past its first
+    unit) remove a worker node, then let a replacement join. Returns how the stage ended: ("by itself", log), or
+    ("after a rerun", the logs of both) when the command failed as it must and `clusterscale *args *rerun` finished."""
+    multinode.slow(stage, seconds_per_unit)
+    try:
+        with tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", *args], env=multinode.env, stdout=out,
+                                    stderr=subprocess.STDOUT, text=True, cwd=REPO)
+            deadline = time.time() + timeout
+            while not started() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            out.seek(0)
+            assert proc.poll() is None, f"{stage} ended before a node could be lost:\n{out.read()[-3000:]}"
+            lost = next(iter(multinode.cluster.worker_nodes))
+            multinode.cluster.remove_node(lost, allow_graceful=False)
+            multinode.add_worker()
+            status = proc.wait(timeout=timeout)
+            out.seek(0)
+            log = out.read()
+        if status == 0:
+            return "by itself", log
+        # Ray could not finish: one paragraph naming the node and the rerun, exit 2, then the rerun finishes.
+        assert status == 2 and "Traceback" not in log, log[-4000:]
+        assert f"Ray node {lost.node_id}" in log and "left the cluster" in log, log[-4000:]
+    finally:
+        multinode.delay_file.unlink(missing_ok=True)
+    again = clusterscale(multinode, *args, *rerun, timeout=timeout)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    return "after a rerun", log + again.stdout
+
+
+def test_a_node_lost_during_embed(multinode, multinode_run, tmp_path):
+    run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine")
+    how, log = lose_a_node_during(multinode, ["embed", "--run-dir", run.uri], lambda: bool(run.files("embeddings")),
+                                  seconds_per_unit=1.0, stage="embed")
+    print(f"embed finished {how} after the loss of a node")
+    want = embeddings(multinode_run)
+    got = embeddings(run)  # every file under its final name is whole (Parquet reads it), no pair_id twice
+    assert sorted(got) == sorted(want)  # every pair once: rows in = rows out
+    assert max(float(np.abs(got[i] - want[i]).max()) for i in want) <= 1e-6
+    assert run.done_stats("embeddings")["rows"] == run.done_stats("pairs")["pairs"] == len(got)
+
+
+def test_a_node_lost_during_training_resumes_from_its_checkpoint(multinode, multinode_run, tmp_path):
+    run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine", "embeddings", "kmeans",
+                   "assign", "dedup", "shards", "negatives")
+
+    def checkpointed() -> bool:
+        return any("checkpoint_" in p for p in run.files(TRAIN, "ray", suffix=".json", include_private=True))
+
+    how, log = lose_a_node_during(multinode, ["train", "--run-dir", run.uri], checkpointed, seconds_per_unit=1.5,
+                                  stage="train", rerun=("--resume",))
+    print(f"train finished {how} after the loss of a node")
+    assert how == "by itself" or "--resume" in log
+    assert "resuming at step" in log  # from the checkpoint, not from step 0
+    assert drawn_batches(run) == drawn_batches(multinode_run)  # the same batches as without the loss
+    assert run.done_stats(TRAIN)["steps"] == 6 and run.exists(TRAIN, "model", "model.safetensors")
