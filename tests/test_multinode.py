@@ -60,6 +60,24 @@ class MultiNode:
         return {n.node_id for n in self.cluster.worker_nodes}
 
 
+def start_head(cluster_class, temp_dir: str):
+    """A Cluster with its head (no CPU); the machine's default Ray address file is left as it was.
+
+    Cluster writes its address to /tmp/ray/ray_current_cluster, where every `ray.init()` without an address on
+    this machine would find it and join this cluster instead of starting its own (other tests, other users)."""
+    from ray._private.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    before = address_file.read_text() if address_file.exists() else None
+    cluster = cluster_class(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
+                                                                  "include_dashboard": False})
+    if before is None:
+        address_file.unlink(missing_ok=True)
+    else:
+        address_file.write_text(before)
+    return cluster
+
+
 @pytest.fixture(scope="module")
 def multinode(tmp_path_factory):
     from ray.cluster_utils import Cluster
@@ -68,8 +86,7 @@ def multinode(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="csmn-", dir="/tmp")  # short: Ray's socket paths are length-limited
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "token")  # with the token of ~/.ray/auth_token, which a local ray.init wrote
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
-                                                                "include_dashboard": False})
+        cluster = start_head(Cluster, temp_dir)
         try:
             nodes = MultiNode(cluster, {}, delay_file)
             for _ in range(2):
@@ -147,7 +164,7 @@ def test_every_stage_runs_and_spreads_over_the_worker_nodes(multinode, multinode
     for folder in ("pairs", "embeddings", f"kmeans/k={K}", f"assign/k={K}", "dedup", f"shards/k={K}", "negatives",
                    TRAIN):
         assert run.exists(folder, "_DONE.json"), folder
-    assert run.exists(f"eval/clustered-seed0.json") and run.exists("report/report.md")
+    assert run.exists("eval/clustered-seed0.json") and run.exists("report/report.md")
     for folder in WORKED_ON:
         nodes = run.done_stats(folder)["nodes"]
         assert len(nodes) >= 2 and set(nodes) <= workers, (folder, nodes, workers)  # never the CPU-less head
@@ -197,9 +214,14 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
             lost = next(iter(multinode.cluster.worker_nodes))
             multinode.cluster.remove_node(lost, allow_graceful=False)
             multinode.add_worker()
-            status = proc.wait(timeout=timeout)
+            try:
+                status = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                status = proc.wait()
             out.seek(0)
             log = out.read()
+            assert status in (0, 2), f"{stage} after a lost node: exit {status} (-9: it hung)\n{log[-4000:]}"
         if status == 0:
             return "by itself", log
         # Ray could not finish: one paragraph naming the node and the rerun, exit 2, then the rerun finishes.

@@ -16,9 +16,9 @@ import ray
 NODE = "_node"  # the column (or result field) that carries the node id of the worker that made a row or unit
 
 
-def this_node() -> str:
-    """The Ray node id of the calling worker (hex)."""
-    return ray.get_runtime_context().get_node_id()
+def this_node() -> str | None:
+    """The Ray node id of the calling worker (hex); None outside Ray (a stage's core called directly)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def node_stats(node_ids: Iterable[str | None]) -> dict:
