@@ -1,10 +1,11 @@
 """More than one node: the pipeline on a multi-node Ray cluster on this machine, its outputs against a single-node run
 of the same config, and a worker node lost in the middle of a stage.
 
-The cluster is Ray's own multi-node test harness (ray.cluster_utils.Cluster): a head that offers no CPU (the driver's
-node: no work runs beside it) and two worker nodes of one CPU each, every node a raylet of its own, token auth on.
-`clusterscale run` joins it through RAY_ADDRESS, as on a real cluster. Removing a node kills its raylet and its
-workers, which is how a lost spot node looks to Ray. One cluster serves the module; it is stopped by killing the
+The cluster is Ray's own multi-node test harness (ray.cluster_utils.Cluster, run by tests/multinode_cluster.py in a
+process of its own): a head that offers no CPU (the driver's node: no work runs beside it) and two worker nodes of
+one CPU each, every node a raylet of its own, token auth on. `clusterscale` joins it through RAY_ADDRESS, as on a
+real cluster. Removing a node kills its raylet and its workers, which is how a lost spot node looks to Ray; a
+replacement joins right after, as an autoscaler would add one. One cluster serves the module; it stops with the
 processes it started (never with `ray stop`, which would stop every Ray on the machine).
 """
 from __future__ import annotations
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,63 +39,66 @@ EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_que
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 
 
-@dataclass
 class MultiNode:
-    cluster: object  # ray.cluster_utils.Cluster
-    env: dict  # a driver's environment: RAY_ADDRESS names the head
-    delay_file: Path  # runtime.nodes.TEST_UNIT_DELAY_ENV: {stage: seconds per unit} while a test writes it
+    """The cluster of tests/multinode_cluster.py (its own process, token auth on), driven through its stdin."""
 
-    def add_worker(self):
-        """One more 1-CPU worker node (a lost node's replacement, as an autoscaler would add), with the test hook."""
-        with pytest.MonkeyPatch.context() as env:  # the node's processes (its workers too) inherit it
-            env.setenv(TEST_UNIT_DELAY_ENV, str(self.delay_file))
-            node = self.cluster.add_node(num_cpus=1)
-        self.cluster.wait_for_nodes()
+    def __init__(self, delay_file: Path, temp_dir: str):
+        self.delay_file = delay_file  # runtime.nodes.TEST_UNIT_DELAY_ENV: {stage: seconds per unit} while written
+        env = {**os.environ, "RAY_AUTH_MODE": "token", TEST_UNIT_DELAY_ENV: str(delay_file),
+               "PYTHONPATH": str(REPO)}  # the nodes' workers inherit the hook and this checkout
+        env.pop("RAY_ADDRESS", None)
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "multinode_cluster.py"), temp_dir], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        address = self._answer()["address"]
+        self.workers: list[str] = []
+        # A driver's environment: token auth on, RAY_ADDRESS names the head (not the hook: the driver runs no unit).
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": address, "PYTHONPATH": str(REPO)}
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("CLUSTER "):
+                return json.loads(line.removeprefix("CLUSTER "))
+        raise RuntimeError(f"the test cluster's process ended (exit {self.proc.wait()})")
+
+    def _command(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def add_worker(self) -> str:
+        """One more 1-CPU worker node (a lost node's replacement, as an autoscaler would add); its node id."""
+        node = self._command("add")["added"]
+        self.workers.append(node)
         return node
+
+    def remove_worker(self, node: str) -> None:
+        """Kill that worker node's raylet and workers at once (a lost spot node)."""
+        self._command(f"remove {node}")
+        self.workers.remove(node)
+
+    def stop(self) -> None:
+        try:
+            self._command("quit")
+        except (OSError, RuntimeError):
+            pass
+        self.proc.wait(timeout=60)
 
     def slow(self, stage: str, seconds: float) -> None:
         self.delay_file.write_text(json.dumps({stage: seconds}))
 
-    def worker_ids(self) -> set[str]:
-        return {n.node_id for n in self.cluster.worker_nodes}
-
-
-def start_head(cluster_class, temp_dir: str):
-    """A Cluster with its head (no CPU); the machine's default Ray address file is left as it was.
-
-    Cluster writes its address to /tmp/ray/ray_current_cluster, where every `ray.init()` without an address on
-    this machine would find it and join this cluster instead of starting its own (other tests, other users)."""
-    from ray._private.utils import get_ray_address_file
-
-    address_file = Path(get_ray_address_file(None))
-    before = address_file.read_text() if address_file.exists() else None
-    cluster = cluster_class(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
-                                                                  "include_dashboard": False})
-    if before is None:
-        address_file.unlink(missing_ok=True)
-    else:
-        address_file.write_text(before)
-    return cluster
-
 
 @pytest.fixture(scope="module")
 def multinode(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
     delay_file = tmp_path_factory.mktemp("hook") / "unit_delay.json"
     temp_dir = tempfile.mkdtemp(prefix="csmn-", dir="/tmp")  # short: Ray's socket paths are length-limited
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "token")  # with the token of ~/.ray/auth_token, which a local ray.init wrote
-        cluster = start_head(Cluster, temp_dir)
-        try:
-            nodes = MultiNode(cluster, {}, delay_file)
-            for _ in range(2):
-                nodes.add_worker()
-            nodes.env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": cluster.address}
-            yield nodes
-        finally:
-            cluster.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    nodes = MultiNode(delay_file, temp_dir)
+    try:
+        for _ in range(2):
+            nodes.add_worker()
+        yield nodes
+    finally:
+        nodes.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +163,7 @@ def negatives(run: RunDir) -> dict[int, list[int]]:
 
 
 def test_every_stage_runs_and_spreads_over_the_worker_nodes(multinode, multinode_run):
-    run, workers = multinode_run, multinode.worker_ids()
+    run, workers = multinode_run, set(multinode.workers)
     for folder in ("pairs", "embeddings", f"kmeans/k={K}", f"assign/k={K}", "dedup", f"shards/k={K}", "negatives",
                    TRAIN):
         assert run.exists(folder, "_DONE.json"), folder
@@ -211,8 +214,8 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
                 time.sleep(0.05)
             out.seek(0)
             assert proc.poll() is None, f"{stage} ended before a node could be lost:\n{out.read()[-3000:]}"
-            lost = next(iter(multinode.cluster.worker_nodes))
-            multinode.cluster.remove_node(lost, allow_graceful=False)
+            lost = multinode.workers[0]
+            multinode.remove_worker(lost)
             multinode.add_worker()
             try:
                 status = proc.wait(timeout=timeout)
@@ -226,7 +229,7 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
             return "by itself", log
         # Ray could not finish: one paragraph naming the node and the rerun, exit 2, then the rerun finishes.
         assert status == 2 and "Traceback" not in log, log[-4000:]
-        assert f"Ray node {lost.node_id}" in log and "left the cluster" in log, log[-4000:]
+        assert f"Ray node {lost}" in log and "left the cluster" in log, log[-4000:]
     finally:
         multinode.delay_file.unlink(missing_ok=True)
     again = clusterscale(multinode, *args, *rerun, timeout=timeout)
