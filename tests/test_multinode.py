@@ -254,7 +254,7 @@ def test_a_node_lost_during_training_resumes_from_its_checkpoint(multinode, mult
                    "assign", "dedup", "shards", "negatives")
 
     def checkpointed() -> bool:
-        return any("checkpoint_" in p for p in run.files(TRAIN, "ray", suffix=".json", include_private=True))
+        return bool(run.files(TRAIN, "ray", suffix="/cursor.json"))  # a checkpoint's cursor (train/checkpoint.py)
 
     how, log = lose_a_node_during(multinode, ["train", "--run-dir", run.uri], checkpointed, seconds_per_unit=1.5,
                                   stage="train", rerun=("--resume",))
@@ -263,3 +263,30 @@ def test_a_node_lost_during_training_resumes_from_its_checkpoint(multinode, mult
     assert "resuming at step" in log  # from the checkpoint, not from step 0
     assert drawn_batches(run) == drawn_batches(multinode_run)  # the same batches as without the loss
     assert run.done_stats(TRAIN)["steps"] == 6 and run.exists(TRAIN, "model", "model.safetensors")
+
+
+def kept_and_removed(run: RunDir) -> tuple[list[int], list[int]]:
+    kept = pq.read_table(run.files("dedup/kept"), columns=["pair_id"]).column("pair_id").to_pylist()
+    removed = pq.read_table(run.files("dedup/removed"), columns=["pair_id"]).column("pair_id").to_pylist()
+    return sorted(kept), sorted(removed)
+
+
+@pytest.mark.parametrize("stage, folder, inputs", [
+    ("dedup", "dedup/kept", ("embeddings", "kmeans", "assign")),
+    ("shard", f"shards/k={K}", ("embeddings", "kmeans", "assign", "dedup")),
+])
+def test_a_node_lost_during_a_shuffle_stage(multinode, multinode_run, tmp_path, stage, folder, inputs):
+    """dedup and shard group rows by a hash shuffle (map outputs on the nodes' disks): after a lost node they finish
+    by themselves or the rerun does, with the very output of the run that lost no node."""
+    run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine", *inputs)
+    how, _ = lose_a_node_during(multinode, [stage, "--run-dir", run.uri], lambda: bool(run.files(folder)),
+                                seconds_per_unit=1.0, stage=stage)
+    print(f"{stage} finished {how} after the loss of a node")
+    if stage == "dedup":
+        kept, removed = kept_and_removed(run)
+        assert (kept, removed) == kept_and_removed(multinode_run)
+        assert len(kept) + len(removed) == len(set(kept + removed)) == run.done_stats(f"assign/k={K}")["rows"]
+    else:
+        got = shard_pair_ids(run)  # per cluster shard, in row order: each pair once, none lost
+        assert got == shard_pair_ids(multinode_run)
+        assert sum(map(len, got)) == len({i for ids in got for i in ids}) == run.done_stats("dedup/kept")["rows"]
