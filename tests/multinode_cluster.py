@@ -1,12 +1,11 @@
 """A multi-node Ray cluster on this machine for tests/test_multinode.py, run in a process of its own.
 
-Ray's own multi-node test harness (ray.cluster_utils.Cluster): a head without CPU, and worker nodes of one CPU
-each, every node a raylet of its own. It runs here, not in pytest's process, because Ray reads the auth mode once
+Ray's own multi-node test harness (ray.cluster_utils.Cluster): a head without CPU, and worker nodes of
+CPUS_PER_WORKER CPUs each, every node a raylet of its own. It runs here, not in pytest's process, because Ray reads the auth mode once
 per process: pytest's process may already hold a local Ray (token auth off or on), and the cluster must be started
 and driven with token auth on (RAY_AUTH_MODE=token in this process's environment, the token of ~/.ray/auth_token).
 
-Usage: python tests/multinode_cluster.py TEMP_DIR. Commands on stdin, one per line: `add` (one more 1-CPU worker
-node), `remove NODE_ID` (kill that node's raylet and workers at once: a lost spot node), `quit`. Each answer is one
+Usage: python tests/multinode_cluster.py TEMP_DIR. Commands on stdin, one per line: `add` (one more worker node), `remove NODE_ID` (kill that node's raylet and workers at once: a lost spot node), `quit`. Each answer is one
 line on stdout: `CLUSTER {json}`. The cluster stops when stdin closes.
 """
 from __future__ import annotations
@@ -17,6 +16,9 @@ import sys
 from pathlib import Path
 
 PREFIX = "CLUSTER "
+# Logical CPUs of a worker node. Two, not one: a stage's actor pool beside its Ray Data tasks on every node needs
+# more than one (on 1-CPU nodes shard's writers stay on one node, or the shuffle's tasks would find no CPU).
+CPUS_PER_WORKER = 2
 # The answers keep stdout; anything else this process writes there (Ray's own output) goes to stderr, so that the
 # pipe the test reads only at its commands never fills up.
 ANSWERS = os.fdopen(os.dup(1), "w")
@@ -52,7 +54,7 @@ def main(temp_dir: str) -> None:
         for line in sys.stdin:
             command, *args = line.split()
             if command == "add":
-                node = cluster.add_node(num_cpus=1)
+                node = cluster.add_node(num_cpus=CPUS_PER_WORKER)
                 cluster.wait_for_nodes()
                 workers[node.node_id] = node
                 say(added=node.node_id)

@@ -3,7 +3,7 @@ of the same config, and a worker node lost in the middle of a stage.
 
 The cluster is Ray's own multi-node test harness (ray.cluster_utils.Cluster, run by tests/multinode_cluster.py in a
 process of its own): a head that offers no CPU (the driver's node: no work runs beside it) and two worker nodes of
-one CPU each, every node a raylet of its own, token auth on. `clusterscale` joins it through RAY_ADDRESS, as on a
+two CPUs each, every node a raylet of its own, token auth on. `clusterscale` joins it through RAY_ADDRESS, as on a
 real cluster. Removing a node kills its raylet and its workers, which is how a lost spot node looks to Ray; a
 replacement joins right after, as an autoscaler would add one. One cluster serves the module; it stops with the
 processes it started (never with `ray stop`, which would stop every Ray on the machine).
@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 K, TRAIN = 4, "train/clustered-seed0"
 # Exact dedup (the input repeats 20 pairs) and one mined negative per query: every stage of the pipeline runs.
 # Checkpoints every 2 of the 6 steps and two restarts: a lost node costs training at most 2 steps.
-EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1",
+# Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run with fewer actors.
+EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1", "embed.rows_per_unit=36",
          "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 
@@ -66,7 +67,7 @@ class MultiNode:
         return self._answer()
 
     def add_worker(self) -> str:
-        """One more 1-CPU worker node (a lost node's replacement, as an autoscaler would add); its node id."""
+        """One more worker node (a lost node's replacement, as an autoscaler would add); its node id."""
         node = self._command("add")["added"]
         self.workers.append(node)
         return node
@@ -121,7 +122,8 @@ def clusterscale(multinode: MultiNode, *args: str, timeout: float = 300) -> subp
 @pytest.fixture(scope="module")
 def multinode_run(multinode, tiny_model, pairs_file, tmp_path_factory) -> RunDir:
     run_dir = tmp_path_factory.mktemp("mn-run") / "run"
-    done = clusterscale(multinode, "run", "--run-dir", str(run_dir), "--set", *overrides(tiny_model, pairs_file))
+    done = clusterscale(multinode, "run", "--run-dir", str(run_dir), "--set", *overrides(tiny_model, pairs_file),
+                        timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return RunDir(str(run_dir))
 

@@ -221,10 +221,14 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
     plan = plan_actors(replace(need, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
                        cluster=cluster)
+    # One writer per node from the start, spread (as assign's pool), where a node still has a CPU for the shuffle's
+    # tasks beside its writer: on 1-CPU nodes writers on every node would leave no task a CPU (a deadlock).
+    room = cluster.cpus_per_node - (plan.num_cpus or 1) >= 1
+    first = min(plan.actors, cluster.nodes) if room else 1
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
         WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=min(plan.actors, cluster.nodes), max_size=plan.actors),
-        scheduling_strategy="SPREAD", **plan.options)  # one writer per node from the start, as assign's pool
+        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)),
+        scheduling_strategy="SPREAD", **plan.options)
     progress, groups = ProgressLine(what, sizes.rows), {}
     for r in written.iter_rows():
         groups.setdefault(r["shard"], []).append(r)
