@@ -84,8 +84,8 @@ class MultiNode:
             pass
         self.proc.wait(timeout=60)
 
-    def slow(self, stage: str, seconds: float) -> None:
-        self.delay_file.write_text(json.dumps({stage: seconds}))
+    def slow(self, seconds_per_unit: dict[str, float]) -> None:
+        self.delay_file.write_text(json.dumps(seconds_per_unit))
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,14 @@ def clusterscale(multinode: MultiNode, *args: str, timeout: float = 300) -> subp
 @pytest.fixture(scope="module")
 def multinode_run(multinode, tiny_model, pairs_file, tmp_path_factory) -> RunDir:
     run_dir = tmp_path_factory.mktemp("mn-run") / "run"
-    done = clusterscale(multinode, "run", "--run-dir", str(run_dir), "--set", *overrides(tiny_model, pairs_file),
-                        timeout=480)
+    # Units of a few hundred tiny rows take milliseconds: the actors that start first would take them all, on one
+    # node. A short wait per unit (the test hook) makes them last long enough for every actor to take its share.
+    multinode.slow({"embed": 0.5, "assign": 0.3, "shard": 0.3})
+    try:
+        done = clusterscale(multinode, "run", "--run-dir", str(run_dir), "--set",
+                            *overrides(tiny_model, pairs_file), timeout=480)
+    finally:
+        multinode.delay_file.unlink(missing_ok=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return RunDir(str(run_dir))
 
@@ -160,7 +166,8 @@ def drawn_batches(run: RunDir) -> list[list[tuple[int, list[int]]]]:
 
 
 def negatives(run: RunDir) -> dict[int, list[int]]:
-    buckets = [f for f in run.files("negatives") if os.path.dirname(f) == run.path("negatives")]  # not the sidecars
+    buckets = [f for f in run.files("negatives") if os.path.dirname(f) == run.path("negatives")
+               and os.path.basename(f).startswith("part-")]  # mine's bucket files, not the padding pool or sidecars
     table = pq.read_table(buckets, columns=["pair_id", "neg_pair_ids"])
     return dict(zip(table.column("pair_id").to_pylist(), table.column("neg_pair_ids").to_pylist()))
 
@@ -207,7 +214,7 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
     """Run `clusterscale *args`, each unit of `stage` slowed down; once `started()` (the stage is past its first
     unit) remove a worker node, then let a replacement join. Returns how the stage ended: ("by itself", log), or
     ("after a rerun", the logs of both) when the command failed as it must and `clusterscale *args *rerun` finished."""
-    multinode.slow(stage, seconds_per_unit)
+    multinode.slow({stage: seconds_per_unit})
     try:
         with tempfile.TemporaryFile("w+") as out:
             proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", *args], env=multinode.env, stdout=out,
