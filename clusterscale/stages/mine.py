@@ -228,12 +228,9 @@ def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Ta
 
 
 def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
-<<<<<<< HEAD
-    """Merge one bucket's queries and write its negatives file; returns its counts (one row)."""
+    """Merge one bucket's queries and write its negatives file, its counts in the footer; returns them (one row)
+    and the node that wrote it."""
     unit_delay_for_tests("mine")
-=======
-    """Merge one bucket's queries and write its negatives file, its counts in the footer; returns them (one row)."""
->>>>>>> main
     out, drops = merge_candidates(group, mine)
     bucket = int(np.flatnonzero(bucket_keys == group.column("bucket")[0].as_py())[0])
     lengths = pc_list_lengths(out.column("neg_pair_ids"))
@@ -241,13 +238,7 @@ def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_key
               **{f"dropped_{k}": int(v) for k, v in drops.items()}}
     RunDir(run_uri).write_parquet(bucket_file(bucket), with_counts(out, counts))
     release_freed_memory()
-<<<<<<< HEAD
-    counts = np.asarray(pc.list_value_length(out.column("neg_pair_ids")))
-    return pa.table({"rows": [out.num_rows], "negatives": [int(counts.sum())],
-                     "without_negatives": [int((counts == 0).sum())],
-                     **{f"dropped_{k}": [v] for k, v in drops.items()}, "node": [this_node()]})
-=======
-    return pa.table({k: [v] for k, v in counts.items()})
+    return pa.table({**{k: [v] for k, v in counts.items()}, "node": [this_node()]})
 
 
 def with_counts(table: pa.Table, counts: dict) -> pa.Table:
@@ -276,7 +267,6 @@ def _count_lists(batch: pa.Table) -> pa.Table:
     lengths = pc_list_lengths(batch.column("neg_pair_ids"))
     return pa.table({"rows": [len(lengths)], "negatives": [int(lengths.sum())],
                      "without_negatives": [int((lengths == 0).sum())]})
->>>>>>> main
 
 
 def bucket_file(bucket: int) -> str:
@@ -353,7 +343,7 @@ def run_mine(ctx: StageContext) -> StageResult:
         sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
-    stats |= sidecars | node_stats(r["node"] for r in results)
+    stats |= sidecars | node_stats(r.get("node") for r in results)  # none from a resumed attempt's footers
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",
