@@ -13,15 +13,17 @@ replaces; a stage reading such an output checks it was made with its own config 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import TRAIN, eval_path
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
-from clusterscale.runtime import interrupt
+from clusterscale.errors import UserError, user_error
+from clusterscale.runtime import interrupt, nodes
 from clusterscale.runtime.resources import Resources
 from clusterscale.runtime.stage_context import RunStage, StageContext
 
@@ -160,10 +162,11 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
     report/costs.json ("" = none; default: the stage's); costs_run: the run whose report/costs.json gets it
     (default: run). A result whose stats say `reused` (a stage without a marker that found every output cached,
     e.g. evaluate) keeps the cost record of the invocation that did the work."""
-    started = time.time()
+    started, alive = time.time(), nodes.alive_nodes()
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
                        fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)
-    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted):
+    lost_node_said = _naming_lost_nodes(stage, run, alive, command)
+    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said:
         if replace == "always":
             _replace(run, stage.output_of(cfg))
         try:
@@ -189,6 +192,34 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
             record["preprocess"] = True  # what costs and the report count as preprocessing
         (costs_run or run).record_cost(key, record)
     return result
+
+
+class NodeLostError(UserError, RuntimeError):
+    """A Ray node left the cluster during a stage and Ray could not finish the stage without it."""
+
+
+@contextlib.contextmanager
+def _naming_lost_nodes(stage: Stage, run: RunDir, alive: dict[str, str], command: str) -> Iterator[None]:
+    """Turn a failure of Ray's (not a user fault) that follows the loss of a node into one paragraph naming the node
+    and the rerun. Ray retries tasks and restarts actors elsewhere by itself; what it cannot redo (an object whose
+    only copy was on that node and whose owner is gone, an actor out of restarts) fails the stage, and the stage's
+    units written whole before stay for the rerun."""
+    try:
+        yield
+    except Exception as exc:
+        lost = nodes.lost_nodes(alive) if user_error(exc) is None else []
+        if not lost:
+            raise
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if stage.name == "train":
+            again = (f"`{command} --resume`" if command.startswith("clusterscale train") else
+                     f"`clusterscale train --run-dir {run.uri} --resume` (same config), then the rest of the command")
+            rerun = f"Rerun {again}: training continues from its latest checkpoint (train.checkpoint_every_steps)."
+        else:
+            again = command or f"clusterscale {stage.name} --run-dir {run.uri} [your CONFIG and --set keys]"
+            rerun = f"Rerun the same command to finish it (units written before are kept): `{again}`."
+        raise NodeLostError(f"{stage.name}: Ray node {', '.join(lost)} left the cluster while the stage ran, and Ray "
+                            f"could not finish the stage without it ({reason}). {rerun}") from exc
 
 
 def _run_once(stage: Stage, ctx: StageContext) -> StageResult:

@@ -166,3 +166,32 @@ def test_no_stage_module_runs_the_marker_sequence():
             if isinstance(node, ast.Attribute) and node.attr in MARKER_CALLS:
                 found.add((str(path.relative_to(ROOT)), node.attr))
     assert found <= ALLOWED, sorted(found - ALLOWED)
+
+
+def test_a_failure_after_a_lost_node_is_one_paragraph_naming_it_and_the_rerun(tmp_path, monkeypatch):
+    """Ray's own error after a node left (here a stand-in RuntimeError) becomes NodeLostError (a user fault: one
+    paragraph, exit 2) naming the node and the rerun; with every node still there the error stays a bug."""
+    from clusterscale import executor
+    from clusterscale.errors import user_message
+    from clusterscale.runtime import nodes
+
+    def fail(call):
+        raise RuntimeError("ray.exceptions.ActorDiedError: The actor died because its node has died.\nmore lines")
+
+    run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, [])
+    stage = pipeline.Stage("toy", "A stage whose node goes.", fail, "toy", sections=("data",))
+    monkeypatch.setattr(nodes, "alive_nodes", lambda: {"n1": "10.0.0.1", "n2": "10.0.0.2"})
+    monkeypatch.setattr(nodes, "lost_nodes", lambda before: ["n2 (10.0.0.2)"])
+    with pytest.raises(executor.NodeLostError) as lost:
+        pipeline.execute(stage, cfg, run, command="clusterscale run --run-dir R")
+    message = user_message(lost.value)
+    assert message.startswith("toy: Ray node n2 (10.0.0.2) left the cluster while the stage ran")
+    assert "(ray.exceptions.ActorDiedError: The actor died because its node has died.)" in message
+    assert message.endswith("`clusterscale run --run-dir R`.") and "more lines" not in message
+    train = pipeline.Stage("train", "Training.", fail, "toy2", sections=("data",))
+    with pytest.raises(executor.NodeLostError, match=r"`clusterscale train --run-dir R --resume`: training continues"):
+        pipeline.execute(train, cfg, run, command="clusterscale train --run-dir R")
+    monkeypatch.setattr(nodes, "lost_nodes", lambda before: [])
+    with pytest.raises(RuntimeError, match="ActorDiedError") as bug:
+        pipeline.execute(stage, cfg, run)
+    assert not isinstance(bug.value, executor.NodeLostError)

@@ -30,6 +30,7 @@ import ray
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
+from clusterscale.runtime.nodes import NODE, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
@@ -140,6 +141,7 @@ class EncodeTokens:
                                max_tokens_per_batch=self.cfg.max_tokens_per_batch)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        unit_delay_for_tests("embed")
         started = time.time()
         for text, suffix in output_columns(self.cfg.side):
             tokens = Tokens.from_arrow(batch.column(f"{TOKENS}{suffix}"), batch.column(f"truncated{suffix}"))
@@ -147,13 +149,14 @@ class EncodeTokens:
             check_finite(vectors, batch.column("pair_id").to_numpy(), text, self.cfg.model)
             batch = batch.drop_columns([f"{TOKENS}{suffix}"]).append_column(f"emb{suffix}", emb_array(vectors))
         share = (time.time() - started) / max(1, batch.num_rows)
-        return batch.append_column(ENCODE_S, pa.array(np.full(batch.num_rows, share)))
+        batch = batch.append_column(ENCODE_S, pa.array(np.full(batch.num_rows, share)))
+        return batch.append_column(NODE, pa.array([this_node()] * batch.num_rows, pa.string()))
 
 
 class WriteUnits:
     """Ray Data callable class on CPUs: write each unit of a batch to its file (temporary name, then rename).
 
-    Returns one row per unit: rows, truncated (of the clustered side) and the encoder's busy seconds."""
+    Returns one row per unit: rows, truncated (of the clustered side), the encoder's busy seconds and its node."""
 
     def __init__(self, run_uri: str, side: str):
         self.run = RunDir(run_uri)
@@ -168,17 +171,19 @@ class WriteUnits:
                 raise RuntimeError(f"embed: unit {output} reached its writer with {rows.num_rows} of {expected} rows.")
             self.run.write_parquet(output, output_table(rows, self.side), row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
             results.append({"rows": rows.num_rows, "truncated": int(np.asarray(rows.column("truncated")).sum()),
-                            "busy_s": float(np.asarray(rows.column(ENCODE_S)).sum())})
+                            "busy_s": float(np.asarray(rows.column(ENCODE_S)).sum()),
+                            "node": rows.column(NODE)[0].as_py()})
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
 
-RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("truncated", pa.int64()), ("busy_s", pa.float64())])
+RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("truncated", pa.int64()), ("busy_s", pa.float64()),
+                           ("node", pa.string())])
 
 
 def output_table(rows: pa.Table, side: str) -> pa.Table:
     """The embeddings/ file layout: the pair columns, then emb<suffix> and truncated<suffix> per side."""
     added = [name for _, suffix in output_columns(side) for name in (f"emb{suffix}", f"truncated{suffix}")]
-    internal = {UNIT, UNIT_ROWS, ENCODE_S}
+    internal = {UNIT, UNIT_ROWS, ENCODE_S, NODE}
     pair_columns = [c for c in rows.column_names if c not in internal and c not in added]
     return rows.select(pair_columns + added)
 
@@ -298,7 +303,8 @@ def run_embed(ctx: StageContext) -> StageResult:
              "truncated": truncated_before + sum(r["truncated"] for r in results),
              "actors": min(pool.actors, len(todo)), "wall_s": round(wall, 3),
              "rows_per_s": round(embedded / wall, 2) if wall > 0 else 0.0, "worker_s": round(worker_s, 3),
-             "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device}
+             "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device,
+             **node_stats(r["node"] for r in results)}
     if device == "gpu":
         stats["gpu_s"] = stats["worker_s"]
     print(f"[embed] {embedded} rows in {wall:.1f}s ({stats['rows_per_s']:.1f} rows/s, {stats['actors']} actor(s), "

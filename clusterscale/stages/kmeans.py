@@ -22,6 +22,7 @@ from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, chec
                                       lloyd_partials, pick_initial)
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.fit_sample import RowGroupUnit, choose_sample_units, read_sample_rows, row_group_units
+from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
@@ -66,7 +67,7 @@ class SampleShard:
         self.worker = LloydWorker(self.x, use_gpu) if len(self.dims) == 1 else None
 
     def describe(self) -> dict:
-        return {"rows": len(self.ids), "dims": self.dims,
+        return {"rows": len(self.ids), "dims": self.dims, "node": this_node(),
                 "nonfinite_rows": int((~np.isfinite(self.x).all(axis=1)).sum()) if self.x.size else 0}
 
     def init_candidates(self, k: int, seed: int):
@@ -160,7 +161,7 @@ def run_fit(ctx: StageContext) -> StageResult:
                   "embeddings_bytes": sum(u.sample_bytes for u in units), "dim": dim, "num_workers": len(actors),
                   "threads_per_worker": plan.threads, "device": plan.device,
                   "load_s": round(load_s, 3), "wall_s": round(wall, 3),
-                  "worker_s": round(wall * len(actors), 3)})
+                  "worker_s": round(wall * len(actors), 3), **node_stats(d["node"] for d in descriptions)})
     run.write_json(fit_stats_path(k), stats)
     print(f"[fit] k={k} on {n_sample} sampled vectors (d={dim}) over {len(actors)} worker(s): objective "
           f"{stats['objective']:.1f}, imbalance {stats['imbalance_factor']:.2f}, {wall:.1f}s", flush=True)
@@ -235,6 +236,7 @@ class AssignUnits(AssignBatches):
     def __call__(self, units: pa.Table) -> pa.Table:
         rows = []
         for unit in units.to_pylist():
+            unit_delay_for_tests("assign")
             with self.run.fs.open_input_file(unit["path"]) as f:
                 table = pq.ParquetFile(f).read_row_groups(unit["row_groups"])
             self.run.write_parquet(f"{self.out_dir}/part-{unit['unit']:05d}.parquet", super().__call__(table),
@@ -242,7 +244,8 @@ class AssignUnits(AssignBatches):
             rows.append(table.num_rows)
             del table
             release_freed_memory()  # else the allocators keep each unit's pages: creeps with units
-        return pa.table({"rows": pa.array(rows, pa.int64())})
+        return pa.table({"rows": pa.array(rows, pa.int64()),
+                         "node": pa.array([this_node()] * len(rows), pa.string())})
 
 
 def run_assign(ctx: StageContext) -> StageResult:
@@ -260,17 +263,21 @@ def run_assign(ctx: StageContext) -> StageResult:
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
     units = assign_units(run)
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    ds = ds.map_batches(AssignUnits, fn_constructor_args=(index, run.uri, out), batch_size=1,
-                        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors),
-                        **remote_args)
-    progress, written = ProgressLine("assign", n_rows), 0
+    # At least one actor per node from the start, spread: every node takes a share of the units, and a node's loss
+    # costs only the units in flight there. Autoscaling from one actor would leave small runs on one node.
+    first = max(1, min(plan.actors, cluster.nodes, len(units)))
+    ds = ds.map_batches(AssignUnits, fn_constructor_args=(index, run.uri, out), batch_size=1, batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)),
+                        scheduling_strategy="SPREAD", **remote_args)
+    progress, written, nodes = ProgressLine("assign", n_rows), 0, set()
     for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total
         written += result["rows"]
+        nodes.add(result["node"])
         progress.advance(result["rows"])
     if written != n_rows:
         raise RuntimeError(f"assign wrote {written} rows but embeddings/ holds {n_rows}: rerun `clusterscale assign`.")
     wall = time.time() - started
     stats = {"k": k, "rows": n_rows, "index": cfg.cluster.assign_index, "wall_s": round(wall, 3),
-             "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3)}
+             "rows_per_s": round(n_rows / wall, 1), "worker_s": round(wall, 3), **node_stats(nodes)}
     print(f"[assign] {n_rows} rows to {k} centroids in {wall:.1f}s", flush=True)
     return StageResult(stats)

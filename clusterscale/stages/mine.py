@@ -53,6 +53,7 @@ from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
@@ -227,7 +228,9 @@ def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Ta
 
 
 def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
-    """Merge one bucket's queries and write its negatives file, its counts in the footer; returns them (one row)."""
+    """Merge one bucket's queries and write its negatives file, its counts in the footer; returns them (one row)
+    and the node that wrote it."""
+    unit_delay_for_tests("mine")
     out, drops = merge_candidates(group, mine)
     bucket = int(np.flatnonzero(bucket_keys == group.column("bucket")[0].as_py())[0])
     lengths = pc_list_lengths(out.column("neg_pair_ids"))
@@ -235,7 +238,7 @@ def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_key
               **{f"dropped_{k}": int(v) for k, v in drops.items()}}
     RunDir(run_uri).write_parquet(bucket_file(bucket), with_counts(out, counts))
     release_freed_memory()
-    return pa.table({k: [v] for k, v in counts.items()})
+    return pa.table({**{k: [v] for k, v in counts.items()}, "node": [this_node()]})
 
 
 def with_counts(table: pa.Table, counts: dict) -> pa.Table:
@@ -340,7 +343,7 @@ def run_mine(ctx: StageContext) -> StageResult:
         sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
-    stats |= sidecars
+    stats |= sidecars | node_stats(r.get("node") for r in results)  # none from a resumed attempt's footers
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "
           f"per query kept ({stats['without_negatives']} with none); dropped {stats['dropped_positive']} positives, "
           f"{stats['dropped_duplicate']} duplicates of the positive, {stats['dropped_margin']} by the margin",

@@ -23,6 +23,7 @@ from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import hash_unit
+from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
@@ -175,6 +176,7 @@ class WriteClusterShard:
         self.run, self.k, self.layout, self.columns = RunDir(run_uri), k, layout, columns
 
     def __call__(self, group: pa.Table) -> pa.Table:
+        unit_delay_for_tests("shard")
         lay = self.layout
         shard_id, sub = int(group.column("shard")[0].as_py()), int(group.column("sub")[0].as_py())
         group = group.sort_by("pair_id")  # arrival order after the shuffle is not deterministic
@@ -193,7 +195,8 @@ class WriteClusterShard:
             file_rows.append(min(lay.rows_per_file, group.num_rows - start))
         return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
                          "files": [files], "file_rows": [file_rows],
-                         "samples": [group.column("query").slice(0, lay.num_samples).to_pylist()]})
+                         "samples": [group.column("query").slice(0, lay.num_samples).to_pylist()],
+                         "node": [this_node()]})
 
 
 @dataclass(frozen=True)
@@ -224,9 +227,14 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
     plan = plan_actors(replace(need, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,
                        cluster=cluster)
+    # One writer per node from the start, spread (as assign's pool), where a node still has a CPU for the shuffle's
+    # tasks beside its writer: on 1-CPU nodes writers on every node would leave no task a CPU (a deadlock).
+    room = cluster.cpus_per_node - (plan.num_cpus or 1) >= 1
+    first = min(plan.actors, cluster.nodes) if room else 1
     written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
         WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=plan.actors), **plan.options)
+        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)),
+        scheduling_strategy="SPREAD", **plan.options)
     progress, groups = ProgressLine(what, sizes.rows), {}
     for r in written.iter_rows():
         groups.setdefault(r["shard"], []).append(r)
@@ -317,7 +325,8 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
              "min_rows": min(c.rows for c in clusters), "max_rows": max(c.rows for c in clusters),
              "groups": sum(c.groups for c in clusters),
              "overall_mean_cosine": mean_pairwise_cosine(sums.vector_sum.sum(axis=0), n_total),
-             "wall_s": round(time.time() - started, 3)}
+             "wall_s": round(time.time() - started, 3),
+             **node_stats(g["node"] for written in groups.values() for g in written)}
     stats["worker_s"] = stats["wall_s"]
     manifest = ShardManifest(k=k, fingerprint=fingerprint, global_batch_size=cfg.train.schedule.global_batch_size,
                              clusters=clusters, stats=stats, row_group_rows=row_group_rows, rows_per_file=rows_per_file,

@@ -20,6 +20,7 @@ from clusterscale.io.layout import (NEGATIVES, collapse_path, metrics_path, mode
                                     training_set)
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
+from clusterscale.runtime.nodes import node_stats
 from clusterscale.runtime.resources import plan_actors
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup import train_dedup_config
@@ -154,7 +155,8 @@ def finish_training(cfg: Config, run: RunDir, plan: TrainPlan, result, recluster
              "unused_pairs_per_epoch": plan.unused_pairs, "wall_s": round(wall, 3),
              "worker_s": round((wall - recluster_s) * tc.compute.num_workers, 3),
              "device": "gpu" if tc.compute.use_gpu else "cpu",
-             "pairs_per_s": round(plan.num_steps * batches.global_batch_size / wall, 2)}
+             "pairs_per_s": round(plan.num_steps * batches.global_batch_size / wall, 2),
+             **node_stats((result.metrics or {}).get("nodes", []) if result is not None else [])}
     if tc.objective.negatives_per_query:
         stats["mined_negatives_per_query"] = tc.objective.negatives_per_query
     if run.exists(collapse_path(plan.name)):  # train.stop_on_collapse=false: warned, went on; the report flags it

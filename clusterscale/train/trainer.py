@@ -22,6 +22,7 @@ from clusterscale.config import Config
 from clusterscale.io.rundir import RunDir
 from clusterscale.io.layout import shard_set_manifest, training_set
 from clusterscale.modeling.student import build_student, matmul_params
+from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
 from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows
@@ -134,6 +135,15 @@ class TrainData:
         return shard.cluster, shard.name
 
 
+def ranks_nodes(world: int) -> list[str]:
+    """The Ray node id of every rank (gathered over the process group): the checkpoint reports carry them to the
+    driver, which records where training ran (runtime/nodes.py)."""
+    nodes = [this_node()] * world
+    if world > 1 and torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(nodes, this_node())
+    return nodes
+
+
 class Trainer:
     """One rank's training of one segment: set up in __init__, one global step in `train_step`, `fit` to the stop."""
 
@@ -150,6 +160,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler, job.cursor(),
                                          ModelExport(self.tokenizer, pooling, tc.student.passage_max_length))
         self.start_step, self.restored = self._restore()
+        self.nodes = ranks_nodes(world)
         self.metrics = MetricsProcessor(job.run, job.name, tc, rank, world,
                                         peak=peak_flops(self.device, tc.compute.peak_tflops) if rank == 0 else None,
                                         resume_step=self.start_step if self.restored else None,
@@ -191,6 +202,7 @@ class Trainer:
         """One global step: this rank's rows forward and backward (the loss sees every rank's batch), gradient
         clipping, optimizer and LR step; then the figures all-reduced (with the bytes read for the rows), so every
         rank holds the same ones."""
+        unit_delay_for_tests("train")
         gb, table, started = item.batch, item.table, time.time()
         torch.manual_seed(step_seed(self.tc.schedule.seed, gb.step, self.rank))  # a resume replays the dropout masks
         self.model.train()
@@ -239,6 +251,6 @@ class Trainer:
             if self.rank == 0:
                 self.checkpointer.write(directory, step, epoch, final)
                 attached = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report({**self.metrics.report(step), **(note or {})}, checkpoint=attached)
+            ray.train.report({**self.metrics.report(step), "nodes": self.nodes, **(note or {})}, checkpoint=attached)
         finally:
             shutil.rmtree(directory, ignore_errors=True)

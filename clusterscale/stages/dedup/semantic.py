@@ -16,6 +16,7 @@ from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 from clusterscale.stages.dedup.exact import replace_columns
 from clusterscale.stages.dedup.heldout import heldout_vector_leaks
+from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 
 KEPT_ROWS_PER_FILE = 200_000
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
@@ -84,6 +85,7 @@ def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[
     rows are written; returns the cluster's counts and histogram of best cosines (one row). dc: the dedup
     section."""
     release_freed_memory()  # what the worker's previous group or task freed
+    unit_delay_for_tests("dedup")
     cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
@@ -106,4 +108,5 @@ def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[
     example = example_group(group)
     return pa.table({"cluster": [cluster], "rows": [group.num_rows], "kept": [kept.num_rows],
                      **{name: [int((reason == code).sum())] for code, name in core.REASONS.items()},
-                     "histogram": [histogram], "example": [json.dumps(example) if example else ""]})
+                     "histogram": [histogram], "example": [json.dumps(example) if example else ""],
+                     "node": [this_node()]})

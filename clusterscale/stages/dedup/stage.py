@@ -23,6 +23,7 @@ from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldou
 from clusterscale.stages.dedup.policy import check_config
 from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, dedup_cluster
 from clusterscale.stages.kmeans import load_centroids
+from clusterscale.runtime.nodes import node_stats
 
 ROWS_PER_BUCKET = 25_000  # rows of one exact-dedup reduce task (all columns of its rows are in memory)
 MARK_BATCH_ROWS = 4096  # rows per map batch (mark, and routing held-out vectors)
@@ -120,4 +121,4 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
                 results, key=lambda r: r["cluster"])},
             "similarity_histogram": {"edges": edges, "counts": histogram} if cfg.dedup.semantic_threshold else None,
             "examples": examples[:NUM_EXAMPLES], "k": cfg.cluster.k, "wall_s": round(wall, 3),
-            "worker_s": round(wall, 3)}
+            "worker_s": round(wall, 3), **node_stats(r["node"] for r in results)}

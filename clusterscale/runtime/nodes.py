@@ -1,0 +1,61 @@
+"""Which Ray nodes did a stage's work: each task or actor names its node with its results, the stage records the set.
+
+A stage's done marker (RUN/<folder>/_DONE.json, stats `nodes`) and its cost record (report/costs.json, `num_nodes`)
+say where the work ran, so a run on a multi-node cluster shows that its stages spread (tests/test_multinode.py).
+Only the nodes of the attempt that finished are named: units reused from an earlier attempt name none.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+
+import ray
+
+NODE = "_node"  # the column (or result field) that carries the node id of the worker that made a row or unit
+
+
+def this_node() -> str | None:
+    """The Ray node id of the calling worker (hex); None outside Ray (a stage's core called directly)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def node_stats(node_ids: Iterable[str | None]) -> dict:
+    """The stats that record where a stage ran: `nodes` (sorted node ids; the done marker keeps the list) and
+    `num_nodes` (a number, which the cost record keeps too)."""
+    nodes = sorted({n for n in node_ids if n})
+    return {"nodes": nodes, "num_nodes": len(nodes)}
+
+
+def alive_nodes() -> dict[str, str]:
+    """{node id: IP} of the nodes alive now ({} without a Ray connection)."""
+    if not ray.is_initialized():
+        return {}
+    return {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")}
+
+
+def lost_nodes(before: dict[str, str]) -> list[str]:
+    """The nodes of `before` (alive_nodes() at a stage's start) that are gone now, as 'id (IP)'."""
+    if not before or not ray.is_initialized():
+        return []
+    now = alive_nodes()
+    return [f"{node} ({ip})" for node, ip in sorted(before.items()) if node not in now]
+
+
+TEST_UNIT_DELAY_ENV = "CLUSTERSCALE_TEST_UNIT_DELAY"
+"""Test hook (tests/test_multinode.py): the path of a JSON file {stage: seconds}; each unit of that stage (an embed
+or assign unit, a shard group, a training step) waits that long first, so that a test can remove a node between
+two units. Read by the workers, which inherit it from the node's environment; unset, it costs one lookup."""
+
+
+def unit_delay_for_tests(stage: str) -> None:
+    path = os.environ.get(TEST_UNIT_DELAY_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            delay_s = float(json.load(f).get(stage, 0))
+    except (OSError, ValueError, AttributeError):  # no file (the test is not slowing anything now)
+        return
+    time.sleep(delay_s)
