@@ -149,6 +149,10 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{key} must not be null (default: {bounded_repr(default)}).")
+    if str(f.type) == "int | str":  # a count, or the word of its default ('auto': sized by the code)
+        if value == default or (type(value) is int and 0 < value < 2**63):
+            return value
+        raise ConfigError(f"{key} must be {default!r} or a positive integer, got {bounded_repr(value)}.")
     kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
     if kind is bool:
         if not isinstance(value, bool):
