@@ -78,7 +78,7 @@ class Section:
     def check_bounds(self) -> None:
         for name, (owner, f) in self.knobs().items():
             value = getattr(owner, name)
-            if f.metadata["bounds"] is not None and value is not None:
+            if f.metadata["bounds"] is not None and isinstance(value, (int, float)):  # not null, not 'auto'
                 f.metadata["bounds"].check(f"{self.section}.{name}", value)  # (dedup has a field named key)
 
     def check_rules(self) -> None:
@@ -149,11 +149,9 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{key} must not be null (default: {bounded_repr(default)}).")
-    if str(f.type) == "int | str":  # a count, or the word of its default ('auto': sized by the code)
-        if value == default or (type(value) is int and 0 < value < 2**63):
-            return value
-        raise ConfigError(f"{key} must be {default!r} or a positive integer, got {bounded_repr(value)}.")
     kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
+    if str(f.type) == "int | str":  # a count or a named setting ('auto'), the strings being the choices
+        kind = str if isinstance(value, str) else int
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {bounded_repr(value)}.")
@@ -180,6 +178,7 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
     choices = f.metadata["choices"]
-    if choices and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {bounded_repr(value)}.")
+    if choices and kind is not int and value not in choices:
+        either = " or an integer" if str(f.type) == "int | str" else ""
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}{either}; got {bounded_repr(value)}.")
     return value

@@ -54,7 +54,7 @@ def task_memory_bytes() -> float:
     if ray.is_initialized():
         cluster = ClusterResources.current()
         if cluster.node_memory_bytes:
-            return cluster.node_memory_bytes / cluster.cpus_per_node
+            return cluster.task_memory_bytes
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (os.cpu_count() or 1)
 
 
