@@ -3,7 +3,6 @@ they fit (each passage routed once, each query once per probed cluster), split g
 sidecar grouping's partitions sized by the data, and the resume path counting from the bucket files' footers."""
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
