@@ -39,3 +39,10 @@ def test_study_table_prints_the_runs_own_figures(tmp_path, capsys):
     assert "| clustered - random_clusters | -0.0168 [-0.0218, -0.0118] | -0.0147 [-0.0169, -0.0125] | 0/3, 0/3 |" in out
     assert table.main([str(tmp_path / "missing")]) == 2
     assert "report/compare.json not found" in capsys.readouterr().err
+
+
+def test_issue_27_benchmarks_import_what_they_measure():
+    """bench_driver_files and bench_shard_stats reach the functions they time (run them for the figures)."""
+    files, stats = load("bench_driver_files"), load("bench_shard_stats")
+    assert callable(files.missing_files) and callable(files.RunDir.footers)
+    assert callable(stats.shards.cluster_stats) and stats.shards.STATS_FAN_IN >= 2

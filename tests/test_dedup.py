@@ -150,6 +150,22 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, n
     assert not held_texts & ({core.normalised(q) for q in shards.column("query").to_pylist()} | set(keys))
 
 
+def test_clusters_split_into_blocks_equal_brute_force(planted_run):
+    """dedup.max_group_rows=64 splits each ~600-row cluster into ~10 blocks compared pair by pair in Ray tasks: the
+    removed rows (pair_id, reason, duplicate_of) are brute force's, as unsplit (the test above)."""
+    run, _, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep="easy",
+                                                                 semantic_threshold=THRESHOLD, max_group_rows=64)])
+    run_stage("dedup", cfg, run, replace="changed")
+    removed = removed_table(run)
+    got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
+                                                             for c in ("pair_id", "reason", "duplicate_of")))}
+    assert got == reference(run, "easy", 2)
+    assert sum(r == "semantic" for r, _ in got.values()) >= PLANTED
+    clusters = pads.dataset(run.files(assign_dir(K)), filesystem=run.fs).to_table(columns=["cluster"])
+    assert np.bincount(clusters.column("cluster").to_numpy()).min() > 4 * 64  # every cluster in 5+ blocks
+
+
 def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
     run, _, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings()])

@@ -49,6 +49,49 @@ def test_semantic_greedy_equals_brute_force(planted, rule, block_rows):
         assert got[pid][0] == dup and got[pid][1] == pytest.approx(sim, abs=1e-12)
 
 
+def split_by_cluster(x, cluster, pair_ids, cos, rule, max_group_rows) -> dict[int, tuple[int, float]]:
+    """greedy_by_cluster through the block x block edge list (semantic.split_greedy, in this process)."""
+    from clusterscale.stages.dedup.semantic import split_greedy
+
+    removed = {}
+    for c in np.unique(cluster):
+        rows = np.flatnonzero(cluster == c)
+        rows = rows[core.keep_order(pair_ids[rows], core.keep_rank(pair_ids[rows], cos[rows], rule, 7))]
+        kept, dup, best = split_greedy(x[rows], THRESHOLD, 5, max_group_rows)
+        for r in np.flatnonzero(~kept):
+            removed[int(pair_ids[rows[r]])] = (int(pair_ids[rows[dup[r]]]), float(best[r]))
+    return removed
+
+
+@pytest.mark.parametrize("rule", ["hard", "easy", "random"])
+@pytest.mark.parametrize("max_group_rows", [13, 64])
+def test_clusters_split_into_blocks_equal_brute_force(planted, rule, max_group_rows):
+    """Clusters of ~85 rows in blocks of 13 or 64 rows: the edge list of every block pair, walked in keep order,
+    removes exactly the rows brute force removes, with the same duplicate_of and cosine."""
+    x, cluster, pair_ids, cos = planted
+    assert np.bincount(cluster).min() > max_group_rows  # every cluster split, into blocks of 5-row chunks
+    expected = brute_force_semantic(x, cluster, pair_ids, cos, rule, 7, THRESHOLD)
+    got = split_by_cluster(x, cluster, pair_ids, cos, rule, max_group_rows)
+    assert len(expected) >= COPIES // 2 and got.keys() == expected.keys()
+    for pid, (dup, sim) in expected.items():
+        assert got[pid][0] == dup and got[pid][1] == pytest.approx(sim, abs=1e-12)
+
+
+def test_block_pair_edges_decide_near_threshold_pairs_in_float64():
+    """Thresholds 1e-12 either side of a pair's cosine (far inside float32's error): the pair is an edge exactly
+    when its float64 cosine reaches the threshold, whatever float32 says."""
+    rng = np.random.default_rng(0)
+    a = unit(rng.standard_normal((1, D)))
+    b = unit(rng.standard_normal((1, D)))
+    exact = float((a @ b.T)[0, 0])
+    for threshold, is_edge in ((exact - 1e-12, True), (exact + 1e-12, False)):
+        i, j, sim = core.block_pair_edges(a, b, 0, 1, threshold, 8)
+        assert (len(i) == 1) == is_edge
+        if is_edge:
+            assert (i[0], j[0], sim[0]) == (0, 1, pytest.approx(exact, abs=1e-14))
+    assert len(core.block_pairs(100, 30)) == 10  # 4 blocks: 4 + 3 + 2 + 1 pairs
+
+
 def test_keep_rules_keep_the_right_member():
     """Two identical vectors: hard keeps the one farther from its centroid (lower cos), easy the nearer."""
     x = np.tile(np.eye(3)[:1], (2, 1))

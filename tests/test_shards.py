@@ -19,7 +19,8 @@ from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centr
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import run_stage
 from clusterscale.runtime.vectors import emb_array, emb_matrix
-from clusterscale.stages.shards import (block_cluster_stats, groups_per_shard, mean_pairwise_cosine,
+from clusterscale.stages import shards
+from clusterscale.stages.shards import (block_cluster_stats, cluster_stats, groups_per_shard, mean_pairwise_cosine,
                                         plan_small_clusters, sub_groups)
 from clusterscale.stages.synthetic import clustered_unit_vectors, write_embeddings_stage
 from clusterscale.train.data import ShardReader
@@ -33,10 +34,10 @@ def cfg_with(policy: str = "merge", batch: int = 64, rows_per_file: int = 100, k
                                   f"shard.target_rows_per_file={rows_per_file}", "train.num_workers=1", *extra])
 
 
-def assigned_run(path, x: np.ndarray, k: int = K) -> tuple[RunDir, np.ndarray, np.ndarray]:
+def assigned_run(path, x: np.ndarray, k: int = K, rows_per_file: int = 400) -> tuple[RunDir, np.ndarray, np.ndarray]:
     """embeddings/, kmeans/k=<k>/ and assign/k=<k>/ written directly (the core fit, no Ray)."""
     run = RunDir(str(path))
-    write_embeddings_stage(run, x, rows_per_file=400)
+    write_embeddings_stage(run, x, rows_per_file=rows_per_file)
     centroids, _ = fit_spherical_kmeans(x, k, 6, 0)
     sink = io.BytesIO()
     np.save(sink, centroids)
@@ -181,6 +182,21 @@ def test_block_stats_add_up_to_the_whole(data):
         assert rows[c] == mine.sum() and cos[c] == pytest.approx(np.linspace(0, 1, len(data))[mine].sum())
         np.testing.assert_allclose(sums[c], vectors[mine].astype(np.float64).sum(0), rtol=1e-9, atol=1e-9)
     assert block_cluster_stats(table.slice(0, 0)).num_rows == 0
+
+
+def test_cluster_stats_added_in_a_tree_of_tasks_equal_the_whole(tmp_path, data, ray_local, monkeypatch):
+    """12 row groups added 2 at a time in Ray tasks, then partial sums 2 at a time: the per-cluster rows, cos sums
+    and vector sums of every row (the fp16 vectors' float64 sums are exact in any order, so equal to the bit)."""
+    run, _, labels = assigned_run(tmp_path / "run", data, rows_per_file=100)
+    monkeypatch.setattr(shards, "STATS_FAN_IN", 2)
+    stats = cluster_stats(run, K, N, assign_dir(K))
+    table = pads.dataset(run.files(assign_dir(K)), filesystem=run.fs).to_table()
+    assert len(run.files(assign_dir(K))) == 12
+    cluster, cos = table.column("cluster").to_numpy(), table.column("cos").to_numpy().astype(np.float64)
+    vectors = emb_matrix(table.column("emb"), np.float64)
+    np.testing.assert_array_equal(stats.rows, np.bincount(cluster, minlength=K))
+    np.testing.assert_allclose(stats.cos_sum, np.bincount(cluster, cos, K), rtol=1e-12)
+    np.testing.assert_array_equal(stats.vector_sum, np.stack([vectors[cluster == c].sum(0) for c in range(K)]))
 
 
 def test_sub_groups_are_a_balanced_seeded_hash():

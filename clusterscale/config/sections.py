@@ -155,6 +155,13 @@ class DedupConfig(Section):
     block_rows: int = knob(2048, "Rows of a cluster compared at once by the semantic pass (memory ~ block_rows^2 x "
                                  "8 bytes); the result does not depend on it.", affects_output=False,
                            bounds=POSITIVE)
+    max_group_rows: int | str = knob("auto", "Most rows of a cluster the semantic pass compares in one task: a "
+                                             "larger cluster is compared block x block (blocks of this many rows) "
+                                             "in parallel tasks that return only the pairs at or above the "
+                                             "threshold, and the keep rule walks those pairs (same result). 'auto' "
+                                             "= the rows a quarter of one task's memory holds (Ray's memory per "
+                                             "CPU of the largest node); an integer sets it.",
+                                     choices=("auto",), bounds=POSITIVE, affects_output=False)
     heldout_nprobe: int = knob(2, "The semantic held-out leak check compares a held-out vector with the training "
                                   "pairs of its heldout_nprobe nearest clusters only (per cluster, in the cluster "
                                   "step): near-duplicates at cosine >= 0.9 almost always share the nearest centroid; "

@@ -99,11 +99,8 @@ def one_key_per_partition(num_keys: int, num_partitions: int | None = None) -> n
 def read_row_groups(run: RunDir, files: list[str], columns: list[str]) -> ray.data.Dataset:
     """`columns` of every row of `files` (full paths on run's filesystem), one block per Parquet row group.
     The driver reads the footers only and holds one small (path, group) item per row group."""
-    units = []
-    for path in files:
-        with run.fs.open_input_file(path) as f:
-            groups = pq.ParquetFile(f).metadata.num_row_groups
-        units += [{"path": path, "row_group": g} for g in range(groups)]
+    units = [{"path": path, "row_group": g} for path, footer in zip(files, run.footers(files))
+             for g in range(footer.num_row_groups)]
     return ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
         _read_units, fn_kwargs={"run_uri": run.uri, "columns": columns}, batch_size=1, batch_format="pyarrow")
 

@@ -4,7 +4,10 @@ cluster, and matches against held-out pairs. stages/dedup/ distributes them over
 Semantic groups, precisely: sort a cluster's rows into keep order; walk it; a row is removed when its cosine to
 a row kept before it is >= the threshold, else it is kept. A removed row's duplicate_of is the kept row before it
 with the highest cosine (equal cosines: the earliest in keep order). `semantic_greedy` computes exactly that in
-blocks of rows, so its memory does not grow with the square of the cluster.
+blocks of rows, so its memory does not grow with the square of the cluster. A cluster too large for one task
+is compared block x block instead (`block_pair_edges`, each block pair its own task): only the pairs at or above
+the threshold come back (an edge list), and `greedy_from_edges` walks the same keep order over them, so the
+kept rows, each removed row's duplicate_of and similarity are exactly `semantic_greedy`'s.
 """
 from __future__ import annotations
 
@@ -109,6 +112,71 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[n
         # place, so the block holds one block_rows^2 float64 matrix, not two
         within[~(before & alive[:, None])] = -np.inf
         _take_better(best[start:stop], best_of[start:stop], within.T, rows)
+    return kept, np.where(kept, -1, best_of), best
+
+
+def near_threshold_margin(d: int) -> float:
+    """How far below the threshold a float32 cosine of d-dim unit vectors may fall and still be >= it in float64:
+    float32 accumulates at most ~d x 2^-24 relative error per product sum of unit vectors (|a.b| <= 1), so pairs
+    within this margin are decided in float64 (at least 1e-5)."""
+    return max(1e-5, d * 2.0 ** -23)
+
+
+def block_pair_edges(xa: np.ndarray, xb: np.ndarray, start_a: int, start_b: int, threshold: float,
+                     block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The edges (i, j, cosine) between two blocks of unit vectors of one cluster in keep order, rows start_a..
+    and start_b.. (start_a <= start_b; the same block: only i < j): every pair with i < j and float64 cosine >=
+    threshold. Products in float32, block_rows x block_rows at a time; the few pairs within
+    near_threshold_margin of the threshold or above are recomputed in float64 (their cosine is exact, so ties
+    and duplicate_of do not depend on the blocking nor on the BLAS)."""
+    same = start_a == start_b
+    margin = near_threshold_margin(xa.shape[1])
+    a32, b32 = np.asarray(xa, np.float32), np.asarray(xb, np.float32)
+    found_i, found_j = [], []
+    for r in range(0, len(xa), block_rows):
+        rows = a32[r:r + block_rows]
+        for c in range(r if same else 0, len(xb), block_rows):
+            hit_r, hit_c = np.nonzero(rows @ b32[c:c + block_rows].T >= threshold - margin)
+            hit_r, hit_c = hit_r + r, hit_c + c
+            if same:
+                keep = hit_r < hit_c
+                hit_r, hit_c = hit_r[keep], hit_c[keep]
+            found_i.append(hit_r)
+            found_j.append(hit_c)
+    i = np.concatenate(found_i) if found_i else np.zeros(0, np.int64)
+    j = np.concatenate(found_j) if found_j else np.zeros(0, np.int64)
+    sim = np.einsum("nd,nd->n", np.asarray(xa[i], np.float64), np.asarray(xb[j], np.float64))
+    keep = sim >= threshold
+    return (i[keep] + start_a).astype(np.int64), (j[keep] + start_b).astype(np.int64), sim[keep]
+
+
+def block_pairs(n: int, max_group_rows: int) -> list[tuple[int, int]]:
+    """The (start_a, start_b) of every block pair of a cluster of n rows in blocks of max_group_rows,
+    start_a <= start_b: each pair of rows is in exactly one of them."""
+    starts = range(0, n, max_group_rows)
+    return [(a, b) for a in starts for b in starts if a <= b]
+
+
+def greedy_from_edges(n: int, i: np.ndarray, j: np.ndarray, sim: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """semantic_greedy's (kept, duplicate_of, best) for n rows in keep order from the edge list of every pair
+    i < j with cosine >= the threshold: walking j in keep order, a row is removed when an edge reaches it from a
+    kept row; its duplicate is that kept row with the highest cosine (the earliest among equals). best holds a
+    removed row's cosine to it; a kept row's best to the rows kept before it is below the threshold, so not in
+    the edge list: -inf."""
+    kept = np.ones(n, bool)
+    best, best_of = np.full(n, -np.inf), np.full(n, -1, np.int64)
+    order = np.lexsort((i, j))  # by target row, then source row: the earliest source first among equal cosines
+    i, j, sim = i[order], j[order], sim[order]
+    starts = np.flatnonzero(np.r_[True, j[1:] != j[:-1]]) if len(j) else np.zeros(0, np.int64)
+    for lo, hi in zip(starts, np.r_[starts[1:], len(j)].astype(np.int64)):
+        sources = i[lo:hi]
+        from_kept = kept[sources]  # final: every source precedes this target
+        if from_kept.any():
+            s = np.where(from_kept, sim[lo:hi], -np.inf)
+            at = int(np.argmax(s))
+            target = j[lo]
+            kept[target], best[target], best_of[target] = False, s[at], sources[at]
     return kept, np.where(kept, -1, best_of), best
 
 

@@ -48,9 +48,8 @@ def row_group_units(run: RunDir) -> list[RowGroupUnit]:
     """Every row group of embeddings/, from the Parquet footers only."""
     root = run.path("embeddings")
     units = []
-    for path in run.files("embeddings"):
-        with run.fs.open_input_file(path) as f:
-            meta = pq.ParquetFile(f).metadata
+    files = run.files("embeddings")
+    for path, meta in zip(files, run.footers(files)):
         name = posixpath.relpath(path, root)
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)

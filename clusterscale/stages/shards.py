@@ -1,7 +1,7 @@
 """Shard: write the assigned rows as one seeded-shuffled Parquet set per cluster, then the manifest.
 
 shards/k=<k>/cluster=<c>/part-<group>-<part>.parquet and shards/k=<k>/manifest.json (written last).
-Two Ray Data passes: per-cluster sums from cluster, cos and emb only (reduced k x d on the driver), then
+Two Ray Data passes: per-cluster sums from cluster, cos and emb only (added up in Ray tasks, k x d to the driver), then
 the text rows shuffled by (shard, sub-group); a cluster over shard.max_group_rows is split into sub-groups
 by a seeded hash of pair_id. Clusters smaller than one global batch follow shard.small_cluster_policy.
 Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/kept/ when dedup is on).
@@ -101,24 +101,65 @@ def block_cluster_stats(batch: pa.Table) -> pa.Table:
                                                                    emb.shape[1])})
 
 
+STATS_FAN_IN = 16  # inputs (block stats or partial sums) one reduce task adds up
+
+
+def add_stats(k: int, *parts: pa.Table | ClusterStats) -> ClusterStats:
+    """Reduce task: the dense k-cluster sums of block_cluster_stats tables and/or earlier partial sums."""
+    total = None
+    for part in parts:
+        if part is None:  # the sums of empty blocks only
+            continue
+        if isinstance(part, pa.Table):
+            if not part.num_rows:
+                continue
+            labels = part.column("cluster").to_numpy()
+            vectors = emb_matrix(part.column("vector_sum"), dtype=np.float64)
+            part = ClusterStats(np.bincount(labels, part.column("rows").to_numpy(), k).astype(np.int64),
+                                np.bincount(labels, part.column("cos_sum").to_numpy(), k),
+                                np.zeros((k, vectors.shape[1])))
+            np.add.at(part.vector_sum, labels, vectors)
+        if total is None:
+            total = ClusterStats(part.rows.copy(), part.cos_sum.copy(), part.vector_sum.copy())
+        else:
+            total.rows += part.rows
+            total.cos_sum += part.cos_sum
+            total.vector_sum += part.vector_sum
+    return total
+
+
+def _add_blocks(k: int, *blocks: pa.Table) -> tuple[int, ClusterStats | None]:
+    """Reduce task over block stats: (their rows, for the driver's progress line; their sums)."""
+    total = add_stats(k, *blocks)
+    return (0 if total is None else int(total.rows.sum())), total
+
+
 def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str) -> ClusterStats:
-    """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, reduced (k x d) on
-    the driver."""
+    """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, added up in Ray
+    tasks: each task adds STATS_FAN_IN blocks' (or partial sums') k x d float64 sums as they stream in, and the
+    driver receives the one k x d total (the blocks' sums, ~75 GB at 100M rows and k = 1,000, stay in tasks)."""
     ds = read_row_groups(run, run.files(folder), ["cluster", "cos", "emb"])
     # One read block (a Parquet row group: 8,192 rows as assign writes them) per call, fused into the read task. A
     # batch_size larger than a block made Ray Data assemble batches in a separate worker whose heap grew with N
     # (469 -> 678 MB at 150k -> 600k rows; 218 -> 228 MB this way).
     ds = ds.map_batches(block_cluster_stats, batch_size=None, batch_format="pyarrow")
-    stats, progress = None, ProgressLine("shard stats", n_rows)
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        labels, rows = batch.column("cluster").to_numpy(), batch.column("rows").to_numpy()
-        vectors = emb_matrix(batch.column("vector_sum"), dtype=np.float64)
-        if stats is None:
-            stats = ClusterStats(np.zeros(k, np.int64), np.zeros(k), np.zeros((k, vectors.shape[1])))
-        np.add.at(stats.rows, labels, rows)
-        np.add.at(stats.cos_sum, labels, batch.column("cos_sum").to_numpy())
-        np.add.at(stats.vector_sum, labels, vectors)
-        progress.advance(int(rows.sum()))
+    add_blocks = ray.remote(num_returns=2)(_add_blocks)
+    add_partials = ray.remote(add_stats)
+    blocks, partials, counts = [], [], []
+    progress = ProgressLine("shard stats", n_rows)
+    for bundle in ds.iter_internal_ref_bundles():  # references only: no block reaches the driver
+        blocks += bundle.block_refs
+        if len(blocks) >= STATS_FAN_IN:
+            count, partial = add_blocks.remote(k, *blocks)
+            blocks, counts = [], counts + [count]
+            partials.append(partial)
+        if len(partials) >= STATS_FAN_IN:
+            partials = [add_partials.remote(k, *partials)]
+        done, counts = ray.wait(counts, num_returns=len(counts), timeout=0) if counts else ([], [])
+        progress.advance(sum(ray.get(done)))
+    if blocks:
+        partials.append(add_blocks.remote(k, *blocks)[1])
+    stats = ray.get(add_partials.remote(k, *partials)) if partials else None
     if stats is None:
         raise ClusteringError(f"{folder}/ holds no rows: rerun `clusterscale assign` (and `dedup`, when on).")
     return stats

@@ -2,6 +2,7 @@
 cluster, as Ray Data steps over assign/k=<k>/; its stats and the removed rows it leaves."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,7 +22,7 @@ from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
 from clusterscale.stages.dedup.policy import check_config
-from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, dedup_cluster
+from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, dedup_cluster, group_rows_limit
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.runtime.nodes import node_stats
 
@@ -59,8 +60,15 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     per-cluster results."""
     files = run.files(assign_dir(cfg.cluster.k))
     with run.fs.open_input_file(files[0]) as f:
-        schema = pq.read_schema(f).remove_metadata()
+        footer = pq.read_metadata(f)
+    schema = footer.schema.to_arrow_schema().remove_metadata()
     columns = schema.names
+    # dedup.max_group_rows=auto sized once here, by a row's bytes in memory (Parquet's uncompressed size) and
+    # its float32 vector, so every cluster task splits by the same number
+    d = schema.field("emb").type.list_size
+    row_bytes = (footer.row_group(0).total_byte_size / max(footer.row_group(0).num_rows, 1)
+                 if footer.num_row_groups else 0.0) + 4 * d
+    dedup_cfg = dataclasses.replace(cfg.dedup, max_group_rows=group_rows_limit(cfg.dedup, row_bytes))
     # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
     # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
     buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
@@ -77,7 +85,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         if held is not None:
             ds = ds.union(held)
         ds = ds.groupby("part", num_partitions=clusters).map_groups(
-            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dc": cfg.dedup, "columns": columns},
+            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns},
             batch_format="pyarrow")
         for result in ds.iter_rows():
             results.append(result)
