@@ -116,8 +116,18 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
+    """An arm's train keys: a custom arm's (--arm NAME:...) over those its name gives when it names an arm (e.g.
+    --arm random+mined:train.negatives_curriculum_steps=200 is random+mined with the easy-first phase)."""
     if name in custom:
-        return dict(custom[name])
+        try:
+            named = _named_arm_keys(name, cfg)
+        except ConfigError:  # a name of the user's own
+            named = {}
+        return named | dict(custom[name])
+    return _named_arm_keys(name, cfg)
+
+
+def _named_arm_keys(name: str, cfg: Config) -> dict:
     if name in ARM_SAMPLERS:
         return {"sampler": name}
     if name.endswith(MINED_SUFFIX) and name.removesuffix(MINED_SUFFIX) in ARM_SAMPLERS:
