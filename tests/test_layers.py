@@ -15,7 +15,8 @@ COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
 # Top to bottom; a module may import its own layer and the layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
-    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments"]),
+    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments",
+                       "clusterscale.arm_costs"]),
     # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
     ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
