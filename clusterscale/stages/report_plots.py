@@ -7,7 +7,8 @@ import numpy as np
 
 from clusterscale.io.records import ShardManifest
 
-PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green"}
+PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green", "curriculum": "tab:purple",
+           "clustered+mined": "tab:orange", "random+mined": "tab:cyan"}
 
 
 def _pyplot():

@@ -2,9 +2,10 @@
 checks are io/layout's, shared with the writers).
 
 Every sampler trains from a shard set (io/layout.shard_set_dir): the clustered shards for `clustered`, a set
-written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py). A set's shards are
-the sampler's strata; its manifest lists each shard's files and their rows, so a rank reads only the row
-groups of its rows and never lists or opens the other files.
+written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py), both the clustered shards
+and the random set for `curriculum` (StackedReader). A set's shards are the sampler's strata; its manifest lists
+each shard's files and their rows, so a rank reads only the row groups of its rows and never lists or opens the
+other files.
 """
 from __future__ import annotations
 
