@@ -106,8 +106,9 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     (run_train runs its segments with train_segment, then finish_training)."""
     tc, name = cfg.train, cfg.train_name()
     batches, out = tc.schedule, train_dir(name)
-    manifest = [shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size, name)  # checked, each of them
-                for name in training_sets(batches.sampler, tc.shards.dedup)][-1]  # the curriculum's: the random set
+    manifests = [shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size, name)  # checked, each of them
+                 for name in training_sets(batches.sampler, tc.shards.dedup)]
+    manifest = manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
     if tc.logging.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
@@ -115,7 +116,8 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
         _check_negatives(cfg, run)
     sizes = manifest.strata_sizes
     num_steps = schedule.total_steps(sizes, tc.schedule.global_batch_size, tc.schedule.epochs, tc.schedule.steps)
-    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.schedule.global_batch_size) == 0:
+    if num_steps == 0 or not all(schedule.batches_per_epoch(m.strata_sizes, batches.global_batch_size)
+                                 for m in manifests):  # the curriculum may draw from either set at any step
         raise ConfigError(f"train.sampler={tc.schedule.sampler} finds no stratum with a full global batch of "
                           f"{tc.schedule.global_batch_size} pairs: lower train.global_batch_size.")
     # The curriculum's sizes are the random set's, so its epoch is N / batch steps and its unused pairs the shuffle's.
