@@ -8,7 +8,8 @@ written from the clustered shards, but a user's random baseline only shuffles):
   source           ingest, its set (shard:source)
   clustered        ingest, embed, fit, assign, shard (dedup and its set with train.dedup)
   curriculum       the clustered arm's stages and the random shuffle
-  ... + mined      and embed, fit, assign, shard (mining searches each query's nearest clusters), mine
+  ... + mined      and embed, fit, assign, shard (mining searches each query's nearest clusters), mine (and
+                   mine:embed, the re-embedding, when mine.encoder is not the frozen one)
 A stage several arms need ran once for all of them: each arm's figures count it, the compare total counts it once.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from clusterscale.stages.dedup import dedup_applied
 
 CLUSTERING = ("embed", "fit", "assign", "shard")
 STAGE_ORDER = ("ingest", "embed", "fit", "assign", "dedup", "shard", "shard:dedup", "shard:random",
-               "shard:random_clusters", "shard:source", "mine")
+               "shard:random_clusters", "shard:source", "mine:embed", "mine")
 HOUR_S = 3600.0
 
 
@@ -33,7 +34,7 @@ def arm_stages(cfg: Config) -> list[str]:
     if tc.shards.dedup:
         needs |= {"dedup", "shard:dedup"}
     if tc.objective.negatives_per_query:
-        needs |= set(CLUSTERING) | {"mine"}
+        needs |= set(CLUSTERING) | {"mine"} | ({"mine:embed"} if cfg.mine.encoder != "frozen" else set())
     if "shard" in needs and dedup_applied(cfg):  # dedup.apply_to_shards: the clustered shards come after it
         needs.add("dedup")
     return [s for s in STAGE_ORDER if s in needs]
