@@ -166,8 +166,10 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     mining = [a[0] for a in arms.values() if a[0].train.objective.negatives_per_query]
     stage_options = stage_options or {}
     run_stages(cfg, run, pipeline(cfg, last=PREPROCESS[-1]), **stage_options)
-    if mining:  # one mining pass serves every arm with mined negatives (same mine config)
-        run_stages(mining[0], run, ("mine",), write_config=False, **stage_options)
+    if mining:  # one mining pass serves every arm with mined negatives (same mine config); it writes the sidecars
+        # of the clustered shards, and each arm's training those of its own shard set (random's, made on demand)
+        run_stages(variant(mining[0], train={"sampler": "clustered"}), run, ("mine",), write_config=False,
+                   **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
