@@ -20,7 +20,11 @@ too (*_rss_mb), for reference.
 
 `peak_rss_mb` (the key the goal names) is therefore the peak USS of the largest single process of the stage
 (driver, gcs_server, raylet or one worker); `growth` = its value at 4N / at N (goal <= 1.25);
-`max_memory_growth` = the largest growth over the stages. rows_per_s = N / the stage's own wall time from
+`max_memory_growth` = the largest growth over the stages. `bytes_moved_per_row` = the bytes read + written
+by the stage's whole process tree (rchar + wchar: files, the disk shuffle's partitions, pipes and sockets; the
+object store's shared-memory pages, mapped rather than read, are not counted) / N; `bytes_growth` = its
+value at 4N / at N. --large-clusters (cluster.k = 4) adds `large_cluster_bytes_growth`: mine's bytes_growth
+when every cluster is larger than the old 16,384-row search groups. rows_per_s = N / the stage's own wall time from
 RUN/report/costs.json (without Ray's start-up, which the process time `seconds` includes).
 
 Training (`train`, a 2-step tiny from-scratch model) runs before evaluate only because evaluate scores a
@@ -106,6 +110,7 @@ class TreeSampler:
         self.tree_uss = self.tree_pss = self.tree_rss = 0
         self.heap = {"anon": 0, "shmem": 0, "title": ""}
         self.title_anon: dict[str, float] = {}  # worker title -> peak RssAnon of one process with that title  # the largest single process by private heap (RssAnon)
+        self.io: dict[tuple[int, float], tuple[int, int]] = {}  # (pid, start) -> latest (rchar + wchar, disk bytes)
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -146,6 +151,7 @@ class TreeSampler:
             peak["rss"] = max(peak["rss"], mem.rss)
             if kind == "worker":
                 self.titles[title] = max(self.titles.get(title, 0), mem.uss)
+            self._count_io(proc)
             anon, shmem = anon_and_shmem(proc.pid)
             if kind == "worker":
                 self.title_anon[title] = max(self.title_anon.get(title, 0), anon)
@@ -154,6 +160,18 @@ class TreeSampler:
         self.tree_uss, self.tree_pss = max(self.tree_uss, total_uss), max(self.tree_pss, total_pss)
         self.tree_rss = max(self.tree_rss, total_rss)
         self.samples += 1
+
+    def _count_io(self, proc: psutil.Process) -> None:
+        """The process's bytes read and written so far: rchar + wchar (every read/write call: files, pipes,
+        sockets) and read_bytes + write_bytes (what reached the block layer). Counters only grow, so the latest
+        sample of each process (pid and start time, as pids are reused) is its total up to then."""
+        try:
+            io = proc.io_counters()
+            key = (proc.pid, proc.create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
+            return
+        chars = getattr(io, "read_chars", 0) + getattr(io, "write_chars", 0)
+        self.io[key] = (chars, io.read_bytes + io.write_bytes)
 
     def summary(self) -> dict:
         """Peaks in MB: per kind (largest single process), the largest process overall, the tree's totals."""
@@ -171,6 +189,8 @@ class TreeSampler:
                 "peak_anon_process_shmem_mb": round(self.heap["shmem"] / MB, 1)}
         out |= {"tree_peak_uss_mb": round(self.tree_uss / MB, 1), "tree_peak_pss_mb": round(self.tree_pss / MB, 1),
                 "tree_peak_rss_mb": round(self.tree_rss / MB, 1), "samples": self.samples}
+        out |= {"tree_io_chars": sum(c for c, _ in self.io.values()),
+                "tree_io_disk_bytes": sum(b for _, b in self.io.values())}
         return out
 
 
@@ -253,6 +273,12 @@ def stage_entry(rows: list[int], runs: list[dict]) -> dict:
              "rows_per_s": [round(n / w, 1) if w else None for n, w in zip(rows, walls)]}
     for key in DETAIL_KEYS:
         entry[key] = [r.get(key) for r in runs]
+    moved = [r.get("tree_io_chars") for r in runs]
+    entry["bytes_moved_per_row"] = [round(b / n, 1) if b is not None else None for b, n in zip(moved, rows)]
+    entry["disk_bytes_per_row"] = [round(r["tree_io_disk_bytes"] / n, 1) if r.get("tree_io_disk_bytes") is not None
+                                   else None for r, n in zip(runs, rows)]
+    per_row = entry["bytes_moved_per_row"]
+    entry["bytes_growth"] = round(per_row[-1] / per_row[0], 3) if per_row[0] and per_row[-1] else None
     anon = entry["peak_anon_mb"]
     entry["anon_growth"] = round(anon[-1] / anon[0], 3) if anon[0] and anon[-1] else None
     for kind in ("driver", "worker"):  # which process grows
@@ -317,8 +343,13 @@ def main() -> None:
                         help="data.rows_per_part of the synth runs: the files (work units) of both scales are the "
                              "same size, so a stage whose memory is O(a work unit) shows growth 1.0 (default 50000; "
                              "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
-    parser.add_argument("--stages", default=",".join(STAGES),
-                        help="Comma-separated stages to measure (with the stages they need); default all six.")
+    parser.add_argument("--stages", default=None,
+                        help="Comma-separated stages to measure (with the stages they need); default all six "
+                             "(with --large-clusters: mine).")
+    parser.add_argument("--large-clusters", action="store_true",
+                        help="The large-cluster regime: cluster.k = 4, so clusters (~N/4 rows) exceed the 16,384 "
+                             "rows of the old fixed search groups as a 100M-pair run's clusters at k = 1,000 do; "
+                             "the JSON gets large_cluster_bytes_growth (mine's bytes_moved_per_row at 4N / at N).")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
@@ -328,7 +359,9 @@ def main() -> None:
     bench_scale_train.add_arguments(parser, prefix="train-")
     args = parser.parse_args()
     train_options = bench_scale_train.train_args(args, prefix="train-") if args.train else None
-    args.stages = [s for s in args.stages.split(",") if s]
+    if args.large_clusters:
+        args.k = 4
+    args.stages = [s for s in (args.stages or ("mine" if args.large_clusters else ",".join(STAGES))).split(",") if s]
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
         parser.error(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
@@ -340,6 +373,9 @@ def main() -> None:
     result = {stage: stage_entry(scales, [r[stage] for r in runs]) for stage in STAGES if stage in runs[0]}
     growths = [e["growth"] for e in result.values() if e["growth"] is not None and "error" not in e]
     result["max_memory_growth"] = max(growths) if growths else None
+    if args.large_clusters:
+        result["regime"] = "large_clusters (cluster.k = 4)"
+        result["large_cluster_bytes_growth"] = result.get("mine", {}).get("bytes_growth")
     result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train") if s in runs[0]}
     if train_options is not None:
         result |= bench_scale_train.run(train_options, root)

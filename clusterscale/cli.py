@@ -29,6 +29,8 @@ VERBS = {
     "compare": "Train and evaluate every sampler x seed arm on the same shards; mean and spread per arm.",
     "sweep": "Cluster at several k (and data sizes) from one embedding pass each; optionally train and evaluate.",
     "inspect": "Print the cluster table (rows, intra-cluster cosine, sample queries) of a run.",
+    "plan": "Predict per-stage time, GPU/CPU-hours, cost, memory, disk and files of N pairs at k clusters on a "
+            "cluster, from measured rates (a run's costs, `plan --calibrate`, a GPU calibration).",
     "config": "Print every config key with its default and documentation.",
 }
 
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=text, description=text,
                            epilog="Config keys: `clusterscale config`." if verb != "config" else None)
         if verb == "config":
+            continue
+        if verb == "plan":
+            add_plan_arguments(p)
             continue
         if verb == "inspect":
             p.add_argument("run", nargs="?", help="The run directory (or use --run-dir).")
@@ -90,6 +95,63 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-fraction", type=float,
                    help="data.heldout_fraction of the run (default: the config's, 0.05).")
     p.add_argument("--seed", type=int, default=0, help="Generator seed (default 0).")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="Pipeline config YAML; omitted = the run's, or the embedded default.")
+    p.add_argument("--run-dir", help="A finished run: its report/costs.json calibrates the rates, its clusters the "
+                                     "sizes, its folders the bytes per row.")
+    p.add_argument("--rows", type=int, help="Pairs to plan for (default: counted in data.path).")
+    p.add_argument("--k", dest="k_values", help="Comma-separated cluster counts (default: cluster.k).")
+    p.add_argument("--cluster", help="A Ray launcher YAML or KubeRay manifest (cluster_configs/).")
+    p.add_argument("--gpus", type=int, help="GPUs in all (instead of --cluster).")
+    p.add_argument("--gpu-type", help="H100, H200, A100, L40S, L4, ...")
+    p.add_argument("--nodes", type=int, help="Nodes (instead of, or overriding, --cluster).")
+    p.add_argument("--price-per-gpu-hour", type=float, help="Price of one GPU-hour; cost = cluster GPUs x hours.")
+    p.add_argument("--imbalance", type=float,
+                   help="k-means imbalance factor k*sum(n^2)/N^2 when no run measured one (default 1.5).")
+    p.add_argument("--calibration", help="The calibration file (default ~/.clusterscale/plan_calibration.json).")
+    p.add_argument("--gpu-calibration", help="JSON written by benchmarks/gpu_check.sh on a GPU node.")
+    p.add_argument("--calibrate", action="store_true",
+                   help="Time fit, assign and shard on two small synth runs on this machine and write the "
+                        "calibration file.")
+    p.add_argument("--calibrate-rows", default="25000,100000",
+                   help="Synth sizes of --calibrate (default 25000,100000).")
+    p.add_argument("--json", dest="json_path", help="Also write the plan as JSON to this path.")
+    p.add_argument("--save-in", help="Write the plan into RUN/report/plan_prediction.json (a run about to be made "
+                                     "at these rows and k), so that `clusterscale report` shows predicted vs measured.")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="Override config keys, e.g. --set train.global_batch_size=4096.")
+
+
+def run_plan_verb(args) -> None:
+    from clusterscale.plan import calibrate, render
+    from clusterscale.plan.build import PlanRequest, make_plan
+
+    if args.calibrate:
+        rows = experiments.parse_list(args.calibrate_rows, "--calibrate-rows", int)
+        path = calibrate.calibrate(rows, args.calibration, args.overrides)
+        print(f"calibration written to {path}")
+        if args.rows is None:
+            return
+    k_values = experiments.parse_list(args.k_values, "--k", int) if args.k_values else None
+    request = PlanRequest(args.config, args.overrides, args.run_dir, args.rows, k_values, args.cluster, args.gpus,
+                          args.gpu_type, args.nodes, args.price_per_gpu_hour, args.calibration, args.gpu_calibration,
+                          args.imbalance)
+    plan = make_plan(request)
+    print(render.plan_text(plan))
+    document = render.plan_json(plan)
+    if args.json_path:
+        json_path = os.path.abspath(os.path.expanduser(args.json_path))
+        if not os.path.isdir(os.path.dirname(json_path)):
+            raise config_mod.ConfigError(f"--json {args.json_path}: the folder {os.path.dirname(json_path)} does not "
+                                         f"exist; create it or pass a path in an existing folder.")
+        with open(json_path, "w") as f:
+            json.dump(document, f, indent=2)
+        print(f"plan written to {json_path}")
+    if args.save_in:
+        RunDir(args.save_in).write_json(render.PREDICTION_PATH, document)
+        print(f"prediction written to {RunDir(args.save_in).path(render.PREDICTION_PATH)}")
 
 
 def run_synth_verb(args) -> None:
@@ -196,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             if not run_dir:
                 raise config_mod.ConfigError("inspect needs the run directory: `clusterscale inspect RUN --k K`.")
             inspect_run(run_dir, args.k, args.json_path)
+            return 0
+        if args.verb == "plan":
+            run_plan_verb(args)
             return 0
         if args.verb == "synth":
             started = time.time()

@@ -80,7 +80,7 @@ class Section:
     def check_bounds(self) -> None:
         for name, (owner, f) in self.knobs().items():
             value = getattr(owner, name)
-            if f.metadata["bounds"] is not None and value is not None:
+            if f.metadata["bounds"] is not None and isinstance(value, (int, float)):  # not null, not 'auto'
                 f.metadata["bounds"].check(f"{self.section}.{name}", value)  # (dedup has a field named key)
 
     def check_rules(self) -> None:
@@ -156,6 +156,8 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
             return None
         raise ConfigError(f"{key} must not be null (default: {bounded_repr(default)}).")
     kind = type(default) if default is not None else {"int | None": int, "str | None": str}.get(str(f.type), str)
+    if str(f.type) == "int | str":  # a count or a named setting ('auto'), the strings being the choices
+        kind = str if isinstance(value, str) else int
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {bounded_repr(value)}.")
@@ -182,6 +184,7 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
     choices = f.metadata["choices"]
-    if choices and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {bounded_repr(value)}.")
+    if choices and kind is not int and value not in choices:
+        either = " or an integer" if str(f.type) == "int | str" else ""
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}{either}; got {bounded_repr(value)}.")
     return value

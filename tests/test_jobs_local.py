@@ -54,7 +54,10 @@ def test_sweep_embeds_once_and_shards_every_k(monkeypatch, tmp_path, ray_local, 
     for k in (2, 3):
         manifest = run.read_json(f"shards/k={k}/manifest.json")
         assert manifest["k"] == k and manifest["stats"]["rows"] == run.done_stats("pairs")["pairs"]
-    # A second sweep with a new k (the older space-separated --k) reuses the embeddings and the finished k.
-    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2", "4", "--set", *overrides) == 0
+    # A second sweep (the older space-separated --k) reuses the embeddings and every finished k (a new k on reused
+    # embeddings: test_experiments_sweep.test_sweep_with_training).
+    manifest_written = (run_dir / "shards" / "k=3" / "manifest.json").stat().st_mtime_ns
+    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2", "3", "--set", *overrides) == 0
     assert run.read_json("embeddings/_DONE.json")["finished_at"] == embedded_at
-    assert run.exists("shards/k=4/manifest.json")
+    assert (run_dir / "shards" / "k=3" / "manifest.json").stat().st_mtime_ns == manifest_written
+    assert [p["k"] for p in run.read_json("report/sweep.json")["points"]] == [2, 3]

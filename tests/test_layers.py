@@ -15,10 +15,12 @@ COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
 # Top to bottom; a module may import its own layer and the layers below.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
+    # plan.calibrate runs stages through the pipeline; the rest of plan only estimates (report reads its output).
     ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments",
-                       "clusterscale.arm_costs"]),
+                       "clusterscale.plan.calibrate", "clusterscale.arm_costs"]),
     # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
-    ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop"]),
+    ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop", "clusterscale.plan",
+                "clusterscale.plan.*"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
     ("runtime", ["clusterscale.runtime", "clusterscale.runtime.*"]),

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from clusterscale import config as config_mod
 from clusterscale.config import MineConfig
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.runtime.vectors import emb_array
@@ -125,17 +126,29 @@ def test_split_search_groups_give_the_same_negatives(pairs):
     assert mine_in_one_process(table, centroids, mc, groups=groups) == mine_in_one_process(table, centroids, mc)
 
 
-def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local):
+def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local, monkeypatch):
     """The Ray stage (row-group reads, counting pass, split groups, shuffles) writes what the single-process
-    steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 rows."""
+    steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 passages.
+    The sidecar writer groups its candidate rows by piece into partitions sized by the rows (here ~1,000 each)."""
     import os
 
     import pyarrow.parquet as pq
+    import ray
 
     from clusterscale import cli
     from clusterscale.io.layout import assign_dir
     from clusterscale.io.rundir import RunDir
+    from clusterscale.stages import mine_rows
     from clusterscale.stages.kmeans import load_centroids
+    from clusterscale.train.negatives import shard_files, training_manifest
+
+    groupings, groupby = [], ray.data.Dataset.groupby
+
+    def spy(self, key, num_partitions=None, **kwargs):
+        groupings.append((key, num_partitions))
+        return groupby(self, key, num_partitions=num_partitions, **kwargs)
+    monkeypatch.setattr(ray.data.Dataset, "groupby", spy)
+    monkeypatch.setattr(mine_rows, "JOIN_ROWS_PER_PARTITION", 1000)
 
     run_dir, k = str(tmp_path / "run"), 5
     keys = [f"cluster.k={k}", "embed.side=both", "data.rows_per_part=600", f"mine.nprobe={k}", "mine.range_max=8",
@@ -154,3 +167,16 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     assert all(got[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
     assert np.allclose([s for i in expected for s in got[i]["neg_scores"]],
                        [s for i in expected for s in expected[i]["neg_scores"]], atol=1e-6)
+    # Every negatives file there, the marker lost: the rerun counts them from their footers, or, for a file
+    # written before the footers held counts, in Ray tasks.
+    stats = run.done_stats("negatives")
+    first = sorted(f for f in run.files("negatives") if os.path.basename(f).startswith("part-"))[0]
+    pq.write_table(pq.read_table(first).replace_schema_metadata(None), first)
+    run.remove("negatives", "_DONE.json")
+    assert cli.main(["mine", "--run-dir", run_dir, "--set", *keys]) == 0
+    again = run.done_stats("negatives")
+    assert {k: again[k] for k in ("rows", "negatives", "without_negatives")} == \
+        {k: stats[k] for k in ("rows", "negatives", "without_negatives")}
+    manifest = training_manifest(config_mod.load(None, keys), run)[1]
+    pieces, shard_rows = len(mine_rows.piece_units(manifest)), sum(n for _, n in shard_files(manifest))
+    assert ("unit", min(pieces, -(-shard_rows * 8 // 1000))) in groupings and pieces > 1

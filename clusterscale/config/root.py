@@ -121,6 +121,7 @@ def describe() -> str:
         obj = getattr(Config(), section)
         lines.append(f"{section}:")
         for name, (owner, f) in obj.knobs().items():
-            choices = f" ({'|'.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+            choices = f" ({'|'.join(f.metadata['choices'])}{'|an integer' if str(f.type) == 'int | str' else ''})" \
+                if f.metadata["choices"] else ""
             lines.append(f"  {name}: {getattr(owner, name)!r}{choices}\n      {f.metadata['doc']}")
     return "\n".join(lines)

@@ -195,11 +195,13 @@ class MineConfig(Section):
                           bounds=zero_means("automatic"))
     ivf_nprobe: int = knob(32, "Lists searched per query with the IVF index.", bounds=POSITIVE)
     query_batch_size: int = knob(4096, "Queries per index search.", affects_output=False, bounds=POSITIVE)
-    max_group_rows: int = knob(16_384, "Most passages, and most queries, in one search task: a cluster with more "
-                                       "passages, or probed by more queries, is searched as several groups (parts "
-                                       "by a hash of pair_id; the merge ranks each query over all its groups, so a "
-                                       "flat index gives the same negatives). Bounds a search task's memory.",
-                               bounds=POSITIVE)
+    max_group_rows: int | str = knob("auto", "Most passages in one search task (and nprobe x that many "
+                                             "queries): a cluster with more is searched as several groups (parts "
+                                             "by a hash of pair_id; the merge ranks each query over all its groups, "
+                                             "so a flat index gives the same negatives). 'auto' = what a quarter of "
+                                             "a search task's memory holds (mine_search.auto_group_bounds); an "
+                                             "integer sets it. Bounds a search task's memory.",
+                                     choices=("auto",), bounds=POSITIVE)
     num_actors: int = knob(0, "Actors that embed the queries when embeddings/ holds passages only; 0 = one per "
                               "GPU, or one per 8 CPUs.",
                            affects_output=False, bounds=zero_means("automatic"))

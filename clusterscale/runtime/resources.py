@@ -35,6 +35,12 @@ class ClusterResources:
                    node_cpus=max((int(r.get("CPU", 0)) for r in alive), default=0))
 
     @property
+    def task_memory_bytes(self) -> float:
+        """The memory of one single-CPU task when every CPU of the largest node runs one: its Ray `memory` / its
+        CPUs (0: unknown)."""
+        return self.node_memory_bytes / self.cpus_per_node
+
+    @property
     def cpus_per_node(self) -> int:
         """The most CPUs one actor may ask for: the largest node's."""
         return max(1, min(self.node_cpus or self.cpus, self.cpus))

@@ -3,9 +3,11 @@
 Run with `clusterscale mine [CONFIG] --run-dir R` (after `shard`). The search is split by the k-means
 clusters of cluster.k: a query searches only the passages of its mine.nprobe nearest clusters (nprobe >=
 k: exact search over all passages). A counting pass (map tasks; k-vectors summed on the driver) gives each
-cluster's passages and probing queries, and a cluster with more than mine.max_group_rows of either is split
-into several search groups (mine_search.SearchGroups). Then three Ray Data steps, none of which holds all
-passages:
+cluster's passages and probing queries; a cluster with more than mine.max_group_rows passages (auto: what a
+quarter of a search task's memory holds, mine_search.auto_group_bounds), or more than nprobe times that many
+probing queries, is split into several search groups (mine_search.SearchGroups). A cluster within those
+bounds is one group: its passages travel once, each query once per probed cluster. Then three Ray Data
+steps, none of which holds all passages:
   1. route (map tasks over assign/k=<k>/): each passage to the groups of its own cluster, each query to the
      groups of every probed cluster, each row with the text keys of its pair (runtime/hashing.text_hashes);
   2. group by search group: one faiss index over the group's passages, searched by the queries routed there
@@ -25,8 +27,10 @@ sidecar pieces aligned to the shard files training reads, and a padding pool to 
 """
 from __future__ import annotations
 
+import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -37,8 +41,8 @@ import ray
 from clusterscale.config import Config, ConfigError, EmbedConfig, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
-from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, cluster_counts, merge_candidates,
-                                             queries_from_neighbours, route_rows, search_cluster)
+from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, auto_group_bounds, cluster_counts,
+                                             merge_candidates, queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
@@ -54,6 +58,9 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 PLAN = f"{NEGATIVES}/_plan.json"
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
+DEFAULT_TASK_MEMORY_BYTES = 2 * 1024**3  # a search task's memory where Ray reports none
+COUNTS_KEY = "clusterscale.mine.counts"  # a negatives/ file's counts, in its Parquet footer
+FOOTER_THREADS = 16  # parallel footer reads of the resume path (object stores: one request each)
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -152,11 +159,36 @@ def _count(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> pa.Table:
     return pa.table({"passages": [passages.tolist()], "queries": [None if queries is None else queries.tolist()]})
 
 
-def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool) -> SearchGroups:
+def vector_layout(run: RunDir, source: RunDir, cfg: Config, encoder: str | None) -> tuple[int, int]:
+    """(d, bytes per stored value) of the vectors mine routes: float16 only when both passage and query vectors
+    are stored as float16 (mine_search._vector_dtype); queries embedded during the stage are float32."""
+    folder = "embeddings" if encoder is not None else assign_dir(cfg.cluster.k)
+    files = (source if encoder is not None else run).files(folder)
+    with (source if encoder is not None else run).fs.open_input_file(files[0]) as f:
+        schema = pq.read_schema(f)
+    types = [schema.field(c).type for c in ("emb", "emb_query") if c in schema.names]
+    half = len(types) == 2 and all(t.value_type == pa.float16() for t in types)
+    return types[0].list_size, 2 if half else 4
+
+
+def group_bounds(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, k: int) -> tuple[int, int]:
+    """(most passages, most queries) of one search group: mine.max_group_rows passages and nprobe x as many
+    queries, or with 'auto' what a search task's memory holds (mine_search.auto_group_bounds)."""
+    mc = cfg.mine
+    nprobe = min(mc.nprobe, k)
+    if mc.max_group_rows != "auto":
+        return int(mc.max_group_rows), int(mc.max_group_rows) * nprobe
+    dim, stored = vector_layout(run, source, cfg, encoder)
+    memory = ClusterResources.current().task_memory_bytes or DEFAULT_TASK_MEMORY_BYTES
+    return auto_group_bounds(memory, dim, stored, nprobe, mc.query_batch_size, mc.range_max)
+
+
+def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool,
+                       bounds: tuple[int, int]) -> SearchGroups:
     """Passages and probing queries per cluster (a pass over assign/; the driver sums k-vectors), split into
-    groups of at most mine.max_group_rows. count_queries: route each query by its emb_query in assign/;
-    otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an estimate when the
-    queries are embedded during the stage)."""
+    groups of at most bounds = (passages, queries) (group_bounds). count_queries: route each query by its
+    emb_query in assign/; otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an
+    estimate when the queries are embedded during the stage)."""
     k = len(centroids)
     ds = read_row_groups(run, run.files(assign_dir(cfg.cluster.k)),
                          ["cluster"] + (["emb_query"] if count_queries else []))
@@ -170,7 +202,7 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
             queries += np.asarray(row["queries"], np.int64)
     if not count_queries:
         queries = queries_from_neighbours(passages, centroids, cfg.mine.nprobe)
-    return SearchGroups.plan(passages, queries, cfg.mine.max_group_rows)
+    return SearchGroups.plan(passages, queries, *bounds)
 
 
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
@@ -195,15 +227,43 @@ def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Ta
 
 
 def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
-    """Merge one bucket's queries and write its negatives file; returns its counts (one row)."""
+    """Merge one bucket's queries and write its negatives file, its counts in the footer; returns them (one row)."""
     out, drops = merge_candidates(group, mine)
     bucket = int(np.flatnonzero(bucket_keys == group.column("bucket")[0].as_py())[0])
-    RunDir(run_uri).write_parquet(bucket_file(bucket), out)
+    lengths = pc_list_lengths(out.column("neg_pair_ids"))
+    counts = {"rows": out.num_rows, "negatives": int(lengths.sum()), "without_negatives": int((lengths == 0).sum()),
+              **{f"dropped_{k}": int(v) for k, v in drops.items()}}
+    RunDir(run_uri).write_parquet(bucket_file(bucket), with_counts(out, counts))
     release_freed_memory()
-    counts = np.asarray(pc.list_value_length(out.column("neg_pair_ids")))
-    return pa.table({"rows": [out.num_rows], "negatives": [int(counts.sum())],
-                     "without_negatives": [int((counts == 0).sum())],
-                     **{f"dropped_{k}": [v] for k, v in drops.items()}})
+    return pa.table({k: [v] for k, v in counts.items()})
+
+
+def with_counts(table: pa.Table, counts: dict) -> pa.Table:
+    """table with its bucket's counts in the schema metadata (the Parquet footer), read back by bucket_counts."""
+    return table.replace_schema_metadata({COUNTS_KEY: json.dumps(counts)})
+
+
+def bucket_counts(run: RunDir, files: list[str]) -> list[dict]:
+    """The counts of finished bucket files from their footers (threads: one small read per file); a file without
+    them (written before they were recorded) is counted by Ray tasks, never by reading its rows here."""
+    def footer(path: str) -> dict | None:
+        with run.fs.open_input_file(path) as f:
+            found = (pq.read_metadata(f).metadata or {}).get(COUNTS_KEY.encode())
+        return json.loads(found) if found is not None else None
+
+    with ThreadPoolExecutor(max_workers=FOOTER_THREADS) as pool:
+        counts = list(pool.map(footer, files))
+    unrecorded = [path for path, c in zip(files, counts) if c is None]
+    if unrecorded:
+        ds = read_row_groups(run, unrecorded, ["neg_pair_ids"]).map_batches(_count_lists, batch_format="pyarrow")
+        counts += list(ds.iter_rows())
+    return [c for c in counts if c is not None]
+
+
+def _count_lists(batch: pa.Table) -> pa.Table:
+    lengths = pc_list_lengths(batch.column("neg_pair_ids"))
+    return pa.table({"rows": [len(lengths)], "negatives": [int(lengths.sum())],
+                     "without_negatives": [int((lengths == 0).sum())]})
 
 
 def bucket_file(bucket: int) -> str:
@@ -215,7 +275,8 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
     """Run route -> search by group -> merge by bucket; (per-bucket counts, queries embedded here)."""
     centroids = load_centroids(run, cfg.cluster.k)
     ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder, need)
-    groups = plan_search_groups(cfg, run, centroids, count_queries=encoder is None and not embeds_queries)
+    bounds = group_bounds(cfg, run, source, encoder, len(centroids))
+    groups = plan_search_groups(cfg, run, centroids, encoder is None and not embeds_queries, bounds)
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
     mine = cfg.mine
     bucket_keys = one_key_per_partition(buckets)
@@ -233,8 +294,8 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
     for result in ds.iter_rows():
         results.append(result)
         progress.advance(result["rows"])
-    print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters "
-          f"(mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
+    print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters (at most {bounds[0]} passages "
+          f"and {bounds[1]} queries each; mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
     return results, n_rows if embeds_queries else 0
 
 
@@ -250,8 +311,9 @@ def write_empty_buckets(run: RunDir, plan: dict) -> None:
     _, missing = split_done(run, NEGATIVES, plan["units"])
     schema = pa.schema([("pair_id", pa.int64()), ("neg_pair_ids", pa.list_(pa.int64())),
                         ("neg_scores", pa.list_(pa.float32())), ("pos_score", pa.float32())])
+    zeros = {"rows": 0, "negatives": 0, "without_negatives": 0, **{f"dropped_{d}": 0 for d in DROP_REASONS}}
     for unit in missing:
-        run.write_parquet(unit["output"], schema.empty_table())
+        run.write_parquet(unit["output"], with_counts(schema.empty_table(), zeros))
 
 
 def run_mine(ctx: StageContext) -> StageResult:
@@ -288,14 +350,10 @@ def run_mine(ctx: StageContext) -> StageResult:
 
 def _stage_stats(run: RunDir, plan: dict, results: list[dict], n_passages: int, wall: float, worker_s: float,
                  embed_cost: dict, encoder: str | None, queries_embedded: int) -> dict:
-    totals = {k: sum(r[k] for r in results) for k in ("rows", "negatives", "without_negatives",
-                                                      *[f"dropped_{d}" for d in DROP_REASONS])}
     if not results:  # every file was written by an earlier attempt (killed before its done marker): count them
-        table = pa.concat_tables([pq.read_table(run.fs.open_input_file(run.path(u["output"])),
-                                                columns=["neg_pair_ids"]) for u in plan["units"]])
-        counts = pc_list_lengths(table.column("neg_pair_ids"))
-        totals["rows"], totals["negatives"] = len(counts), int(counts.sum())
-        totals["without_negatives"] = int((counts == 0).sum())
+        results = bucket_counts(run, [run.path(u["output"]) for u in plan["units"]])
+    totals = {k: sum(r.get(k, 0) for r in results) for k in ("rows", "negatives", "without_negatives",
+                                                             *[f"dropped_{d}" for d in DROP_REASONS])}
     if totals["rows"] != n_passages:
         raise RuntimeError(f"negatives/ covers {totals['rows']} queries but there are {n_passages} training pairs: "
                            f"delete negatives/ and rerun `clusterscale mine`.")

@@ -9,6 +9,8 @@ Ray Data, with no process holding every text or every candidate list:
      (hash join on the anchor's pair_id), then to the candidate's texts (hash join on its pair_id);
   3. group by piece: each group reads its piece's pair_ids from the shard file and writes the sidecar piece
      in that order with the shard file's row groups (train/negatives.sidecar_table).
+Every shuffle has about JOIN_ROWS_PER_PARTITION rows per partition (candidate_partitions), so a reduce task
+does not grow with N, and runs inside bounded_shuffle_maps, from `mine` and from training alike.
 A candidate that is not a training row of these shards (removed by dedup) drops out in the join. The padding
 pool is a hash-ordered sample of the same text rows: each read task keeps the rows whose hash falls below a
 threshold (about 2 x PADDING_POOL_ROWS rows in all), and the driver keeps the PADDING_POOL_ROWS smallest.
@@ -27,13 +29,13 @@ import ray
 from clusterscale.config import Config
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.runtime.bounded_data import read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, candidate_files, groups_per_piece,
                                           shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
 
 PADDING_SALT = 0x6E6567  # the padding pool's hash salt ("neg")
-JOIN_ROWS_PER_PARTITION = 250_000  # (anchor, candidate) rows per hash partition of the joins
+JOIN_ROWS_PER_PARTITION = 250_000  # (anchor, candidate) rows per hash partition of the joins and the grouping
 READ_ROWS_PER_TASK = 65_536  # shard rows one read task reads (whole pieces; at least one piece)
 
 
@@ -113,6 +115,14 @@ def _pool_rows(batch: pa.Table) -> pa.Table:
     return batch.filter(batch.column("in_pool")).select(["pair_id", "query", "passage"])
 
 
+def candidate_partitions(n_rows: int, candidates_per_row: int, pieces: int | None = None) -> int:
+    """Hash partitions of a shuffle of (anchor, candidate) rows: about JOIN_ROWS_PER_PARTITION rows each, so a
+    reduce task's rows do not grow with N (Ray's default of 200 would); for a grouping by piece, no more than
+    the pieces grouped (a partition holds whole pieces)."""
+    partitions = max(1, math.ceil(n_rows * candidates_per_row / JOIN_ROWS_PER_PARTITION))
+    return partitions if pieces is None else max(1, min(partitions, pieces))
+
+
 def _missing(run: RunDir, units: list[dict]) -> list[int]:
     return [i for i, u in enumerate(units) if not run.exists(sidecar_path(u["file"], u["piece"]))]
 
@@ -125,7 +135,8 @@ def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> d
         raise StageMissingError(f"Mined negatives travel with the shard rows: run `clusterscale shard` "
                                 f"(cluster.k={cfg.cluster.k}) before `clusterscale mine`.")
     set_dir, manifest = found
-    return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
+    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # also when training writes them (outside the mine stage)
+        return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
 
 
 def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: ShardManifest,
@@ -156,7 +167,7 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: 
         write_padding_pool(neg_run, texts)
     counts = {"rows": 0, "negatives": 0}
     if todo:
-        partitions = max(1, math.ceil(n_rows * candidates_per_row / JOIN_ROWS_PER_PARTITION))
+        partitions = candidate_partitions(n_rows, candidates_per_row)
         where = texts.select_columns(["pair_id", "unit"]).rename_columns({"pair_id": "anchor"})
         if len(todo) < len(units):  # a rerun after an interruption: only the pieces not yet written
             where = where.map_batches(_rows_of_units, fn_kwargs={"units": todo}, batch_format="pyarrow")
@@ -166,8 +177,9 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: 
             {"pair_id": "cand", "query": "neg_query", "passage": "neg_passage"})
         found = candidates.join(where, "inner", partitions, on=("anchor",)) \
             .join(cand_texts, "inner", partitions, on=("cand",))
-        written = found.groupby("unit").map_groups(write_piece, fn_kwargs={"run_uri": shards_run.uri, "units": units},
-                                                   batch_format="pyarrow")
+        by_piece = candidate_partitions(n_rows, candidates_per_row, len(todo))
+        written = found.groupby("unit", num_partitions=by_piece).map_groups(
+            write_piece, fn_kwargs={"run_uri": shards_run.uri, "units": units}, batch_format="pyarrow")
         for row in written.iter_rows():
             counts = {k: counts[k] + row[k] for k in counts}
         still = _missing(shards_run, units)

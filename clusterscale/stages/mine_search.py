@@ -3,7 +3,9 @@
 stages/mine.py distributes these three steps over Ray Data (a map, a grouping by search group, a grouping by
 a hash bucket of the query's pair_id); each is a plain function of an Arrow table, so tests can run them
 against a brute-force reference on a single process. A search group is one cluster's passages and the
-queries that probe it, split (SearchGroups) so no group holds more than mine.max_group_rows of either.
+queries that probe it; a cluster is split (SearchGroups) only when its passages exceed mine.max_group_rows
+(by default auto_group_bounds: what a quarter of a search task's memory holds), or its probing queries exceed
+the queries such a group is sized for.
 """
 from __future__ import annotations
 
@@ -46,22 +48,52 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
 
 
 # --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
+ROUTED_ROW_BYTES = 40   # a routed row besides its vector: kind, group, pair_id, two text keys, pos_score
+CANDIDATE_BYTES = 28   # one candidate of a result row: score (4), pair_id and two text keys (8 each)
+TOPK_BYTES = 12        # one faiss hit of a query block: score (float32) and row (int64)
+
+
+def auto_group_bounds(memory_bytes: float, dim: int, stored_bytes: int, nprobe: int, query_block: int,
+                      depth: int) -> tuple[int, int]:
+    """mine.max_group_rows=auto: (passages, queries) of one search group, from one search task's memory.
+
+    memory_bytes: the task's memory (one task per CPU: the node's Ray `memory` / its CPUs, as
+    ClusterResources.task_memory_bytes gives; a GPU's memory where the search runs on one). A routed row is
+    stored_bytes x dim + ROUTED_ROW_BYTES (search_cluster's group as Ray Data hands it over).
+    - Passages: a quarter of the memory holds the passages held (each a routed row, its copy sorted by pair_id
+      and its float32 row of the flat index, 4 dim), one block of query_block queries streaming through (their
+      routed rows taken from the group, their float32 vectors, faiss's top-depth scores and rows, TOPK_BYTES
+      each) and nothing else: passages = (memory / 4 - block) / passage, at least 1.
+    - Queries: a group of `passages` is probed by about nprobe x as many queries (each query probes nprobe
+      clusters), so they are allowed that many, at most what half of the memory holds (a routed row and a
+      result row of depth x CANDIDATE_BYTES each): a cluster within the passage bound is then one group."""
+    routed = stored_bytes * dim + ROUTED_ROW_BYTES
+    per_passage = 2 * routed + 4 * dim
+    block = query_block * (routed + 4 * dim + depth * TOPK_BYTES)
+    passages = max(1, int((memory_bytes / 4 - block) // per_passage))
+    per_query = routed + depth * CANDIDATE_BYTES
+    return passages, max(1, min(nprobe * passages, int(memory_bytes / 2 // per_query)))
+
+
 @dataclass(frozen=True)
 class SearchGroups:
     """How each cluster's search is split. Cluster c's passages fall in passage_parts[c] parts and the queries
     that probe c in query_parts[c] parts (a hash of the pair_id); group (c, i, j) searches passage part i with
     query part j, so every (query, passage) pair of a cluster meets in exactly one group, and the merge's top
-    K over a query's groups is the top K over its probed clusters."""
+    K over a query's groups is the top K over its probed clusters. A cluster within the bounds is one group:
+    its passages and its queries each travel once."""
     passage_parts: np.ndarray  # (k,) int64, >= 1
     query_parts: np.ndarray    # (k,) int64, >= 1
 
     @classmethod
-    def plan(cls, passages: np.ndarray, queries: np.ndarray, max_group_rows: int) -> "SearchGroups":
-        """Parts such that no group holds more than about max_group_rows passages or queries (hash parts
-        are balanced only in expectation); passages, queries: (k,) rows per cluster."""
-        def parts(counts):
-            return np.maximum(1, -(-np.asarray(counts, np.int64) // max_group_rows))
-        return cls(parts(passages), parts(queries))
+    def plan(cls, passages: np.ndarray, queries: np.ndarray, max_group_rows: int,
+             max_group_queries: int | None = None) -> "SearchGroups":
+        """Parts such that no group holds more than about max_group_rows passages or max_group_queries
+        (default max_group_rows) queries (hash parts are balanced only in expectation); passages, queries:
+        (k,) rows per cluster."""
+        def parts(counts, bound):
+            return np.maximum(1, -(-np.asarray(counts, np.int64) // max(1, int(bound))))
+        return cls(parts(passages, max_group_rows), parts(queries, max_group_queries or max_group_rows))
 
     @classmethod
     def one_per_cluster(cls, k: int) -> "SearchGroups":
@@ -192,21 +224,21 @@ def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
 def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     """The top mine.range_max passages of this search group for each query routed here, best first (equal scores:
     lower pair_id first), with their pairs' text keys; one output row per routed query, lists maybe empty."""
-    kind = group.column("kind").to_numpy()
-    passages = group.filter(pa.array(kind == PASSAGE))
-    passages = passages.take(pc.sort_indices(passages.column("pair_id")))  # index order independent of arrival
-    queries = group.filter(pa.array(kind == QUERY))
-    # BLAS may round a row's scores differently by its position in the batch: fix the order for reruns.
-    queries = queries.take(pc.sort_indices(queries.column("pair_id")))
-    b, n = queries.num_rows, passages.num_rows
+    kind, pair_ids = group.column("kind").to_numpy(), group.column("pair_id").to_numpy()
+    # Passages by pair_id: the index order is independent of arrival. Queries too: BLAS may round a row's
+    # scores differently by its position in the batch, so a fixed order makes reruns equal. The queries stay in
+    # `group` and are taken one block at a time (a group holds far more queries than passages).
+    p_rows, q_rows = (np.flatnonzero(kind == side) for side in (PASSAGE, QUERY))
+    p_rows, q_rows = (r[np.argsort(pair_ids[r], kind="stable")] for r in (p_rows, q_rows))
+    passages = group.take(pa.array(p_rows))
+    b, n = len(q_rows), passages.num_rows
     depth = min(mc.range_max, n)
     scores, rows = np.zeros((b, depth), np.float32), np.zeros((b, depth), np.int64)
     if b and depth:
         index = build_index(emb_matrix(passages.column("vec")), mc)
-        q = emb_matrix(queries.column("vec"))
-        for start in range(0, b, mc.query_batch_size):
+        for start in range(0, b, mc.query_batch_size):  # one block of float32 query vectors at a time
             sl = slice(start, start + mc.query_batch_size)
-            scores[sl], rows[sl] = index.search(q[sl], depth)
+            scores[sl], rows[sl] = index.search(emb_matrix(group.column("vec").take(pa.array(q_rows[sl]))), depth)
     ids = passages.column("pair_id").to_numpy()
     # An approximate (IVF) index may return fewer than `depth` hits (-1): they sort last and are cut below.
     hit_ids = np.where(rows >= 0, ids[np.maximum(rows, 0)], np.iinfo(np.int64).max)
@@ -220,9 +252,9 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     lists = {name: pa.ListArray.from_arrays(offsets, pa.array(values[safe][keep], type_))
              for name, values, type_ in (("cand_ids", ids, pa.int64()), ("cand_query_keys", qk, pa.int64()),
                                          ("cand_passage_keys", pk, pa.int64()))}
-    return pa.table({"bucket": pa.array(bucket_of(queries.column("pair_id").to_numpy(), buckets)),
-                     "pair_id": queries.column("pair_id"), "query_key": queries.column("query_key"),
-                     "passage_key": queries.column("passage_key"), "pos_score": queries.column("pos_score"),
+    own = {name: group.column(name).to_numpy()[q_rows] for name in ("query_key", "passage_key", "pos_score")}
+    return pa.table({"bucket": pa.array(bucket_of(pair_ids[q_rows], buckets)),
+                     "pair_id": pa.array(pair_ids[q_rows], pa.int64()), **own,
                      "cand_scores": pa.ListArray.from_arrays(offsets, pa.array(scores[keep], pa.float32())),
                      **lists})
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
+from clusterscale.plan.render import PREDICTION_PATH, prediction_table
 from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
                                     manifest_path, read_manifest)
@@ -389,6 +390,12 @@ def write_report(cfg: Config, run: RunDir) -> str:
                   cost_table(costs, summary["flops"]), "",
                   "FLOPs are estimates on non-padding tokens (embedding 2 x params x tokens, training 6 x params "
                   "x tokens; token counts from a sample of pairs). worker-s = workers x wall seconds (GPU-s on GPUs).", ""]
+        if run.exists(PREDICTION_PATH):
+            prediction = run.read_json(PREDICTION_PATH)
+            parts += ["## Plan vs measured", f"`clusterscale plan` predicted this run ({prediction.get('rows', 0):,} "
+                      f"pairs at k={prediction.get('k')}, {prediction.get('cluster', '')}) before it ran; error = "
+                      f"(predicted - measured) / measured. Train: the predicted epoch scaled to the steps run.", "",
+                      prediction_table(prediction, costs), ""]
         _figure(run, parts, "costs.png", report_plots.cost_breakdown(
             [(key, rec.get("worker_s", 0.0), stage_kind(key, rec)) for key, rec in costs.items()], summary),
             "cost per stage; preprocessing vs training")

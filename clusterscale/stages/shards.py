@@ -206,14 +206,20 @@ class GroupSizes:
     max_group_rows: int   # shard.max_group_rows
 
 
+def writer_sizing(sizes: GroupSizes, row_bytes: float) -> tuple[int, int]:
+    """(hash partitions, memory bytes of one writer actor) of a shard-set write: a writer holds its partition's
+    rows or its largest group, whichever is more, ACTOR_MEMORY_FACTOR times (clusterscale plan sizes with this)."""
+    partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
+    rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
+    return partitions, int(ACTOR_MEMORY_FACTOR * row_bytes * rows_held)
+
+
 def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, columns: list[str],
                  sizes: GroupSizes, input_files: list[str], what: str, need: Resources) -> dict[int, list[dict]]:
     """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key (each asking for
     `need`); returns the written groups of each shard, in sub-group order. Actor memory comes from the input
     files' bytes per row."""
-    partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
-    rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
-    memory = int(ACTOR_MEMORY_FACTOR * bytes_per_row(run, input_files, columns) * rows_held)
+    partitions, memory = writer_sizing(sizes, bytes_per_row(run, input_files, columns))
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read and shuffle tasks (whole-CPU actors starve them on small nodes).
     plan = plan_actors(replace(need, memory_bytes=memory), cpu_actors=cluster.cpus, work_units=partitions,

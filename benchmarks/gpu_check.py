@@ -1,0 +1,180 @@
+"""GPU rates for `clusterscale plan`, measured with the stages' compute cores and nothing but torch, transformers,
+pyarrow and numpy (the lent GPU machine has no Ray and no faiss):
+
+  - the encoder forward in bf16: passages/s and MFU of MiniLM-L6 and BERT-base at 256 tokens (randomly
+    initialised from their configs: the FLOPs are the weights', not their values);
+  - the training step: InfoNCE (clusterscale.train.loss) with GradCache (clusterscale.train.gradcache) on a
+    BERT-base student, AdamW, bf16 autocast: pairs/s and MFU;
+  - assignment as a torch matmul + argmax against k centroids: rows/s.
+
+    python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--quick] [--budget-s 420]
+
+MFU = model FLOPs / time / the GPU's datasheet bf16 peak (train/metrics.GPU_PEAK_TFLOPS); model FLOPs are
+2 x params x tokens for a forward and 6 x params x tokens for a training step (params without the embedding
+tables) (attention's s^2 terms left out,
+GradCache's re-forward counted as overhead, so that plan's 6 x params x tokens / MFU gives the time). --quick runs
+tiny models on the CPU in seconds (a test of the script, not a figure).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from clusterscale.train.gradcache import grad_cache_backward  # noqa: E402  (torch-only cores)
+from clusterscale.train.loss import info_nce  # noqa: E402
+
+FORMAT = "clusterscale-gpu-check/1"  # plan/rates.GPU_CALIBRATION_FORMAT
+# Shapes from the models' config.json files: all-MiniLM-L6-v2 and bert-base-uncased.
+ENCODERS = {"minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+            "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)}
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    try:
+        from clusterscale.train.metrics import GPU_PEAK_TFLOPS
+    except ImportError:  # metrics needs the config layer's dependencies; the figure then has no MFU
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+
+
+def bert(shape: dict, device: torch.device):
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=30522, max_position_embeddings=512, **shape), add_pooling_layer=False)
+    return model.to(device)
+
+
+def params_of(model) -> int:
+    """Parameters without the embedding tables (they do no FLOPs per token), as clusterscale plan counts them."""
+    return sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.embeddings.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+MIN_ITERS = 3
+
+
+def timed(fn, device: torch.device, seconds: float) -> tuple[float, int]:
+    """Mean seconds per call over at least MIN_ITERS calls and about `seconds`, after a warm-up call."""
+    fn()
+    sync(device)
+    iters, started = 0, time.perf_counter()
+    while iters < MIN_ITERS or time.perf_counter() - started < seconds:
+        fn()
+        iters += 1
+    sync(device)
+    return (time.perf_counter() - started) / iters, iters
+
+
+def encoder_rate(name: str, shape: dict, device, tokens: int, batch: int, seconds: float, peak) -> dict:
+    model = bert(shape, device).eval()
+    ids = torch.randint(1000, 30000, (batch, tokens), device=device)
+    mask = torch.ones_like(ids)
+
+    def forward():
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            model(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0].float()
+
+    per_call, iters = timed(forward, device, seconds)
+    params = params_of(model)
+    flops_per_s = 2.0 * params * tokens * batch / per_call
+    del model
+    return {"params": params, "tokens": tokens, "batch": batch, "iters": iters,
+            "passages_per_s": batch / per_call, "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / peak if peak else None}
+
+
+def train_rate(shape: dict, device, batch: int, chunk: int, q_tokens: int, p_tokens: int, seconds: float,
+               peak) -> dict:
+    model = bert(shape, device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    q = torch.randint(1000, 30000, (batch, q_tokens), device=device)
+    p = torch.randint(1000, 30000, (batch, p_tokens), device=device)
+    keys = torch.arange(batch, device=device)
+
+    def forward_chunk(rows: slice):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            eq = model(input_ids=q[rows]).last_hidden_state[:, 0]
+            ep = model(input_ids=p[rows]).last_hidden_state[:, 0]
+        return torch.nn.functional.normalize(eq.float(), dim=-1), torch.nn.functional.normalize(ep.float(), dim=-1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        grad_cache_backward(model, forward_chunk, batch, chunk,
+                            lambda eq, ep: info_nce(eq, ep, 0.02, keys, keys), device)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    per_call, iters = timed(step, device, seconds)
+    params = params_of(model)
+    flops_per_s = 6.0 * params * (q_tokens + p_tokens) * batch / per_call
+    memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    del model, opt
+    return {"params": params, "pairs_per_step": batch, "grad_cache_chunk": chunk, "tokens": q_tokens + p_tokens,
+            "iters": iters, "pairs_per_s": batch / per_call, "flops_per_s": flops_per_s,
+            "mfu": flops_per_s / peak if peak else None, "max_memory_gib": memory}
+
+
+def assign_rate(device, rows: int, dim: int, k: int, seconds: float) -> dict:
+    x = torch.nn.functional.normalize(torch.randn(rows, dim, device=device), dim=-1).to(torch.bfloat16)
+    c = torch.nn.functional.normalize(torch.randn(k, dim, device=device), dim=-1).to(torch.bfloat16)
+
+    def assign():
+        sims = x @ c.T
+        sims.max(dim=1)
+
+    per_call, iters = timed(assign, device, seconds)
+    return {"rows": rows, "dim": dim, "k": k, "iters": iters, "rows_per_s": rows / per_call,
+            "rows_x_k_x_d_per_s": rows * k * dim / per_call}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    parser.add_argument("--quick", action="store_true", help="Tiny models on the CPU, a second each (a test).")
+    parser.add_argument("--seconds", type=float, default=20.0, help="Timed seconds per measurement.")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    peak = peak_flops(device)
+    seconds = 0.0 if args.quick else args.seconds
+    if args.quick:
+        global MIN_ITERS
+        MIN_ITERS = 1
+    started = time.time()
+    out = {"format": FORMAT, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
+           "peak_flops": peak, "torch": torch.__version__, "quick": args.quick, "encoder": {}}
+    for name, shape in ENCODERS.items():
+        out["encoder"][name] = encoder_rate(name, TINY if args.quick else shape, device, 32 if args.quick else 256,
+                                            4 if args.quick else 512, seconds, peak)
+        print(f"encoder {name}: {out['encoder'][name]['passages_per_s']:,.0f} passages/s, MFU "
+              f"{out['encoder'][name]['mfu']}", flush=True)
+    out["train_step"] = train_rate(TINY if args.quick else ENCODERS["bert-base"], device, 8 if args.quick else 512,
+                                   4 if args.quick else 128, 8 if args.quick else 32, 16 if args.quick else 256,
+                                   seconds, peak)
+    print(f"train step: {out['train_step']['pairs_per_s']:,.0f} pairs/s, MFU {out['train_step']['mfu']}", flush=True)
+    out["assign"] = [assign_rate(device, 1024 if args.quick else 1_000_000, 32 if args.quick else 768, k, seconds)
+                     for k in ((8,) if args.quick else (1000, 10000))]
+    out["wall_s"] = time.time() - started
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"written {args.out} in {out['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""`clusterscale plan`: gather the config, the row count, the rates (a run's costs, the calibration file, a GPU
+calibration) and the cluster, then estimate every stage for each k, and N/4, N, 4N."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+
+from clusterscale import config as config_mod
+from clusterscale.config import Config, ConfigError
+from clusterscale.io.input_files import infer_format, list_input_files
+from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
+from clusterscale.io.rundir import RunDir
+from clusterscale.plan.cluster import load_cluster
+from clusterscale.plan.estimate import Models, Planner, preprocess_over_train, uncalibrated
+from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_calibration, load_gpu_calibration,
+                                     merge_run_costs, rates_from_calibration)
+from clusterscale.plan.shape import run_shape, stage_work, train_shape, shard_sizes
+
+BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
+BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
+SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in the first MiB of each file, scaled by the file size
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    config: str | None
+    overrides: list[str]
+    run_dir: str | None
+    rows: int | None
+    k_values: list[int] | None
+    cluster: str | None
+    gpus: int | None
+    gpu_type: str | None
+    nodes: int | None
+    price_per_gpu_hour: float | None
+    calibration: str | None
+    gpu_calibration: str | None
+    imbalance: float | None
+
+
+def load_config(request: PlanRequest) -> tuple[Config, RunDir | None, Config | None]:
+    """(the config planned for, the run of --run-dir, the config that run was made with)."""
+    run = RunDir(request.run_dir) if request.run_dir else None
+    if run is None:
+        return config_mod.load(request.config, request.overrides), None, None
+    if not run.exists("config.yaml"):
+        raise ConfigError(f"--run-dir {request.run_dir} holds no config.yaml: pass the run directory of a "
+                          f"clusterscale run (its report/costs.json calibrates the plan), or leave --run-dir out.")
+    saved = config_mod.parse_yaml(run.read_bytes("config.yaml"), run.path("config.yaml"))
+    return (config_mod.load(request.config, request.overrides, run_config=saved), run,
+            config_mod.load(None, [], run_config=saved))
+
+
+def count_input_rows(cfg: Config) -> tuple[int, str]:
+    """Rows of data.path: exact from Parquet footers; JSONL/CSV counted in a sample (the first MiB of each file)
+    and scaled by the file's size."""
+    if cfg.data.path.startswith(("builtin:", "synth://")):
+        raise ConfigError(f"data.path {cfg.data.path} is not a file input: pass --rows N.")
+    fs, files = list_input_files(cfg.data)
+    exact, total = True, 0.0
+    for path in files:
+        fmt = infer_format(path, cfg.data.format)
+        if fmt == "parquet":
+            with fs.open_input_file(path) as f:
+                total += pq.ParquetFile(f).metadata.num_rows
+            continue
+        exact = False
+        size = fs.get_file_info(path).size
+        with fs.open_input_stream(path) as f:
+            head = f.read(SAMPLE_BYTES)
+        lines = head.count(b"\n") - (1 if fmt == "csv" else 0)
+        total += max(1, lines) * size / max(1, len(head)) if head else 0
+    if cfg.data.limit:
+        total = min(total, cfg.data.limit)
+    return int(total), f"data.path ({len(files)} files, {'Parquet footers' if exact else 'a sample of each file'})"
+
+
+def run_measurements(run: RunDir, cfg: Config, rates: Rates) -> dict:
+    """What a finished run tells the plan: its stage rates (costs.json), bytes per row of each folder, its cluster
+    sizes and imbalance at cfg.cluster.k, its embedding dimension."""
+    out: dict = {"sizes": None, "dim": None, "rows": None}
+    k = cfg.cluster.k
+    if run.exists(fit_stats_path(k)):
+        stats = run.read_json(fit_stats_path(k))
+        out["dim"] = stats.get("dim")
+        rates.imbalance_factor = stats.get("imbalance_factor") or rates.imbalance_factor
+    if run.exists(manifest_path(k)):
+        manifest = load_manifest(run, k)
+        out["sizes"] = [int(n) for n in manifest.original_counts]
+    if not run.exists("report/costs.json"):
+        return out
+    costs = run.read_json("report/costs.json")
+    rows_in = (costs.get("ingest") or {}).get("rows_in")
+    train_rows = (costs.get("embed") or costs.get("assign") or {}).get("rows") or (costs.get("ingest") or {}).get("pairs")
+    if not train_rows:
+        return out
+    rows_in = rows_in or round(train_rows / (1 - cfg.data.heldout_fraction))
+    out["rows"] = rows_in
+    dim, _ = embedding_dim(cfg, out["dim"])
+    shape = run_shape(cfg, rows_in, k, dim, out["sizes"])
+    work = {stage: stage_work(stage, cfg, shape) for stage in ("ingest", "embed", "fit", "assign", "dedup", "shard",
+                                                              "mine", "evaluate")}
+    for key, rec in costs.items():
+        if key.startswith("train") and rec.get("steps"):
+            work[key] = float(rec["steps"] * rec.get("global_batch_size", cfg.train.schedule.global_batch_size))
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    merge_run_costs(rates, costs, work, cpus, f"measured in {run.uri} (report/costs.json)")
+    sizes = folder_bytes(run.root) if run.fs.type_name == "local" else {}
+    per_row = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}
+    rates.bytes_per_row.update({folder: sizes[folder] / rows for folder, rows in per_row.items()
+                                if sizes.get(folder) and rows})
+    return out
+
+
+def embedding_table_params(model: str, hidden: int | None = None) -> int | None:
+    """Parameters of a BERT-like model's embedding tables ((vocab + positions + token types) x hidden), which do
+    no FLOPs per token; from its config.json (a local folder), or the tokenizer's vocab for a from-scratch shape."""
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
+
+    try:
+        with open(os.path.join(resolve_model_path(model), "config.json")) as f:
+            c = json.load(f)
+        if hidden is None:
+            return (c["vocab_size"] + c.get("max_position_embeddings", 0) + c.get("type_vocab_size", 0)) * c["hidden_size"]
+        return (len(load_tokenizer(resolve_model_path(model))) + c.get("max_position_embeddings", 512) + 2) * hidden
+    except Exception:  # a hub id not on disk
+        return None
+
+
+def models_of(cfg: Config) -> Models:
+    """Parameters (all, for memory; without the embedding tables, for FLOPs) and tokens of the encoder and student."""
+    from clusterscale.stages.costs import param_count, student_param_count
+
+    st = cfg.train.student
+    embed, student = param_count(cfg.embed.model), student_param_count(cfg)
+    embed_table = embedding_table_params(cfg.embed.model) if embed else None
+    student_table = (embedding_table_params(st.tokenizer, st.scratch_hidden_size) if st.init == "scratch"
+                     else embedding_table_params(st.init)) if student else None
+    notes = []
+    if embed is None:
+        notes.append(f"{cfg.embed.model} not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
+    if student is None:
+        notes.append(f"student not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
+    notes.append(f"FLOPs = 2 (forward) or 6 (training) x parameters without the embedding tables x tokens, tokens at "
+                 f"the configured caps (embed {cfg.embed.max_length}; train {st.query_max_length} + "
+                 f"{st.passage_max_length}): an upper bound, real texts are shorter")
+    embed, student = embed or BERT_BASE_PARAMS, student or BERT_BASE_PARAMS
+    return Models(embed, student, embed - (embed_table or BERT_BASE_EMBEDDING_TABLES),
+                  student - (student_table or BERT_BASE_EMBEDDING_TABLES), cfg.embed.max_length,
+                  st.query_max_length + st.passage_max_length, "; ".join(notes))
+
+
+def make_plan(request: PlanRequest) -> dict:
+    """The plan as a JSON-ready dict: stages of the first k at N, the training shape, warnings, the ratio, and a
+    table over every k and N/4, N, 4N."""
+    cfg, run, run_cfg = load_config(request)
+    data, path = load_calibration(request.calibration)
+    rates = rates_from_calibration(data, path) if data else Rates()
+    load_gpu_calibration(request.gpu_calibration, rates)
+    measured = run_measurements(run, run_cfg, rates) if run else {"sizes": None, "dim": None, "rows": None}
+    if request.rows is not None:
+        rows, rows_from = request.rows, "--rows"
+    elif run is None or measured["rows"] is None:
+        rows, rows_from = count_input_rows(cfg)
+    else:
+        rows, rows_from = measured["rows"], "the run's ingest"
+    if rows <= 0:
+        raise ConfigError(f"--rows must be a positive number of pairs; got {rows}.")
+    k_values = request.k_values or [cfg.cluster.k]
+    if any(k <= 0 for k in k_values):
+        raise ConfigError(f"--k values must be positive cluster counts; got {k_values}.")
+    cluster = load_cluster(request.cluster, request.gpus, request.gpu_type, request.nodes)
+    if cfg.train.compute.use_gpu and not cluster.gpus:
+        rates.notes.append("train.use_gpu is true but the cluster has no GPUs: training is planned on its CPUs")
+    if cluster.source != "this machine":
+        rates.notes.append(f"CPU stages: the measured CPU-seconds spread over the cluster's {cluster.cpus:,} CPUs "
+                           f"(assumed: the calibration machine's per-core speed, linear scaling); start-ups as "
+                           f"measured")
+    dim, dim_from = embedding_dim(cfg, measured["dim"])
+    models = models_of(cfg)
+    imbalance = request.imbalance or rates.imbalance_factor
+
+    def planner(n: int, k: int) -> Planner:
+        sizes = measured["sizes"] if run_cfg and k == run_cfg.cluster.k else None
+        return Planner(cfg, run_shape(cfg, n, k, dim, sizes, imbalance), cluster, rates, models,
+                       request.price_per_gpu_hour)
+
+    main = planner(rows, k_values[0])
+    stages = main.plan()
+    epochs = cfg.train.schedule.epochs
+    t = main.train
+    out = {"rows": rows, "rows_from": rows_from, "k": k_values[0], "cluster": cluster.describe(),
+           "embedding_dim": dim, "embedding_dim_from": dim_from, "epochs": epochs,
+           "stages": {name: s.to_json() for name, s in stages.items()},
+           "preprocess_over_train": preprocess_over_train(stages, epochs),
+           "train_shape": {"steps_per_epoch": t.steps_per_epoch, "unused_pairs_per_epoch": t.unused_pairs_per_epoch,
+                           "global_batches_per_cluster": dict(zip(("min", "median", "max"), t.batches_per_cluster)),
+                           "mean_global_batches_per_cluster": t.mean_batches_per_cluster,
+                           "shards": len(main.shards), "cluster_sizes_from": main.shape.sizes_from},
+           "warnings": main.warnings(stages), "notes": [models.note, *rates.notes] + (
+               [f"no rate for {', '.join(uncalibrated(stages))}: left out of the sums and the ratio"]
+               if uncalibrated(stages) else []),
+           "price_per_gpu_hour": request.price_per_gpu_hour, "table": []}
+    for k in k_values:
+        for n in sorted({max(1, rows // 4), rows, rows * 4}):
+            p = planner(n, k)
+            s = p.plan()
+            pre = sum(v.wall_s for name, v in s.items() if name not in ("train", "evaluate")
+                      and not v.runs_on.startswith("skipped") and not math.isnan(v.wall_s))
+            out["table"].append({"k": k, "rows": n, "preprocess_s": pre, "train_epoch_s": s["train"].wall_s,
+                                 "preprocess_over_train": preprocess_over_train(s, epochs),
+                                 "steps_per_epoch": p.train.steps_per_epoch,
+                                 "mean_global_batches_per_cluster": p.train.mean_batches_per_cluster,
+                                 "unused_fraction": p.train.unused_pairs_per_epoch / max(1, p.shape.train_rows),
+                                 "cost": None if request.price_per_gpu_hour is None else sum(
+                                     v.cost or 0.0 for v in s.values() if not math.isnan(v.wall_s))})
+    return out
+
+
+__all__ = ["PlanRequest", "make_plan", "count_input_rows", "train_shape", "shard_sizes"]

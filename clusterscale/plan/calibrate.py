@@ -1,0 +1,174 @@
+"""`clusterscale plan --calibrate`: time ingest, fit, assign and shard on two small synth runs on this machine (each
+stage its own `clusterscale` process, as a user runs it), sample the peak memory (USS) of its driver and of its
+largest Ray worker, and write the calibration file that plan/rates.py documents. Two sizes give each stage a
+start-up and a per-work rate (a line)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from clusterscale.io.rundir import RunDir
+from clusterscale.pipeline import open_run
+from clusterscale.plan.cluster import this_machine
+from clusterscale.plan.estimate import MB, Models, Planner
+from clusterscale.plan.rates import (CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, line_fit)
+from clusterscale.plan.shape import run_shape, stage_work
+
+CALIBRATED_STAGES = ("fit", "assign", "shard")  # and ingest, on the synth pairs written out as Parquet
+CALIBRATION_DIM = 384
+CALIBRATION_K = 64
+SAMPLE_INTERVAL_S = 0.2
+class PeakSampler:
+    """Peak USS of a command's process (the driver) and of its largest descendant titled `ray::...` or running
+    default_worker.py (a Ray task, actor or Ray Data operator), sampled on a thread (psutil, which Ray ships):
+    what benchmarks/bench_scale.py calls driver_peak_uss_mb and worker_peak_uss_mb."""
+
+    def __init__(self, pid: int):
+        import ray  # noqa: F401  (puts Ray's bundled psutil on sys.path)
+        import psutil
+
+        self.psutil, self.root = psutil, psutil.Process(pid)
+        self.driver_bytes = self.worker_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _uss(self, proc) -> int:
+        try:
+            return proc.memory_full_info().uss
+        except (self.psutil.Error, OSError):
+            return 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.driver_bytes = max(self.driver_bytes, self._uss(self.root))
+            try:
+                children = self.root.children(recursive=True)
+            except (self.psutil.Error, OSError):
+                children = []
+            for child in children:
+                try:
+                    cmdline = " ".join(child.cmdline())
+                except (self.psutil.Error, OSError):
+                    continue
+                if cmdline.startswith("ray::") or "default_worker.py" in cmdline:
+                    self.worker_bytes = max(self.worker_bytes, self._uss(child))
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+
+def cli_stage(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> tuple[float, float]:
+    """Run `clusterscale VERB` as its own process (its own local Ray, as a user runs a stage), sampling its tree;
+    (peak MB of the largest Ray worker, of the driver)."""
+    argv = [sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        with PeakSampler(proc.pid) as sampler:
+            rc = proc.wait()
+        if rc:
+            log.seek(0)
+            raise RuntimeError(f"calibration: `{' '.join(argv)}` failed (exit {rc}):\n"
+                               + log.read().decode(errors="replace")[-3000:])
+    print(f"[calibrate] {verb} {os.path.basename(run_dir)}: largest worker {sampler.worker_bytes / MB:.0f} MB, driver "
+          f"{sampler.driver_bytes / MB:.0f} MB", flush=True)
+    return sampler.worker_bytes / MB, sampler.driver_bytes / MB
+
+
+def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir, dict, dict]:
+    """A synth run of `rows` pairs through CALIBRATED_STAGES, and an ingest of its pairs written out as one Parquet
+    file; (run, costs.json with ingest's record added, {stage: (worker MB, driver MB)})."""
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    run_dir = os.path.join(root, f"rows={rows}")
+    keys = [f"cluster.k={CALIBRATION_K}", *overrides]
+    cli_stage("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(CALIBRATION_DIM), "--topics", "100"])
+    peaks = {stage: cli_stage(stage, run_dir, keys) for stage in CALIBRATED_STAGES}
+    run = RunDir(run_dir)
+    costs = run.read_json("report/costs.json")
+    source = os.path.join(root, f"input-{rows}.parquet")
+    pq.write_table(pads.dataset(run.files("pairs") + run.files("heldout"), format="parquet").to_table(
+        columns=["query", "passage"]), source)
+    ingest_dir = os.path.join(root, f"ingest-{rows}")
+    peaks["ingest"] = cli_stage("ingest", ingest_dir, [*overrides, f"data.path={source}"])
+    costs["ingest"] = RunDir(ingest_dir).read_json("report/costs.json")["ingest"]
+    return run, costs, peaks
+
+
+def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATION_DIM) -> float:
+    """CPU-seconds per (row x centroid x dim) of faiss's flat inner-product search on one thread: assign's search
+    term, which the synth calibration (k=64) barely exercises."""
+    import faiss
+    import numpy as np
+
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        rng = np.random.default_rng(0)
+        x, c = rng.standard_normal((rows, dim), dtype=np.float32), rng.standard_normal((k, dim), dtype=np.float32)
+        index = faiss.IndexFlatIP(dim)
+        index.add(c)
+        index.search(x[:1000], 1)
+        started = time.perf_counter()
+        index.search(x, 1)
+        return (time.perf_counter() - started) / (rows * k * dim)
+    finally:
+        faiss.omp_set_num_threads(threads)
+
+
+def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
+    """Run the calibration at each size in `sizes` and write the calibration file; its path."""
+    from clusterscale.train.metrics import cpu_matmul_flops
+
+    path = os.path.abspath(os.path.expanduser(path or DEFAULT_CALIBRATION))
+    points: dict[str, list] = {s: [] for s in ("ingest", *CALIBRATED_STAGES)}
+    memory: dict[str, list] = {s: [] for s in ("ingest", *CALIBRATED_STAGES)}
+    folders: dict[str, list] = {}
+    machine = this_machine()
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
+        for rows in sorted(sizes):
+            run, costs, peaks = calibration_run(rows, root, overrides)
+            cfg = open_run(run.uri, None, overrides)[0]
+            shape = run_shape(cfg, rows, CALIBRATION_K, CALIBRATION_DIM,
+                              run.read_json(f"shards/k={CALIBRATION_K}/manifest.json")["original_counts"])
+            models = Models(0, 0, 0, 0, 0, 0, "")
+            for folder, size in folder_bytes(run.root).items():
+                count = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}.get(folder)
+                if count:
+                    folders.setdefault(folder, []).append(size / count)
+            planner = Planner(cfg, shape, machine, Rates(bytes_per_row={k: v[-1] for k, v in folders.items()}),
+                              models, None)
+            for stage in ("ingest", *CALIBRATED_STAGES):
+                points[stage].append([stage_work(stage, cfg, shape), costs[stage]["wall_s"]])
+                task, driver = planner.task_bytes(stage)
+                memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
+    stages = {}
+    for stage in ("ingest", *CALIBRATED_STAGES):
+        fixed, per_work = line_fit(points[stage])
+        stages[stage] = {"points": points[stage], "fixed_s": fixed, "cpu_s_per_work": per_work * machine.cpus,
+                         "cpus": machine.cpus, "task_base_mb": max(0.0, min(m[0] for m in memory[stage])),
+                         "driver_base_mb": max(0.0, min(m[1] for m in memory[stage]))}
+    data = {"format": CALIBRATION_FORMAT, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": {"cpus": machine.cpus, "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0]},
+            "runs": [{"rows": n, "k": CALIBRATION_K, "dim": CALIBRATION_DIM, "data": "clusterscale synth"}
+                     for n in sorted(sizes)],
+            "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
+            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": faiss_search_seconds(),
+            "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return path

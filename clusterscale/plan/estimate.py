@@ -1,0 +1,323 @@
+"""Per-stage estimates of a run of N pairs at k clusters on a cluster: wall time, GPU- and CPU-hours, cost, peak
+memory of the driver and of the largest task / actor / rank, disk written per run-dir folder, files, shuffle and
+spill bytes; the training shape; the preprocessing / training ratio; warnings. Memory comes from the sizing rules
+the stages themselves use (imported), plus the measured footprint of a process (the calibration)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clusterscale.config import Config
+from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
+from clusterscale.plan.rates import DATASHEET_MFU, Rates
+from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
+                                     search_work, shard_sizes, stage_work, train_shape)
+from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
+from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
+from clusterscale.train.metrics import GPU_PEAK_TFLOPS
+
+STAGES = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")
+PREPROCESS = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine")
+MB = 1024 * 1024
+ADAM_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34  # Korthikanti et al. 2022, bf16, no recompute (attention s^2 left out)
+ASSIGN_COLUMNS_BYTES = 8  # cluster int32 + cos float32 added to an embeddings row
+OBJECT_STORE_FRACTION = 0.3  # Ray's default object store: 30% of a node's memory
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    runs_on: str               # "gpu", "cpu" or "skipped: <why>"
+    wall_s: float = 0.0
+    gpu_hours: float = 0.0
+    cpu_hours: float = 0.0
+    cost: float | None = None
+    peak_task_mb: float = 0.0  # the largest task, actor or rank
+    peak_driver_mb: float = 0.0
+    disk_bytes: dict[str, float] = field(default_factory=dict)
+    files: int = 0
+    shuffle_bytes: float = 0.0
+    spill_bytes: float = 0.0
+    time_from: str = ""        # where the rate comes from
+    memory_from: str = ""
+
+    def to_json(self) -> dict:
+        return {"wall_s": self.wall_s, "gpu_hours": self.gpu_hours, "cpu_hours": self.cpu_hours, "cost": self.cost,
+                "peak_task_mb": self.peak_task_mb, "peak_driver_mb": self.peak_driver_mb,
+                "disk_bytes": float(sum(self.disk_bytes.values())), "disk_bytes_by_folder": self.disk_bytes,
+                "files": self.files, "shuffle_bytes": self.shuffle_bytes, "spill_bytes": self.spill_bytes,
+                "runs_on": self.runs_on, "time_from": self.time_from, "memory_from": self.memory_from}
+
+
+@dataclass(frozen=True)
+class Models:
+    """Parameter counts and token counts the FLOP arithmetic uses."""
+
+    embed_params: int
+    student_params: int
+    embed_flop_params: int    # without the embedding tables: what the FLOPs per token count
+    student_flop_params: int
+    embed_tokens: int
+    train_tokens: int   # query + passage tokens of a pair
+    note: str
+
+
+def stage_runs(stage: str, cfg: Config) -> str | None:
+    """None when the stage runs in this config; else why not."""
+    if stage == "dedup" and not (cfg.dedup.exact or cfg.dedup.semantic_threshold):
+        return "skipped: dedup off (dedup.exact / dedup.semantic_threshold)"
+    if stage == "mine" and not cfg.train.objective.negatives_per_query:
+        return "skipped: no mined negatives (train.negatives_per_query)"
+    return None
+
+
+def gpu_encoder_rate(flops_per_item: float, cluster: ClusterSpec, rates: Rates, what: str) -> tuple[float, str]:
+    """Items per second per GPU at the calibrated (or datasheet) MFU."""
+    mfu, source = rates.mfu(what)
+    peak = GPU_PEAK_TFLOPS[cluster.gpu_type] * 1e12
+    return peak * mfu / flops_per_item, f"{2 if what == 'encoder' else 6} x params x tokens FLOPs, {source}"
+
+
+class Planner:
+    """Estimates for one (config, N, k, cluster, rates); `plan()` returns every stage."""
+
+    def __init__(self, cfg: Config, shape: RunShape, cluster: ClusterSpec, rates: Rates, models: Models,
+                 price_per_gpu_hour: float | None):
+        self.cfg, self.shape, self.cluster, self.rates, self.models = cfg, shape, cluster, rates, models
+        self.price = price_per_gpu_hour
+        self.shards = shard_sizes(cfg, shape)
+        self.train: TrainShape = train_shape(cfg, self.shards)
+        text = rates.bytes_per_row.get("pairs")
+        self.text_bytes_assumed = text is None
+        self.text_bytes = text or 400.0  # DESIGN.md's ~0.4 KB of text per pair when nothing measured one
+        sides = 2 if cfg.embed.side == "both" else 1
+        self.embedding_row_bytes = self.text_bytes + 2 * shape.dim * sides  # fp16 vectors (runtime/vectors)
+
+    # --- time ---------------------------------------------------------------------------------------------------
+    def cpu_time(self, stage: str, work: float, cpus: int) -> tuple[float, str]:
+        rate = self.rates.stages.get(stage)
+        if rate is None:
+            return math.nan, "not calibrated: run `clusterscale plan --calibrate`, or pass --run-dir of a run"
+        return rate.fixed_s + rate.cpu_s_per_work * work / max(1, cpus), rate.source
+
+    def gpu_time(self, flops: float, gpus: int, what: str, fixed_stage: str) -> tuple[float, str]:
+        per_item, source = gpu_encoder_rate(1.0, self.cluster, self.rates, what)  # FLOP/s per GPU
+        fixed = self.rates.stages[fixed_stage].fixed_s if fixed_stage in self.rates.stages else 0.0
+        return fixed + flops / (per_item * max(1, gpus)), source
+
+    def cpu_flops_time(self, name: str) -> tuple[float, str]:
+        """An encoder stage on CPUs without a measured rate: its FLOPs at the calibrated matmul FLOP/s per CPU."""
+        models, shape = self.models, self.shape
+        if name == "embed":
+            flops = 2.0 * models.embed_flop_params * models.embed_tokens * shape.train_rows
+        elif name == "train":
+            flops = self.train_flops_per_pair() * self.train.steps_per_epoch * self.cfg.train.schedule.global_batch_size
+        else:
+            items = self.cfg.eval.max_queries + self.cfg.eval.num_distractors + shape.heldout_rows
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
+        rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * DATASHEET_MFU
+        return flops / rate, (f"FLOPs at the calibrated fp32 matmul rate per CPU x {DATASHEET_MFU:.0%} (assumed "
+                              f"MFU)")
+
+    # --- memory: the stages' own sizing rules ----------------------------------------------------------------------
+    def base(self, stage: str) -> tuple[float, float, str]:
+        rate = self.rates.stages.get(stage)
+        if rate and (rate.task_base_mb or rate.driver_base_mb):
+            return rate.task_base_mb, rate.driver_base_mb, "formula + process footprint measured by --calibrate"
+        return 0.0, 0.0, "formula only (data held; no process footprint measured)"
+
+    def task_bytes(self, stage: str) -> tuple[float, float]:
+        """(largest task / actor / rank, driver) bytes of data a stage holds, by the rule the stage sizes with."""
+        cfg, shape, d, k = self.cfg, self.shape, self.shape.dim, self.shape.k
+        centroids = k * d * 4.0
+        if stage == "ingest":
+            return cfg.data.rows_per_part * self.text_bytes * 2, 0.0
+        if stage == "embed":
+            return self.models.embed_params * 4.0 + cfg.data.rows_per_part * self.embedding_row_bytes, 0.0
+        if stage == "fit":
+            actors = self.cluster.gpus or self.cluster.nodes  # stages/kmeans.fit_resources: per GPU, else per node
+            return fit_sample_rows(cfg, shape) / actors * d * 4 + 2 * centroids, 2 * k * d * 8.0
+        if stage == "assign":  # one work unit (<= ASSIGN_UNIT_ROWS rows of one embeddings file) in, and out again
+            unit = min(ASSIGN_UNIT_ROWS, max(embed_files(cfg, shape, self.embed_actors()), default=0))
+            return unit * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
+        if stage == "shard":
+            groups = groups_per_shard(self.shards.astype(np.int64), cfg.shard.max_group_rows)
+            largest = int((self.shards / np.maximum(groups, 1)).max())
+            sizes = GroupSizes(int(self.shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
+            return float(writer_sizing(sizes, self.text_bytes)[1]), k * d * 8.0 * 2
+        if stage == "dedup":
+            return cfg.dedup.block_rows ** 2 * 4.0 * 2 + cfg.dedup.block_rows * d * 4.0 * 2, k * 8.0
+        if stage == "mine":
+            if cfg.mine.max_group_rows == "auto":  # mine_search.auto_group_bounds: a quarter + a half of a task's memory
+                return 0.75 * self.cluster.node_memory_bytes / max(1, self.cluster.cpus_per_node), centroids
+            return 2 * cfg.mine.max_group_rows * (d * 4.0 + self.text_bytes), centroids
+        if stage == "train":
+            return self.rank_bytes(), 0.0
+        if stage == "evaluate":
+            return (cfg.eval.max_queries + cfg.eval.num_distractors + shape.heldout_rows) * d * 4.0, 0.0
+        return 0.0, 0.0
+
+    def rank_bytes(self) -> float:
+        """A training rank: weights + grads + AdamW state, and the activations of the rows it embeds at once
+        (its share of the global batch, or a GradCache chunk), query and passage sides."""
+        cfg, st = self.cfg, self.cfg.train.student
+        ranks = max(1, cfg.train.compute.num_workers)
+        rows = cfg.train.schedule.global_batch_size // ranks
+        rows = min(rows, cfg.train.compute.grad_cache_chunk or rows)
+        hidden, layers = st.scratch_hidden_size, st.scratch_num_layers
+        tokens = st.query_max_length + st.passage_max_length
+        return (ADAM_BYTES_PER_PARAM * self.models.student_params
+                + ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * tokens * rows * hidden * layers)
+
+    # --- disk and files -------------------------------------------------------------------------------------------
+    def outputs(self, stage: str) -> tuple[dict[str, float], int]:
+        cfg, shape, k = self.cfg, self.shape, self.shape.k
+        bpr = self.rates.bytes_per_row
+        if stage == "ingest":
+            parts = math.ceil(shape.train_rows / cfg.data.rows_per_part)
+            return {"pairs": shape.train_rows * self.text_bytes,
+                    "heldout": shape.heldout_rows * bpr.get("heldout", self.text_bytes)}, 2 * parts
+        if stage == "embed":
+            files = embed_files(cfg, shape, self.embed_actors())
+            return {"embeddings": shape.train_rows * self.embedding_row_bytes}, len(files)
+        if stage == "fit":
+            return {f"kmeans/k={k}": k * shape.dim * 4.0}, 2
+        if stage == "assign":
+            files = assign_files(embed_files(cfg, shape, self.embed_actors()))
+            return {f"assign/k={k}": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, files
+        if stage == "shard":
+            row = self.text_bytes + (2 * shape.dim if cfg.shard.keep_emb else 0)
+            return {f"shards/k={k}": shape.train_rows * row}, shard_files(cfg, self.shards)
+        if stage == "dedup":
+            return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, \
+                len(embed_files(cfg, shape, self.embed_actors()))
+        if stage == "mine":
+            n_neg = cfg.train.objective.negatives_per_query
+            return {"negatives": shape.train_rows * n_neg * 8.0}, len(embed_files(cfg, shape, self.embed_actors()))
+        if stage == "train":
+            export = 4.0 * self.models.student_params  # safetensors fp32 model
+            ckpt = 12.0 * self.models.student_params if cfg.train.checkpoint.keep_checkpoint else 0.0
+            return {f"train/{cfg.train_name()}": export + ckpt}, 4
+        return {}, 0
+
+    def embed_actors(self) -> int:
+        if self.cfg.embed.num_actors:
+            return self.cfg.embed.num_actors
+        return self.cluster.gpus or max(1, self.cluster.cpus // max(1, self.cfg.embed.threads_per_actor))
+
+    def shuffle(self, stage: str) -> tuple[float, float]:
+        """(bytes a stage shuffles, bytes spilled beyond the object stores)."""
+        n = self.shape.train_rows
+        moved = {"shard": n * self.text_bytes, "mine": n * (1 + self.cfg.mine.nprobe) * self.text_bytes,
+                 "dedup": n * 64.0 if self.cfg.dedup.exact else 0.0}.get(stage, 0.0)
+        if not moved or self.cfg.ray.disk_shuffle:  # through local files: no object-store spill
+            return moved, 0.0
+        store = OBJECT_STORE_FRACTION * self.cluster.node_memory_bytes * self.cluster.nodes
+        return moved, max(0.0, moved - store)
+
+    # --- one stage ---------------------------------------------------------------------------------------------
+    def stage(self, name: str) -> StagePlan:
+        skipped = stage_runs(name, self.cfg)
+        if skipped:
+            return StagePlan(name, skipped)
+        cfg, shape, cluster, models = self.cfg, self.shape, self.cluster, self.models
+        gpus_used = 0
+        if name == "embed" and cluster.gpus:
+            gpus_used = min(self.embed_actors(), cluster.gpus)
+            wall, source = self.gpu_time(2.0 * models.embed_flop_params * models.embed_tokens * shape.train_rows,
+                                         gpus_used, "encoder", "embed")
+        elif name == "train" and cluster.gpus and cfg.train.compute.use_gpu:
+            gpus_used = min(cfg.train.compute.num_workers, cluster.gpus)
+            flops = self.train_flops_per_pair() * self.train.steps_per_epoch * cfg.train.schedule.global_batch_size
+            wall, source = self.gpu_time(flops, gpus_used, "train", "train")
+        elif name == "evaluate" and cluster.gpus:
+            gpus_used = 1
+            items = cfg.eval.max_queries + cfg.eval.num_distractors + shape.heldout_rows
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
+            wall, source = self.gpu_time(flops, 1, "encoder", "evaluate")
+        else:
+            work = stage_work(name, cfg, shape)
+            if name == "train":
+                work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
+            wall, source = self.cpu_time(name, work, cluster.cpus)
+            if self.rates.search_cpu_s_per_row_k_d:  # fit's and assign's searches, at faiss's measured rate
+                wall += self.rates.search_cpu_s_per_row_k_d * search_work(name, cfg, shape) / cluster.cpus
+            if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
+                wall, source = self.cpu_flops_time(name)
+        task, driver = self.task_bytes(name)
+        task_base, driver_base, mem_source = self.base(name)
+        disk, files = self.outputs(name)
+        shuffled, spilled = self.shuffle(name)
+        hours = wall / 3600 if not math.isnan(wall) else math.nan
+        return StagePlan(name, "gpu" if gpus_used else "cpu", wall, gpus_used * hours,
+                         (cluster.cpus if not gpus_used else gpus_used) * hours,
+                         None if self.price is None else self.price * cluster.gpus * hours,
+                         task / MB + task_base, driver / MB + driver_base, disk, files, shuffled, spilled,
+                         source, mem_source)
+
+    def train_flops_per_pair(self) -> float:
+        """6 x params x tokens (forward + backward), plus a forward more with GradCache (its re-forward) unless a
+        GPU calibration measured the MFU of a GradCache step (benchmarks/gpu_check.py counts 6 x, the re-forward
+        inside its time)."""
+        factor = 8.0 if self.cfg.train.compute.grad_cache_chunk and not self.rates.gpu else 6.0
+        return factor * self.models.student_flop_params * self.models.train_tokens
+
+    def plan(self) -> dict[str, StagePlan]:
+        return {name: self.stage(name) for name in STAGES}
+
+    # --- warnings ---------------------------------------------------------------------------------------------
+    def warnings(self, stages: dict[str, StagePlan]) -> list[str]:
+        cfg, t, batch = self.cfg, self.train, self.cfg.train.schedule.global_batch_size
+        out = []
+        if t.steps_per_epoch == 0:
+            out.append(f"no cluster holds a full global batch of {batch} pairs: training cannot start; lower "
+                       f"cluster.k or train.global_batch_size")
+        elif t.mean_batches_per_cluster < 10:
+            out.append(f"the mean cluster holds {t.mean_batches_per_cluster:.1f} global batches (< 10): the "
+                       f"batches of a cluster repeat its few neighbourhoods; lower k to about "
+                       f"{max(1, self.shape.train_rows // (10 * batch)):,}")
+        if self.shape.train_rows and t.unused_pairs_per_epoch > 0.1 * self.shape.train_rows:
+            out.append(f"{t.unused_pairs_per_epoch:,} pairs per epoch ({t.unused_pairs_per_epoch / self.shape.train_rows:.0%})"
+                       f" are in no global batch (cluster remainders): lower k or the batch size")
+        if cfg.shard.small_cluster_policy == "merge" and (self.shape.cluster_sizes < batch).all():
+            out.append("every cluster is smaller than one global batch: the shard stage refuses shard."
+                       "small_cluster_policy=merge")
+        per_task = self.cluster.node_memory_bytes / MB / max(1, self.cluster.cpus_per_node)
+        for s in stages.values():
+            if s.runs_on == "cpu" and s.stage != "train" and s.peak_task_mb > per_task:
+                out.append(f"{s.stage}: a task may need {s.peak_task_mb:,.0f} MB, more than a node's memory per "
+                           f"CPU ({per_task:,.0f} MB): Ray then runs fewer tasks per node (or raise the memory)")
+        rank_gb = stages["train"].peak_task_mb * MB / 1e9
+        if self.cluster.gpu_type and cfg.train.compute.use_gpu and rank_gb > GPU_MEMORY_GB[self.cluster.gpu_type]:
+            out.append(f"train: a rank needs ~{rank_gb:,.0f} GB, more than a {self.cluster.gpu_type}'s "
+                       f"{GPU_MEMORY_GB[self.cluster.gpu_type]} GB: set train.grad_cache_chunk or add ranks")
+        disk = sum(sum(s.disk_bytes.values()) for s in stages.values())
+        if self.cluster.node_disk_bytes:
+            shuffle_per_node = max(s.shuffle_bytes for s in stages.values()) / self.cluster.nodes
+            if shuffle_per_node > self.cluster.node_disk_bytes:
+                out.append(f"the largest shuffle puts {shuffle_per_node / 1e9:,.0f} GB on each node's local disk "
+                           f"({self.cluster.node_disk_bytes / 1e9:,.0f} GB): add disk or nodes")
+            if disk > self.cluster.node_disk_bytes:
+                out.append(f"the run writes {disk / 1e9:,.0f} GB, more than one node's disk "
+                           f"({self.cluster.node_disk_bytes / 1e9:,.0f} GB): a local --run-dir cannot hold it; use "
+                           f"shared or object storage")
+        if self.text_bytes_assumed:
+            out.append("bytes per pair assumed (400 B of text, DESIGN.md): pass --run-dir of a run on this data or "
+                       "calibrate")
+        return out
+
+
+def preprocess_over_train(stages: dict[str, StagePlan], epochs: int) -> float | None:
+    """Cluster time of preprocessing / of `epochs` training epochs (the cluster is paid while either runs); stages
+    without a rate are left out (make_plan names them)."""
+    pre = sum(s.wall_s for n, s in stages.items() if n in PREPROCESS and not s.runs_on.startswith("skipped")
+              and not math.isnan(s.wall_s))
+    train = stages["train"].wall_s * epochs
+    return pre / train if train and not math.isnan(train) else None
+
+
+def uncalibrated(stages: dict[str, StagePlan]) -> list[str]:
+    return [n for n, s in stages.items() if not s.runs_on.startswith("skipped") and math.isnan(s.wall_s)]

@@ -1,0 +1,192 @@
+"""The rates a plan multiplies by: measured, never guessed.
+
+CPU stages: time = fixed_s + cpu_s_per_work x work / CPUs (work: plan/shape.stage_work), fitted from
+  - a run's own report/costs.json (--run-dir; one size, so fixed_s comes from the calibration file when there is
+    one, else 0: proportional, an upper bound), or
+  - the calibration file `clusterscale plan --calibrate` writes (two synth sizes: a least-squares line per stage).
+GPU stages: passages/s and pairs/s from the model's FLOPs at an MFU: the one a GPU calibration JSON
+(benchmarks/gpu_check.sh) measured, else DATASHEET_MFU of the GPU's datasheet peak (printed as datasheet
+arithmetic).
+
+The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --calibration PATH):
+  {"format": CALIBRATION_FORMAT, "measured_at", "machine": {"cpus", "load_avg"}, "runs": [{"rows", "k", "dim"}],
+   "stages": {"<stage>": {"points": [[work, wall_s], ...], "fixed_s", "cpu_s_per_work", "cpus",
+                          "task_base_mb", "driver_base_mb"}},
+   "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
+   "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search)}
+task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
+the memory formula gives at the calibration size: the process's own footprint (Python, pyarrow, Ray).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clusterscale.config import Config, ConfigError
+
+CALIBRATION_FORMAT = "clusterscale-plan-calibration/1"
+GPU_CALIBRATION_FORMAT = "clusterscale-gpu-check/1"
+DEFAULT_CALIBRATION = os.path.join("~", ".clusterscale", "plan_calibration.json")
+DATASHEET_MFU = 0.35
+"""Fraction of the datasheet bf16 peak assumed for the encoder and the training step when no GPU calibration
+exists: BERT-base-sized encoders at 256 tokens reach ~30-45% on A100/H100 class GPUs in published training
+logs. An assumption: every figure that rests on it is marked 'datasheet'."""
+
+
+@dataclass(frozen=True)
+class StageRate:
+    fixed_s: float
+    cpu_s_per_work: float
+    source: str
+    task_base_mb: float = 0.0
+    driver_base_mb: float = 0.0
+
+
+@dataclass
+class Rates:
+    stages: dict[str, StageRate] = field(default_factory=dict)
+    bytes_per_row: dict[str, float] = field(default_factory=dict)
+    imbalance_factor: float | None = None
+    cpu_flops_per_s_per_cpu: float | None = None
+    search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
+    gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
+    gpu_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def mfu(self, what: str) -> tuple[float, str]:
+        """(MFU, source) of 'encoder' or 'train' on a GPU."""
+        if self.gpu:
+            key = "bert-base" if what == "encoder" else "train_step"
+            part = self.gpu.get("encoder", {}).get(key) if what == "encoder" else self.gpu.get(key)
+            if part and part.get("mfu"):
+                return float(part["mfu"]), f"measured on {self.gpu.get('gpu', 'a GPU')} ({self.gpu_source})"
+        return DATASHEET_MFU, f"datasheet peak x {DATASHEET_MFU:.0%} MFU (assumed)"
+
+
+def read_json_file(path: str, what: str) -> dict:
+    path = os.path.expanduser(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist.") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} {path} cannot be read as JSON ({exc}): rewrite it (see its producer).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} holds {type(data).__name__}, not a JSON object.")
+    return data
+
+
+def line_fit(points: list[list[float]]) -> tuple[float, float]:
+    """(fixed seconds, seconds per work) of a least-squares line through (work, wall_s) points. One point is
+    proportional (its start-up scaled with the work: an upper bound); a negative intercept is taken as 0 with the
+    slope through the largest point; a slope <= 0 (the work part under the noise at these sizes) keeps the
+    smallest wall as start-up and 0 per work, which rates_from_calibration flags."""
+    points = sorted(points)
+    work, wall = points[-1]
+    if len(points) > 1 and len({p[0] for p in points}) > 1:
+        slope, intercept = (float(v) for v in np.polyfit([p[0] for p in points], [p[1] for p in points], 1))
+        if slope > 0 and intercept >= 0:
+            return intercept, slope
+        if slope > 0:
+            return 0.0, wall / work
+        return min(p[1] for p in points), 0.0
+    return 0.0, wall / work if work else 0.0
+
+
+# A source checkout ships the calibration measured on its CI box (README "Sizing"); the user's own comes first.
+SHIPPED_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                   "benchmarks", "results", "plan_calibration.json")
+
+
+def load_calibration(path: str | None) -> tuple[dict | None, str]:
+    """The calibration file at `path`, else ~/.clusterscale/plan_calibration.json, else the one a source checkout
+    ships; None when there is none."""
+    if path and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"--calibration {path} does not exist: write it with `clusterscale plan --calibrate "
+                          f"--calibration {path}`.")
+    chosen = path or next((p for p in (DEFAULT_CALIBRATION, SHIPPED_CALIBRATION)
+                           if os.path.exists(os.path.expanduser(p))), None)
+    if chosen is None:
+        return None, ""
+    data = read_json_file(chosen, "Calibration file")
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise ConfigError(f"Calibration file {chosen} has format {data.get('format')!r}, not {CALIBRATION_FORMAT!r}: "
+                          f"rewrite it with `clusterscale plan --calibrate`.")
+    return data, chosen
+
+
+def rates_from_calibration(data: dict, path: str) -> Rates:
+    when = data.get("measured_at", "?")
+    rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
+                  cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
+                  search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"))
+    for stage, rec in data.get("stages", {}).items():
+        if not rec["cpu_s_per_work"]:
+            rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "
+                               f"larger than the per-row time): its time is the start-up only; calibrate with larger "
+                               f"--calibrate-rows on a quiet machine")
+        rates.stages[stage] = StageRate(rec["fixed_s"], rec["cpu_s_per_work"], f"calibrated {when} ({path})",
+                                        rec.get("task_base_mb", 0.0), rec.get("driver_base_mb", 0.0))
+    return rates
+
+
+def folder_bytes(root: str) -> dict[str, int]:
+    """Bytes on disk under each top-level folder of a local run dir (kmeans/k=8 and the like one level down)."""
+    out: dict[str, int] = {}
+    for top in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            rel = os.path.relpath(dirpath, root).split(os.sep)
+            key = "/".join(rel[:2]) if len(rel) > 1 and rel[1].startswith("k=") else rel[0]
+            out[key] = out.get(key, 0) + sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    return out
+
+
+def stage_of_cost_key(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
+def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str) -> None:
+    """Rates of the stages a run measured (report/costs.json): wall less the calibration's fixed start-up, per
+    work at the run's CPUs. A stage without a calibrated start-up is proportional (flagged)."""
+    proportional = []
+    for key, record in costs.items():
+        stage = stage_of_cost_key(key)
+        work = run_work.get(key) or run_work.get(stage)
+        if not work or not record.get("wall_s") or (stage != key and stage in costs):
+            continue
+        known = rates.stages.get(stage)
+        fixed = min(known.fixed_s, 0.9 * record["wall_s"]) if known else 0.0
+        if not known:
+            proportional.append(stage)
+        rates.stages[stage] = StageRate(fixed, (record["wall_s"] - fixed) * run_cpus / work, source,
+                                        known.task_base_mb if known else 0.0, known.driver_base_mb if known else 0.0)
+    if proportional:
+        rates.notes.append(f"{', '.join(proportional)}: one measured size and no calibrated start-up, so the start-up "
+                           f"is scaled with the work (an upper bound); `clusterscale plan --calibrate` measures it")
+
+
+def load_gpu_calibration(path: str | None, rates: Rates) -> None:
+    if not path:
+        return
+    data = read_json_file(path, "GPU calibration")
+    if data.get("format") != GPU_CALIBRATION_FORMAT:
+        raise ConfigError(f"GPU calibration {path} has format {data.get('format')!r}, not "
+                          f"{GPU_CALIBRATION_FORMAT!r}: write it with benchmarks/gpu_check.sh.")
+    rates.gpu, rates.gpu_source = data, path
+
+
+def embedding_dim(cfg: Config, run_dim: int | None) -> tuple[int, str]:
+    """The embedding dimension: the run's embeddings, else the local model's config.json, else BERT-base's 768."""
+    if run_dim:
+        return run_dim, "the run's embeddings"
+    from clusterscale.modeling.encoder import resolve_model_path
+
+    try:
+        with open(os.path.join(resolve_model_path(cfg.embed.model), "config.json")) as f:
+            return int(json.load(f)["hidden_size"]), f"{cfg.embed.model}'s config.json"
+    except Exception:  # a hub id without network: the paper's encoders are BERT-base sized
+        return 768, f"768 (assumed: {cfg.embed.model} is not a local folder)"

@@ -1,0 +1,167 @@
+"""`clusterscale plan`: its formulas on small known cases (against the train schedule's and the stages' own
+functions, and against the files a finished run wrote), its errors, its --json keys. No Ray is started except by
+the shared_run fixture (made once per session)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clusterscale import cli, config
+from clusterscale.plan import render
+from clusterscale.plan.build import PlanRequest, make_plan
+from clusterscale.plan.rates import CALIBRATION_FORMAT, line_fit
+from clusterscale.plan.shape import (RunShape, assign_files, embed_files, imbalance_factor, lognormal_sizes, run_shape,
+                                     shard_files, shard_sizes, train_shape)
+from clusterscale.train import schedule
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGE_KEYS = {"wall_s", "gpu_hours", "cpu_hours", "peak_task_mb", "peak_driver_mb", "disk_bytes", "files"}
+
+
+def shape_of(cfg, sizes: list[int]) -> RunShape:
+    sizes = np.asarray(sizes, dtype=np.int64)
+    return RunShape(int(sizes.sum()), int(sizes.sum()), 0, len(sizes), 8, sizes, "test")
+
+
+def test_train_shape_is_the_schedules():
+    """Steps and leftover pairs of an epoch are what the train code computes, and what arithmetic says."""
+    cfg = config.load(None, ["train.global_batch_size=32", "shard.small_cluster_policy=pool"])
+    shards = shard_sizes(cfg, shape_of(cfg, [130, 70, 64, 10, 5]))
+    assert sorted(shards.tolist()) == [15, 64, 70, 130]  # 10 and 5 pooled: one shard of 15
+    shape = train_shape(cfg, shards)
+    assert shape.steps_per_epoch == schedule.batches_per_epoch(shards, 32) == 4 + 2 + 2 + 0
+    assert shape.unused_pairs_per_epoch == schedule.unused_pairs(shards, 32, "clustered", 0) == 2 + 6 + 0 + 15
+    assert shape.batches_per_cluster == (0, 2.0, 4)
+    merged = shard_sizes(config.load(None, ["train.global_batch_size=32"]), shape_of(cfg, [130, 70, 64, 10, 5]))
+    assert sorted(merged.tolist()) == [64, 70, 145]  # merge: the small clusters join a large one
+
+
+def test_cluster_sizes_at_an_imbalance():
+    sizes = lognormal_sizes(1_000_003, 500, 1.5)
+    assert sizes.sum() == 1_000_003 and len(sizes) == 500
+    assert imbalance_factor(sizes) == pytest.approx(1.5, rel=0.05)
+    assert (lognormal_sizes(1000, 10, 1.0) == 100).all()
+
+
+def test_files_follow_the_stages_rules():
+    """Shard files: sub-groups of shard.max_group_rows, files of batches_per_file global batches; assign: units
+    of whole 8,192-row groups up to 32,768 rows per embeddings file."""
+    cfg = config.load(None, ["train.global_batch_size=100", "shard.batches_per_file=2", "shard.max_group_rows=1000"])
+    # 450 rows: one group, files of 200 rows -> 3; 2,500 rows: 3 groups of ~834 -> 5 files each
+    assert shard_files(cfg, np.array([450, 2500])) == 3 + 3 * 5
+    assert assign_files([50_000, 8_192, 100]) == 2 + 1 + 1
+    cfg = config.load(None, ["data.rows_per_part=1000", "embed.rows_per_unit=400"])
+    assert embed_files(cfg, run_shape(cfg, 2500, 4, 8), 2) == [400, 400, 200, 400, 400, 200, 375]  # 2,375 after 5% held out
+
+
+def test_line_fit():
+    assert line_fit([[100, 12.0], [400, 18.0]]) == pytest.approx((10.0, 0.02))
+    assert line_fit([[100, 5.0]]) == (0.0, 0.05)
+    assert line_fit([[100, 6.0], [400, 4.0]]) == (4.0, 0.0)  # no growth: start-up only (flagged)
+
+
+def write_calibration(path) -> str:
+    stages = {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6, "cpus": 2, "task_base_mb": 100.0,
+                  "driver_base_mb": 200.0} for s in ("ingest", "fit", "assign", "shard")}
+    path.write_text(json.dumps({"format": CALIBRATION_FORMAT, "stages": stages, "bytes_per_row": {"pairs": 300.0}}))
+    return str(path)
+
+
+def test_plan_json_keys_and_text(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    calibration = write_calibration(tmp_path / "cal.json")
+    assert cli.main(["plan", "--rows", "1000000", "--k", "100,400", "--gpus", "16", "--gpu-type", "H100",
+                     "--nodes", "2", "--calibration", calibration, "--price-per-gpu-hour", "2.5",
+                     "--set", "train.global_batch_size=1024", "train.use_gpu=true", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| assign | cpu |" in text and "steps per epoch" in text
+    plan = json.loads(out.read_text())
+    assert list(plan)[:3] == ["stages", "preprocess_over_train", "warnings"]
+    assert set(plan["stages"]) == {"ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate"}
+    for name, stage in plan["stages"].items():
+        assert STAGE_KEYS <= set(stage), name
+    assert plan["stages"]["embed"]["runs_on"] == "gpu" and plan["stages"]["assign"]["runs_on"] == "cpu"
+    assert plan["stages"]["assign"]["peak_task_mb"] > 100  # formula + the calibrated footprint
+    assert plan["preprocess_over_train"] > 0
+    assert plan["stages"]["evaluate"]["wall_s"] > 0  # on the GPU: FLOPs at the datasheet MFU
+    assert plan["stages"]["shard"]["time_from"].startswith("calibrated")
+    assert [(r["k"], r["rows"]) for r in plan["table"]] == [(k, n) for k in (100, 400)
+                                                            for n in (250_000, 1_000_000, 4_000_000)]
+    # 1M pairs less 5% held out, at k=400 clusters of ~2 batches of 1,024: the mean-cluster warning
+    small = make_plan(PlanRequest(None, ["train.global_batch_size=1024"], None, 1_000_000, [400], None, 16, "H100", 2,
+                                  None, calibration, None, None))
+    assert any("global batches (< 10)" in w for w in small["warnings"])
+
+
+def test_a_stage_without_a_rate_is_null_and_named(tmp_path):
+    """On this machine's CPUs with no rate for embed (the calibration has none, nor a matmul rate), embed's figures
+    are null in strict JSON, the stage is named, and the ratio sums the stages that have a rate."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--rows", "20000", "--calibration", write_calibration(tmp_path / "cal.json"),
+                     "--json", str(out)]) == 0
+    plan = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert plan["stages"]["embed"]["wall_s"] is None and plan["stages"]["fit"]["wall_s"] > 0
+    assert any("no rate for embed" in n for n in plan["notes"])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--rows", "1000", "--set", "cluster.k=-3"], "cluster.k"),
+    (["plan", "--rows", "1000", "--cluster", "cluster_configs/scale-100m.yaml"], "CONFIG argument"),
+    (["plan", "--rows", "1000", "--gpus", "8", "--gpu-type", "Z9000"], "Z9000"),
+    (["plan", "--rows", "0"], "--rows"),
+    (["plan", "no-such-config.yaml", "--rows", "1000"], "does not exist"),
+])
+def test_plan_user_errors_exit_2(argv, said, capsys):
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        assert cli.main(argv) == 2
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and "Traceback" not in err
+
+
+def test_prediction_table():
+    prediction = {"stages": {"assign": {"wall_s": 12.0}, "train": {"wall_s": 100.0}, "mine": {"wall_s": 1.0}},
+                  "train_shape": {"steps_per_epoch": 50}}
+    table = render.prediction_table(prediction, {"assign": {"wall_s": 10.0},
+                                                 "train:clustered-seed0": {"wall_s": 25.0, "steps": 10}})
+    assert "| assign | 12.0 | 10.0 | +20% |" in table
+    assert "| train | 20.0 | 25.0 | -20% |" in table and "mine" not in table
+
+
+def test_plan_files_equal_a_finished_run(shared_run):
+    """The shard, assign and embeddings file counts the plan gives for the shared run's sizes are the files it
+    wrote (the formulas are the stages' own rules)."""
+    run = shared_run.run
+    cfg = config.load(None, [], run_config=config.parse_yaml(run.read_bytes("config.yaml"), "config.yaml"))
+    manifest = json.loads(run.read_bytes(f"shards/k={cfg.cluster.k}/manifest.json"))
+    sizes = np.array([c["rows"] for c in manifest["clusters"]])
+    written = sum(len(c["files"]) for c in manifest["clusters"])
+    assert shard_files(cfg, sizes) == written
+    embedded = [f for f in run.files("embeddings")]
+    costs = run.read_json("report/costs.json")
+    shape = run_shape(cfg, costs["ingest"]["rows_in"], cfg.cluster.k, 8)
+    rows = costs["embed"]["rows"]
+    shape = RunShape(shape.rows_in, rows, shape.heldout_rows, shape.k, 8, shape.cluster_sizes, "test")
+    assert len(embed_files(cfg, shape, costs["embed"]["actors"])) == len(embedded)
+    import pyarrow.parquet as pq
+    per_file = [pq.ParquetFile(run.fs.open_input_file(f)).metadata.num_rows for f in embedded]
+    assert assign_files(per_file) == len(run.files(f"assign/k={cfg.cluster.k}"))
+
+
+def test_gpu_check_quick_writes_what_plan_reads(tmp_path):
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert {"minilm", "bert-base"} <= set(data["encoder"]) and data["train_step"]["pairs_per_s"] > 0
+    plan = make_plan(PlanRequest(None, [], None, 100_000, [10], None, 8, "H100", 1, None,
+                                 write_calibration(tmp_path / "cal.json"), str(out), None))
+    assert "datasheet" in plan["stages"]["embed"]["time_from"]  # a CPU --quick file has no MFU: datasheet stays
