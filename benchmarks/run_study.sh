@@ -11,6 +11,13 @@
 # RESULTS.md's tables come from the run's own summary: python benchmarks/study_table.py OUT_DIR/minilm.
 # It can be run in pieces: rerun the same command and compare skips the finished arms, and an arm stopped
 # midway resumes from its last checkpoint (every 50 steps) on the same batches.
+# Issue 30 (what each hour of preprocessing buys) adds three arms: curriculum (each batch from one cluster with a
+# probability rising 0 -> 0.5 over the run, else random), random+mined and clustered+mined (1 mined negative per
+# query, joining the loss after the first epoch: the easy-first recipe, train.negatives_curriculum_steps=EASY_STEPS
+# ~ one epoch of 12,887 pairs / 64). The scratch student runs them with random and clustered over 5 seeds (seeds
+# 0-2 of random and clustered are reused); MiniLM runs the three new arms over 3 seeds beside its 9 finished arms
+# (reused: the keys added since leave their fingerprints unchanged). compare mines once for every arm and seed.
+# The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>
 set -euo pipefail
 OUT=${1:-runs/study}
 WHICH=${2:-both}
@@ -21,15 +28,20 @@ SCRATCH=(train.init=scratch train.tokenizer=bundled train.scratch_hidden_size=12
          train.scratch_num_heads=2 train.scratch_intermediate_size=512 train.lr=4e-4 train.final_lr=4e-5
          train.temperature=0.05 train.warmup_steps=30)
 MINILM=(train.init=bundled train.lr=1e-4 train.final_lr=1e-5 train.warmup_steps=20 train.passage_max_length=64)
-ARMS=clustered,random,random_clusters
+EASY_STEPS=200
+NEW_ARMS=curriculum,random+mined,clustered+mined
+EASY=(--arm "random+mined:train.negatives_curriculum_steps=$EASY_STEPS"
+      --arm "clustered+mined:train.negatives_curriculum_steps=$EASY_STEPS")
 {
   date -u; uptime
   if [[ $WHICH == scratch || $WHICH == both ]]; then
-    time clusterscale compare --run-dir "$OUT/scratch" --arms "$ARMS" --seeds 3 --set "${COMMON[@]}" "${SCRATCH[@]}"
+    time clusterscale compare --run-dir "$OUT/scratch" --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" --seeds 5 \
+      --set "${COMMON[@]}" "${SCRATCH[@]}"
     clusterscale report --run-dir "$OUT/scratch"
   fi
   if [[ $WHICH == minilm || $WHICH == both ]]; then
-    time clusterscale compare --run-dir "$OUT/minilm" --arms "$ARMS" --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
+    time clusterscale compare --run-dir "$OUT/minilm" --arms "clustered,random,random_clusters,$NEW_ARMS" "${EASY[@]}" \
+      --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
     clusterscale report --run-dir "$OUT/minilm"
   fi
   date -u; uptime

@@ -3,9 +3,12 @@ the figures in RESULTS.md are the run's own, every seed included:
 
     python benchmarks/study_table.py RUN_DIR [--frozen-name "frozen MiniLM-L6 (reference)"]
 
-Prints two Markdown tables: per arm the held-out NDCG@10 and MRR@10 (mean ± sample sd over seeds, min..max), the
+Prints three Markdown tables: per arm the held-out NDCG@10 and MRR@10 (mean ± sample sd over seeds, min..max), the
 mean final loss and in-batch negative cosine; then the seed-paired differences with their 95% t-intervals and how
-many seeds the first arm won.
+many seeds the first arm won; then quality against cost (issue 30): per arm NDCG@10 and MRR@10, their seed-paired
+difference to random with its interval, the preprocessing the arm needs (worker-seconds of its stages, from the run's
+own cost records; each stage once, shared stages counted in every arm that needs them), its training worker-seconds
+per seed, and the NDCG@10 gained over random per extra preprocessing worker-hour.
 """
 from __future__ import annotations
 
@@ -41,6 +44,29 @@ def paired_rows(summary: dict) -> list[str]:
     return lines
 
 
+def cost_rows(summary: dict) -> list[str]:
+    """Quality against cost, one row per arm (compare.json written since issue 30; older ones have no costs)."""
+    if not all("preprocess" in arm for arm in summary["arms"].values()):
+        return ["(this compare.json predates the per-arm costs: rerun `clusterscale compare` on the run, which reuses "
+                "every finished arm, to add them)"]
+    lines = ["| arm | NDCG@10 | MRR@10 | NDCG@10 - random [95% interval] | MRR@10 - random [95% interval] | "
+             "preprocessing (stages) | preprocessing worker-s (extra over random) | training worker-s / seed | "
+             "NDCG@10 gain per extra preprocessing hour |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    paired = summary.get("paired", {})
+    for name, arm in summary["arms"].items():
+        diff, pre = paired.get(f"{name} - random"), arm["preprocess"]
+        gain = (arm.get("gain_per_preprocess_hour") or {}).get("ndcg_at_10")
+        lines.append(f"| {name} | {arm['metrics']['ndcg_at_10']['mean']:.4f} | {arm['metrics']['mrr_at_10']['mean']:.4f} | "
+                     f"{_interval(diff['ndcg_at_10']) if diff else '-'} | {_interval(diff['mrr_at_10']) if diff else '-'} "
+                     f"| {', '.join(pre['stages'])} | {pre['worker_s']:.0f} ({pre['extra']['worker_s']:+.0f}) | "
+                     f"{arm['train']['worker_s_per_seed']:.0f} | {'-' if gain is None else f'{gain:+.4f}'} |")
+    total = summary["preprocess_total"]
+    lines.append(f"\nPreprocessing of the whole compare, each stage once: {total['worker_s']:.0f} worker-s "
+                 f"({total['wall_s']:.0f} s wall; {', '.join(total['stages'])}).")
+    return lines
+
+
 def _interval(d: dict) -> str:
     low, high = d.get("ci95") or (float("nan"), float("nan"))
     return f"{d['mean']:+.4f} [{low:+.4f}, {high:+.4f}]"
@@ -64,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(arm_rows(summary, args.frozen_name)))
     print()
     print("\n".join(paired_rows(summary)))
+    print()
+    print("\n".join(cost_rows(summary)))
     return 0
 
 

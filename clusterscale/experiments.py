@@ -28,7 +28,12 @@ from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, pipeline, run_stage,
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
+from clusterscale.arm_costs import arm_preprocess, gain_per_hour
+from clusterscale.train.curriculum import CURRICULUM
 from clusterscale.train.schedule import SAMPLERS
+
+ARM_SAMPLERS = (*SAMPLERS, CURRICULUM)  # an arm named after a sampler trains with it
+MINED_SUFFIX = "+mined"  # `<sampler>+mined`: that sampler with one mined negative per query
 
 
 def arm_name(experiment: str, arm: str, seed: int) -> str:
@@ -111,13 +116,26 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def arm_keys(name: str, cfg: Config, custom: dict[str, dict]) -> dict:
+    """An arm's train keys: a custom arm's (--arm NAME:...) over those its name gives when it names an arm (e.g.
+    --arm random+mined:train.negatives_curriculum_steps=200 is random+mined with the easy-first phase)."""
     if name in custom:
-        return dict(custom[name])
-    if name in SAMPLERS:
+        try:
+            named = _named_arm_keys(name, cfg)
+        except ConfigError:  # a name of the user's own
+            named = {}
+        return named | dict(custom[name])
+    return _named_arm_keys(name, cfg)
+
+
+def _named_arm_keys(name: str, cfg: Config) -> dict:
+    if name in ARM_SAMPLERS:
         return {"sampler": name}
+    if name.endswith(MINED_SUFFIX) and name.removesuffix(MINED_SUFFIX) in ARM_SAMPLERS:
+        return {"sampler": name.removesuffix(MINED_SUFFIX), "negatives_per_query": 1}
     if name not in ARMS:
-        raise ConfigError(f"Unknown compare arm {name!r}: use a train.sampler value ({', '.join(SAMPLERS)}), a named arm "
-                          f"({', '.join(ARMS)}), or define it with --arm {name}:train.key=value,...")
+        raise ConfigError(f"Unknown compare arm {name!r}: use a train.sampler value ({', '.join(ARM_SAMPLERS)}), "
+                          f"one with mined negatives (e.g. clustered{MINED_SUFFIX}), a named arm ({', '.join(ARMS)}), "
+                          f"or define it with --arm {name}:train.key=value,...")
     keys = dict(ARMS[name])
     if keys.get("recluster_every") == "half":
         if not cfg.train.schedule.steps or cfg.train.schedule.steps < 2:
@@ -148,8 +166,10 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     mining = [a[0] for a in arms.values() if a[0].train.objective.negatives_per_query]
     stage_options = stage_options or {}
     run_stages(cfg, run, pipeline(cfg, last=PREPROCESS[-1]), **stage_options)
-    if mining:  # one mining pass serves every arm with mined negatives (same mine config)
-        run_stages(mining[0], run, ("mine",), write_config=False, **stage_options)
+    if mining:  # one mining pass serves every arm with mined negatives (same mine config); it writes the sidecars
+        # of the clustered shards, and each arm's training those of its own shard set (random's, made on demand)
+        run_stages(variant(mining[0], train={"sampler": "clustered"}), run, ("mine",), write_config=False,
+                   **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
@@ -189,6 +209,7 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
                "train_keys": _differing_train_keys(cfg, arm_cfgs[0])}
         out["arms"][sampler] = arm
     costs = run.read_json("report/costs.json") if run.exists("report/costs.json") else {}
+    add_costs(out, arms, costs)
     out["preprocess_worker_s"] = {stage: costs[stage].get("worker_s", costs[stage].get("wall_s"))
                                   for stage in (*PREPROCESS, "mine") if stage in costs}
     out["per_k_stages"] = list(PER_K_STAGES)
@@ -199,10 +220,26 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
             out.setdefault("paired", {})[f"{sampler} - {baseline}"] = {
                 key: paired_difference(_seed_differences(metrics, sampler, arm_cfgs, baseline, arms[baseline], key))
                 for key in ("ndcg_at_10", "mrr_at_10")}
+    for name, arm in out["arms"].items():
+        arm["gain_per_preprocess_hour"] = gain_per_hour(out.get("paired", {}).get(f"{name} - random"),
+                                                        arm["preprocess"]["extra"]["worker_s"])
     if "random" in arms:  # kept for readers of earlier compare.json files
         out["paired_vs_random"] = {name.split(" - ")[0]: d["ndcg_at_10"] for name, d in out.get("paired", {}).items()
                                    if name.endswith(" - random")}
     return out
+
+
+def add_costs(out: dict, arms: dict[str, list[Config]], costs: dict) -> None:
+    """Per arm: the preprocessing it needs (arm_costs.arm_stages; `extra`: beyond random's) and its training's wall
+    and worker-seconds per seed; the preprocessing of the whole compare, each stage counted once."""
+    per_arm, out["preprocess_total"] = arm_preprocess(arms, costs)
+    for name, arm_cfgs in arms.items():
+        records = [costs.get(f"train:{a.train_name()}", {}) for a in arm_cfgs]
+        out["arms"][name]["preprocess"] = per_arm[name]
+        out["arms"][name]["train"] = {
+            "wall_s_per_seed": float(np.mean([r.get("wall_s", 0.0) for r in records])),
+            "worker_s_per_seed": float(np.mean([r.get("worker_s", 0.0) for r in records])),
+            "device": records[0].get("device", "cpu")}
 
 
 def _per_step_means(records: list[list[dict]]) -> dict:

@@ -48,13 +48,15 @@ def zero_means(meaning: str) -> Bounds:
 
 
 def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True,
-         bounds: Bounds | None = None):
+         bounds: Bounds | None = None, added: bool = False):
     """A config field with its documentation, allowed values, and whether it changes a stage's output.
 
     Fields with affects_output=False (worker counts, batch sizes of inference) may change between
     reruns without invalidating completed work. bounds: the allowed range of a number (checked by validate).
+    added: a key added after run directories were made (tests/fixtures/config_before): at its default it stays out
+    of fingerprints, so those runs are reused, not redone; any other value enters them like every key's.
     """
-    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds}
+    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds, "added": added}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -138,7 +140,11 @@ class ComposedSection(Section):
 def output_keys(section_obj: Section) -> dict:
     """The keys of a section that change a stage's output, with their values: what its fingerprint hashes."""
     return {name: getattr(owner, name) for name, (owner, f) in section_obj.knobs().items()
-            if f.metadata["affects_output"]}
+            if f.metadata["affects_output"] and not (f.metadata["added"] and getattr(owner, name) == _default(f))}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:

@@ -99,6 +99,9 @@ def run_dir(tmp_path) -> Path:
 BAD_ROWS = [{"q": "", "p": "text", "src": "x"}, {"q": "query", "p": None, "src": "x"},
             {"q": "  \t ", "p": "passage", "src": "x"}]
 SHARED_SAMPLERS, SHARED_SEEDS = ("clustered", "random"), 2
+# compare's arm with mined negatives (random batches + 1 mined negative per query from step 2 on, the easy-first
+# phase: an --arm over the named arm's keys): one mining pass serves both seeds.
+SHARED_MINED_ARM, SHARED_EASY_STEPS = "random+mined", 2
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def shared_run(tmp_path_factory, tiny_model, ray_local) -> SharedRun:
     read (each trained its own before: ~5 min of the suite). It is made as a newcomer types the quick start:
     relative --run-dir, data.path and model folder from the run's parent folder, then verbs on the finished run
     without --set (they start from its config.yaml):
-      run (clustered, 6 steps, rank batch logs; 300 pairs + 3 bad rows) -> compare clustered,random x 2 seeds
+      run (clustered, 6 steps, rank batch logs; 300 pairs + 3 bad rows) -> compare clustered,random,random+mined x 2 seeds
       -> train with the source sampler -> report -> evaluate again (every result cached).
     Tests only read it (a refused or reused rerun writes nothing)."""
     from clusterscale import cli
@@ -148,7 +151,8 @@ def shared_run(tmp_path_factory, tiny_model, ray_local) -> SharedRun:
         run = RunDir(str(base / "runs" / "x"))
         embedded_at = run.read_json("embeddings/_DONE.json")["finished_at"]
         trained = run.read_json("train/clustered-seed0/_DONE.json")
-        assert cli.main(["compare", "--run-dir", "runs/x", "--samplers", ",".join(SHARED_SAMPLERS),
+        assert cli.main(["compare", "--run-dir", "runs/x", "--samplers", ",".join(SHARED_SAMPLERS + (SHARED_MINED_ARM,)),
+                         "--arm", f"{SHARED_MINED_ARM}:train.negatives_curriculum_steps={SHARED_EASY_STEPS}",
                          "--seeds", str(SHARED_SEEDS)]) == 0
         # data.source_column=src: the source sampler's run must reach the cost summary too.
         # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.

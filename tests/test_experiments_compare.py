@@ -7,26 +7,28 @@ import numpy as np
 import pytest
 
 from clusterscale import cli
-from tests.conftest import SHARED_SAMPLERS, SHARED_SEEDS, tiny_overrides
+from tests.conftest import SHARED_EASY_STEPS, SHARED_MINED_ARM, SHARED_SAMPLERS, SHARED_SEEDS, tiny_overrides
 
-SAMPLERS, SEEDS = SHARED_SAMPLERS, SHARED_SEEDS
+SAMPLERS, SEEDS, MINED = SHARED_SAMPLERS, SHARED_SEEDS, SHARED_MINED_ARM
+ARMS = SAMPLERS + (MINED,)
 STEPS = 6  # the shared run's train.steps: compare ran without --set, on the finished run's config
 
 
 @pytest.fixture(scope="module")
 def compared(shared_run):
-    """conftest's shared run: `run`, then `compare --samplers clustered,random --seeds 2` on it (then more verbs)."""
+    """conftest's shared run: `run`, then `compare --samplers clustered,random,random+mined --seeds 2` on it (then
+    more verbs)."""
     return shared_run.run
 
 
 def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
     run = compared
     manifest_fp = run.read_json("shards/k=4/manifest.json")["fingerprint"]
-    for sampler in SAMPLERS:
+    for arm in ARMS:
         for seed in range(SEEDS):
-            name = f"compare-{sampler}-seed{seed}"
+            name = f"compare-{arm}-seed{seed}"
             done = run.read_json(f"train/{name}/_DONE.json")
-            assert done["stats"]["steps"] == STEPS and done["stats"]["sampler"] == sampler
+            assert done["stats"]["steps"] == STEPS and done["stats"]["sampler"] == arm.removesuffix("+mined")
             assert done["config"]["train"]["seed"] == seed
             lines = run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()
             assert len(lines) == STEPS
@@ -41,7 +43,7 @@ def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
 def test_compare_json_mean_and_spread_match_the_eval_files(compared):
     run = compared
     summary = run.read_json("report/compare.json")
-    assert list(summary["arms"]) == list(SAMPLERS)
+    assert list(summary["arms"]) == list(ARMS)
     for sampler, arm in summary["arms"].items():
         values = [run.read_json(f"eval/compare-{sampler}-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
         stats = arm["metrics"]["ndcg_at_10"]
@@ -65,7 +67,7 @@ def test_compare_json_mean_and_spread_match_the_eval_files(compared):
 def test_costs_and_report_cover_every_arm(compared):
     run = compared
     costs = run.read_json("report/costs.json")
-    for sampler in SAMPLERS:
+    for sampler in ARMS:
         for seed in range(SEEDS):
             assert f"train:compare-{sampler}-seed{seed}" in costs and f"evaluate:compare-{sampler}-seed{seed}" in costs
     report = run.read_bytes("report/report.md").decode()
@@ -77,7 +79,64 @@ def test_costs_and_report_cover_every_arm(compared):
     # which `run` evaluated before the compare).
     breakdown = run.read_json("eval/by_cluster/k=4.json")
     models = {m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]}
-    assert models == {"frozen", "clustered-seed0"} | {f"compare-{s}-seed{i}" for s in SAMPLERS for i in range(SEEDS)}
+    assert models == {"frozen", "clustered-seed0"} | {f"compare-{s}-seed{i}" for s in ARMS for i in range(SEEDS)}
+
+
+def test_the_mined_arm_mines_once_for_every_seed_after_its_easy_first_phase(compared):
+    run = compared
+    mined_at = run.read_json("negatives/_DONE.json")["finished_at"]
+    for seed in range(SEEDS):
+        name = f"compare-{MINED}-seed{seed}"
+        assert run.read_json(f"train/{name}/_DONE.json")["finished_at"] > mined_at  # mined before, not per seed
+        steps = [json.loads(x) for x in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()]
+        assert [s["mined_negatives"] > 0 for s in steps] == [s["step"] >= SHARED_EASY_STEPS for s in steps]
+    costs = run.read_json("report/costs.json")
+    assert [k for k in costs if k.startswith("mine")] == ["mine"]
+    summary = run.read_json("report/compare.json")
+    assert summary["arms"][MINED]["train_keys"] == {"sampler": "random", "negatives_per_query": 1,
+                                                    "negatives_curriculum_steps": SHARED_EASY_STEPS}
+
+
+def test_each_arm_costs_its_own_preprocessing_and_the_gain_per_hour_follows(compared):
+    """Per arm: the stages its method needs, summed from the run's cost records (shared stages once in the total),
+    its training cost per seed, and the paired NDCG@10 gain over random per extra preprocessing worker-hour."""
+    run = compared
+    summary, costs = run.read_json("report/compare.json"), run.read_json("report/costs.json")
+    arms = summary["arms"]
+    assert arms["random"]["preprocess"]["stages"] == ["ingest", "shard:random"]
+    assert arms["clustered"]["preprocess"]["stages"] == ["ingest", "embed", "fit", "assign", "shard"]
+    assert arms[MINED]["preprocess"]["stages"] == ["ingest", "embed", "fit", "assign", "shard", "shard:random", "mine"]
+    for name, arm in arms.items():
+        pre = arm["preprocess"]
+        assert pre["worker_s"] == pytest.approx(sum(costs[k]["worker_s"] for k in pre["stages"]))
+        assert pre["wall_s"] == pytest.approx(sum(costs[k]["wall_s"] for k in pre["stages"]))
+        assert pre["cpu_s"] == pytest.approx(pre["worker_s"]) and pre["gpu_s"] == 0 and not pre["unrecorded"]
+        extra = [k for k in pre["stages"] if k not in arms["random"]["preprocess"]["stages"]]
+        assert pre["extra"]["stages"] == extra
+        per_seed = [costs[f"train:compare-{name}-seed{s}"]["worker_s"] for s in range(SEEDS)]
+        assert arm["train"]["worker_s_per_seed"] == pytest.approx(np.mean(per_seed))
+    assert arms["random"]["gain_per_preprocess_hour"] is None  # no extra preprocessing over itself
+    diff = summary["paired"][f"{MINED} - random"]["ndcg_at_10"]["mean"]
+    hours = arms[MINED]["preprocess"]["extra"]["worker_s"] / 3600
+    assert arms[MINED]["gain_per_preprocess_hour"]["ndcg_at_10"] == pytest.approx(diff / hours)
+    total = summary["preprocess_total"]
+    assert total["stages"] == arms[MINED]["preprocess"]["stages"]  # every stage any arm needs, once
+    assert total["worker_s"] == pytest.approx(sum(costs[k]["worker_s"] for k in total["stages"]))
+    report = run.read_bytes("report/report.md").decode()
+    assert "gain per extra preprocessing hour" in report and run.exists("report/compare_cost.png")
+    assert f"| {MINED} | " in report.split("Quality against cost")[1]
+
+
+def test_study_table_prints_the_cost_table_from_compare_json(compared, capsys):
+    from tests.test_benchmarks_code import load
+
+    assert load("study_table").main([compared.path()]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.split("NDCG@10 gain per extra preprocessing hour |")[1].splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == list(ARMS)
+    summary = compared.read_json("report/compare.json")
+    gain = summary["arms"][MINED]["gain_per_preprocess_hour"]["ndcg_at_10"]
+    assert rows[-1].endswith(f"| {gain:+.4f} |") and "Preprocessing of the whole compare, each stage once" in out
 
 
 def test_unknown_sampler_fails_before_any_work(tmp_path, tiny_model, ray_local, capsys):

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
     # plan.calibrate runs stages through the pipeline; the rest of plan only estimates (report reads its output).
     ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments",
-                       "clusterscale.plan.calibrate"]),
+                       "clusterscale.plan.calibrate", "clusterscale.arm_costs"]),
     # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
     ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop", "clusterscale.plan",
                 "clusterscale.plan.*"]),

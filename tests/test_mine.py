@@ -256,17 +256,21 @@ def test_train_with_mined_negatives_and_clp(clp_recluster_run):
     assert all(p != own[i // 2] for i, p in enumerate(first[0]))
 
 
-def test_mined_negatives_ride_the_shard_set_of_another_sampler(sharded_mined_run):
-    """random_clusters trains from shards/k=4/random_clusters/: the sidecars follow that set's files."""
+def test_mined_negatives_ride_the_shard_sets_of_the_curriculum_after_the_easy_first_phase(sharded_mined_run):
+    """The curriculum reads the clustered shards and shards/k=4/random/ (another sampler's set): the sidecars follow
+    both sets' files; with train.negatives_curriculum_steps=2 the first two steps use in-batch negatives alone."""
     from clusterscale.train.negatives import sidecar_marker
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
-    extra = ["train.negatives_per_query=1", "train.sampler=random_clusters", "train.steps=2", "train.name=rc",
+    extra = ["train.negatives_per_query=1", "train.sampler=curriculum", "train.curriculum_start=0.5",
+             "train.negatives_curriculum_steps=2", "train.steps=4", "train.name=curr",
              "ray.disk_shuffle=false"]  # as in clp_recluster_run
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
-    assert [m["mined_negatives"] for m in _jsonl(run, "train/rc/metrics.jsonl")] == [16, 16]
-    assert run.exists(sidecar_marker("shards/k=4/random_clusters"))
+    metrics = _jsonl(run, "train/curr/metrics.jsonl")
+    assert [m["mined_negatives"] for m in metrics] == [0, 0, 16, 16]
+    assert {m["cluster"] is None for m in metrics} == {True, False}  # batches from both sets
+    assert run.exists(sidecar_marker("shards/k=4")) and run.exists(sidecar_marker("shards/k=4/random"))
 
 
 def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):

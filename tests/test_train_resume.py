@@ -53,11 +53,15 @@ def _assert_same_run(run, name, uninterrupted):
 
 
 def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
-    stats = run_stage("train", _cfg(tiny_model, "resumed", "train.stop_after_steps=3"), sharded).stats
+    """Stopped after 3 steps and resumed: the uninterrupted clustered run's batches, losses and learning rates. The
+    run is the curriculum sampler at p = 1 (start = end = 1), which is the clustered schedule batch for batch (it
+    reads the clustered shards through the curriculum's two sets; the random set is written on demand)."""
+    keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1")
+    stats = run_stage("train", _cfg(tiny_model, "resumed", *keys, "train.stop_after_steps=3"), sharded).stats
     assert stats["stopped_at_step"] == 3 and not sharded.exists("train/resumed/_DONE.json")
     assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
     assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 3
-    run_stage("train", _cfg(tiny_model, "resumed"), sharded, resume=True)
+    run_stage("train", _cfg(tiny_model, "resumed", *keys), sharded, resume=True)
     _assert_same_run(sharded, "resumed", uninterrupted)
 
 
@@ -87,3 +91,28 @@ def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model
         assert set(m) >= {"step", "epoch", "cluster", "loss", "lr", "grad_norm", "neg_cos_mean", "neg_cos_max",
                           "pos_cos", "masked_false_negatives", "pairs_per_s", "bytes_read", "bytes_used"}
         assert m["bytes_used"] > 0
+
+
+def test_curriculum_on_two_ranks_reads_what_one_process_reads(sharded, tiny_model, ray_local):
+    """A mixed curriculum (p from 0 to 1 over the run): each step's two rank slices make up the global batch that
+    the schedule gives one process (tests/test_curriculum.py: at p = 1 it is the clustered schedule, at p = 0 the
+    random one, and a resume anywhere draws the same batches), read from the clustered shards or the random set."""
+    import numpy as np
+
+    from clusterscale.io.layout import shard_set_manifest
+    from clusterscale.train.curriculum import Curriculum
+    from clusterscale.train.data import ShardReader, StackedReader, schedule_block_rows
+
+    run_stage("train", _cfg(tiny_model, "mix", "train.sampler=curriculum", "train.curriculum_end=1", "train.steps=6"),
+              sharded)
+    sets = [shard_set_manifest(sharded, 4, 16, name) for name in ("clustered", "random")]
+    plan = list(Curriculum(sets[0].strata_sizes, sets[1].strata_sizes, 16, 0, 0.0, 1.0, 0, 6, "proportional",
+                           *(schedule_block_rows(m) for m in sets)).iterate())
+    reader = StackedReader([ShardReader(sharded, m) for m in sets])
+    expected = [(b.step, reader._read(b, b.shard, b.rows).table.column("pair_id").to_pylist()) for b in plan]
+    rank0, rank1 = _batches(sharded, "mix")
+    assert [(s, a + b) for (s, a), (_, b) in zip(rank0, rank1)] == expected
+    metrics = read_metrics(sharded, "mix")
+    assert [m["step"] for m in metrics] == list(range(6)) and np.isfinite([m["loss"] for m in metrics]).all()
+    kinds = [m["cluster"] is None for m in metrics]
+    assert kinds == [b.group < 0 for b in plan] and any(kinds) and not all(kinds)

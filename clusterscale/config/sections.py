@@ -161,7 +161,7 @@ class DedupConfig(Section):
                                              "threshold, and the keep rule walks those pairs (same result). 'auto' "
                                              "= the rows a quarter of one task's memory holds (Ray's memory per "
                                              "CPU of the largest node); an integer sets it.",
-                                     choices=("auto",), bounds=POSITIVE, affects_output=False)
+                                     choices=("auto",), bounds=POSITIVE, affects_output=False, added=True)
     heldout_nprobe: int = knob(2, "The semantic held-out leak check compares a held-out vector with the training "
                                   "pairs of its heldout_nprobe nearest clusters only (per cluster, in the cluster "
                                   "step): near-duplicates at cosine >= 0.9 almost always share the nearest centroid; "

@@ -57,6 +57,14 @@ def training_set(sampler: str, dedup: bool) -> str:
     return DEDUP_SET if dedup else sampler
 
 
+CURRICULUM_SETS = ("clustered", "random")  # train.sampler=curriculum reads both, strata in this order
+
+
+def training_sets(sampler: str, dedup: bool) -> tuple[str, ...]:
+    """The shard sets (names for shard_set_dir) a training run reads: the curriculum's two, or training_set's one."""
+    return CURRICULUM_SETS if sampler == "curriculum" and not dedup else (training_set(sampler, dedup),)
+
+
 def shard_set_manifest_path(k: int, sampler: str) -> str:
     return f"{shard_set_dir(k, sampler)}/manifest.json"
 

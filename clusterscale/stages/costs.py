@@ -134,7 +134,9 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     """Worker-seconds of one epoch of a training run: startup overhead + batches per epoch x mean step time."""
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     steps = [r["step_s"] for r in read_metrics(run, name)]
-    manifest = shard_set_manifest_path(cfg.cluster.k, record.get("sampler", cfg.train.schedule.sampler))
+    sampler = record.get("sampler", cfg.train.schedule.sampler)
+    # The curriculum's epoch is the random set's (every pair once); its own batches come from two sets.
+    manifest = shard_set_manifest_path(cfg.cluster.k, "random" if sampler == "curriculum" else sampler)
     if not (record.get("steps") and steps and run.exists(manifest)):
         return None
     sizes = read_manifest(run, manifest).strata_sizes

@@ -271,6 +271,37 @@ def compare_table(compare: dict) -> str:
     return "\n".join(lines)
 
 
+def compare_cost_table(compare: dict) -> str:
+    """Per arm: quality against random (seed-paired, 95% interval), the preprocessing it needs (each stage of the
+    run's cost records; `extra` = beyond random's), its training cost, and the gain per extra preprocessing hour."""
+    if not any("preprocess" in arm for arm in compare["arms"].values()):
+        return ""  # a compare.json written before the arms' costs were recorded
+    lines = ["| arm | NDCG@10 | MRR@10 | NDCG@10 - random [95%] | MRR@10 - random [95%] | preprocessing needed | "
+             "preprocessing wall s / CPU-s / GPU-s | extra over random (worker-s) | training worker-s / seed | "
+             "NDCG@10 gain per extra preprocessing hour |", "|---|---|---|---|---|---|---|---|---|---|"]
+    paired = compare.get("paired") or {}
+    for name, arm in compare["arms"].items():
+        pre, diff = arm["preprocess"], paired.get(f"{name} - random", {})
+        gain = (arm.get("gain_per_preprocess_hour") or {}).get("ndcg_at_10")
+        lines.append(f"| {name} | {arm['metrics']['ndcg_at_10']['mean']:.4f} | {arm['metrics']['mrr_at_10']['mean']:.4f} "
+                     f"| {_diff_cell(diff.get('ndcg_at_10'))} | {_diff_cell(diff.get('mrr_at_10'))} | "
+                     f"{', '.join(pre['stages'])} | {pre['wall_s']:.1f} / {pre['cpu_s']:.1f} / {pre['gpu_s']:.1f} | "
+                     f"{pre['extra']['worker_s']:.1f} | {arm['train']['worker_s_per_seed']:.1f} | "
+                     f"{'-' if gain is None else f'{gain:+.3g}'} |")
+    total = compare["preprocess_total"]
+    lines.append(f"\nPreprocessing of this compare, each stage counted once ({', '.join(total['stages'])}): "
+                 f"{total['wall_s']:.1f} s wall, {total['cpu_s']:.1f} CPU worker-s, {total['gpu_s']:.1f} GPU-s"
+                 + (f"; no cost record for {', '.join(total['unrecorded'])}" if total["unrecorded"] else "") + ".")
+    return "\n".join(lines)
+
+
+def _diff_cell(d: dict | None) -> str:
+    if not d:
+        return "-"
+    low, high = d["ci95"] or (None, None)
+    return f"{d['mean']:+.4f}" + (f" [{low:+.4f}, {high:+.4f}]" if low is not None else " (1 seed)")
+
+
 def _paired_text(key: str, d: dict) -> str:
     label = {"ndcg_at_10": "NDCG@10", "mrr_at_10": "MRR@10"}.get(key, key)
     if not d.get("ci95"):
@@ -383,6 +414,12 @@ def write_report(cfg: Config, run: RunDir) -> str:
         compare = run.read_json("report/compare.json")
         parts += ["## Compare: samplers over seeds", compare.get("description", ""), "", compare_table(compare), ""]
         _figure(run, parts, "compare.png", report_plots.compare_arms(compare), "compare")
+        costs_table = compare_cost_table(compare)
+        if costs_table:
+            parts += ["Quality against cost: each arm's preprocessing (from this run's cost records) and training, "
+                      "and what it gains over random per extra preprocessing worker-hour.", "", costs_table, ""]
+            _figure(run, parts, "compare_cost.png", report_plots.gain_against_cost(compare),
+                    "gain over random against extra preprocessing")
         _figure(run, parts, "paired.png", report_plots.paired_differences(compare),
                 "seed-paired differences with 95% intervals")
     if run.exists("report/sweep.json"):

@@ -7,7 +7,8 @@ import numpy as np
 
 from clusterscale.io.records import ShardManifest
 
-PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green"}
+PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green", "curriculum": "tab:purple",
+           "clustered+mined": "tab:orange", "random+mined": "tab:cyan"}
 
 
 def _pyplot():
@@ -177,6 +178,28 @@ def paired_differences(compare: dict) -> bytes | None:
         ax.set_xlim(-0.6, len(names) - 0.4)
         ax.set_ylabel(f"difference in held-out {metric}")
         ax.set_title("dots = seeds, bar = mean, 95% interval", fontsize=9)
+    return _png(fig)
+
+
+def gain_against_cost(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
+    """Per arm paired with random: the mean gain with its 95% interval (y) against the extra preprocessing
+    worker-hours the arm needs (x), so that the quality an hour of preprocessing buys reads off the slope."""
+    paired, arms = compare.get("paired") or {}, compare.get("arms", {})
+    points = [(name, arm["preprocess"]["extra"]["worker_s"] / 3600, paired[f"{name} - random"][metric])
+              for name, arm in arms.items() if "preprocess" in arm and f"{name} - random" in paired]
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (name, hours, d) in enumerate(points):
+        low, high = d["ci95"] or (d["mean"], d["mean"])
+        ax.errorbar(hours, d["mean"], yerr=[[d["mean"] - low], [high - d["mean"]]], fmt="o", capsize=6,
+                    color=PALETTE.get(name, f"C{i}"), label=name)
+    ax.axhline(0.0, color="gray", linewidth=1)
+    ax.set_xlabel("extra preprocessing over random (worker-hours)")
+    ax.set_ylabel(f"{metric} - random (seed-paired mean, 95% interval)")
+    ax.set_title("Gain over random against preprocessing cost", fontsize=10)
+    ax.legend(fontsize=8)
     return _png(fig)
 
 

@@ -2,9 +2,10 @@
 checks are io/layout's, shared with the writers).
 
 Every sampler trains from a shard set (io/layout.shard_set_dir): the clustered shards for `clustered`, a set
-written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py). A set's shards are
-the sampler's strata; its manifest lists each shard's files and their rows, so a rank reads only the row
-groups of its rows and never lists or opens the other files.
+written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py), both the clustered shards
+and the random set for `curriculum` (StackedReader). A set's shards are the sampler's strata; its manifest lists
+each shard's files and their rows, so a rank reads only the row groups of its rows and never lists or opens the
+other files.
 """
 from __future__ import annotations
 
@@ -198,37 +199,60 @@ class ShardReader:
     def prefetch(self, batches: Iterable[GlobalBatch], rank: int, world_size: int,
                  depth: int = 2) -> Iterator[RankRows]:
         """This rank's rows of each batch, read up to `depth` batches ahead in a background thread."""
-        ready: queue.Queue = queue.Queue(maxsize=depth)
-        stop = threading.Event()
+        return prefetch(self._read, batches, rank, world_size, depth)
 
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
 
-        def work() -> None:
+class StackedReader:
+    """Reads from several shard sets as one: their shards stacked in order (the curriculum sampler's strata are
+    the clustered shards, then the random set's), each set read by its own ShardReader."""
+
+    def __init__(self, readers: list[ShardReader]):
+        self.readers = readers
+        self.firsts = np.cumsum([0] + [len(r.clusters) for r in readers])  # first stacked shard of each set
+
+    def _read(self, batch: GlobalBatch | None, shard: int, rows: np.ndarray) -> RankRows:
+        which = int(np.searchsorted(self.firsts, shard, side="right")) - 1
+        return self.readers[which]._read(batch, shard - int(self.firsts[which]), rows)
+
+    def prefetch(self, batches: Iterable[GlobalBatch], rank: int, world_size: int,
+                 depth: int = 2) -> Iterator[RankRows]:
+        return prefetch(self._read, batches, rank, world_size, depth)
+
+
+def prefetch(read, batches: Iterable[GlobalBatch], rank: int, world_size: int, depth: int = 2) -> Iterator[RankRows]:
+    """This rank's rows of each batch (read(batch, shard, rows) -> RankRows), read up to `depth` batches ahead in
+    a background thread."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
             try:
-                for gb in batches:
-                    if not put(self._read(gb, gb.shard, gb.rank_rows(rank, world_size))):
-                        return
-                put(None)
-            except BaseException as error:  # handed to the consumer, raised there
-                put(error)
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
-        worker = threading.Thread(target=work, name=f"shard-prefetch-{rank}", daemon=True)
-        worker.start()
+    def work() -> None:
         try:
-            while (item := ready.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            worker.join(timeout=5)
+            for gb in batches:
+                if not put(read(gb, gb.shard, gb.rank_rows(rank, world_size))):
+                    return
+            put(None)
+        except BaseException as error:  # handed to the consumer, raised there
+            put(error)
+
+    worker = threading.Thread(target=work, name=f"shard-prefetch-{rank}", daemon=True)
+    worker.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join(timeout=5)
 
 
 def schedule_block_rows(manifest: ShardManifest) -> int:

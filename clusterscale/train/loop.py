@@ -14,10 +14,10 @@ import importlib.util
 import os
 import time
 
-from clusterscale.config import Config, ConfigError, TrainConfig
+from clusterscale.config import Config, ConfigError, TrainConfig, variant
 from clusterscale.errors import UserError
 from clusterscale.io.layout import (NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir,
-                                    training_set)
+                                    training_sets)
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.nodes import node_stats
@@ -61,11 +61,14 @@ def run_train(ctx: StageContext) -> StageResult:
         dedup_cfg = train_dedup_config(cfg)
         ctx.stage("dedup", dedup_cfg, run)
         ctx.stage("dedup_shards", dedup_cfg, run)
-    elif cfg.train.schedule.sampler != "clustered":  # the sampler's shard set, an input built once per clustering
-        ctx.stage("shard_set", cfg, run)
+    else:  # the sampler's shard sets other than the clustered shards: inputs built once per clustering
+        for set_cfg in set_configs(cfg):
+            if set_cfg.train.schedule.sampler != "clustered":
+                ctx.stage("shard_set", set_cfg, run)
     plan = plan_training(cfg, run, ctx.resume)
-    if cfg.train.objective.negatives_per_query:  # the rows of the shard set this sampler reads carry their negatives
-        sidecars_for_training(cfg, run, run)
+    if cfg.train.objective.negatives_per_query:  # the rows of the shard sets this sampler reads carry their negatives
+        for set_cfg in set_configs(cfg):
+            sidecars_for_training(set_cfg, run, run)
     shards_uri, recluster_s, result = run.uri, 0.0, None
     for segment in segments_to_train(run, plan):
         if segment > 0:
@@ -74,6 +77,12 @@ def run_train(ctx: StageContext) -> StageResult:
             recluster_s += time.time() - started
         result = train_segment(ctx, plan, segment, shards_uri, ctx.resume or segment > 0)
     return finish_training(cfg, run, plan, result, recluster_s)
+
+
+def set_configs(cfg: Config) -> list[Config]:
+    """One config per shard set the run reads, with that set's sampler (the curriculum reads two sets)."""
+    sets = training_sets(cfg.train.schedule.sampler, cfg.train.shards.dedup)
+    return [cfg] if len(sets) == 1 else [variant(cfg, train={"sampler": name}) for name in sets]
 
 
 def recluster_segment(ctx: StageContext, name: str, segment: int) -> RunDir:
@@ -98,8 +107,9 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     (run_train runs its segments with train_segment, then finish_training)."""
     tc, name = cfg.train, cfg.train_name()
     batches, out = tc.schedule, train_dir(name)
-    manifest = shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size,
-                                  training_set(batches.sampler, tc.shards.dedup))
+    manifests = [shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size, name)  # checked, each of them
+                 for name in training_sets(batches.sampler, tc.shards.dedup)]
+    manifest = manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
     if tc.logging.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
@@ -107,10 +117,14 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
         _check_negatives(cfg, run)
     sizes = manifest.strata_sizes
     num_steps = schedule.total_steps(sizes, tc.schedule.global_batch_size, tc.schedule.epochs, tc.schedule.steps)
-    if num_steps == 0 or schedule.batches_per_epoch(sizes, tc.schedule.global_batch_size) == 0:
+    if num_steps == 0 or not all(schedule.batches_per_epoch(m.strata_sizes, batches.global_batch_size)
+                                 for m in manifests):  # the curriculum may draw from either set at any step
         raise ConfigError(f"train.sampler={tc.schedule.sampler} finds no stratum with a full global batch of "
                           f"{tc.schedule.global_batch_size} pairs: lower train.global_batch_size.")
-    unused = schedule.unused_pairs(sizes, tc.schedule.global_batch_size, tc.schedule.sampler, tc.schedule.seed, 0, tc.schedule.cluster_weighting)
+    # The curriculum's sizes are the random set's, so its epoch is N / batch steps and its unused pairs the shuffle's.
+    sampler = "random" if tc.schedule.sampler == "curriculum" else tc.schedule.sampler
+    unused = schedule.unused_pairs(sizes, tc.schedule.global_batch_size, sampler, tc.schedule.seed, 0,
+                                   tc.schedule.cluster_weighting)
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:

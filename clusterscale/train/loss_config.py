@@ -19,6 +19,10 @@ class LossConfig(Section):
                                        "(every rank's, masked like in-batch false negatives); 0 = off. Needs "
                                        "the output of `clusterscale mine`; costs M more passage embeddings "
                                        "per query.", bounds=zero_means("no mined negatives"))
+    negatives_curriculum_steps: int = knob(0, "Easy-first: a query's mined negatives join its loss only from this "
+                                              "step on; the steps before train on in-batch (random) negatives "
+                                              "alone. 0 = from the first step.",
+                                           bounds=zero_means("from the first step"), added=True)
     loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
                                 "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
                                 "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
@@ -29,3 +33,11 @@ class LossConfig(Section):
         if self.loss == "clp" and self.negatives_per_query < 1:
             raise ConfigError(f"{self.key('loss')}=clp needs mined negatives: set {self.key('negatives_per_query')} "
                               f">= 1 (e.g. 4) and run `clusterscale mine` before training.")
+        if self.loss == "clp" and self.negatives_curriculum_steps:
+            raise ConfigError(f"{self.key('negatives_curriculum_steps')}={self.negatives_curriculum_steps} leaves the "
+                              f"first steps without mined negatives, which {self.key('loss')}=clp's penalty needs at "
+                              f"every step: set it to 0, or use loss=infonce.")
+
+    def mined_at(self, step: int) -> bool:
+        """Whether the mined negatives join the loss at `step` (the same on every rank: they stay in step)."""
+        return bool(self.negatives_per_query) and step >= self.negatives_curriculum_steps

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import POSITIVE, ConfigError, Section, knob
+from clusterscale.knobs import POSITIVE, ConfigError, Section, knob, zero_means
 
 
 @dataclass
@@ -18,8 +18,10 @@ class ScheduleConfig(Section):
     sampler: str = knob("clustered", "Batch sampler: 'clustered' draws every global batch from one "
                                      "cluster; 'random' is the global-shuffle baseline; 'random_clusters' is "
                                      "the control (a fixed random partition with the clusters' sizes); "
-                                     "'source' draws every global batch from one value of the `source` column.",
-                        ("clustered", "random", "random_clusters", "source"))
+                                     "'source' draws every global batch from one value of the `source` column; 'curriculum' draws "
+                                     "each global batch from one cluster with a probability that rises from "
+                                     "train.curriculum_start to train.curriculum_end, else from the random set.",
+                        ("clustered", "random", "random_clusters", "source", "curriculum"))
     cluster_weighting: str = knob("proportional", "How often each cluster is drawn: 'proportional' = every "
                                                   "full batch once per epoch; 'uniform' = clusters drawn equally "
                                                   "often (small ones repeat, large ones are subsampled).",
@@ -28,7 +30,20 @@ class ScheduleConfig(Section):
     steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.", bounds=POSITIVE)
     epochs: int = knob(1, "Epochs over the shards (paper: 3).", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")
+    curriculum_start: float = knob(0.0, "train.sampler=curriculum: the probability that the first global batch "
+                                        "comes from one cluster (else from the random shuffle), in [0, 1].",
+                                   added=True)
+    curriculum_end: float = knob(0.5, "train.sampler=curriculum: the probability at the end of the ramp and after "
+                                      "it, in [0, 1]; 0.5 = the 50/50 mix of easy and hard batches of the easy-first "
+                                      "recipe.", added=True)
+    curriculum_steps: int = knob(0, "train.sampler=curriculum: steps over which the probability rises linearly from "
+                                    "curriculum_start to curriculum_end; 0 = the whole run.",
+                                 bounds=zero_means("the whole run"), added=True)
 
     def check_rules(self) -> None:
         if self.name and ("/" in self.name or self.name.startswith(".")):
             raise ConfigError(f"{self.key('name')} must be a plain folder name, got {bounded_repr(self.name)}.")
+        for name in ("curriculum_start", "curriculum_end"):  # probabilities: both ends allowed
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"{self.key(name)} is the probability of a batch from one cluster: it must be in "
+                                  f"[0, 1], got {getattr(self, name)}.")

@@ -20,12 +20,13 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.io.rundir import RunDir
-from clusterscale.io.layout import shard_set_manifest, training_set
+from clusterscale.io.layout import shard_set_manifest, training_sets
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
-from clusterscale.train.data import RankRows, ShardReader, schedule_block_rows
+from clusterscale.train.curriculum import CURRICULUM, Curriculum
+from clusterscale.train.data import RankRows, ShardReader, StackedReader, schedule_block_rows
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
 from clusterscale.train.optim import build_optimizer
@@ -74,6 +75,10 @@ class SegmentJob:
                   "cluster_weighting": batches.cluster_weighting, "global_batch_size": batches.global_batch_size}
         if every:
             cursor["recluster_every"] = every
+        if batches.sampler == CURRICULUM:  # the ramp decides which batches come: a resume must keep it
+            cursor |= {k: getattr(batches, k) for k in ("curriculum_start", "curriculum_end", "curriculum_steps")}
+        if self.cfg.train.objective.negatives_curriculum_steps:
+            cursor["negatives_curriculum_steps"] = self.cfg.train.objective.negatives_curriculum_steps
         return cursor
 
     def check_start(self, start_step: int, restored: bool) -> None:
@@ -93,20 +98,24 @@ class SegmentJob:
 
 
 class TrainData:
-    """A segment's shard set (its shards are the sampler's strata) and batch schedule, the reader of a rank's
-    rows, and the optional mined negatives. A rank reads the set's manifest only: the driver checked its files."""
+    """A segment's shard sets (their shards are the sampler's strata: one set, or the curriculum's clustered and
+    random sets stacked) and batch schedule, the reader of a rank's rows, and the optional mined negatives. A rank
+    reads the sets' manifests only: the driver checked their files."""
 
     def __init__(self, job: SegmentJob):
         tc = self.tc = job.cfg.train
         self.job = job
-        self.manifest = shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.schedule.global_batch_size,
-                                           training_set(tc.schedule.sampler, tc.shards.dedup), check_files=False)
+        self.manifests = [shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.schedule.global_batch_size, name,
+                                             check_files=False)
+                          for name in training_sets(tc.schedule.sampler, tc.shards.dedup)]
+        self.manifest = self.manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
         self.sizes = self.manifest.strata_sizes
-        self.negatives, sidecars = None, None
+        self.negatives = None
         if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
             self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
-            sidecars = NegativeSidecars(job.shards_run, self.manifest)
-        self.reader = ShardReader(job.shards_run, self.manifest, sidecars=sidecars)
+        readers = [ShardReader(job.shards_run, m, sidecars=NegativeSidecars(job.shards_run, m)
+                               if self.negatives else None) for m in self.manifests]
+        self.reader = readers[0] if len(readers) == 1 else StackedReader(readers)
 
     def epoch_at(self, step: int) -> int:
         """The epoch (counted within the segment) that `step` falls in."""
@@ -117,11 +126,21 @@ class TrainData:
         """The global batches from start_step to the stop, numbered in run steps (the segment's schedule counts
         from its own start, with its own seed)."""
         job, batches = self.job, self.tc.schedule
+        if batches.sampler == CURRICULUM:  # never re-clustered: one segment, the run's steps
+            yield from self.curriculum().iterate(start_step, job.stop_step)
+            return
         for local in schedule.iterate(self.sizes, batches.global_batch_size, batches.sampler,
                                       schedule.segment_seed(batches.seed, job.segment), job.stop_step - job.seg_start,
                                       start_step - job.seg_start, batches.cluster_weighting,
                                       block_rows=schedule_block_rows(self.manifest)):
             yield dataclasses.replace(local, step=local.step + job.seg_start)
+
+    def curriculum(self) -> Curriculum:
+        batches, (clustered, shuffled) = self.tc.schedule, self.manifests
+        return Curriculum(clustered.strata_sizes, shuffled.strata_sizes, batches.global_batch_size, batches.seed,
+                          batches.curriculum_start, batches.curriculum_end, batches.curriculum_steps,
+                          self.job.num_steps, batches.cluster_weighting, schedule_block_rows(clustered),
+                          schedule_block_rows(shuffled))
 
     def rank_rows(self, start_step: int, rank: int, world: int) -> Iterator[RankRows]:
         """This rank's contiguous slice of each global batch (pair_id, query, passage), read ahead in a thread."""
@@ -129,9 +148,9 @@ class TrainData:
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
-        if self.tc.schedule.sampler == "random":
+        if self.tc.schedule.sampler == "random" or (self.tc.schedule.sampler == CURRICULUM and gb.group < 0):
             return None, "random"
-        shard = self.manifest.clusters[gb.shard]
+        shard = self.manifests[0].clusters[gb.shard]
         return shard.cluster, shard.name
 
 
@@ -224,9 +243,12 @@ class Trainer:
         """contrastive_backward on this rank's rows, with their mined negatives when train.negatives_per_query."""
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
         step_options = {"pooling": self.pooling, "amp": self.amp}
-        if self.data.negatives is None:
-            return contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
-                                        **step_options)
+        if self.data.negatives is None or not self.tc.objective.mined_at(step):  # easy-first: in-batch only
+            loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
+                                               **step_options)
+            if self.data.negatives is not None:  # the same figures at every step of the run
+                stats["negatives_padded"] = torch.tensor(0.0)
+            return loss, stats
         neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
         loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
                                            negatives=neg_passages, negative_queries=neg_queries, **step_options)

@@ -1,0 +1,87 @@
+"""What each compare arm costs besides its training: the preprocessing stages it needs, from the run's own cost
+records (report/costs.json), and its gain over random per extra preprocessing hour.
+
+An arm needs the stages its method needs, not those this run happened to go through (every shard set here is
+written from the clustered shards, but a user's random baseline only shuffles):
+  random           ingest, the global shuffle (shard:random)
+  random_clusters  ingest, embed, fit, assign, shard, its set (shard:random_clusters)
+  source           ingest, its set (shard:source)
+  clustered        ingest, embed, fit, assign, shard (dedup and its set with train.dedup)
+  curriculum       the clustered arm's stages and the random shuffle
+  ... + mined      and embed, fit, assign, shard (mining searches each query's nearest clusters), mine (and
+                   mine:embed, the re-embedding, when mine.encoder is not the frozen one)
+A stage several arms need ran once for all of them: each arm's figures count it, the compare total counts it once.
+"""
+from __future__ import annotations
+
+from clusterscale.config import Config, variant
+from clusterscale.stages.dedup import dedup_applied
+
+CLUSTERING = ("embed", "fit", "assign", "shard")
+STAGE_ORDER = ("ingest", "embed", "fit", "assign", "dedup", "shard", "shard:dedup", "shard:random",
+               "shard:random_clusters", "shard:source", "mine:embed", "mine")
+HOUR_S = 3600.0
+
+
+def arm_stages(cfg: Config) -> list[str]:
+    """The cost keys (report/costs.json) of the preprocessing an arm's config needs, in pipeline order."""
+    tc, sampler = cfg.train, cfg.train.schedule.sampler
+    needs = {"ingest"}
+    if sampler in ("clustered", "curriculum", "random_clusters"):
+        needs |= set(CLUSTERING)
+    if sampler in ("random", "curriculum", "random_clusters", "source"):
+        needs.add(f"shard:{'random' if sampler == 'curriculum' else sampler}")
+    if tc.shards.dedup:
+        needs |= {"dedup", "shard:dedup"}
+    if tc.objective.negatives_per_query:
+        needs |= set(CLUSTERING) | {"mine"} | ({"mine:embed"} if cfg.mine.encoder != "frozen" else set())
+    if "shard" in needs and dedup_applied(cfg):  # dedup.apply_to_shards: the clustered shards come after it
+        needs.add("dedup")
+    return [s for s in STAGE_ORDER if s in needs]
+
+
+def stage_costs(keys: list[str], costs: dict) -> dict:
+    """Wall seconds and CPU / GPU worker-seconds of these stages (each once), and the stages with no record."""
+    out = {"stages": keys, "wall_s": 0.0, "cpu_s": 0.0, "gpu_s": 0.0, "unrecorded": []}
+    for key in keys:
+        record = _record(key, costs)
+        if record is None:
+            out["unrecorded"].append(key)
+            continue
+        out["wall_s"] += float(record.get("wall_s", 0.0))
+        device = "gpu_s" if record.get("device") == "gpu" else "cpu_s"
+        out[device] += float(record.get("worker_s", record.get("wall_s", 0.0)))
+    out["worker_s"] = out["cpu_s"] + out["gpu_s"]
+    return out
+
+
+def _record(key: str, costs: dict) -> dict | None:
+    if key in costs:
+        return costs[key]
+    if key == "shard:dedup":  # the dedup arm's set is written by the dedup_shards stage
+        return costs.get("dedup_shards")
+    return None
+
+
+def arm_preprocess(arms: dict[str, list[Config]], costs: dict) -> tuple[dict[str, dict], dict]:
+    """({arm: its stages' costs, plus `extra`: those of the stages random does not need}, every stage any arm
+    needs, counted once)."""
+    needed = {name: arm_stages(cfgs[0]) for name, cfgs in arms.items()}
+    baseline = set(arm_stages(_random_of(next(iter(arms.values()))[0])))
+    per_arm = {name: stage_costs(keys, costs) | {"extra": stage_costs([k for k in keys if k not in baseline], costs)}
+               for name, keys in needed.items()}
+    union = [s for s in STAGE_ORDER if any(s in keys for keys in needed.values())]
+    return per_arm, stage_costs(union, costs)
+
+
+def _random_of(cfg: Config) -> Config:
+    return variant(cfg, train={"sampler": "random", "negatives_per_query": 0, "dedup": False, "loss": "infonce",
+                               "recluster_every": 0})
+
+
+def gain_per_hour(paired: dict | None, extra_worker_s: float) -> dict | None:
+    """The seed-paired mean gain over random (NDCG@10, MRR@10) per extra preprocessing worker-hour; None when the
+    arm needs no extra preprocessing (or was not paired)."""
+    if not paired or extra_worker_s <= 0:
+        return None
+    return {key: d["mean"] / (extra_worker_s / HOUR_S) for key, d in paired.items()}
