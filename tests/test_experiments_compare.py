@@ -133,7 +133,7 @@ def test_study_table_prints_the_cost_table_from_compare_json(compared, capsys):
     assert load("study_table").main([compared.path()]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.split("NDCG@10 gain per extra preprocessing hour |")[1].splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == list(ARMS)
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == list(ARMS)  # the data rows: after the header, "|-" rule
     summary = compared.read_json("report/compare.json")
     gain = summary["arms"][MINED]["gain_per_preprocess_hour"]["ndcg_at_10"]
     assert rows[-1].endswith(f"| {gain:+.4f} |") and "Preprocessing of the whole compare, each stage once" in out
