@@ -10,7 +10,7 @@ import pytest
 from clusterscale import cli
 from clusterscale.config import load, variant
 from clusterscale.errors import UserError
-from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir, manifest_path
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir, manifest_path, shards_dir
 from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.pipeline import STAGES, execute, pipeline, run_stage
 from clusterscale.runtime import dedup_core as core
@@ -27,10 +27,12 @@ ROWS, K, THRESHOLD = 2400, 4, 0.97
 PLANTED = 10  # of each kind: exact copies, near copies, exact held-out leaks, semantic held-out leaks
 
 
-def settings(**dedup) -> list[str]:
+def settings(disk_shuffle: bool = True, **dedup) -> list[str]:
+    """disk_shuffle=False: dedup's and shard's hash shuffles through the object store (ray.* keys are no part of a
+    fingerprint), the other transport, without the disk shuffle's start-up per shuffle."""
     return ["data.heldout_fraction=0.1", "data.rows_per_part=800", f"cluster.k={K}", "cluster.niter=5",
             "train.global_batch_size=16", "train.num_workers=1", "shard.target_rows_per_file=400",
-            *[f"dedup.{key}={value}" for key, value in dedup.items()]]
+            f"ray.disk_shuffle={str(disk_shuffle).lower()}", *[f"dedup.{key}={value}" for key, value in dedup.items()]]
 
 
 def plant(run: RunDir) -> dict[str, list[int]]:
@@ -110,13 +112,13 @@ def planted_run(tmp_path_factory, ray_local):
     return run, planted, spec
 
 
-@pytest.mark.parametrize("rule, nprobe", [("hard", 1), ("random", K)])
-def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, nprobe):
-    """With heldout_nprobe = k the held-out vector check equals the all-pairs one."""
+@pytest.mark.parametrize("rule, nprobe, disk_shuffle", [("hard", 1, True), ("random", K, False)])
+def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, nprobe, disk_shuffle):
+    """With heldout_nprobe = k the held-out vector check equals the all-pairs one; either shuffle transport."""
     run, planted, spec = planted_run
-    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep=rule,
-                                                                 semantic_threshold=THRESHOLD, block_rows=64,
-                                                                 heldout_nprobe=nprobe)])
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(disk_shuffle, exact="true", key="passage",
+                                                                 keep=rule, semantic_threshold=THRESHOLD,
+                                                                 block_rows=64, heldout_nprobe=nprobe)])
     run_stage("dedup", cfg, run, replace="changed")
     removed = removed_table(run)
     assert run.files(DEDUP_REMOVED) and all(f.endswith(".parquet") for f in run.files(DEDUP_REMOVED))
@@ -154,7 +156,7 @@ def test_clusters_split_into_blocks_equal_brute_force(planted_run):
     """dedup.max_group_rows=64 splits each ~600-row cluster into ~10 blocks compared pair by pair in Ray tasks: the
     removed rows (pair_id, reason, duplicate_of) are brute force's, as unsplit (the test above)."""
     run, _, spec = planted_run
-    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", keep="easy",
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep="easy",
                                                                  semantic_threshold=THRESHOLD, max_group_rows=64)])
     run_stage("dedup", cfg, run, replace="changed")
     removed = removed_table(run)
@@ -177,27 +179,31 @@ def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
 
 def test_sweep_deduplicates_every_k(planted_run):
     """A sweep with dedup on runs dedup at every k in turn (dedup/ holds the last k's), and each k's shards hold
-    that k's kept rows; a finished sweep reruns; shard at a k whose kept rows dedup/ no longer holds is refused."""
+    that k's kept rows; a finished sweep reruns; shard at a k whose kept rows dedup/ no longer holds is refused.
+    The second k is the fixture's (its fit and assign reused); shuffles through the object store (4 dedups)."""
     from clusterscale.experiments import run_sweep
 
     run, _, spec = planted_run
-    cfg = load(None, [f"data.path={spec.data_path()}", *settings(exact="true", key="passage", semantic_threshold=0.9)])
-    run.remove(DEDUP)  # the earlier tests' (other dedup keys: refused, as any output of another config)
-    sweep = run_sweep(cfg, run.uri, [2, 3], None, True)
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage",
+                                                                 semantic_threshold=0.9)])
+    # the earlier tests' dedup/ and shards/k=K/ (other dedup keys: refused, as any output of another config)
+    run.remove(DEDUP)
+    run.remove(shards_dir(K))
+    sweep = run_sweep(cfg, run.uri, [2, K], None, True)
     assigned = run.done_stats(assign_dir(2))["rows"]
     stats = run.done_stats(DEDUP)
-    assert stats["k"] == 3 and stats["rows"] + stats["removed"] == assigned and stats["semantic"] > 0
-    assert run.read_json(manifest_path(3))["stats"]["rows"] == stats["rows"] == run.done_stats(DEDUP_KEPT)["rows"]
-    assert [p["k"] for p in sweep["points"]] == [2, 3] and all(p["dedup_s"] > 0 for p in sweep["points"])
+    assert stats["k"] == K and stats["rows"] + stats["removed"] == assigned and stats["semantic"] > 0
+    assert run.read_json(manifest_path(K))["stats"]["rows"] == stats["rows"] == run.done_stats(DEDUP_KEPT)["rows"]
+    assert [p["k"] for p in sweep["points"]] == [2, K] and all(p["dedup_s"] > 0 for p in sweep["points"])
     k2_rows = run.read_json(manifest_path(2))["stats"]["rows"]
-    assert k2_rows < assigned  # k=2's shards (of its kept rows) stayed when dedup moved to k=3
-    rerun = run_sweep(cfg, run.uri, [2, 3], None, True)  # dedup again at each k; the shards are reused
+    assert k2_rows < assigned  # k=2's shards (of its kept rows) stayed when dedup moved to k=K
+    rerun = run_sweep(cfg, run.uri, [2, K], None, True)  # dedup again at each k; the shards are reused
     assert [p["shards"] for p in rerun["points"]] == [p["shards"] for p in sweep["points"]]
-    assert run.read_json(manifest_path(2))["stats"]["rows"] == k2_rows and run.done_stats(DEDUP)["k"] == 3
-    assert "the last dedup ran at k=3, not at this report's k=2" in "\n".join(dedup_section(run, 2))
+    assert run.read_json(manifest_path(2))["stats"]["rows"] == k2_rows and run.done_stats(DEDUP)["k"] == K
+    assert f"the last dedup ran at k={K}, not at this report's k=2" in "\n".join(dedup_section(run, 2))
     k2 = variant(cfg, cluster={"k": 2}, train={"global_batch_size": 8})  # another shard config: shards/k=2/ rebuilt
     with pytest.raises(StageMissingError, match=r"dedup/kept holds the output of another config \(changed: "
-                                                r"cluster.k 3 -> 2\).*run `clusterscale dedup`"):
+                                                rf"cluster.k {K} -> 2\).*run `clusterscale dedup`"):
         run_stage("shard", k2, run, replace="changed")
 
 

@@ -79,8 +79,12 @@ def mined_run(tmp_path_factory, tiny_model, ray_local):
         table[i + 2]["q"] = table[i]["q"]   # queries with two positives
     pq.write_table(pa.Table.from_pylist(table), base / "pairs.parquet")
     run_dir = base / "run"
+    # ray.disk_shuffle=false: shard's and mine's hash shuffles through the object store (ray.* keys are no part of a
+    # stage's fingerprint). The disk shuffle starts ~10 s of servers per shuffle here, 3 mine passes x 2 shuffles in
+    # this module; its mine runs (first and resumed, split groups) are test_mine_clusters' stage test.
     overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["mine.range_max=12", "mine.margin=null",
-                                                                           "data.rows_per_part=50"]
+                                                                           "data.rows_per_part=50",
+                                                                           "ray.disk_shuffle=false"]
     assert cli.main(["ingest", "--run-dir", str(run_dir), "--set", *overrides]) == 0
     for verb in ("embed", "fit", "assign", "shard", "mine"):  # k = 4 = mine.nprobe: the search covers every passage
         assert cli.main([verb, "--run-dir", str(run_dir), "--set", *overrides]) == 0
@@ -219,10 +223,9 @@ def clp_recluster_run(sharded_mined_run):
     """One training that both tests below read (one Ray Train run each before): 2 mined negatives per query with
     the CLP loss, 4 steps re-clustered after 2 (two segments, the second on re-embedded, re-sharded pairs)."""
     run_dir, overrides = sharded_mined_run
-    # ray.disk_shuffle=false: the sidecars training writes (the segment's) shuffle through the object store; the
-    # disk shuffle's per-node start-up (~20 s here) is the mine stage's, tested by every mine run above.
+    # The sidecars training writes (the segment's) shuffle through the object store too (mined_run's overrides).
     extra = ["train.negatives_per_query=2", "train.loss=clp", "train.recluster_every=2", "train.steps=4",
-             "train.name=recl", "ray.disk_shuffle=false"]
+             "train.name=recl"]
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     return RunDir(str(run_dir))
 
@@ -264,8 +267,7 @@ def test_mined_negatives_ride_the_shard_sets_of_the_curriculum_after_the_easy_fi
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
     extra = ["train.negatives_per_query=1", "train.sampler=curriculum", "train.curriculum_start=0.5",
-             "train.negatives_curriculum_steps=2", "train.steps=4", "train.name=curr",
-             "ray.disk_shuffle=false"]  # as in clp_recluster_run
+             "train.negatives_curriculum_steps=2", "train.steps=4", "train.name=curr"]
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     metrics = _jsonl(run, "train/curr/metrics.jsonl")
     assert [m["mined_negatives"] for m in metrics] == [0, 0, 16, 16]
