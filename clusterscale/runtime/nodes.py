@@ -43,6 +43,22 @@ def lost_nodes(before: dict[str, str]) -> list[str]:
     return [f"{node} ({ip})" for node, ip in sorted(before.items()) if node not in now]
 
 
+# How long a spread actor pool may take to start its first actors (model loads, runtime envs) before the stage fails
+# with Ray Data's "Timed out while starting actors" (the cluster cannot place them).
+POOL_START_TIMEOUT_S = 900
+
+
+def spread_from_the_first_unit(ds, first_actors: int, nodes: int) -> None:
+    """Hold back the units of `ds` until its actor pools have started their first actors (min_size), when they spread
+    over several nodes. Otherwise Ray Data dispatches units as soon as ONE actor is ready: a run of small units could
+    all go to the actor that started first, on one node, while the others still load (a node's loss then costs more
+    units, and the other nodes sit idle). Ready together, the pool gives each unit to its least busy actor, so the
+    first units go one to each actor. On one node nothing is to spread and the pools start as before (ds's actor
+    pools start one after the other while waiting, so this would only add their start times up)."""
+    if first_actors > 1 and nodes > 1:
+        ds.context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
+
+
 TEST_UNIT_DELAY_ENV = "CLUSTERSCALE_TEST_UNIT_DELAY"
 """Test hook (tests/test_multinode.py): the path of a JSON file {stage: seconds}; each unit of that stage (an embed
 or assign unit, a shard group, a training step) waits that long first, so that a test can remove a node between

@@ -30,7 +30,7 @@ import ray
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
-from clusterscale.runtime.nodes import NODE, node_stats, this_node, unit_delay_for_tests
+from clusterscale.runtime.nodes import NODE, node_stats, spread_from_the_first_unit, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
@@ -234,8 +234,10 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     ds = ds.map_batches(EncodeTokens, fn_constructor_args=(cfg.embed, pool.threads), batch_size=None,
                         batch_format="pyarrow", compute=encode_pool, **pool.options)
     write_pool, cpus = cpu_stage_pool(pool, len(todo))
-    return ds.map_batches(WriteUnits, fn_constructor_args=(run.uri, cfg.embed.side), batch_size=None,
-                          batch_format="pyarrow", compute=write_pool, num_cpus=cpus)
+    ds = ds.map_batches(WriteUnits, fn_constructor_args=(run.uri, cfg.embed.side), batch_size=None,
+                        batch_format="pyarrow", compute=write_pool, num_cpus=cpus)
+    spread_from_the_first_unit(ds, encode_pool.min_size, ClusterResources.current().nodes)
+    return ds
 
 
 def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir
