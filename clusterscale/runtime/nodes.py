@@ -6,9 +6,11 @@ Only the nodes of the attempt that finished are named: units reused from an earl
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterable
 
 import ray
@@ -48,15 +50,37 @@ def lost_nodes(before: dict[str, str]) -> list[str]:
 POOL_START_TIMEOUT_S = 900
 
 
-def spread_from_the_first_unit(ds, first_actors: int, nodes: int) -> None:
-    """Hold back the units of `ds` until its actor pools have started their first actors (min_size), when they spread
-    over several nodes. Otherwise Ray Data dispatches units as soon as ONE actor is ready: a run of small units could
-    all go to the actor that started first, on one node, while the others still load (a node's loss then costs more
-    units, and the other nodes sit idle). Ready together, the pool gives each unit to its least busy actor, so the
-    first units go one to each actor. On one node nothing is to spread and the pools start as before (ds's actor
-    pools start one after the other while waiting, so this would only add their start times up)."""
-    if first_actors > 1 and nodes > 1:
-        ds.context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
+def nodes_with(resource: str) -> list[str]:
+    """Ids of the alive nodes that offer `resource` ("CPU", "GPU"; sorted; [] without a Ray connection)."""
+    if not ray.is_initialized():
+        return []
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(resource))
+
+
+def map_spread(method, fn, *, first_actors: int, on_gpu: bool = False, **kwargs) -> ray.data.Dataset:
+    """`method(fn, **kwargs)` (a Dataset's map_batches or a grouped dataset's map_groups, with an actor pool of
+    min_size `first_actors`) whose actors go one per CPU (on_gpu: GPU) node in turn, and whose units wait until the first
+    `first_actors` are ready: every node then takes a share of the units from the first, and a node's loss costs only
+    the units in flight there.
+
+    Scheduling strategy SPREAD alone does not ensure it: it skips a node whose CPUs look busy at that moment (the
+    leases of the stage before, the read or shuffle tasks that start with the pool), and Ray Data hands the units out
+    as soon as ONE actor is ready, so a run of small units could all go to the actor that started first, on one node.
+    Here each actor asks for its node (soft affinity: a node gone or unable to hold it ever sends it elsewhere), and
+    once the first actors are ready together, each unit goes to the least busy one, so the first units go one to each.
+    On one node the pool starts as before: nothing to spread, and the wait would serialise the pools' starts."""
+    nodes = nodes_with("GPU" if on_gpu else "CPU")
+    if first_actors < 2 or len(nodes) < 2:
+        return method(fn, scheduling_strategy="SPREAD", **kwargs)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    turn = itertools.cycle(nodes)
+    with warnings.catch_warnings():  # ray_remote_args_fn (an actor's own options) is marked deprecated since Ray 2.5x
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds = method(fn, ray_remote_args_fn=lambda: {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            next(turn), soft=True)}, **kwargs)
+    ds.context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
+    return ds
 
 
 TEST_UNIT_DELAY_ENV = "CLUSTERSCALE_TEST_UNIT_DELAY"
