@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 K, TRAIN = 4, "train/clustered-seed0"
 # Exact dedup (the input repeats 20 pairs) and one mined negative per query: every stage of the pipeline runs.
 # Checkpoints every 2 of the 6 steps and two restarts: a lost node costs training at most 2 steps.
-# Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run with fewer actors.
+# Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run; two encoders (one per
+# worker node), not one per CPU: each loads the model.
 EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1", "embed.rows_per_unit=36",
-         "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
+         "embed.num_actors=2", "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 
 
