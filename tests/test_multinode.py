@@ -36,9 +36,11 @@ K, TRAIN = 4, "train/clustered-seed0"
 # Exact dedup (the input repeats 20 pairs) and one mined negative per query: every stage of the pipeline runs.
 # Checkpoints every 2 of the 6 steps and two restarts: a lost node costs training at most 2 steps.
 # Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run; two encoders (one per
-# worker node), not one per CPU: each loads the model.
+# worker node), not one per CPU: each loads the model. Both sides embedded: mine takes the queries' vectors from
+# assign/ (with embed.side=passage it loads the encoder again, and encodes the queries twice: ~20 s a run here).
 EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1", "embed.rows_per_unit=36",
-         "embed.num_actors=2", "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
+         "embed.num_actors=2", "embed.side=both", "train.checkpoint_every_steps=2", "train.max_failures=2",
+         "eval.num_distractors=50"]
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 
 
