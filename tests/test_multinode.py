@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 K, TRAIN = 4, "train/clustered-seed0"
 # Exact dedup (the input repeats 20 pairs) and one mined negative per query: every stage of the pipeline runs.
 # Checkpoints every 2 of the 6 steps and two restarts: a lost node costs training at most 2 steps.
-# Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run with fewer actors.
+# Embed units of a fixed size: the same unit plan (so the same batches) as the single-node run; two encoders (one per
+# worker node), not one per CPU: each loads the model. Both sides embedded: mine takes the queries' vectors from
+# assign/ (with embed.side=passage it loads the encoder again, and encodes the queries twice: ~20 s a run here).
 EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1", "embed.rows_per_unit=36",
-         "train.checkpoint_every_steps=2", "train.max_failures=2", "eval.num_distractors=50"]
+         "embed.num_actors=2", "embed.side=both", "train.checkpoint_every_steps=2", "train.max_failures=2",
+         "eval.num_distractors=50"]
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 
 
@@ -134,15 +138,29 @@ def multinode_run(multinode, tiny_model, pairs_file, tmp_path_factory) -> RunDir
     return RunDir(str(run_dir))
 
 
+@dataclass(frozen=True)
+class SingleNode:
+    run: RunDir  # ingest to mine
+    batches: list[list[tuple[int, list[int]]]]  # drawn_batches' form: what each rank's training draws
+
+
 @pytest.fixture(scope="module")
-def single_node_run(ray_local, tiny_model, pairs_file, tmp_path_factory) -> RunDir:
-    """The same config on the suite's local one-node Ray, ingest to train (evaluate and report compare nothing)."""
+def single_node_run(ray_local, tiny_model, pairs_file, tmp_path_factory) -> SingleNode:
+    """The same config on the suite's local one-node Ray, ingest to mine (evaluate and report compare nothing), and
+    the batches its training would draw: each rank's rows of every step, read by the trainer's own reader
+    (TrainData.rank_rows, whose pair_ids are what train.log_batches logs) from this run's shards and negatives. A
+    Ray Train fit here (~20 s) would only add the logging of those same rows."""
     from clusterscale import pipeline
+    from clusterscale.train.trainer import SegmentJob, TrainData
 
     cfg = config_mod.load(None, overrides(tiny_model, pairs_file))
     run = RunDir(str(tmp_path_factory.mktemp("sn-run") / "run"))
-    pipeline.run_stages(cfg, run, pipeline.pipeline(cfg, last="train"))
-    return run
+    pipeline.run_stages(cfg, run, pipeline.pipeline(cfg, last="mine"))
+    steps = cfg.train.schedule.steps
+    data = TrainData(SegmentJob(cfg, run, run, TRAIN.removeprefix("train/"), steps, 0, 0, steps, resume=False))
+    batches = [[(item.batch.step, item.table.column("pair_id").to_pylist()) for item in data.rank_rows(0, rank, 2)]
+               for rank in (0, 1)]
+    return SingleNode(run, batches)
 
 
 def embeddings(run: RunDir) -> dict[int, np.ndarray]:
@@ -189,7 +207,7 @@ def test_every_stage_runs_and_spreads_over_the_worker_nodes(multinode, multinode
 
 
 def test_outputs_equal_a_single_node_run(multinode_run, single_node_run):
-    multi, single = multinode_run, single_node_run
+    multi, single = multinode_run, single_node_run.run
     got, want = embeddings(multi), embeddings(single)
     assert sorted(got) == sorted(want)
     assert max(float(np.abs(got[i] - want[i]).max()) for i in want) <= 1e-6
@@ -197,7 +215,7 @@ def test_outputs_equal_a_single_node_run(multinode_run, single_node_run):
     assert fit_multi["objective"] == pytest.approx(fit_single["objective"], rel=1e-6)
     assert shard_pair_ids(multi) == shard_pair_ids(single)
     assert negatives(multi) == negatives(single)
-    assert drawn_batches(multi) == drawn_batches(single)
+    assert drawn_batches(multi) == single_node_run.batches
 
 
 def copy_run(run: RunDir, dest: Path, *folders: str) -> RunDir:
@@ -226,6 +244,7 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
             assert proc.poll() is None, f"{stage} ended before a node could be lost:\n{out.read()[-3000:]}"
             lost = multinode.workers[0]
             multinode.remove_worker(lost)
+            multinode.delay_file.unlink()  # the units after the loss need no slowing down: the rest runs at full speed
             multinode.add_worker()
             try:
                 status = proc.wait(timeout=timeout)
@@ -251,7 +270,7 @@ def lose_a_node_during(multinode: MultiNode, args: list[str], started, seconds_p
 def test_a_node_lost_during_embed(multinode, multinode_run, tmp_path):
     run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine")
     how, log = lose_a_node_during(multinode, ["embed", "--run-dir", run.uri], lambda: bool(run.files("embeddings")),
-                                  seconds_per_unit=1.0, stage="embed")
+                                  seconds_per_unit=1.5, stage="embed")
     print(f"embed finished {how} after the loss of a node")
     want = embeddings(multinode_run)
     got = embeddings(run)  # every file under its final name is whole (Parquet reads it), no pair_id twice
@@ -260,14 +279,35 @@ def test_a_node_lost_during_embed(multinode, multinode_run, tmp_path):
     assert run.done_stats("embeddings")["rows"] == run.done_stats("pairs")["pairs"] == len(got)
 
 
+# Ray Train V2 keeps the checkpoints it has registered in this file of its run's storage (ray/train/v2/_internal:
+# constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME, written by checkpoint_manager.register_checkpoint).
+RAY_TRAIN_SNAPSHOT = ("ray", "ray-train", "checkpoint_manager_snapshot.json")
+
+
+def registered_checkpoint(run: RunDir) -> str | None:
+    """The folder of the latest checkpoint Ray Train has registered for training (None before the first).
+
+    A checkpoint's files (its cursor.json) are in storage as soon as rank 0 has uploaded them, but Ray Train restarts a
+    failed worker group from the checkpoints its controller has registered, which it does when it next polls the
+    workers (every 2 s) and then records in this snapshot. A node lost in between restarts training from the
+    checkpoint before (from step 0 after the first): so the test waits for the snapshot to name one."""
+    path = run.path(TRAIN, *RAY_TRAIN_SNAPSHOT)
+    try:
+        with open(path) as f:
+            latest = json.load(f).get("latest_checkpoint_result")
+    except (OSError, ValueError):  # not written yet, or being written (Ray writes it in place)
+        return None
+    return latest and latest.get("checkpoint_dir_name")
+
+
 def test_a_node_lost_during_training_resumes_from_its_checkpoint(multinode, multinode_run, tmp_path):
     run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine", "embeddings", "kmeans",
                    "assign", "dedup", "shards", "negatives")
 
     def checkpointed() -> bool:
-        return bool(run.files(TRAIN, "ray", suffix="/cursor.json"))  # a checkpoint's cursor (train/checkpoint.py)
+        return registered_checkpoint(run) is not None
 
-    how, log = lose_a_node_during(multinode, ["train", "--run-dir", run.uri], checkpointed, seconds_per_unit=1.5,
+    how, log = lose_a_node_during(multinode, ["train", "--run-dir", run.uri], checkpointed, seconds_per_unit=2.0,
                                   stage="train", rerun=("--resume",))
     print(f"train finished {how} after the loss of a node")
     assert how == "by itself" or "--resume" in log

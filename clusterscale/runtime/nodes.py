@@ -6,9 +6,11 @@ Only the nodes of the attempt that finished are named: units reused from an earl
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterable
 
 import ray
@@ -41,6 +43,44 @@ def lost_nodes(before: dict[str, str]) -> list[str]:
         return []
     now = alive_nodes()
     return [f"{node} ({ip})" for node, ip in sorted(before.items()) if node not in now]
+
+
+# How long a spread actor pool may take to start its first actors (model loads, runtime envs) before the stage fails
+# with Ray Data's "Timed out while starting actors" (the cluster cannot place them).
+POOL_START_TIMEOUT_S = 900
+
+
+def nodes_with(resource: str) -> list[str]:
+    """Ids of the alive nodes that offer `resource` ("CPU", "GPU"; sorted; [] without a Ray connection)."""
+    if not ray.is_initialized():
+        return []
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(resource))
+
+
+def map_spread(method, fn, *, first_actors: int, on_gpu: bool = False, **kwargs) -> ray.data.Dataset:
+    """`method(fn, **kwargs)` (a Dataset's map_batches or a grouped dataset's map_groups, with an actor pool of
+    min_size `first_actors`) whose actors go one per CPU (on_gpu: GPU) node in turn, and whose units wait until the first
+    `first_actors` are ready: every node then takes a share of the units from the first, and a node's loss costs only
+    the units in flight there.
+
+    Scheduling strategy SPREAD alone does not ensure it: it skips a node whose CPUs look busy at that moment (the
+    leases of the stage before, the read or shuffle tasks that start with the pool), and Ray Data hands the units out
+    as soon as ONE actor is ready, so a run of small units could all go to the actor that started first, on one node.
+    Here each actor asks for its node (soft affinity: a node gone or unable to hold it ever sends it elsewhere), and
+    once the first actors are ready together, each unit goes to the least busy one, so the first units go one to each.
+    On one node the pool starts as before: nothing to spread, and the wait would serialise the pools' starts."""
+    nodes = nodes_with("GPU" if on_gpu else "CPU")
+    if first_actors < 2 or len(nodes) < 2:
+        return method(fn, scheduling_strategy="SPREAD", **kwargs)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    turn = itertools.cycle(nodes)
+    with warnings.catch_warnings():  # ray_remote_args_fn (an actor's own options) is marked deprecated since Ray 2.5x
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds = method(fn, ray_remote_args_fn=lambda: {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            next(turn), soft=True)}, **kwargs)
+    ds.context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
+    return ds
 
 
 TEST_UNIT_DELAY_ENV = "CLUSTERSCALE_TEST_UNIT_DELAY"

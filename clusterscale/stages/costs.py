@@ -65,7 +65,8 @@ def student_param_count(cfg: Config) -> int | None:
 
 
 def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
-    """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length."""
+    """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length (embed: per
+    pair, both texts with embed.side=both)."""
     import pyarrow.dataset as pads
 
     files = run.files("pairs")
@@ -78,7 +79,8 @@ def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     table = pads.dataset(files, filesystem=run.fs, format="parquet").head(TOKEN_SAMPLE_ROWS, columns=["query", "passage"])
     lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist())["input_ids"]])
                for side in ("query", "passage")}
-    return {"embed": float(np.minimum(lengths[cfg.embed.side], cfg.embed.max_length).mean()),
+    sides = ("query", "passage") if cfg.embed.side == "both" else (cfg.embed.side,)  # embed.side=both: each pair twice
+    return {"embed": float(sum(np.minimum(lengths[side], cfg.embed.max_length).mean() for side in sides)),
             "train_query": float(np.minimum(lengths["query"], cfg.train.student.query_max_length).mean()),
             "train_passage": float(np.minimum(lengths["passage"], cfg.train.student.passage_max_length).mean()),
             "sample_rows": table.num_rows}

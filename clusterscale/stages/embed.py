@@ -30,7 +30,7 @@ import ray
 from clusterscale.config import Config, EmbedConfig
 from clusterscale.errors import UserError
 from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
-from clusterscale.runtime.nodes import NODE, node_stats, this_node, unit_delay_for_tests
+from clusterscale.runtime.nodes import NODE, map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
@@ -231,8 +231,9 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     # takes one at a time (a local fetch), so no unit waits queued at a busy actor while another is free.
     encode_pool = ray.data.ActorPoolStrategy(size=min(pool.actors, len(todo)),
                                              max_tasks_in_flight_per_actor=2 if pool.on_gpu else 1)
-    ds = ds.map_batches(EncodeTokens, fn_constructor_args=(cfg.embed, pool.threads), batch_size=None,
-                        batch_format="pyarrow", compute=encode_pool, **pool.options)
+    ds = map_spread(ds.map_batches, EncodeTokens, first_actors=encode_pool.min_size, on_gpu=pool.on_gpu,
+                    fn_constructor_args=(cfg.embed, pool.threads), batch_size=None, batch_format="pyarrow",
+                    compute=encode_pool, **pool.options)
     write_pool, cpus = cpu_stage_pool(pool, len(todo))
     return ds.map_batches(WriteUnits, fn_constructor_args=(run.uri, cfg.embed.side), batch_size=None,
                           batch_format="pyarrow", compute=write_pool, num_cpus=cpus)

@@ -22,7 +22,7 @@ from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, chec
                                       lloyd_partials, pick_initial)
 from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.fit_sample import RowGroupUnit, choose_sample_units, read_sample_rows, row_group_units
-from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
+from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
@@ -266,9 +266,9 @@ def run_assign(ctx: StageContext) -> StageResult:
     # At least one actor per node from the start, spread: every node takes a share of the units, and a node's loss
     # costs only the units in flight there. Autoscaling from one actor would leave small runs on one node.
     first = max(1, min(plan.actors, cluster.nodes, len(units)))
-    ds = ds.map_batches(AssignUnits, fn_constructor_args=(index, run.uri, out), batch_size=1, batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)),
-                        scheduling_strategy="SPREAD", **remote_args)
+    ds = map_spread(ds.map_batches, AssignUnits, first_actors=first, on_gpu=plan.on_gpu,
+                    fn_constructor_args=(index, run.uri, out), batch_size=1, batch_format="pyarrow",
+                    compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **remote_args)
     progress, written, nodes = ProgressLine("assign", n_rows), 0, set()
     for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total
         written += result["rows"]

@@ -23,7 +23,7 @@ from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
+from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
@@ -272,10 +272,10 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     # tasks beside its writer: on 1-CPU nodes writers on every node would leave no task a CPU (a deadlock).
     room = cluster.cpus_per_node - (plan.num_cpus or 1) >= 1
     first = min(plan.actors, cluster.nodes) if room else 1
-    written = ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups(
-        WriteClusterShard, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)),
-        scheduling_strategy="SPREAD", **plan.options)
+    written = map_spread(
+        ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups, WriteClusterShard, first_actors=first,
+        fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **plan.options)
     progress, groups = ProgressLine(what, sizes.rows), {}
     for r in written.iter_rows():
         groups.setdefault(r["shard"], []).append(r)
