@@ -178,35 +178,54 @@ def distractor_passages(run: RunDir, num_distractors: int) -> list[str]:
 
 
 class EvalEncoder:
-    """One encoder replica (a Ray actor) that the driver feeds in chunks, so it can report progress."""
+    """The encoder process (a Ray actor) of one evaluate call: every model it scores is encoded here, in chunks
+    the driver feeds so it can report progress. It keeps the model it last loaded (the frozen encoder serves
+    its metrics and the held-out clusters): one process start and one load per model, not one per use."""
 
-    def __init__(self, model: str, pooling: str, threads: int):
-        self.encoder = Encoder(model, pooling=pooling, threads=threads)
+    def __init__(self, threads: int):
+        self.threads, self.loaded, self.encoder = threads, None, None
 
-    def encode(self, texts: list[str], max_length: int, batch_size: int) -> np.ndarray:
+    def encode(self, model: str, pooling: str, texts: list[str], max_length: int, batch_size: int) -> np.ndarray:
+        if self.loaded != (model, pooling):
+            self.encoder = None  # the previous model's memory goes before the next one loads
+            self.encoder = Encoder(model, pooling=pooling, threads=self.threads)
+            self.loaded = (model, pooling)
         self.encoder.max_length = max_length
         return self.encoder.encode(texts, batch_size)
 
 
-def encode_on_actor(need: Resources, model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str],
-                    passages: list[str], batch_size: int, chunk_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Embed queries and passages (at their own max lengths) on one Ray actor, on a GPU when there is one."""
-    plan = plan_actors(need, max_actors=1)  # one actor: a GPU, or every CPU as its threads
-    actor = ray.remote(EvalEncoder).options(**plan.options, max_restarts=1,
-                                            max_task_retries=1).remote(model, pooling, plan.threads)
-    progress = ProgressLine("evaluate", len(queries) + len(passages), unit="texts")
-    out = []
-    try:
+class EvalEncoders:
+    """The evaluate call's EvalEncoder actor: started on first use, on a GPU when there is one (else with every
+    CPU as its threads), and killed when the call ends, since it holds those resources."""
+
+    def __init__(self, need: Resources, chunk_size: int = 256):
+        self.need, self.chunk_size, self.actor = need, chunk_size, None
+
+    def __enter__(self) -> "EvalEncoders":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.actor is not None:
+            ray.kill(self.actor)
+            self.actor = None
+
+    def encode(self, model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str], passages: list[str],
+               batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Queries and passages embedded by `model`, each at its own max length."""
+        if self.actor is None:
+            plan = plan_actors(self.need, max_actors=1)  # one actor: a GPU, or every CPU as its threads
+            self.actor = ray.remote(EvalEncoder).options(**plan.options, max_restarts=1,
+                                                         max_task_retries=1).remote(plan.threads)
+        progress = ProgressLine("evaluate", len(queries) + len(passages), unit="texts")
+        out = []
         for texts, max_length in ((queries, max_lengths[0]), (passages, max_lengths[1])):
             chunks = []
-            for start in range(0, max(1, len(texts)), chunk_size):  # one call for no texts: a (0, d) array
-                chunk = texts[start:start + chunk_size]
-                chunks.append(ray.get(actor.encode.remote(chunk, max_length, batch_size)))
+            for start in range(0, max(1, len(texts)), self.chunk_size):  # one call for no texts: a (0, d) array
+                chunk = texts[start:start + self.chunk_size]
+                chunks.append(ray.get(self.actor.encode.remote(model, pooling, chunk, max_length, batch_size)))
                 progress.advance(len(chunk))
             out.append(np.concatenate(chunks))
-    finally:
-        ray.kill(actor)
-    return out[0], out[1]
+        return out[0], out[1]
 
 
 def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
@@ -227,8 +246,8 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]
     return out
 
 
-def evaluate_model(ctx: StageContext, eval_name: str, model: str, pooling: str, eval_set: dict,
-                   fingerprint: str) -> dict:
+def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, model: str, pooling: str,
+                   eval_set: dict, fingerprint: str) -> dict:
     """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
@@ -236,8 +255,8 @@ def evaluate_model(ctx: StageContext, eval_name: str, model: str, pooling: str, 
     if run.exists(rel) and run.read_json(rel).get("fingerprint") == fingerprint:
         return run.read_json(rel)
     started = time.time()
-    q, p = encode_on_actor(ctx.resources, model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
-                          eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
+    q, p = encoders.encode(model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
+                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth)
     metrics = retrieval_metrics(rankings, eval_set["qrels"], cfg.eval.k_values)
@@ -258,7 +277,7 @@ def evaluate_model(ctx: StageContext, eval_name: str, model: str, pooling: str, 
     return result
 
 
-def heldout_clusters(ctx: StageContext, eval_set: dict) -> list[int] | None:
+def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) -> list[int] | None:
     """Nearest centroid of kmeans/k=<k>/ for each held-out pair, by its frozen embedding of embed.side.
 
     Held-out pairs are never clustered, so they are embedded here exactly as the embed stage would
@@ -278,16 +297,16 @@ def heldout_clusters(ctx: StageContext, eval_set: dict) -> list[int] | None:
         if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
             return cached["cluster"]
     texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
-    vectors, _ = encode_on_actor(ctx.resources, cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2,
-                                 texts, [], cfg.eval.batch_size)
+    vectors, _ = encoders.encode(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
+                                 cfg.eval.batch_size)
     clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
     run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})
     return clusters
 
 
-def cluster_breakdown(ctx: StageContext, eval_set: dict, results: dict) -> dict | None:
+def cluster_breakdown(ctx: StageContext, encoders: EvalEncoders, eval_set: dict, results: dict) -> dict | None:
     """NDCG@10 per cluster of held-out pairs for every evaluated model; written to eval/by_cluster/k=<k>.json."""
-    cfg, run, clusters = ctx.cfg, ctx.run, heldout_clusters(ctx, eval_set)
+    cfg, run, clusters = ctx.cfg, ctx.run, heldout_clusters(ctx, encoders, eval_set)
     if clusters is None:
         return None
     # Every model evaluated in this run so far (compare arms too), not only this call's.
@@ -321,10 +340,11 @@ def run_evaluate(ctx: StageContext) -> StageResult:
                      cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))}
     cached = {n for n, (_, _, fp) in models.items()
               if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
-    results = {n: evaluate_model(ctx, n, model, pooling, eval_set, fp)
-               for n, (model, pooling, fp) in models.items()}
-    write_model_card(cfg, run, name)  # the card now carries the held-out metrics
-    by_cluster = cluster_breakdown(ctx, eval_set, results)
+    with EvalEncoders(ctx.resources) as encoders:  # one encoder process for every model of this call
+        results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp)
+                   for n, (model, pooling, fp) in models.items()}
+        write_model_card(cfg, run, name)  # the card now carries the held-out metrics
+        by_cluster = cluster_breakdown(ctx, encoders, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}
     stats["worker_s"] = stats["wall_s"]
     if cached == set(models):  # nothing evaluated now: the cost record of the run that did it stays
