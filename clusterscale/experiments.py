@@ -305,15 +305,8 @@ def sweep_point(run: RunDir, costs: dict, k: int, rows: int) -> dict:
             "min_intra_cosine": min(c for c, _ in intra) if intra else None,
             "max_intra_cosine": max(c for c, _ in intra) if intra else None,
             "overall_mean_cosine": manifest.stats["overall_mean_cosine"],
-            **{f"{stage}_s": _per_k_cost(costs, stage, k).get("wall_s", 0.0) for stage in PER_K_STAGES},
+            **{f"{stage}_s": costs.get(f"{stage}:k={k}", {}).get("wall_s", 0.0) for stage in PER_K_STAGES},
             "embed_s": costs.get("embed", {}).get("wall_s", 0.0)}
-
-
-def _per_k_cost(costs: dict, stage: str, k: int) -> dict:
-    """The cost record of a per-k stage at k: the sweep's (<stage>:k=<k>), or, at the run's own k, made by `run`
-    before the sweep (<stage>, whose record names its k)."""
-    own = costs.get(stage, {})
-    return costs.get(f"{stage}:k={k}") or (own if own.get("k") == k else {})
 
 
 def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None, preprocess_only: bool,
