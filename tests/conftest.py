@@ -19,6 +19,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # to that long at every state change (start, each report, the end); a short poll only trades idle waiting for a
 # little controller CPU. Set before the session's Ray starts: its workers (the controller too) inherit it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# Ray Train starts a PreemptionWatcher actor per run to follow node drains (a spot reclaim notice); no test drains
+# a node (test_multinode kills nodes outright), and the actor's process start costs each run ~1.5-2 s here.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 TOPICS = {
     "astronomy": "star galaxy planet orbit telescope comet nebula moon solar cosmic asteroid eclipse",

@@ -62,29 +62,26 @@ def fresh_copy(ingested, tmp_path: Path) -> RunDir:
 
 
 @pytest.fixture(scope="module")
-def reference(ingested, tmp_path_factory) -> dict[int, np.ndarray]:
-    """An uninterrupted run: the vectors every interrupted run must reproduce."""
-    run = fresh_copy(ingested, tmp_path_factory.mktemp("reference"))
-    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
-    assert stats["units"] == 12 and stats["units_skipped"] == 0 and stats["rows"] == 600
-    assert stats["rows_per_s"] > 0 and stats["worker_s"] > 0
-    return read_embeddings(run)
+def expected(ingested) -> dict[int, np.ndarray]:
+    """The encoder core's vectors (no Ray) by pair_id: what every run, interrupted or not, must reproduce."""
+    table = pads.dataset(RunDir(str(ingested[1])).files("pairs"), format="parquet").to_table()
+    vectors = Encoder("bundled", max_length=32, device="cpu").encode(table.column("passage").to_pylist())
+    return dict(zip(table.column("pair_id").to_pylist(), vectors))
 
 
-def test_output_schema_ids_and_vectors_match_the_encoder(ingested, reference, tmp_path):
-    run = RunDir(str(ingested[1]))
-    table = pads.dataset(run.files("pairs"), format="parquet").to_table()
-    assert sorted(reference) == pair_ids(run)
-    texts = table.column("passage").to_pylist()
-    expected = Encoder("bundled", max_length=32, device="cpu").encode(texts)
-    got = np.stack([reference[i] for i in table.column("pair_id").to_pylist()])
-    assert (got * expected).sum(axis=1).min() >= 0.999
+def assert_equals_the_encoder(got: dict[int, np.ndarray], expected: dict[int, np.ndarray], run: RunDir) -> None:
+    """Every pair once, each vector the encoder core's (fp16 storage)."""
+    assert sorted(got) == sorted(expected) == pair_ids(run)
+    assert min(float(got[i] @ expected[i]) for i in got) >= 0.999
+    assert max(np.abs(got[i] - expected[i]).max() for i in got) <= 1e-3
 
 
-def test_side_both_and_the_later_stages(ingested, tiny_model, tmp_path):
+def test_side_both_truncation_and_the_later_stages(ingested, tiny_model, tmp_path):
+    """embed.side=both at max_length 12: both columns are the encoder's vectors, the truncated passages are counted,
+    and fit, assign and shard run on the result."""
     run = fresh_copy(ingested, tmp_path)
-    args = ["--run-dir", run.uri, "--set", *overrides(ingested[0], tiny_model, "embed.side=both", "cluster.k=4",
-                                                     "train.global_batch_size=8")]
+    args = ["--run-dir", run.uri, "--set", *overrides(ingested[0], tiny_model, "embed.side=both", "embed.max_length=12",
+                                                     "cluster.k=4", "train.global_batch_size=8")]
     for verb in ("embed", "fit", "assign", "shard"):
         assert cli.main([verb, *args]) == 0
     schema = pq.read_schema(run.files("embeddings")[0])
@@ -92,35 +89,61 @@ def test_side_both_and_the_later_stages(ingested, tiny_model, tmp_path):
     for name in ("emb_query", "truncated", "truncated_query", "pair_id", "query", "passage", "source"):
         assert name in schema.names
     table = pads.dataset(run.files("embeddings"), format="parquet").to_table()
-    encoder = Encoder(tiny_model, max_length=32, device="cpu")
+    encoder = Encoder(tiny_model, max_length=12, device="cpu")
     for column, text in (("emb", "passage"), ("emb_query", "query")):
         expected = encoder.encode(table.column(text).to_pylist()[:50])
         assert (emb_matrix(table.column(column))[:50] * expected).sum(axis=1).min() >= 0.999
+    passages = pads.dataset(run.files("pairs"), format="parquet").to_table().column("passage").to_pylist()
+    truncated = sum(len(ids) > 12 for ids in encoder.tokenizer(passages)["input_ids"])
+    assert 0 < run.done_stats("embeddings")["truncated"] == truncated  # of the clustered side, the passage
     assert run.read_json("shards/k=4/manifest.json")["stats"]["rows"] == 600
 
 
-def test_sigkill_of_the_driver_then_rerun(ingested, reference, tmp_path, ray_local):
+def _start_driver(run: RunDir, data: str, address: str, stdout, stderr) -> subprocess.Popen:
+    """`clusterscale embed` as its own process on this test's Ray; returns once it has written a unit more than
+    the run dir held when it started (so it is mid-run: 12 units of the bundled encoder take seconds)."""
+    before = len(run.files("embeddings"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address}
+    cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(data)]
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
+    deadline = time.time() + 300
+    while len(run.files("embeddings")) <= before and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    return proc
+
+
+def test_sigkill_then_sigint_of_the_driver_then_rerun(ingested, expected, tmp_path, ray_local):
+    """SIGKILL of the driver mid-embed keeps its finished units; a second driver skips them and is stopped by
+    Ctrl-C (one line, exit 130, no traceback; finished units and no lock left); the rerun resumes and every
+    vector is the encoder's."""
     run = fresh_copy(ingested, tmp_path)
     address = ray_local.get_runtime_context().gcs_address
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address}
-    cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(ingested[0])]
     log = tmp_path / "driver.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.02)
+        proc = _start_driver(run, ingested[0], address, out, subprocess.STDOUT)
         assert proc.poll() is None, f"the driver ended before it could be killed:\n{log.read_text()[-3000:]}"
         os.kill(proc.pid, signal.SIGKILL)  # mid-run: at least one unit is complete, the marker is not written
         proc.wait()
-    survivors = len(run.files("embeddings"))
-    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json"), log.read_text()[-3000:]
+    killed = {f: os.stat(f).st_mtime_ns for f in run.files("embeddings")}
+    assert 1 <= len(killed) < 12 and not run.exists("embeddings/_DONE.json"), log.read_text()[-3000:]
+
+    out, err = tmp_path / "driver.out", tmp_path / "driver.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = _start_driver(run, ingested[0], address, stdout, stderr)
+        assert proc.poll() is None, f"the driver ended before Ctrl-C:\n{err.read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=120)
+    log = err.read_text()
+    assert status == 130, log[-3000:]
+    assert log.count(interrupt.MESSAGE) == 1 and log.rstrip().endswith(interrupt.MESSAGE) and "Traceback" not in log
+    survivors = run.files("embeddings")
+    assert len(killed) < len(survivors) < 12 and not run.exists("embeddings/_DONE.json")
+    assert not run.files("locks", suffix=".json")
+    assert {f: os.stat(f).st_mtime_ns for f in killed} == killed  # the killed driver's units were skipped, not redone
 
     stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
-    assert stats["units_skipped"] >= survivors and stats["rows"] == 600
-    got = read_embeddings(run)
-    assert sorted(got) == sorted(reference) == pair_ids(run)
-    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
+    assert stats["units_skipped"] >= len(survivors) and stats["rows"] == 600
+    assert_equals_the_encoder(read_embeddings(run), expected, run)  # every pair_id once
 
 
 def _embed_unit_processes() -> list[int]:
@@ -148,7 +171,9 @@ def _embed_unit_processes() -> list[int]:
     return found
 
 
-def test_killed_actor_is_retried_without_duplicates(ingested, reference, tmp_path):
+def test_killed_actor_is_retried_without_duplicates(ingested, expected, tmp_path):
+    """A whole embed with one encoder actor SIGKILLed mid-unit: the unit is retried, the stage counts every unit and
+    row once, and the output (schema, ids, vectors) is the encoder core's."""
     run = fresh_copy(ingested, tmp_path)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(run_stage("embed", config_mod.load(None, overrides(ingested[0])),
@@ -163,10 +188,10 @@ def test_killed_actor_is_retried_without_duplicates(ingested, reference, tmp_pat
         time.sleep(0.02)
     worker.join(timeout=300)
     assert killed is not None and result, "the stage should finish after an actor was killed mid-unit"
-    assert result["units_skipped"] == 0 and result["rows"] == 600
-    got = read_embeddings(run)
-    assert sorted(got) == sorted(reference)
-    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
+    assert result["units"] == 12 and result["units_skipped"] == 0 and result["rows"] == 600
+    assert result["rows_per_s"] > 0 and result["worker_s"] > 0
+    assert str(pq.read_schema(run.files("embeddings")[0]).field("emb").type) == "fixed_size_list<element: halffloat>[384]"
+    assert_equals_the_encoder(read_embeddings(run), expected, run)
 
 
 def test_nan_model_and_missing_weights_stop_with_a_message(ingested, tiny_model, tmp_path, capsys):
@@ -180,42 +205,6 @@ def test_nan_model_and_missing_weights_stop_with_a_message(ingested, tiny_model,
     (empty / "config.json").write_text("{}")
     assert cli.main(["embed", "--run-dir", run.uri, "--set", *overrides(ingested[0], str(empty))]) == 2
     assert "No safetensors weights" in capsys.readouterr().err
-
-
-def test_truncated_texts_are_counted(ingested, tiny_model, tmp_path):
-    run = fresh_copy(ingested, tmp_path)
-    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0], tiny_model, "embed.max_length=12")), run).stats
-    passages = pads.dataset(run.files("pairs"), format="parquet").to_table().column("passage").to_pylist()
-    tokenizer = Encoder(tiny_model, max_length=12, device="cpu").tokenizer
-    expected = sum(len(ids) > 12 for ids in tokenizer(passages)["input_ids"])
-    assert 0 < stats["truncated"] == expected
-
-
-def test_sigint_stops_with_130_keeps_finished_units_and_the_rerun_resumes(ingested, reference, tmp_path, ray_local):
-    """Ctrl-C mid-embed: one line, exit 130, no traceback; finished units and no lock left; the rerun resumes."""
-    run = fresh_copy(ingested, tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-    cmd = [sys.executable, "-m", "clusterscale.cli", "embed", "--run-dir", run.uri, "--set", *overrides(ingested[0])]
-    out, err = tmp_path / "driver.out", tmp_path / "driver.err"
-    with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
-        deadline = time.time() + 300
-        while not run.files("embeddings") and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the driver ended before Ctrl-C:\n{err.read_text()[-3000:]}"
-        os.kill(proc.pid, signal.SIGINT)
-        status = proc.wait(timeout=120)
-    log = err.read_text()
-    assert status == 130, log[-3000:]
-    assert log.count(interrupt.MESSAGE) == 1 and log.rstrip().endswith(interrupt.MESSAGE) and "Traceback" not in log
-    survivors = len(run.files("embeddings"))
-    assert 1 <= survivors < 12 and not run.exists("embeddings/_DONE.json") and not run.files("locks", suffix=".json")
-
-    stats = run_stage("embed", config_mod.load(None, overrides(ingested[0])), run).stats
-    assert stats["units_skipped"] >= survivors and stats["rows"] == 600
-    got = read_embeddings(run)  # every pair_id once
-    assert sorted(got) == sorted(reference) == pair_ids(run)
-    assert max(np.abs(got[i] - reference[i]).max() for i in got) <= 1e-3
 
 
 def test_report_of_an_ingest_only_run_names_only_ingest(ingested, tmp_path, capsys):

@@ -1,10 +1,13 @@
-"""Jobs for real: a Ray head on 127.0.0.1 with token auth, `ray job submit` of the pipeline on tiny data.
+"""Jobs for real: a Ray head on 127.0.0.1 with token auth, `ray job submit` of the pipeline on tiny data that
+it reads from, and writes to, an S3 server on loopback (tests/s3_server.py), as the README's cluster run does.
 
 The head is this module's own (own ports, own --temp-dir); it is stopped by killing the processes
 that carry that temp dir, never with a global `ray stop` (other Ray instances may be running).
 """
 from __future__ import annotations
 
+import glob
+import io
 import os
 import shutil
 import signal
@@ -16,12 +19,16 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
+from tests.s3_server import AWS_ENV, s3_server, s3_uri, upload_folder
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -48,7 +55,7 @@ def processes_of(temp_dir: str) -> list[int]:
 
 
 def stop_head(temp_dir: str) -> None:
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for sig, wait in ((signal.SIGTERM, 4.0), (signal.SIGKILL, 5.0)):  # a test head's state is not kept
         pids = processes_of(temp_dir)
         for pid in pids:
             try:
@@ -57,19 +64,30 @@ def stop_head(temp_dir: str) -> None:
                 pass
         deadline = time.time() + wait
         while processes_of(temp_dir) and time.time() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A one-node Ray cluster on loopback with token auth; yields the job API address and the client env."""
+def s3_endpoint():
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory, s3_endpoint):
+    """A one-node Ray cluster on loopback with token auth; yields the job API address and the client env.
+    The node's environment holds the S3 credentials (a cluster's workers take them from their nodes)."""
     token_file = tmp_path_factory.mktemp("secret") / "auth_token"
     token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
     token_file.chmod(0o600)
     temp_dir = tempfile.mkdtemp(prefix="csjob-", dir="/tmp")  # short: Ray's socket paths are length-limited
     # Not RAY_ADDRESS (nothing else may find this head), not PYTHONPATH (the job ships its code itself).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
+    # The suite's Ray Train settings (conftest: a short controller poll, no preemption watcher) hold for the job's
+    # training on this head too; its workers inherit them from the head's environment.
+    env.update({k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+                if k in os.environ})
+    env.update(AWS_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
     dashboard_port = free_port()
     ports = ["--port", "--dashboard-port", "--dashboard-agent-listen-port",
@@ -106,16 +124,24 @@ def config_file(path: Path, overrides: list[str]) -> str:
     return str(path)
 
 
-def test_submitted_pipeline_succeeds_and_fills_the_run_dir(ray_head, tiny_model, tmp_path):
-    pq.write_table(make_pairs(200), tmp_path / "pairs.parquet")
-    config = config_file(tmp_path / "tiny.yaml", tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet")))
-    run_dir = tmp_path / "run"
+def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, s3_endpoint, tiny_model, tmp_path):
+    """The README's cluster run: the job ships its code, joins the cluster it was submitted to, reads its pairs and
+    its encoder and student (a cluster without hub access) from an object store and writes its run there."""
+    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "data-bucket"))
+    fs.create_dir("data-bucket/pairs")
+    sink = io.BytesIO()
+    pq.write_table(make_pairs(240), sink)
+    with fs.open_output_stream("data-bucket/pairs/part-0.parquet") as out:
+        out.write(sink.getvalue())
+    model = upload_folder(tiny_model, s3_uri(s3_endpoint, "model-bucket/tiny-bert"))
+    config = config_file(tmp_path / "tiny.yaml", tiny_overrides(model, s3_uri(s3_endpoint, "data-bucket/pairs")))
+    run_uri = s3_uri(s3_endpoint, "run-bucket/runs/tiny")
     submission = f"cs-{uuid.uuid4().hex[:8]}"
     result = job(ray_head, "submit", "--submission-id", submission, "--working-dir", str(REPO), "--",
-                 "python", "jobs/run_pipeline.py", config, "--run-dir", str(run_dir),
+                 "python", "jobs/run_pipeline.py", config, "--run-dir", run_uri,
                  "--set", "train.steps=4", "train.log_batches=false")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert f"run directory: {run_dir}" in result.stdout
+    assert f"run directory: {run_uri}" in result.stdout
     assert "ray: joined" in result.stdout  # the job used the cluster it was submitted to
     status = subprocess.run(
         [sys.executable, "-c", "import sys; from ray.job_submission import JobSubmissionClient as C; "
@@ -123,12 +149,25 @@ def test_submitted_pipeline_succeeds_and_fills_the_run_dir(ray_head, tiny_model,
         env=ray_head["env"], capture_output=True, text=True, timeout=120)
     assert status.stdout.strip() == "SUCCEEDED", status.stderr[-2000:]
 
-    run = RunDir(str(run_dir))
-    for stage in ("pairs", "embeddings", "kmeans/k=4", "shards/k=4", "train/clustered-seed0"):
+    run = RunDir(run_uri)
+    assert run.root == "run-bucket/runs/tiny" and isinstance(run.fs, pafs.S3FileSystem)
+    for stage in ("pairs", "heldout", "embeddings", "kmeans/k=4", "assign/k=4", "shards/k=4",
+                  "train/clustered-seed0"):
         assert run.exists(stage, "_DONE.json"), stage
+    ingested = run.done_stats("pairs")
+    assert ingested["rows_in"] == 240 and ingested["quarantine"] == 0
+    manifest = run.read_json("shards/k=4/manifest.json")
+    sharded = pads.dataset([run.path(f) for c in manifest["clusters"] for f in c["files"]], filesystem=run.fs,
+                           format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
+    assert len(sharded) == len(set(sharded)) == ingested["pairs"]
     assert run.read_json("train/clustered-seed0/_DONE.json")["stats"]["steps"] == 4
-    assert run.exists("eval/clustered-seed0.json") and run.exists("report/report.md")
-    assert "clustered-seed0" in run.read_bytes("report/report.md").decode()
+    assert run.exists("train/clustered-seed0/model/model.safetensors")
+    assert run.read_json("eval/clustered-seed0.json")["metrics"]["ndcg_at_10"] >= 0
+    assert run.exists("report/report.md") and "clustered-seed0" in run.read_bytes("report/report.md").decode()
+    # Nothing was written to a local disk under a name that looks like the run: not where the tests run, not in
+    # the job's working directory (unpacked under the head's temp dir).
+    assert not os.path.exists("run-bucket") and not (REPO / "run-bucket").exists()
+    assert not glob.glob(os.path.join(ray_head["temp_dir"], "**", "run-bucket"), recursive=True)
 
 
 def test_bad_config_fails_the_job_with_the_key_named(ray_head, tmp_path):

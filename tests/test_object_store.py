@@ -1,70 +1,27 @@
-"""Object stores for real: a tiny pipeline reads its pairs from, and writes its run to, an S3 server on loopback.
+"""Object stores for real: the run directory, locks, listings and model folders on an S3 server on loopback.
 
-The server is moto's (`moto[server]`), started on 127.0.0.1 by the test. Credentials and the endpoint
-come the way a user passes them: AWS_* environment variables, or query parameters of the URI.
+The server is moto's (`moto[server]`, tests/s3_server.py), started on 127.0.0.1 by the test. Credentials and the
+endpoint come the way a user passes them: AWS_* environment variables, or query parameters of the URI. A whole
+tiny pipeline that reads its pairs and model from, and writes its run to, such a server runs as a submitted
+job in tests/test_jobs.py (a cluster's workers take the credentials from their nodes' environment).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 
-import pyarrow.dataset as pads
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import pytest
 
-from clusterscale import cli
 from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.rundir import RunDir, local_copy
-from tests.conftest import make_pairs, tiny_overrides
-
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+from tests.s3_server import s3_server, s3_uri
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """host:port of a fresh S3 server on loopback, with test credentials in the environment."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    saved = {k: os.environ.get(k) for k in AWS_ENV}
-    os.environ.update(AWS_ENV)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"{host}:{port}"
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def ray_with_aws_env(s3_endpoint):
-    """Local Ray whose workers inherit the credentials (they are read when Ray starts its workers)."""
-    import ray
-
-    from clusterscale.config import RayConfig
-    from clusterscale.runtime.session import init_ray
-
-    was_running = ray.is_initialized()
-    ray.shutdown()
-    init_ray(RayConfig(num_cpus=2, include_dashboard=False))  # started the way the CLI starts it (loopback)
-    yield ray
-    ray.shutdown()
-    if was_running:  # leave the session's Ray as the other modules expect it
-        init_ray(RayConfig(num_cpus=2, include_dashboard=False))
-
-
-def s3_uri(endpoint: str, path: str) -> str:
-    """An s3:// URI that carries its endpoint: what a user writes for MinIO, Ceph or an S3 on loopback."""
-    return f"s3://{path}?endpoint_override={endpoint}&scheme=http&allow_bucket_creation=true"
+    with s3_server() as endpoint:
+        yield endpoint
 
 
 def test_uri_query_and_environment_reach_the_same_store(s3_endpoint, monkeypatch):
@@ -166,40 +123,3 @@ def test_local_copy_downloads_a_folder(s3_endpoint, tmp_path):
     assert sorted(os.listdir(local)) == ["1_Pooling", "config.json"]
     assert json.load(open(os.path.join(local, "1_Pooling", "config.json")))["pooling_mode_mean_tokens"]
     assert local_copy(str(tmp_path)) == str(tmp_path)  # local folders are used in place
-
-
-def test_tiny_pipeline_reads_from_and_writes_to_s3(s3_endpoint, tiny_model, ray_with_aws_env):
-    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "data-bucket"))
-    fs.create_dir("data-bucket/pairs")
-    sink = io.BytesIO()
-    pq.write_table(make_pairs(240), sink)
-    with fs.open_output_stream("data-bucket/pairs/part-0.parquet") as out:
-        out.write(sink.getvalue())
-    data_uri = s3_uri(s3_endpoint, "data-bucket/pairs")
-    run_uri = s3_uri(s3_endpoint, "run-bucket/runs/tiny")
-    # The encoder and the student come from the object store too (a cluster without hub access).
-    model_run = RunDir(s3_uri(s3_endpoint, "model-bucket/tiny-bert"))
-    for root, _, names in os.walk(tiny_model):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), tiny_model)
-            model_run.write_bytes(rel, open(os.path.join(root, name), "rb").read())
-    overrides = tiny_overrides(model_run.uri, data_uri) + ["train.log_batches=false"]
-    assert cli.main(["run", "--run-dir", run_uri, "--set", *overrides]) == 0
-
-    run = RunDir(run_uri)
-    assert run.root == "run-bucket/runs/tiny"
-    for stage in ("pairs", "heldout", "embeddings", "kmeans/k=4", "assign/k=4", "shards/k=4",
-                  "train/clustered-seed0"):
-        assert run.exists(stage, "_DONE.json"), stage
-    ingested = run.done_stats("pairs")
-    assert ingested["rows_in"] == 240 and ingested["quarantine"] == 0
-    manifest = run.read_json("shards/k=4/manifest.json")
-    sharded = pads.dataset([run.path(f) for c in manifest["clusters"] for f in c["files"]], filesystem=run.fs,
-                           format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()
-    assert len(sharded) == len(set(sharded)) == ingested["pairs"]
-    assert run.exists("train/clustered-seed0/model/model.safetensors")
-    assert run.read_json("eval/clustered-seed0.json")["metrics"]["ndcg_at_10"] >= 0
-    assert "clustered-seed0" in run.read_bytes("report/report.md").decode()
-    # Nothing was written to the local disk under a name that looks like the run.
-    assert not os.path.exists("run-bucket")
-    assert isinstance(run.fs, pafs.S3FileSystem)

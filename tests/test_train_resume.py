@@ -1,15 +1,21 @@
 """Ray Train on local Ray: a stopped-and-resumed run and a run with an injected worker failure see exactly
-the batches (and losses) of an uninterrupted run; other samplers and GradCache run through the same loop."""
+the batches (and losses) of an uninterrupted run; other samplers, GradCache and the MoE adapter run through the
+same loop."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from clusterscale import config as config_mod
 from clusterscale.io.layout import batches_path, model_dir, train_dir
+from clusterscale.modeling.encoder import Encoder
+from clusterscale.modeling.moe import moe_layers
 from clusterscale.pipeline import run_stage
 from clusterscale.train.metrics import read_metrics
+from tests.conftest import make_pairs
 from tests.train_data import make_sharded_run, train_overrides
 
 STEPS = 8
@@ -73,13 +79,17 @@ def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninte
     _assert_same_run(sharded, "failed", uninterrupted)
 
 
-def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):
+def test_moe_with_the_source_sampler_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):
+    """The MoE adapter (3 experts, top 1) on 2 DDP ranks with the source sampler, uniform cluster weighting and
+    GradCache: every step's batch is one source, the metrics are complete, the experts diverge, and the exported
+    model loads back through clusterscale's own loader (as evaluate and embed do)."""
+    import pyarrow.parquet as pq
+
     run_stage("train", _cfg(tiny_model, "source", "train.sampler=source", "train.cluster_weighting=uniform",
-                   "train.grad_cache_chunk=3", "train.steps=4"), sharded)
+                            "train.grad_cache_chunk=3", "train.steps=4", "train.moe_experts=3", "train.moe_top_k=1"),
+              sharded)
     source_of = {}
     for rows in sharded.read_json("shards/k=4/manifest.json")["clusters"]:
-        import pyarrow.parquet as pq
-
         for f in rows["files"]:
             t = pq.read_table(sharded.path(f), columns=["pair_id", "source"])
             source_of.update(zip(t.column("pair_id").to_pylist(), t.column("source").to_pylist()))
@@ -91,6 +101,18 @@ def test_source_sampler_with_uniform_weighting_and_gradcache(sharded, tiny_model
         assert set(m) >= {"step", "epoch", "cluster", "loss", "lr", "grad_norm", "neg_cos_mean", "neg_cos_max",
                           "pos_cos", "masked_false_negatives", "pairs_per_s", "bytes_read", "bytes_used"}
         assert m["bytes_used"] > 0
+    logged = _jsonl(sharded, "train/source/metrics.jsonl")
+    assert len(logged) == 4 and all(math.isfinite(m["loss"]) for m in logged)
+
+    model = sharded.path(model_dir("source"))
+    assert json.loads(open(f"{model}/config.json").read())["clusterscale_moe"]["experts"] == 3
+    encoder = Encoder(model, device="cpu")
+    layers = moe_layers(encoder.model)
+    assert len(layers) == 2
+    # trained copies of one dense layer are no longer identical
+    assert any(not torch.equal(layer.experts[0].weight, layer.experts[1].weight) for layer in layers)
+    vectors = encoder.encode(make_pairs(4, seed=1).column("p").to_pylist())
+    assert vectors.shape == (4, 32) and abs(float((vectors ** 2).sum(1).mean()) - 1) < 1e-5
 
 
 def test_curriculum_on_two_ranks_reads_what_one_process_reads(sharded, tiny_model, ray_local):
