@@ -11,7 +11,9 @@ sweep:   clusterscale sweep [CONFIG] --run-dir R --k 10,100,1000 [--limit N1,N2]
             With dedup on, dedup/ holds one clustering at a time: each k replaces the previous k's (its shards
             stay), so a rerun of a finished sweep deduplicates every k again (and reuses every k's shards).
 Both run on the run directory of a finished `run` and reuse its outputs: arm names carry the experiment's
-prefix, so they never replace the main run's train/<train.name>/.
+prefix, so they never replace the main run's train/<train.name>/. A compare arm whose seed the run already trained
+with exactly the arm's config (e.g. compare's clustered arm, seed 0, on a `run`) reuses that training and its
+evaluation instead of training the same model again under the arm's name; so does a sweep's point at the run's own k.
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from clusterscale.stages.costs import summarize
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.kmeans import ClusteringError
 from clusterscale.io.layout import fit_stats_path, manifest_path, read_manifest, train_dir
-from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, pipeline, run_stage, run_stages
+from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, STAGES, pipeline, run_stage, run_stages
 from clusterscale.redact import redact_uri
-from clusterscale.io.rundir import RunDir, join_uri
+from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.arm_costs import arm_preprocess, gain_per_hour
 from clusterscale.train.curriculum import CURRICULUM
@@ -173,7 +175,8 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
     for sampler, arm_cfgs in arms.items():
-        for arm_cfg in arm_cfgs:
+        for i, arm_cfg in enumerate(arm_cfgs):
+            arm_cfg = arm_cfgs[i] = _the_runs_own_when_same(cfg, run, arm_cfg, stage_options)
             print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
             results = _train_and_evaluate(arm_cfg, run, stage_options)
             frozen = results["frozen"]["metrics"]
@@ -183,6 +186,23 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     run.write_json("report/compare.json", summary)
     run_stage("report", cfg, run)
     return summary
+
+
+def _the_runs_own_when_same(cfg: Config, run: RunDir, arm_cfg: Config, stage_options: dict) -> Config:
+    """arm_cfg, or the config of the run's own finished training of the same model: train/<train.name>/ or
+    train/<sampler>-seed<seed>/ whose done marker has the arm's train fingerprint under that name (every train key,
+    the shards and the mined negatives equal). Training it again under compare's name would only cost time; with
+    --replace the arm trains anew, as asked."""
+    if stage_options.get("replace"):
+        return arm_cfg
+    for name in dict.fromkeys((cfg.train.schedule.name, "")):
+        own = variant(arm_cfg, train={"name": name})
+        folder = train_dir(own.train_name())
+        if run.exists(folder, DONE) and run.done_marker(folder).fingerprint == STAGES["train"].fingerprint_of(own, run):
+            print(f"[{folder}] the run's own training is this arm's seed {own.train.schedule.seed}: reused",
+                  flush=True)
+            return own
+    return arm_cfg
 
 
 def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], metrics: dict, frozen: dict) -> dict:
@@ -304,6 +324,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
     sizes = [(n, RunDir(join_uri(run_dir, f"limit={n}"))) for n in limits] if limits \
         else [(cfg.data.limit, RunDir(run_dir))]
     points, cost_points = [], []
+    trained: dict[str, Config] = {}  # per run: the config of report_k's training (the run's own when the same)
     for limit, run in sizes:
         base = variant(cfg, data={"limit": limit})
         # Writes config.yaml of a new run; an existing run's stays.
@@ -323,12 +344,17 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             costs = run.read_json("report/costs.json")
             point = sweep_point(run, costs, k, rows)
             if not preprocess_only:
+                # At the run's own k, with its train config, that is the run's own training: reused, as compare does.
+                kcfg = _the_runs_own_when_same(base, run, kcfg, stage_options)
+                if k == report_k:
+                    trained[run.uri] = kcfg
                 results = _train_and_evaluate(kcfg, run, stage_options)
                 point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
                 point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
                 point["train_worker_s"] = run.done_stats(train_dir(kcfg.train_name())).get("worker_s")
+                point["run"] = kcfg.train_name()
             points.append(point)
-        report_cfg = variant(base, cluster={"k": report_k}, train={
+        report_cfg = trained.get(run.uri) or variant(base, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{batches.sampler}-k{report_k}", batches.seed)})
         costs = run.read_json("report/costs.json")
         cost_points.append(summarize(report_cfg, run, costs, train_names=None if preprocess_only
@@ -345,7 +371,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         run.write_json("report/cost_points.json", [p for p in cost_points if p["run"] != run.uri])
         if run.uri != top.uri:
             run.write_json("report/sweep.json", sweep)
-        run_stage("report", variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
+        run_stage("report", trained.get(run.uri) or variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{cfg.train.schedule.sampler}-k{report_k}", cfg.train.schedule.seed)}), run)
     if len(sizes) > 1:
         run_stage("report", variant(cfg, cluster={"k": report_k}), top)

@@ -102,6 +102,9 @@ def run_dir(tmp_path) -> Path:
 BAD_ROWS = [{"q": "", "p": "text", "src": "x"}, {"q": "query", "p": None, "src": "x"},
             {"q": "  \t ", "p": "passage", "src": "x"}]
 SHARED_SAMPLERS, SHARED_SEEDS = ("clustered", "random"), 2
+# Exact copies of the first pairs, planted in the shared data: test_dedup_compare's dedup arm (on a copy of the
+# shared run) must find and remove them. Their pair_ids are their own (row numbers), so every row is still one row.
+SHARED_PLANTED_COPIES = 40
 # compare's arm with mined negatives (random batches + 1 mined negative per query from step 2 on, the easy-first
 # phase: an --arm over the named arm's keys): one mining pass serves both seeds.
 SHARED_MINED_ARM, SHARED_EASY_STEPS = "random+mined", 2
@@ -135,14 +138,16 @@ def shared_run(tmp_path_factory, tiny_model, ray_local) -> SharedRun:
     read (each trained its own before: ~5 min of the suite). It is made as a newcomer types the quick start:
     relative --run-dir, data.path and model folder from the run's parent folder, then verbs on the finished run
     without --set (they start from its config.yaml):
-      run (clustered, 6 steps, rank batch logs; 300 pairs + 3 bad rows) -> compare clustered,random,random+mined x 2 seeds
+      run (clustered, 6 steps, rank batch logs; 300 pairs + 40 planted copies + 3 bad rows)
+      -> compare clustered,random,random+mined x 2 seeds (clustered seed 0 is the run's own training, reused)
       -> train with the source sampler -> report -> evaluate again (every result cached).
-    Tests only read it (a refused or reused rerun writes nothing)."""
+    Tests only read it (a refused or reused rerun writes nothing); a test that adds work runs on a copy."""
     from clusterscale import cli
     from clusterscale.io.rundir import RunDir
 
     base = tmp_path_factory.mktemp("shared")
-    rows = make_pairs(300).to_pylist() + BAD_ROWS
+    pairs = make_pairs(300).to_pylist()
+    rows = pairs + pairs[:SHARED_PLANTED_COPIES] + BAD_ROWS
     (base / "data").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), base / "data" / "pairs.parquet")
     cwd = os.getcwd()

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli
@@ -18,9 +16,9 @@ from clusterscale.io.layout import DEDUP, DEDUP_KEPT, assign_dir, manifest_path,
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
 from clusterscale.stages.dedup import train_dedup_config
-from tests.conftest import make_pairs, tiny_overrides
+from tests.conftest import SHARED_PLANTED_COPIES as COPIES
 
-K, COPIES = 4, 40
+K, STEPS = 4, 6  # the shared run's cluster.k and train.steps
 
 
 def shard_keys(run: RunDir, manifest: dict) -> list[str]:
@@ -31,17 +29,24 @@ def shard_keys(run: RunDir, manifest: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory, tiny_model, ray_local):
-    base = tmp_path_factory.mktemp("dedup-compare")
-    pairs = make_pairs(240)
-    pq.write_table(pa.concat_tables([pairs, pairs.slice(0, COPIES)]), base / "pairs.parquet")  # planted copies
-    # The run's dedup config (exact) is what the arm deduplicates with; its shards keep every assigned pair.
-    overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + [
-        "train.steps=2", "train.log_batches=false", "dedup.exact=true", "dedup.apply_to_shards=false"]
-    rc = cli.main(["compare", "--run-dir", str(base / "run"), "--samplers", "clustered,clustered_dedup", "--seeds", "1",
-                   "--set", *overrides])
+def compared(tmp_path_factory, shared_run):
+    """On a copy of conftest's finished shared run (its data holds planted copies): the run's shards, its clustered
+    training (seed 0, reused as the clustered arm) and evaluation are there, so only dedup, the dedup shard set and
+    the dedup arm's training run. The run's dedup config (exact) is what the arm deduplicates with; its shards keep
+    every assigned pair."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("dedup-compare") / "run"
+    shutil.copytree(shared_run.run.path(), path)
+    rc = cli.main(["compare", "--run-dir", str(path), "--samplers", "clustered,clustered_dedup", "--seeds", "1",
+                   "--set", "dedup.exact=true", "dedup.apply_to_shards=false"])
     assert rc == 0
-    return RunDir(str(base / "run"))
+    return RunDir(str(path))
+
+
+def arm_run(run: RunDir, arm: str) -> str:
+    """The arm's seed-0 training as compare.json names it (clustered: the run's own, clustered-seed0)."""
+    return run.read_json("report/compare.json")["arms"][arm]["runs"][0]
 
 
 def test_dedup_arm_trains_on_the_kept_pairs_beside_every_assigned_pair(compared):
@@ -54,12 +59,13 @@ def test_dedup_arm_trains_on_the_kept_pairs_beside_every_assigned_pair(compared)
     main_keys, kept_keys = shard_keys(run, main), shard_keys(run, deduped)
     assert len(set(main_keys)) < len(main_keys) and len(set(kept_keys)) == len(kept_keys)
     assert run.done_stats(DEDUP_KEPT)["rows"] == dedup["rows"] and dedup["k"] == K
+    assert arm_run(run, "clustered") == "clustered-seed0" and arm_run(run, "clustered_dedup") == "compare-clustered_dedup-seed0"
     for arm in ("clustered", "clustered_dedup"):
-        done = run.read_json(f"train/compare-{arm}-seed0/_DONE.json")
-        assert done["stats"]["steps"] == 2 and done["stats"]["sampler"] == "clustered"
+        done = run.read_json(f"train/{arm_run(run, arm)}/_DONE.json")
+        assert done["stats"]["steps"] == STEPS and done["stats"]["sampler"] == "clustered"
         assert done["config"]["train"]["seed"] == 0 and done["config"]["train"]["dedup"] == (arm != "clustered")
-        steps = [json.loads(line) for line in run.read_bytes(f"train/compare-{arm}-seed0/metrics.jsonl").splitlines()]
-        assert len(steps) == 2 and all("masked_false_negatives" in s for s in steps)
+        steps = [json.loads(line) for line in run.read_bytes(f"train/{arm_run(run, arm)}/metrics.jsonl").splitlines()]
+        assert len(steps) == STEPS and all("masked_false_negatives" in s for s in steps)
 
 
 def test_compare_report_shows_hardness_and_masked_false_negatives(compared):
@@ -67,9 +73,9 @@ def test_compare_report_shows_hardness_and_masked_false_negatives(compared):
     assert list(summary["arms"]) == ["clustered", "clustered_dedup"]
     for name, arm in summary["arms"].items():
         steps = [json.loads(line) for line in
-                 compared.read_bytes(f"train/compare-{name}-seed0/metrics.jsonl").splitlines()]
-        assert arm["masked_false_negatives"] == pytest.approx(sum(s["masked_false_negatives"] for s in steps) / 2)
-        assert arm["neg_cos_max"] == pytest.approx(sum(s["neg_cos_max"] for s in steps) / 2)
+                 compared.read_bytes(f"train/{arm_run(compared, name)}/metrics.jsonl").splitlines()]
+        assert arm["masked_false_negatives"] == pytest.approx(sum(s["masked_false_negatives"] for s in steps) / STEPS)
+        assert arm["neg_cos_max"] == pytest.approx(sum(s["neg_cos_max"] for s in steps) / STEPS)
     assert summary["arms"]["clustered_dedup"]["train_keys"] == {"dedup": True}
     # Queries and passages are unique but for the planted copies, so only the clustered arm can mask any.
     assert summary["arms"]["clustered_dedup"]["masked_false_negatives"] == 0

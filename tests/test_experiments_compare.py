@@ -21,12 +21,46 @@ def compared(shared_run):
     return shared_run.run
 
 
+def runs(run, arm: str) -> list[str]:
+    """The arm's training per seed, as compare.json names them."""
+    return run.read_json("report/compare.json")["arms"][arm]["runs"]
+
+
+def test_the_runs_own_training_is_the_clustered_arms_seed0_and_the_rest_train_under_compares_names(compared):
+    """`run` trained clustered seed 0 with the very config of compare's clustered arm: compare reused it (and its
+    evaluation) instead of training it again as compare-clustered-seed0."""
+    run = compared
+    assert runs(run, "clustered") == ["clustered-seed0", "compare-clustered-seed1"]
+    assert not run.exists("train/compare-clustered-seed0") and not run.exists("eval/compare-clustered-seed0.json")
+    assert "train:compare-clustered-seed0" not in run.read_json("report/costs.json")
+    for arm in ARMS[1:]:
+        assert runs(run, arm) == [f"compare-{arm}-seed{s}" for s in range(SEEDS)]
+
+
+def test_an_arm_reuses_only_a_finished_training_with_its_exact_config(tmp_path):
+    from clusterscale import config as config_mod
+    from clusterscale.config import variant
+    from clusterscale.experiments import _the_runs_own_when_same
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.pipeline import STAGES
+
+    run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, ["train.steps=5"])
+    arm = variant(cfg, train={"seed": 0, "name": "compare-clustered-seed0"})
+    assert _the_runs_own_when_same(cfg, run, arm, {}) is arm  # nothing trained yet
+    run.mark_done("train/clustered-seed0", STAGES["train"].fingerprint_of(cfg, run), {"steps": 5})
+    assert _the_runs_own_when_same(cfg, run, arm, {}).train_name() == "clustered-seed0"
+    assert _the_runs_own_when_same(cfg, run, arm, {"replace": "changed"}) is arm  # --replace: trained anew
+    other = variant(arm, train={"steps": 4})
+    assert _the_runs_own_when_same(cfg, run, other, {}) is other  # another config: its own training
+    seed1 = variant(arm, train={"seed": 1, "name": "compare-clustered-seed1"})
+    assert _the_runs_own_when_same(cfg, run, seed1, {}) is seed1
+
+
 def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
     run = compared
     manifest_fp = run.read_json("shards/k=4/manifest.json")["fingerprint"]
     for arm in ARMS:
-        for seed in range(SEEDS):
-            name = f"compare-{arm}-seed{seed}"
+        for seed, name in enumerate(runs(run, arm)):
             done = run.read_json(f"train/{name}/_DONE.json")
             assert done["stats"]["steps"] == STEPS and done["stats"]["sampler"] == arm.removesuffix("+mined")
             assert done["config"]["train"]["seed"] == seed
@@ -35,8 +69,8 @@ def test_every_arm_trained_for_the_same_steps_on_the_same_shards(compared):
             assert run.exists(f"eval/{name}.json")
     assert run.read_json("shards/k=4/manifest.json")["fingerprint"] == manifest_fp
     # Different seeds give different batch schedules, so different losses.
-    first = [json.loads(x)["loss"] for x in run.read_bytes("train/compare-clustered-seed0/metrics.jsonl").decode().splitlines()]
-    second = [json.loads(x)["loss"] for x in run.read_bytes("train/compare-clustered-seed1/metrics.jsonl").decode().splitlines()]
+    first, second = ([json.loads(x)["loss"] for x in run.read_bytes(f"train/{name}/metrics.jsonl").decode().splitlines()]
+                     for name in runs(run, "clustered"))
     assert first != second
 
 
@@ -45,15 +79,15 @@ def test_compare_json_mean_and_spread_match_the_eval_files(compared):
     summary = run.read_json("report/compare.json")
     assert list(summary["arms"]) == list(ARMS)
     for sampler, arm in summary["arms"].items():
-        values = [run.read_json(f"eval/compare-{sampler}-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+        values = [run.read_json(f"eval/{name}.json")["metrics"]["ndcg_at_10"] for name in runs(run, sampler)]
         stats = arm["metrics"]["ndcg_at_10"]
         assert stats["values"] == pytest.approx(values)
         assert stats["mean"] == pytest.approx(np.mean(values))
         assert stats["std"] == pytest.approx(np.std(values, ddof=1))
         assert stats["min"] == pytest.approx(min(values)) and stats["max"] == pytest.approx(max(values))
     paired = summary["paired_vs_random"]["clustered"]
-    diffs = [run.read_json(f"eval/compare-clustered-seed{s}.json")["metrics"]["ndcg_at_10"]
-             - run.read_json(f"eval/compare-random-seed{s}.json")["metrics"]["ndcg_at_10"] for s in range(SEEDS)]
+    diffs = [run.read_json(f"eval/{c}.json")["metrics"]["ndcg_at_10"] - run.read_json(f"eval/{r}.json")["metrics"]["ndcg_at_10"]
+             for c, r in zip(runs(run, "clustered"), runs(run, "random"))]
     assert paired["mean"] == pytest.approx(np.mean(diffs))
     from scipy import stats as st
 
@@ -68,8 +102,10 @@ def test_costs_and_report_cover_every_arm(compared):
     run = compared
     costs = run.read_json("report/costs.json")
     for sampler in ARMS:
-        for seed in range(SEEDS):
-            assert f"train:compare-{sampler}-seed{seed}" in costs and f"evaluate:compare-{sampler}-seed{seed}" in costs
+        for name in runs(run, sampler):
+            # The run's own training (reused by compare) was evaluated by `run`, in the record "evaluate".
+            assert f"train:{name}" in costs and (f"evaluate:{name}" in costs or name == "clustered-seed0")
+    assert "evaluate" in costs and "clustered-seed0" in run.read_json("report/cost_summary.json")["train_runs"]
     report = run.read_bytes("report/report.md").decode()
     assert "## Compare: samplers over seeds" in report and "± " in report
     assert "clustered - random, paired by seed: NDCG@10" in report and "95% interval" in report
@@ -79,7 +115,8 @@ def test_costs_and_report_cover_every_arm(compared):
     # which `run` evaluated before the compare).
     breakdown = run.read_json("eval/by_cluster/k=4.json")
     models = {m for row in breakdown["clusters"].values() for m in row["ndcg_at_10"]}
-    assert models == {"frozen", "clustered-seed0"} | {f"compare-{s}-seed{i}" for s in ARMS for i in range(SEEDS)}
+    assert models == {"frozen", "clustered-seed0"} | {name for s in ARMS for name in runs(run, s)}
+    assert len(models) == 2 + len(ARMS) * SEEDS - 1  # clustered seed 0 is the run's own
 
 
 def test_the_mined_arm_mines_once_for_every_seed_after_its_easy_first_phase(compared):
@@ -113,7 +150,7 @@ def test_each_arm_costs_its_own_preprocessing_and_the_gain_per_hour_follows(comp
         assert pre["cpu_s"] == pytest.approx(pre["worker_s"]) and pre["gpu_s"] == 0 and not pre["unrecorded"]
         extra = [k for k in pre["stages"] if k not in arms["random"]["preprocess"]["stages"]]
         assert pre["extra"]["stages"] == extra
-        per_seed = [costs[f"train:compare-{name}-seed{s}"]["worker_s"] for s in range(SEEDS)]
+        per_seed = [costs[f"train:{run_name}"]["worker_s"] for run_name in runs(run, name)]
         assert arm["train"]["worker_s_per_seed"] == pytest.approx(np.mean(per_seed))
     assert arms["random"]["gain_per_preprocess_hour"] is None  # no extra preprocessing over itself
     diff = summary["paired"][f"{MINED} - random"]["ndcg_at_10"]["mean"]

@@ -5,11 +5,7 @@ import runpy
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-
-from clusterscale.io.rundir import RunDir
-from tests.conftest import make_pairs, tiny_overrides
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 
@@ -41,23 +37,5 @@ def test_missing_stage_exits_2_and_names_the_verb(monkeypatch, tmp_path, ray_loc
     assert "clusterscale shard" in err and f"run directory: {tmp_path / 'empty'}" in err
 
 
-def test_sweep_embeds_once_and_shards_every_k(monkeypatch, tmp_path, ray_local, tiny_model, capsys):
-    pq.write_table(make_pairs(160), tmp_path / "pairs.parquet")
-    run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet"))
-    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2,3", "--set", *overrides) == 0
-    out = capsys.readouterr().out
-    assert out.count("== sweep: N=") == 2 and f"done; run directory: {run_dir}" in out
-    run = RunDir(str(run_dir))
-    assert [p["k"] for p in run.read_json("report/sweep.json")["points"]] == [2, 3]  # as `clusterscale sweep` writes
-    embedded_at = run.read_json("embeddings/_DONE.json")["finished_at"]
-    for k in (2, 3):
-        manifest = run.read_json(f"shards/k={k}/manifest.json")
-        assert manifest["k"] == k and manifest["stats"]["rows"] == run.done_stats("pairs")["pairs"]
-    # A second sweep (the older space-separated --k) reuses the embeddings and every finished k (a new k on reused
-    # embeddings: test_experiments_sweep.test_sweep_with_training).
-    manifest_written = (run_dir / "shards" / "k=3" / "manifest.json").stat().st_mtime_ns
-    assert run_job(monkeypatch, "sweep", "--run-dir", str(run_dir), "--k", "2", "3", "--set", *overrides) == 0
-    assert run.read_json("embeddings/_DONE.json")["finished_at"] == embedded_at
-    assert (run_dir / "shards" / "k=3" / "manifest.json").stat().st_mtime_ns == manifest_written
-    assert [p["k"] for p in run.read_json("report/sweep.json")["points"]] == [2, 3]
+# The sweep job (its output, and that it reuses every size's embeddings and every finished k of a sweep):
+# test_experiments_sweep.test_preprocess_only_over_k_and_sizes runs it on the run directory of a CLI sweep.
