@@ -70,8 +70,8 @@ def map_spread(method, fn, *, first_actors: int, on_gpu: bool = False, **kwargs)
     once the first actors are ready together, each unit goes to the least busy one, so the first units go one to each.
     On one node the pool starts as before: nothing to spread, and the wait would serialise the pools' starts."""
     nodes = nodes_with("GPU" if on_gpu else "CPU")
-    if first_actors < 2 or len(nodes) < 2:
-        return method(fn, scheduling_strategy="SPREAD", **kwargs)
+    if first_actors < 2 or len(nodes) < 2:  # SPREAD, Ray Data's default (DataContext.scheduling_strategy): naming
+        return method(fn, **kwargs)         # it would go through the deprecated ray_remote_args
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     turn = itertools.cycle(nodes)
