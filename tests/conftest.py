@@ -22,6 +22,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # Ray Train starts a PreemptionWatcher actor per run to follow node drains (a spot reclaim notice); no test drains
 # a node (test_multinode kills nodes outright), and the actor's process start costs each run ~1.5-2 s here.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# The idle workers a raylet keeps (runtime/session.init_ray sets it for the CLI's local Ray): the same for the Ray
+# nodes the tests start themselves (test_multinode's cluster, test_jobs' head), whose raylets inherit it.
+os.environ.setdefault("RAY_num_workers_soft_limit", "8")
+RAY_SETTINGS = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
+                "RAY_num_workers_soft_limit")
 
 TOPICS = {
     "astronomy": "star galaxy planet orbit telescope comet nebula moon solar cosmic asteroid eclipse",

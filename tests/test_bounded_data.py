@@ -3,7 +3,11 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, one_key_per_partition
+import pyarrow.parquet as pq
+
+from clusterscale.config import RayConfig
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for, one_key_per_partition
 
 
 def test_stand_ins_are_distinct_and_land_one_per_partition():
@@ -32,3 +36,19 @@ def test_groupby_on_stand_ins_through_the_disk_shuffle(ray_local):
         rows = out.take_all()
     assert sorted(r["key"] for r in rows) == sorted(stand_ins.tolist())
     assert all(r["rows"] == 50 for r in rows)
+
+
+def test_small_shuffles_stay_in_the_object_store(tmp_path):
+    """ray.disk_shuffle sends a shuffle through local files from ray.disk_shuffle_min_mib of rows on (estimated from
+    the first file's bytes per row): 1,000 rows of 1 KiB are ~1 MiB."""
+    rows = [np.random.default_rng(i).bytes(1024) for i in range(1000)]
+    pq.write_table(pa.table({"x": rows}), tmp_path / "part.parquet", compression="zstd")
+    run, files = RunDir(str(tmp_path)), [str(tmp_path / "part.parquet")]
+    per_row = pq.read_metadata(files[0]).row_group(0).total_byte_size / 1000
+    assert per_row > 1000  # uncompressed bytes: the rows as they sit in memory, not the zstd file
+    at = int(2**20 / per_row)  # the rows that make 1 MiB
+    assert disk_shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at + 1)
+    assert not disk_shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at - 1)
+    assert not disk_shuffle_for(RayConfig(disk_shuffle=False, disk_shuffle_min_mib=0), run, files, 10**9)
+    assert disk_shuffle_for(RayConfig(disk_shuffle_min_mib=0), run, [], 0)  # 0: every shuffle, no footer read
+    assert not disk_shuffle_for(RayConfig(), run, files, 10**5)  # the default 256 MiB: ~100 MiB stays in memory

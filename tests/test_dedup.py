@@ -28,11 +28,11 @@ PLANTED = 10  # of each kind: exact copies, near copies, exact held-out leaks, s
 
 
 def settings(disk_shuffle: bool = True, **dedup) -> list[str]:
-    """disk_shuffle=False: dedup's and shard's hash shuffles through the object store (ray.* keys are no part of a
-    fingerprint), the other transport, without the disk shuffle's start-up per shuffle."""
+    """disk_shuffle: dedup's and shard's hash shuffles through local files even at this size (min 0 MiB), or else
+    through the object store (ray.* keys are no part of a fingerprint), without the file servers' start per shuffle."""
     return ["data.heldout_fraction=0.1", "data.rows_per_part=800", f"cluster.k={K}", "cluster.niter=5",
             "train.global_batch_size=16", "train.num_workers=1", "shard.target_rows_per_file=400",
-            f"ray.disk_shuffle={str(disk_shuffle).lower()}", *[f"dedup.{key}={value}" for key, value in dedup.items()]]
+            f"ray.disk_shuffle={str(disk_shuffle).lower()}", "ray.disk_shuffle_min_mib=0", *[f"dedup.{key}={value}" for key, value in dedup.items()]]
 
 
 def plant(run: RunDir) -> dict[str, list[int]]:

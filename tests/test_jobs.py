@@ -27,7 +27,7 @@ import yaml
 
 from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.rundir import RunDir
-from tests.conftest import make_pairs, tiny_overrides
+from tests.conftest import RAY_SETTINGS, make_pairs, tiny_overrides
 from tests.s3_server import AWS_ENV, s3_server, s3_uri, upload_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,10 +83,9 @@ def ray_head(tmp_path_factory, s3_endpoint):
     temp_dir = tempfile.mkdtemp(prefix="csjob-", dir="/tmp")  # short: Ray's socket paths are length-limited
     # Not RAY_ADDRESS (nothing else may find this head), not PYTHONPATH (the job ships its code itself).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
-    # The suite's Ray Train settings (conftest: a short controller poll, no preemption watcher) hold for the job's
-    # training on this head too; its workers inherit them from the head's environment.
-    env.update({k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
-                if k in os.environ})
+    # The suite's Ray settings (conftest: a short controller poll, no preemption watcher, idle workers kept) hold on
+    # this head too; its raylet and workers inherit them from the head's environment.
+    env.update({k: os.environ[k] for k in RAY_SETTINGS if k in os.environ})
     env.update(AWS_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
     dashboard_port = free_port()

@@ -80,8 +80,8 @@ def mined_run(tmp_path_factory, tiny_model, ray_local):
     pq.write_table(pa.Table.from_pylist(table), base / "pairs.parquet")
     run_dir = base / "run"
     # ray.disk_shuffle=false: shard's and mine's hash shuffles through the object store (ray.* keys are no part of a
-    # stage's fingerprint). The disk shuffle starts ~10 s of servers per shuffle here, 3 mine passes x 2 shuffles in
-    # this module; its mine runs (first and resumed, split groups) are test_mine_clusters' stage test.
+    # stage's fingerprint), as at this size with the default ray.disk_shuffle_min_mib; mine's runs through local
+    # files (first and resumed, split groups) are test_mine_clusters' stage test.
     overrides = tiny_overrides(tiny_model, str(base / "pairs.parquet")) + ["mine.range_max=12", "mine.margin=null",
                                                                            "data.rows_per_part=50",
                                                                            "ray.disk_shuffle=false"]

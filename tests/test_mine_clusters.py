@@ -152,7 +152,7 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
 
     run_dir, k = str(tmp_path / "run"), 5
     keys = [f"cluster.k={k}", "embed.side=both", "data.rows_per_part=600", f"mine.nprobe={k}", "mine.range_max=8",
-            "mine.max_group_rows=150"]
+            "mine.max_group_rows=150", "ray.disk_shuffle_min_mib=0"]  # the shuffles through local files
     assert cli.main(["synth", "--run-dir", run_dir, "--rows", "1500", "--dim", "16", "--topics", "4",
                      "--set", *keys]) == 0
     for verb in ("fit", "assign", "shard", "mine"):

@@ -327,10 +327,12 @@ def kept_and_removed(run: RunDir) -> tuple[list[int], list[int]]:
     ("shard", f"shards/k={K}", ("embeddings", "kmeans", "assign", "dedup")),
 ])
 def test_a_node_lost_during_a_shuffle_stage(multinode, multinode_run, tmp_path, stage, folder, inputs):
-    """dedup and shard group rows by a hash shuffle (map outputs on the nodes' disks): after a lost node they finish
-    by themselves or the rerun does, with the very output of the run that lost no node."""
+    """dedup and shard group rows by a hash shuffle (map outputs on the nodes' disks, even at this size): after a lost
+    node they finish by themselves or the rerun does, with the very output of the run that lost no node (whose
+    shuffles went through the object store)."""
     run = copy_run(multinode_run, tmp_path / "run", "pairs", "heldout", "quarantine", *inputs)
-    how, _ = lose_a_node_during(multinode, [stage, "--run-dir", run.uri], lambda: bool(run.files(folder)),
+    args = [stage, "--run-dir", run.uri, "--set", "ray.disk_shuffle_min_mib=0"]
+    how, _ = lose_a_node_during(multinode, args, lambda: bool(run.files(folder)),
                                 seconds_per_unit=1.0, stage=stage)
     print(f"{stage} finished {how} after the loss of a node")
     if stage == "dedup":

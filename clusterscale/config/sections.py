@@ -257,3 +257,8 @@ class RayConfig(Section):
                                     "Ray's token auth: keep the cluster network private, or set false (rows then "
                                     "wait in the object store, spilled to disk when it is full).",
                               affects_output=False)
+    disk_shuffle_min_mib: int = knob(256, "With ray.disk_shuffle, a hash shuffle of less input than this (MiB "
+                                          "of rows in memory, estimated from their Parquet files) goes through "
+                                          "the object store instead: it holds them with room to spare, and no "
+                                          "file servers start (~5-10 s a shuffle). 0 = every shuffle on disk.",
+                                     affects_output=False, bounds=NON_NEGATIVE, added=True)

@@ -213,7 +213,8 @@ class Planner:
         n = self.shape.train_rows
         moved = {"shard": n * self.text_bytes, "mine": n * (1 + self.cfg.mine.nprobe) * self.text_bytes,
                  "dedup": n * 64.0 if self.cfg.dedup.exact else 0.0}.get(stage, 0.0)
-        if not moved or self.cfg.ray.disk_shuffle:  # through local files: no object-store spill
+        rc = self.cfg.ray  # through local files (runtime/bounded_data.disk_shuffle_for): no object-store spill
+        if not moved or (rc.disk_shuffle and moved >= rc.disk_shuffle_min_mib * 2**20):
             return moved, 0.0
         store = OBJECT_STORE_FRACTION * self.cluster.node_memory_bytes * self.cluster.nodes
         return moved, max(0.0, moved - store)

@@ -17,7 +17,9 @@ In Ray's object store they sit in shared memory pages that stay resident in the 
 ray.disk_shuffle, the default) bounded_shuffle_maps switches the datasets made inside to Ray Data's disk-based
 hash shuffle: map tasks write their partitions to local files and reduce tasks fetch their own partition's byte
 ranges (from other nodes over an Arrow Flight server per node, bound to the node's IP and not covered by Ray's
-token auth: keep the cluster network private, as the shipped configs do).
+token auth: keep the cluster network private, as the shipped configs do). A shuffle of less than
+ray.disk_shuffle_min_mib of rows (disk_shuffle_for) stays in the object store: starting the file servers costs
+~5-10 s per shuffle, and such rows fit in it with room to spare.
 
 Ray Data tasks run one after another in long-lived workers, and both Arrow's allocator and glibc's malloc keep
 what a task freed for the next one: release_freed_memory() at a task's start or end hands it back, so a worker's
@@ -40,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from clusterscale.config import RayConfig
 from clusterscale.io.rundir import RunDir
 
 SHUFFLE_MAP_BATCH_BYTES = 64 * 1024 * 1024
@@ -103,6 +106,20 @@ def read_row_groups(run: RunDir, files: list[str], columns: list[str]) -> ray.da
              for g in range(footer.num_row_groups)]
     return ray.data.from_items(units, override_num_blocks=max(1, len(units))).map_batches(
         _read_units, fn_kwargs={"run_uri": run.uri, "columns": columns}, batch_size=1, batch_format="pyarrow")
+
+
+def disk_shuffle_for(rc: RayConfig, run: RunDir, files: list[str], rows: int) -> bool:
+    """Whether a hash shuffle of `rows` rows like those of `files` goes through local files: ray.disk_shuffle, and
+    their bytes in memory (the first file's uncompressed Parquet bytes per row, times rows) reach
+    ray.disk_shuffle_min_mib. One footer read."""
+    if not rc.disk_shuffle or not rc.disk_shuffle_min_mib:
+        return rc.disk_shuffle
+    if not files or rows <= 0:
+        return False
+    with run.fs.open_input_file(files[0]) as f:
+        footer = pq.ParquetFile(f).metadata
+    stored = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
+    return stored / max(footer.num_rows, 1) * rows >= rc.disk_shuffle_min_mib * 2**20
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ import ray
 from clusterscale.config import Config
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for, read_row_groups
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, candidate_files, groups_per_piece,
                                           shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
@@ -135,8 +135,12 @@ def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> d
         raise StageMissingError(f"Mined negatives travel with the shard rows: run `clusterscale shard` "
                                 f"(cluster.k={cfg.cluster.k}) before `clusterscale mine`.")
     set_dir, manifest = found
-    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # also when training writes them (outside the mine stage)
-        return write_sidecars(neg_run, shards_run, set_dir, manifest, cfg.mine.range_max - cfg.mine.range_min)
+    # The joins' rows: a row's text with each of its candidates'.
+    candidates = cfg.mine.range_max - cfg.mine.range_min
+    on_disk = disk_shuffle_for(cfg.ray, shards_run, [shards_run.path(f) for f in manifest.files[:1]],
+                               sum(manifest.strata_sizes) * candidates)
+    with bounded_shuffle_maps(on_disk):  # also when training writes them (outside the mine stage)
+        return write_sidecars(neg_run, shards_run, set_dir, manifest, candidates)
 
 
 def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: ShardManifest,

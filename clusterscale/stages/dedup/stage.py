@@ -16,7 +16,8 @@ from clusterscale.config import Config
 from clusterscale.io.layout import DEDUP_KEPT, DEDUP_REMOVED, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, one_key_per_partition, read_row_groups
+from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, disk_shuffle_for, one_key_per_partition,
+                                               read_row_groups)
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
@@ -74,7 +75,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
     bucket_keys, cluster_keys = one_key_per_partition(buckets), one_key_per_partition(clusters)
     progress, results = ProgressLine("dedup", n_rows), []
-    with bounded_shuffle_maps(cfg.ray.disk_shuffle):  # 64 MiB shuffle maps, through files (runtime/bounded_data)
+    with bounded_shuffle_maps(disk_shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
                                                   "cluster_keys": cluster_keys},
