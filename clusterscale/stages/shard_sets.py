@@ -27,6 +27,7 @@ from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_d
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.stages.shards import SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups, write_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.hashing import SeededPermutation
 
@@ -148,16 +149,18 @@ def run_shard_set(ctx: StageContext) -> StageResult:
     files = file_offsets(base)
     schema = pq.read_schema(run.fs.open_input_file(run.path(files[0]["file"])))
     columns = [c for c in SHARD_COLUMNS if c in schema.names]
-    ds = ray.data.from_items(files, override_num_blocks=min(len(files), MAX_READ_TASKS))
-    ds = ds.map_batches(read_keyed_files, fn_args=(run.uri, keys, columns), batch_size=1, batch_format="numpy")
     rows_per_file, row_group_rows = file_sizes(cfg)
     layout = SetLayout(shard_set_dir(k, sampler), "stratum", cfg.cluster.seed, rows_per_file, row_group_rows,
                        cfg.shard.num_samples)
     num_groups = -(-sizes // keys.group_rows)
     group_sizes = GroupSizes(keys.total, int(num_groups.sum()), int((sizes / np.maximum(num_groups, 1)).max()),
                              cfg.shard.max_group_rows)
-    groups = write_groups(ds, run, k, layout, columns, group_sizes, [run.path(f["file"]) for f in files],
-                          f"shard {sampler}", ctx.resources)
+    paths = [run.path(f["file"]) for f in files]
+    # The same bounded hash shuffle as the clustered shards' (64 MiB maps, through files when large): made inside.
+    with bounded_shuffle_maps(disk_shuffle_for(cfg.ray, run, paths[:1], keys.total)):
+        ds = ray.data.from_items(files, override_num_blocks=min(len(files), MAX_READ_TASKS))
+        ds = ds.map_batches(read_keyed_files, fn_args=(run.uri, keys, columns), batch_size=1, batch_format="numpy")
+        groups = write_groups(ds, run, k, layout, columns, group_sizes, paths, f"shard {sampler}", ctx.resources)
     strata = [set_entry(s, names[s], groups.get(s, []), int(sizes[s]), cfg.shard.num_samples)
               for s in range(len(sizes))]
     stats = {"k": k, "sampler": sampler, "shards": len(strata), "rows": keys.total,
