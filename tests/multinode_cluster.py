@@ -19,6 +19,11 @@ PREFIX = "CLUSTER "
 # Logical CPUs of a worker node. Two, not one: a stage's actor pool beside its Ray Data tasks on every node needs
 # more than one (on 1-CPU nodes shard's writers stay on one node, or the shuffle's tasks would find no CPU).
 CPUS_PER_WORKER = 2
+# The GCS marks a node dead after health_check_failure_threshold failed checks health_check_period_ms apart (Ray's
+# defaults: 5 x 3 s). A killed raylet refuses the checks at once (a slow one still has health_check_timeout_ms to
+# answer), so 3 x 1 s finds a lost node in ~3 s instead of ~15 s: what each lost node costs a test that waits for Ray
+# to notice it (tests/test_multinode.py loses one in each of five stages).
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 # The answers keep stdout; anything else this process writes there (Ray's own output) goes to stderr, so that the
 # pipe the test reads only at its commands never fills up.
 ANSWERS = os.fdopen(os.dup(1), "w")
@@ -39,7 +44,8 @@ def start_head(temp_dir: str):
     address_file = Path(get_ray_address_file(None))
     before = address_file.read_text() if address_file.exists() else None
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir,
-                                                            "include_dashboard": False})
+                                                            "include_dashboard": False,
+                                                            "_system_config": HEALTH_CHECKS})
     if before is None:
         address_file.unlink(missing_ok=True)
     else:

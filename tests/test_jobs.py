@@ -1,8 +1,9 @@
-"""Jobs for real: a Ray head on 127.0.0.1 with token auth, `ray job submit` of the pipeline on tiny data that
-it reads from, and writes to, an S3 server on loopback (tests/s3_server.py), as the README's cluster run does.
+"""Jobs for real: a Ray cluster on 127.0.0.1 with token auth, started as a user starts one (`ray start --head` without
+CPUs, then two worker nodes that `ray start --address` joins to it), `ray job submit` of the pipeline on tiny data
+that it reads from, and writes to, an S3 server on loopback (tests/s3_server.py), as the README's cluster run does.
 
-The head is this module's own (own ports, own --temp-dir); it is stopped by killing the processes
-that carry that temp dir, never with a global `ray stop` (other Ray instances may be running).
+The cluster is this module's own (own ports, own --temp-dir per node); it is stopped by killing the processes that
+carry those temp dirs, never with a global `ray stop` (other Ray instances may be running).
 """
 from __future__ import annotations
 
@@ -73,10 +74,16 @@ def s3_endpoint():
         yield endpoint
 
 
+WORKER_NODES, CPUS_PER_WORKER = 2, 2
+NODE_PORTS = ["--node-manager-port", "--object-manager-port", "--metrics-export-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port", "--runtime-env-agent-port"]
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, s3_endpoint):
-    """A one-node Ray cluster on loopback with token auth; yields the job API address and the client env.
-    The node's environment holds the S3 credentials (a cluster's workers take them from their nodes)."""
+    """A Ray cluster on loopback with token auth: a head that offers no CPU (the job's driver runs there, its work on
+    the worker nodes) and WORKER_NODES worker nodes, each its own raylet; yields the job API address and the client
+    env. The nodes' environment holds the S3 credentials (a cluster's workers take them from their nodes)."""
     token_file = tmp_path_factory.mktemp("secret") / "auth_token"
     token_file.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
     token_file.chmod(0o600)
@@ -84,27 +91,32 @@ def ray_head(tmp_path_factory, s3_endpoint):
     # Not RAY_ADDRESS (nothing else may find this head), not PYTHONPATH (the job ships its code itself).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "PYTHONPATH"}
     # The suite's Ray settings (conftest: a short controller poll, no preemption watcher, idle workers kept) hold on
-    # this head too; its raylet and workers inherit them from the head's environment.
+    # these nodes too; their raylets and workers inherit them from the nodes' environment.
     env.update({k: os.environ[k] for k in RAY_SETTINGS if k in os.environ})
     env.update(AWS_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
-    dashboard_port = free_port()
-    ports = ["--port", "--dashboard-port", "--dashboard-agent-listen-port",
-             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
-             "--node-manager-port", "--object-manager-port"]
-    chosen = {flag: (dashboard_port if flag == "--dashboard-port" else free_port()) for flag in ports}
-    start = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-             "--include-dashboard=true", "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-             *[f"{flag}={port}" for flag, port in chosen.items()]]
+    dashboard_port, gcs_port = free_port(), free_port()
+
+    def ports(flags: list[str]) -> list[str]:
+        return [f"{flag}={free_port()}" for flag in flags]
+
+    head = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+            "--include-dashboard=true", "--num-cpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+            f"--port={gcs_port}", f"--dashboard-port={dashboard_port}", *ports(NODE_PORTS)]
+    workers = [[RAY, "start", f"--address=127.0.0.1:{gcs_port}", "--node-ip-address=127.0.0.1",
+                f"--num-cpus={CPUS_PER_WORKER}", f"--temp-dir={temp_dir}-w{i}", "--disable-usage-stats",
+                *ports(NODE_PORTS)] for i in range(WORKER_NODES)]
     try:
-        subprocess.run(start, env=env, check=True, timeout=240, capture_output=True, text=True)
+        for start in (head, *workers):
+            subprocess.run(start, env=env, check=True, timeout=240, capture_output=True, text=True)
         yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env, "temp_dir": temp_dir}
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"ray start failed:\n{exc.stdout}\n{exc.stderr}")
     finally:
-        stop_head(temp_dir)
+        stop_head(temp_dir)  # the worker nodes' temp dirs start with the head's
     assert not processes_of(temp_dir)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    for folder in (temp_dir, *[f"{temp_dir}-w{i}" for i in range(WORKER_NODES)]):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def job(ray_head, *args: str, env: dict | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -124,8 +136,9 @@ def config_file(path: Path, overrides: list[str]) -> str:
 
 
 def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, s3_endpoint, tiny_model, tmp_path):
-    """The README's cluster run: the job ships its code, joins the cluster it was submitted to, reads its pairs and
-    its encoder and student (a cluster without hub access) from an object store and writes its run there."""
+    """The README's cluster run: the job ships its code, joins the cluster it was submitted to, spreads its stages
+    over the worker nodes, reads its pairs and its encoder and student (a cluster without hub access) from an object
+    store and writes its run there."""
     fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "data-bucket"))
     fs.create_dir("data-bucket/pairs")
     sink = io.BytesIO()
@@ -138,7 +151,7 @@ def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, 
     submission = f"cs-{uuid.uuid4().hex[:8]}"
     result = job(ray_head, "submit", "--submission-id", submission, "--working-dir", str(REPO), "--",
                  "python", "jobs/run_pipeline.py", config, "--run-dir", run_uri,
-                 "--set", "train.steps=4", "train.log_batches=false")
+                 "--set", "train.steps=4", "train.log_batches=false", "embed.num_actors=2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert f"run directory: {run_uri}" in result.stdout
     assert "ray: joined" in result.stdout  # the job used the cluster it was submitted to
@@ -155,6 +168,8 @@ def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, 
         assert run.exists(stage, "_DONE.json"), stage
     ingested = run.done_stats("pairs")
     assert ingested["rows_in"] == 240 and ingested["quarantine"] == 0
+    for stage in ("embeddings", "train/clustered-seed0"):  # the job used both worker nodes
+        assert run.done_stats(stage)["num_nodes"] == WORKER_NODES, (stage, run.done_stats(stage)["nodes"])
     manifest = run.read_json("shards/k=4/manifest.json")
     sharded = pads.dataset([run.path(f) for c in manifest["clusters"] for f in c["files"]], filesystem=run.fs,
                            format="parquet").to_table(columns=["pair_id"]).column("pair_id").to_pylist()

@@ -1,5 +1,5 @@
-"""Ray Train on local Ray: a stopped-and-resumed run and a run with an injected worker failure see exactly
-the batches (and losses) of an uninterrupted run; other samplers, GradCache and the MoE adapter run through the
+"""Ray Train on local Ray: a run with an injected worker failure, then stopped and resumed, sees exactly the
+batches (and losses) of an uninterrupted run; other samplers, GradCache and the MoE adapter run through the
 same loop."""
 from __future__ import annotations
 
@@ -58,25 +58,21 @@ def _assert_same_run(run, name, uninterrupted):
     assert not run.exists(train_dir(name), "ray")  # train.keep_checkpoint=false: deleted after the final export
 
 
-def test_stop_then_resume_continues_with_the_same_batches(sharded, tiny_model, uninterrupted):
-    """Stopped after 3 steps and resumed: the uninterrupted clustered run's batches, losses and learning rates. The
-    run is the curriculum sampler at p = 1 (start = end = 1), which is the clustered schedule batch for batch (it
-    reads the clustered shards through the curriculum's two sets; the random set is written on demand)."""
-    keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1")
-    stats = run_stage("train", _cfg(tiny_model, "resumed", *keys, "train.stop_after_steps=3"), sharded).stats
-    assert stats["stopped_at_step"] == 3 and not sharded.exists("train/resumed/_DONE.json")
+def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(sharded, tiny_model, uninterrupted):
+    """A worker fails at step 3 (Ray Train restarts the group from the step-2 checkpoint), the run stops after step 5
+    and is resumed: the uninterrupted clustered run's batches, losses and learning rates. The run is the curriculum
+    sampler at p = 1 (start = end = 1), which is the clustered schedule batch for batch (it reads the clustered shards
+    through the curriculum's two sets; the random set is written on demand). Metrics-only reports (every step)
+    between the checkpoints must not disturb the restart."""
+    keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1",
+            "train.checkpoint_every_steps=2", "train.max_failures=1", "train.log_every_steps=1")
+    stats = run_stage("train", _cfg(tiny_model, "resumed", *keys, "train.stop_after_steps=5"), sharded,
+                      fail_at_step=3).stats
+    assert stats["stopped_at_step"] == 5 and not sharded.exists("train/resumed/_DONE.json")
     assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
-    assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 3
+    assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 5  # the steps redone after the restart once
     run_stage("train", _cfg(tiny_model, "resumed", *keys), sharded, resume=True)
     _assert_same_run(sharded, "resumed", uninterrupted)
-
-
-def test_worker_failure_restarts_from_the_checkpoint(sharded, tiny_model, uninterrupted):
-    # Metrics-only reports (every step) between the checkpoints must not disturb the restart.
-    cfg = _cfg(tiny_model, "failed", "train.checkpoint_every_steps=2", "train.max_failures=1",
-               "train.log_every_steps=1")
-    run_stage("train", cfg, sharded, fail_at_step=3)
-    _assert_same_run(sharded, "failed", uninterrupted)
 
 
 def test_moe_with_the_source_sampler_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):

@@ -85,8 +85,10 @@ def map_spread(method, fn, *, first_actors: int, on_gpu: bool = False, **kwargs)
 
 TEST_UNIT_DELAY_ENV = "CLUSTERSCALE_TEST_UNIT_DELAY"
 """Test hook (tests/test_multinode.py): the path of a JSON file {stage: seconds}; each unit of that stage (an embed
-or assign unit, a shard group, a training step) waits that long first, so that a test can remove a node between
-two units. Read by the workers, which inherit it from the node's environment; unset, it costs one lookup."""
+or assign unit, a dedup block, a shard group, a mine search group or bucket, a training step) waits that long first,
+so that a test can remove a node between two units, and adds the line "<stage> <node id>" to the file's `.units`
+sibling as it starts: which nodes have started how many units. Read by the workers, which inherit it from the node's
+environment; unset, it costs one lookup."""
 
 
 def unit_delay_for_tests(stage: str) -> None:
@@ -98,4 +100,7 @@ def unit_delay_for_tests(stage: str) -> None:
             delay_s = float(json.load(f).get(stage, 0))
     except (OSError, ValueError, AttributeError):  # no file (the test is not slowing anything now)
         return
+    if delay_s > 0:
+        with open(f"{path}.units", "a") as f:  # one short append: whole lines from every process of the machine
+            f.write(f"{stage} {this_node()}\n")
     time.sleep(delay_s)

@@ -219,6 +219,7 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
 def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
     import faiss
 
+    unit_delay_for_tests("mine")
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
     out = search_cluster(group, mine, len(bucket_keys))
     out = out.set_column(out.schema.get_field_index("bucket"), "bucket",
