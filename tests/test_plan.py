@@ -165,3 +165,20 @@ def test_gpu_check_quick_writes_what_plan_reads(tmp_path):
     plan = make_plan(PlanRequest(None, [], None, 100_000, [10], None, 8, "H100", 1, None,
                                  write_calibration(tmp_path / "cal.json"), str(out), None))
     assert "datasheet" in plan["stages"]["embed"]["time_from"]  # a CPU --quick file has no MFU: datasheet stays
+
+
+def test_a_runs_costs_scale_the_calibrated_line_and_keep_its_start_up():
+    """One measured size cannot split start-up from per-row time: the calibration's line keeps the split, the run
+    scales it (here the run was twice as slow as the line says); a stage without a line is proportional, flagged."""
+    from clusterscale.plan.rates import Rates, StageRate, merge_run_costs
+
+    rates = Rates(stages={"shard": StageRate(10.0, 1e-4, "calibrated", 50.0, 20.0)})
+    work = 200_000  # the line at 2 CPUs: 10 + 1e-4 x 200k / 2 = 20 s
+    merge_run_costs(rates, {"shard": {"wall_s": 40.0}, "assign": {"wall_s": 8.0}}, {"shard": work, "assign": work},
+                    2, "measured")
+    shard, assign = rates.stages["shard"], rates.stages["assign"]
+    assert (shard.fixed_s, shard.cpu_s_per_work) == pytest.approx((20.0, 2e-4))
+    assert (shard.task_base_mb, shard.driver_base_mb, shard.source) == (50.0, 20.0, "measured")
+    assert shard.fixed_s + shard.cpu_s_per_work * 4 * work / 2 == pytest.approx(100.0)  # 4x the rows: not 160 s
+    assert (assign.fixed_s, assign.cpu_s_per_work) == pytest.approx((0.0, 8.0 * 2 / work))
+    assert any(note.startswith("assign: one measured size") for note in rates.notes)

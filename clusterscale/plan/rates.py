@@ -1,8 +1,8 @@
 """The rates a plan multiplies by: measured, never guessed.
 
 CPU stages: time = fixed_s + cpu_s_per_work x work / CPUs (work: plan/shape.stage_work), fitted from
-  - a run's own report/costs.json (--run-dir; one size, so fixed_s comes from the calibration file when there is
-    one, else 0: proportional, an upper bound), or
+  - a run's own report/costs.json (--run-dir; one size: it scales the calibration file's line for the stage when
+    there is one, else it is proportional, an upper bound: merge_run_costs), or
   - the calibration file `clusterscale plan --calibrate` writes (two synth sizes: a least-squares line per stage).
 GPU stages: passages/s and pairs/s from the model's FLOPs at an MFU: the one a GPU calibration JSON
 (benchmarks/gpu_check.sh) measured, else DATASHEET_MFU of the GPU's datasheet peak (printed as datasheet
@@ -150,20 +150,28 @@ def stage_of_cost_key(key: str) -> str:
 
 
 def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str) -> None:
-    """Rates of the stages a run measured (report/costs.json): wall less the calibration's fixed start-up, per
-    work at the run's CPUs. A stage without a calibrated start-up is proportional (flagged)."""
+    """Rates of the stages a run measured (report/costs.json). A stage the calibration has a line for (start-up +
+    per work, from two sizes) keeps that line's split, scaled by measured / the line's wall at the run's work and
+    CPUs: the run says how fast this machine and data are, the calibration how the time divides between start-up
+    and rows (one size cannot tell them apart: its start-up read as per-row time overestimated 600k pairs from a
+    50k run by 2-3x, benchmarks/RESULTS.md "bench_plan"). A stage without a calibrated line is proportional
+    (its start-up scaled with the work: an upper bound, flagged)."""
     proportional = []
     for key, record in costs.items():
         stage = stage_of_cost_key(key)
         work = run_work.get(key) or run_work.get(stage)
         if not work or not record.get("wall_s") or (stage != key and stage in costs):
             continue
-        known = rates.stages.get(stage)
-        fixed = min(known.fixed_s, 0.9 * record["wall_s"]) if known else 0.0
-        if not known:
+        known, wall = rates.stages.get(stage), record["wall_s"]
+        line_wall = known.fixed_s + known.cpu_s_per_work * work / max(1, run_cpus) if known else 0.0
+        if known and line_wall > 0:
+            scale = wall / line_wall
+            fixed, per_work = known.fixed_s * scale, known.cpu_s_per_work * scale
+        else:
+            fixed, per_work = 0.0, wall * run_cpus / work
             proportional.append(stage)
-        rates.stages[stage] = StageRate(fixed, (record["wall_s"] - fixed) * run_cpus / work, source,
-                                        known.task_base_mb if known else 0.0, known.driver_base_mb if known else 0.0)
+        rates.stages[stage] = StageRate(fixed, per_work, source, known.task_base_mb if known else 0.0,
+                                        known.driver_base_mb if known else 0.0)
     if proportional:
         rates.notes.append(f"{', '.join(proportional)}: one measured size and no calibrated start-up, so the start-up "
                            f"is scaled with the work (an upper bound); `clusterscale plan --calibrate` measures it")
