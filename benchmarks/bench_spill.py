@@ -34,7 +34,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_scale import DEDUP_KEYS, STAGE_KEYS, machine  # noqa: E402  (the same stage settings)
+from bench_scale import DEDUP_KEYS, STAGE_KEYS, machine, write_result  # noqa: E402  (the same stage settings)
 
 VERBS = ("fit", "assign", "dedup", "shard", "mine", "train")
 ARMS = {"default": [], "small": ["SMALL"], "small-memory": ["SMALL", "ray.disk_shuffle=false"]}
@@ -146,15 +146,9 @@ def main() -> None:
     reference = result["arms"]["default"].get("outputs")
     result["outputs_equal_the_default"] = {arm: bool(reference) and e.get("outputs") == reference
                                            for arm, e in result["arms"].items() if arm != "default"}
-    result["machine"] = before | {"uptime_after": machine()["uptime"]}
-    result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
     if not args.out_dir:
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    write_result(result, before, root, args.json_path)
 
 
 if __name__ == "__main__":
