@@ -24,6 +24,7 @@ import numpy as np
 from clusterscale.config import Config, ConfigError, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.dedup import train_dedup_config
+from clusterscale.stages.evaluate import evaluate_together
 from clusterscale.stages.kmeans import ClusteringError
 from clusterscale.io.layout import fit_stats_path, manifest_path, read_manifest, train_dir
 from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, STAGES, pipeline, run_stage, run_stages
@@ -82,9 +83,15 @@ def spread(values: list[float]) -> dict:
             "min": float(arr.min()), "max": float(arr.max()), "values": [float(v) for v in arr]}
 
 
-def _train_and_evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
+def _train(cfg: Config, run: RunDir, stage_options: dict) -> None:
+    run_stages(cfg, run, ("train",), write_config=False, **stage_options)
+
+
+def _evaluate(cfg: Config, run: RunDir, stage_options: dict) -> dict:
+    """The frozen encoder's and cfg's trained model's results; inside evaluate_together (one encoder process for
+    an experiment's arms), after every arm has trained."""
     name = cfg.train_name()
-    results = run_stages(cfg, run, ("train", "evaluate"), write_config=False, **stage_options,
+    results = run_stages(cfg, run, ("evaluate",), write_config=False, **stage_options,
                          cost_keys={"evaluate": f"evaluate:{name}"})
     return results["evaluate"].outputs["results"]
 
@@ -174,13 +181,17 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
                    **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
-    for sampler, arm_cfgs in arms.items():
+    for sampler, arm_cfgs in arms.items():  # every arm trains, then every arm is evaluated by one encoder process
         for i, arm_cfg in enumerate(arm_cfgs):
             arm_cfg = arm_cfgs[i] = _the_runs_own_when_same(cfg, run, arm_cfg, stage_options)
             print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
-            results = _train_and_evaluate(arm_cfg, run, stage_options)
-            frozen = results["frozen"]["metrics"]
-            metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
+            _train(arm_cfg, run, stage_options)
+    with evaluate_together():
+        for sampler, arm_cfgs in arms.items():
+            for arm_cfg in arm_cfgs:
+                results = _evaluate(arm_cfg, run, stage_options)
+                frozen = results["frozen"]["metrics"]
+                metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
     summary = summarize_compare(cfg, run, arms, metrics, frozen)
     summary["wall_s"] = round(time.time() - started, 1)
     run.write_json("report/compare.json", summary)
@@ -330,6 +341,7 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         # Writes config.yaml of a new run; an existing run's stays.
         run_stages(base, run, pipeline(base, last="embed"), **stage_options)
         rows = run.done_stats("embeddings")["rows"]
+        trained_points: list[tuple[dict, Config]] = []  # evaluated once every k of this size has trained
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{batches.sampler}-k{k}",
                                                                           batches.seed)})
@@ -348,12 +360,16 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
                 kcfg = _the_runs_own_when_same(base, run, kcfg, stage_options)
                 if k == report_k:
                     trained[run.uri] = kcfg
-                results = _train_and_evaluate(kcfg, run, stage_options)
+                _train(kcfg, run, stage_options)
+                trained_points.append((point, kcfg))
+            points.append(point)
+        with evaluate_together():  # every k's model of this data size, by one encoder process
+            for point, kcfg in trained_points:
+                results = _evaluate(kcfg, run, stage_options)
                 point["ndcg_at_10"] = results[kcfg.train_name()]["metrics"]["ndcg_at_10"]
                 point["frozen_ndcg_at_10"] = results["frozen"]["metrics"]["ndcg_at_10"]
                 point["train_worker_s"] = run.done_stats(train_dir(kcfg.train_name())).get("worker_s")
                 point["run"] = kcfg.train_name()
-            points.append(point)
         report_cfg = trained.get(run.uri) or variant(base, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{batches.sampler}-k{report_k}", batches.seed)})
         costs = run.read_json("report/costs.json")

@@ -7,6 +7,7 @@ Run with `clusterscale evaluate [CONFIG] --run-dir R` (`--mteb TASKS` adds MTEB,
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -228,6 +229,51 @@ class EvalEncoders:
         return out[0], out[1]
 
 
+
+class _Together:
+    """evaluate_together's state: the encoder process its evaluate calls share, and their eval sets by run."""
+
+    def __init__(self):
+        self.encoders: EvalEncoders | None = None
+        self.eval_sets: dict[tuple, dict] = {}
+
+
+_TOGETHER: list[_Together] = []
+
+
+@contextlib.contextmanager
+def evaluate_together():
+    """Every evaluate call inside shares one encoder process (started by the first, killed at the end) and builds
+    each run's eval set once: compare and sweep evaluate their arms one after the other, and each call would
+    otherwise start a process of its own (its imports and the frozen encoder's load: ~4 s a call on a CPU, a model
+    load on a GPU). The process holds its CPUs or GPU meanwhile: only evaluate calls may run inside."""
+    together = _Together()
+    _TOGETHER.append(together)
+    try:
+        yield
+    finally:
+        _TOGETHER.remove(together)
+        if together.encoders is not None:
+            together.encoders.__exit__()
+
+
+def _eval_set_and_encoders(ctx: StageContext) -> tuple[dict, contextlib.AbstractContextManager]:
+    """This call's eval set and encoder process: evaluate_together's when inside it (the set built once per run
+    and eval size, before the shared process holds the CPUs its distractor tasks need), else the call's own."""
+    cfg, run = ctx.cfg, ctx.run
+    if not _TOGETHER:
+        return build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors), EvalEncoders(ctx.resources)
+    together = _TOGETHER[-1]
+    key = (run.uri, cfg.eval.max_queries, cfg.eval.num_distractors)
+    if key not in together.eval_sets:
+        if together.encoders is not None:
+            together.encoders.__exit__()  # its CPUs go to the distractor tasks; the next encode starts it again
+        together.eval_sets[key] = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
+    if together.encoders is None:
+        together.encoders = EvalEncoders(ctx.resources)
+    return together.eval_sets[key], contextlib.nullcontext(together.encoders)
+
+
 def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
     """Top-`depth` pool indices per query by inner product.
 
@@ -330,7 +376,7 @@ def run_evaluate(ctx: StageContext) -> StageResult:
     outputs: {"results": per model, "by_cluster": NDCG@10 per cluster or None}."""
     cfg, run = ctx.cfg, ctx.run
     started = time.time()
-    eval_set = build_eval_set(run, cfg.eval.max_queries, cfg.eval.num_distractors)
+    eval_set, encoder_process = _eval_set_and_encoders(ctx)
     student = cfg.train.student
     lengths = {"query_max_length": student.query_max_length, "passage_max_length": student.passage_max_length}
     name = cfg.train_name()
@@ -340,7 +386,7 @@ def run_evaluate(ctx: StageContext) -> StageResult:
                      cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))}
     cached = {n for n, (_, _, fp) in models.items()
               if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
-    with EvalEncoders(ctx.resources) as encoders:  # one encoder process for every model of this call
+    with encoder_process as encoders:  # one encoder process for every model of this call (or of evaluate_together)
         results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp)
                    for n, (model, pooling, fp) in models.items()}
         write_model_card(cfg, run, name)  # the card now carries the held-out metrics
