@@ -229,7 +229,6 @@ class EvalEncoders:
         return out[0], out[1]
 
 
-
 class _Together:
     """evaluate_together's state: the encoder process its evaluate calls share, and their eval sets by run."""
 
