@@ -123,3 +123,19 @@ def test_joining_an_address_where_nothing_listens_is_one_paragraph_at_once():
     message = str(caught.value)
     assert f"Could not join the Ray cluster at 127.0.0.1:{port}" in message
     assert "ray status --address" in message and "unset RAY_ADDRESS" in message
+
+
+def test_a_local_start_never_joins_another_ray_on_this_machine(monkeypatch):
+    """Without ray.address and RAY_ADDRESS, init_ray starts Ray with address="local": a plain ray.init() would join
+    the Ray named in /tmp/ray/ray_current_cluster (a `ray start` head someone else runs on this machine)."""
+    from clusterscale.config import RayConfig
+    from clusterscale.runtime import session
+
+    seen = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(session.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(session.ray, "init", lambda **kwargs: seen.append(kwargs))
+    monkeypatch.setattr(session, "_drop_worker_log_noise", lambda: None)
+    monkeypatch.setattr(session, "ray_data_progress", lambda on_terminal: None)
+    session.init_ray(RayConfig(num_cpus=2, include_dashboard=False))
+    assert [kwargs["address"] for kwargs in seen] == ["local"] and seen[0]["num_cpus"] == 2

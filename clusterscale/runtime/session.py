@@ -154,6 +154,9 @@ def init_ray(cfg: RayConfig) -> None:
         kwargs.update(address=bound, _node_ip_address="127.0.0.1")
         loopback = True
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
+        # "local": a new instance of our own, never one found on this machine (ray.init() without an address
+        # joins the Ray of /tmp/ray/ray_current_cluster, e.g. a `ray start` head someone else runs here).
+        kwargs["address"] = "local"
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_POLICY)  # inherited by the local workers
         # Ray Train sends each print of a rank both to stdout and to its root logger: every line twice.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
