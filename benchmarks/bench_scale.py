@@ -24,8 +24,9 @@ too (*_rss_mb), for reference.
 by the stage's whole process tree (rchar + wchar: files, the disk shuffle's partitions, pipes and sockets; the
 object store's shared-memory pages, mapped rather than read, are not counted) / N; `bytes_growth` = its
 value at 4N / at N. --large-clusters (cluster.k = 4) adds `large_cluster_bytes_growth`: mine's bytes_growth
-when every cluster is larger than the old 16,384-row search groups. rows_per_s = N / the stage's own wall time from
-RUN/report/costs.json (without Ray's start-up, which the process time `seconds` includes).
+when every cluster is larger than the old 16,384-row search groups, and `dedup_block_memory_growth`: dedup's
+growth with every cluster split into blocks of dedup.max_group_rows = 1,024 rows. rows_per_s = N / the stage's
+own wall time from RUN/report/costs.json (without Ray's start-up, which the process time `seconds` includes).
 
 Training (`train`, a 2-step tiny from-scratch model) runs before evaluate only because evaluate scores a
 trained model; it is sampled and reported under "setup", not in max_memory_growth.
@@ -64,6 +65,9 @@ STAGE_KEYS = ["mine.index=ivf", "train.init=scratch", "train.scratch_hidden_size
               "eval.max_queries=300", "eval.num_distractors=1000"]
 # dedup's keys, given to the dedup command only: the shards keep being built from every assigned row.
 DEDUP_KEYS = ["dedup.exact=true", "dedup.semantic_threshold=0.9"]
+# In the large-cluster regime dedup splits every cluster into blocks of this many rows, as dedup.max_group_rows=auto
+# splits a cluster of millions of rows at 100M pairs and k = 1,000: its growth is dedup_block_memory_growth.
+LARGE_CLUSTER_DEDUP_KEYS = ["dedup.max_group_rows=1024"]
 
 
 # --- the sampler --------------------------------------------------------------------------------------------
@@ -238,10 +242,11 @@ def measure_scale(rows: int, args, root: str) -> dict:
     logs = os.path.join(root, f"logs-{rows}")
     os.makedirs(logs, exist_ok=True)
     keys = [f"cluster.k={args.k}", "embed.side=both", f"data.rows_per_part={args.rows_per_part}", *STAGE_KEYS]
+    dedup_keys = DEDUP_KEYS + (LARGE_CLUSTER_DEDUP_KEYS if args.large_clusters else [])
     out = {}
     order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
                                                     "--topics", str(args.topics)])),
-             *[(s, cli(s, run_dir, keys + (DEDUP_KEYS if s == "dedup" else []))) for s in STAGES[:5]],
+             *[(s, cli(s, run_dir, keys + (dedup_keys if s == "dedup" else []))) for s in STAGES[:5]],
              ("train", cli("train", run_dir, keys)),
              ("evaluate", cli("evaluate", run_dir, keys))]
     order = [(stage, argv) for stage, argv in order if stage in needed_stages(args.stages)]
@@ -345,11 +350,13 @@ def main() -> None:
                              "the config's 200,000 would make one 150k file at N and 200k files at 4N).")
     parser.add_argument("--stages", default=None,
                         help="Comma-separated stages to measure (with the stages they need); default all six "
-                             "(with --large-clusters: mine).")
+                             "(with --large-clusters: mine and dedup).")
     parser.add_argument("--large-clusters", action="store_true",
                         help="The large-cluster regime: cluster.k = 4, so clusters (~N/4 rows) exceed the 16,384 "
-                             "rows of the old fixed search groups as a 100M-pair run's clusters at k = 1,000 do; "
-                             "the JSON gets large_cluster_bytes_growth (mine's bytes_moved_per_row at 4N / at N).")
+                             "rows of the old fixed search groups as a 100M-pair run's clusters at k = 1,000 do, and "
+                             "dedup splits them into blocks (dedup.max_group_rows=1024); the JSON gets "
+                             "large_cluster_bytes_growth (mine's bytes_moved_per_row at 4N / at N) and "
+                             "dedup_block_memory_growth (dedup's largest process at 4N / at N).")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
@@ -361,7 +368,8 @@ def main() -> None:
     train_options = bench_scale_train.train_args(args, prefix="train-") if args.train else None
     if args.large_clusters:
         args.k = 4
-    args.stages = [s for s in (args.stages or ("mine" if args.large_clusters else ",".join(STAGES))).split(",") if s]
+    args.stages = [s for s in (args.stages or ("mine,dedup" if args.large_clusters else ",".join(STAGES))).split(",")
+                   if s]
     unknown = sorted(set(args.stages) - set(STAGES))
     if unknown:
         parser.error(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
@@ -376,6 +384,7 @@ def main() -> None:
     if args.large_clusters:
         result["regime"] = "large_clusters (cluster.k = 4)"
         result["large_cluster_bytes_growth"] = result.get("mine", {}).get("bytes_growth")
+        result["dedup_block_memory_growth"] = result.get("dedup", {}).get("growth")
     result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train") if s in runs[0]}
     if train_options is not None:
         result |= bench_scale_train.run(train_options, root)

@@ -152,20 +152,30 @@ def test_dedup_equals_brute_force_and_shards_hold_kept_rows(planted_run, rule, n
     assert not held_texts & ({core.normalised(q) for q in shards.column("query").to_pylist()} | set(keys))
 
 
-def test_clusters_split_into_blocks_equal_brute_force(planted_run):
-    """dedup.max_group_rows=64 splits each ~600-row cluster into ~10 blocks compared pair by pair in Ray tasks: the
-    removed rows (pair_id, reason, duplicate_of) are brute force's, as unsplit (the test above)."""
+@pytest.mark.parametrize("rule", ["easy", "hard", "random"])
+def test_clusters_split_into_blocks_equal_brute_force(planted_run, rule):
+    """dedup.max_group_rows=64 splits each ~600-row cluster into ~10 blocks, each its own group task, compared
+    block x block in Ray tasks: the removed rows (pair_id, reason, duplicate_of) are brute force's for every keep
+    rule, as unsplit (the test above), held-out vector leaks included; the kept and removed files are per block."""
     run, _, spec = planted_run
-    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep="easy",
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep=rule,
                                                                  semantic_threshold=THRESHOLD, max_group_rows=64)])
     run_stage("dedup", cfg, run, replace="changed")
     removed = removed_table(run)
     got = {pid: (reason, dup) for pid, reason, dup in zip(*(removed.column(c).to_pylist()
                                                              for c in ("pair_id", "reason", "duplicate_of")))}
-    assert got == reference(run, "easy", 2)
+    assert got == reference(run, rule, 2)
     assert sum(r == "semantic" for r, _ in got.values()) >= PLANTED
+    assert sum(r == "heldout_leak" for r, _ in got.values()) >= 2 * PLANTED
     clusters = pads.dataset(run.files(assign_dir(K)), filesystem=run.fs).to_table(columns=["cluster"])
-    assert np.bincount(clusters.column("cluster").to_numpy()).min() > 4 * 64  # every cluster in 5+ blocks
+    sizes = np.bincount(clusters.column("cluster").to_numpy())
+    assert sizes.min() > 4 * 64  # every cluster in 5+ blocks
+    kept_files = [f for f in run.files(DEDUP_KEPT)]
+    assert len(kept_files) >= 5 * K and all("-b" in f.rsplit("/", 1)[1] for f in kept_files)  # one or more per block
+    assert not run.exists(DEDUP, "_blocks")  # the blocks' working files are gone
+    stats = run.done_stats(DEDUP)
+    assert stats["rows"] + stats["removed"] == sizes.sum() and len(stats["removed_per_cluster"]) == K
+    assert sum(stats["removed_per_cluster"].values()) == stats["removed"] == len(got)
 
 
 def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):

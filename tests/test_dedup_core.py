@@ -50,14 +50,12 @@ def test_semantic_greedy_equals_brute_force(planted, rule, block_rows):
 
 
 def split_by_cluster(x, cluster, pair_ids, cos, rule, max_group_rows) -> dict[int, tuple[int, float]]:
-    """greedy_by_cluster through the block x block edge list (semantic.split_greedy, in this process)."""
-    from clusterscale.stages.dedup.semantic import split_greedy
-
+    """greedy_by_cluster through the block x block edge list (core.split_greedy, in this process)."""
     removed = {}
     for c in np.unique(cluster):
         rows = np.flatnonzero(cluster == c)
         rows = rows[core.keep_order(pair_ids[rows], core.keep_rank(pair_ids[rows], cos[rows], rule, 7))]
-        kept, dup, best = split_greedy(x[rows], THRESHOLD, 5, max_group_rows)
+        kept, dup, best = core.split_greedy(x[rows], THRESHOLD, 5, max_group_rows)
         for r in np.flatnonzero(~kept):
             removed[int(pair_ids[rows[r]])] = (int(pair_ids[rows[dup[r]]]), float(best[r]))
     return removed
@@ -248,3 +246,24 @@ def test_shuffle_keys_put_one_bucket_and_one_cluster_in_each_partition(planted):
         parts = hash_partition(marked.select([column]), hash_cols=[column], num_partitions=partitions)
         assert all(len(set(t.column(column).to_pylist())) == 1 for t in parts.values())
     assert len(set(marked.column("bucket").to_pylist())) == buckets
+
+
+def test_block_plan_splits_only_the_clusters_over_the_limit():
+    """BlockPlan: a cluster over max_group_rows gets ceil(rows / max_group_rows) blocks that its rows' pair_ids
+    hash to (about equal), plus a partition for its held-out vectors with a semantic threshold; every partition
+    key is distinct and maps back to its (cluster, block)."""
+    from clusterscale.stages.dedup.blocks import BlockPlan
+
+    plan = BlockPlan.of(np.array([100, 1000, 0, 250]), 100, semantic=True)
+    assert plan.blocks.tolist() == [1, 10, 1, 3] and plan.split == [1, 3]
+    assert plan.partitions == 1 + 11 + 1 + 4 == len(set(plan.keys.tolist()))
+    pair_ids = np.arange(20_000, dtype=np.int64)
+    keys = plan.row_keys(np.full(len(pair_ids), 1), pair_ids)
+    blocks = [plan.block_of(int(key)) for key in keys]
+    assert {c for c, _ in blocks} == {1} and sorted({b for _, b in blocks}) == list(range(10))
+    assert max(np.bincount([b for _, b in blocks])) < 1.1 * len(pair_ids) / 10  # hashed evenly
+    assert [plan.block_of(int(key)) for key in plan.heldout_keys(np.array([0, 1, 2, 3]))] == \
+        [(0, 0), (1, -1), (2, 0), (3, -1)]
+    assert plan.block_of(int(plan.row_keys(np.array([0]), np.array([5]))[0])) == (0, 0)
+    without = BlockPlan.of(np.array([100, 1000]), 100, semantic=False)  # no held-out partition without semantic
+    assert without.partitions == 11 and (without.heldout == -1).all()

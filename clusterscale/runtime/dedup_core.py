@@ -5,9 +5,10 @@ Semantic groups, precisely: sort a cluster's rows into keep order; walk it; a ro
 a row kept before it is >= the threshold, else it is kept. A removed row's duplicate_of is the kept row before it
 with the highest cosine (equal cosines: the earliest in keep order). `semantic_greedy` computes exactly that in
 blocks of rows, so its memory does not grow with the square of the cluster. A cluster too large for one task
-is compared block x block instead (`block_pair_edges`, each block pair its own task): only the pairs at or above
-the threshold come back (an edge list), and `greedy_from_edges` walks the same keep order over them, so the
-kept rows, each removed row's duplicate_of and similarity are exactly `semantic_greedy`'s.
+is compared block x block instead (`block_pair_edges`; stages/dedup/blocks.py runs them in Ray tasks): only the
+pairs at or above the threshold come back (an edge list), and `greedy_from_edges` walks the same keep order over
+them, so the kept rows, each removed row's duplicate_of and similarity are exactly `semantic_greedy`'s
+(`split_greedy`: the same in one process).
 """
 from __future__ import annotations
 
@@ -123,13 +124,14 @@ def near_threshold_margin(d: int) -> float:
 
 
 def block_pair_edges(xa: np.ndarray, xb: np.ndarray, start_a: int, start_b: int, threshold: float,
-                     block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     block_rows: int, same: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The edges (i, j, cosine) between two blocks of unit vectors of one cluster in keep order, rows start_a..
     and start_b.. (start_a <= start_b; the same block: only i < j): every pair with i < j and float64 cosine >=
     threshold. Products in float32, block_rows x block_rows at a time; the few pairs within
     near_threshold_margin of the threshold or above are recomputed in float64 (their cosine is exact, so ties
-    and duplicate_of do not depend on the blocking nor on the BLAS)."""
-    same = start_a == start_b
+    and duplicate_of do not depend on the blocking nor on the BLAS). `same` (default: start_a == start_b) says
+    whether xa and xb are one block (only its pairs i < j) or two (every pair)."""
+    same = start_a == start_b if same is None else same
     margin = near_threshold_margin(xa.shape[1])
     a32, b32 = np.asarray(xa, np.float32), np.asarray(xb, np.float32)
     found_i, found_j = [], []
@@ -155,6 +157,17 @@ def block_pairs(n: int, max_group_rows: int) -> list[tuple[int, int]]:
     start_a <= start_b: each pair of rows is in exactly one of them."""
     starts = range(0, n, max_group_rows)
     return [(a, b) for a in starts for b in starts if a <= b]
+
+
+def split_greedy(x: np.ndarray, threshold: float, block_rows: int, max_group_rows: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """semantic_greedy's (kept, duplicate_of) for x in keep order, through the edges of every block pair (blocks
+    of max_group_rows rows) walked by greedy_from_edges: in one process, what stages/dedup/blocks.py spreads over
+    Ray tasks."""
+    edges = [block_pair_edges(x[a:a + max_group_rows], x[b:b + max_group_rows], a, b, threshold, block_rows)
+             for a, b in block_pairs(len(x), max_group_rows)]
+    i, j, sim = (np.concatenate(column) for column in zip(*edges))
+    return greedy_from_edges(len(x), i, j, sim)
 
 
 def greedy_from_edges(n: int, i: np.ndarray, j: np.ndarray, sim: np.ndarray

@@ -15,10 +15,11 @@ which holds all rows nor all held-out vectors:
      vector routed there are held-out leaks (so a semantic leak is found when the held-out vector's
      heldout_nprobe nearest clusters include the training row's cluster: near-duplicates at cosine >= 0.9 almost
      always share the nearest centroid; heldout_nprobe = cluster.k is the all-pairs check); then semantic groups
-     within the cluster (runtime/dedup_core.py, in blocks; a cluster over dedup.max_group_rows is compared
-     block x block in Ray tasks that return the edge list the keep rule walks: semantic.split_greedy); the
-     cluster's kept rows go to dedup/kept/ and its removed rows to dedup/removed/ (pair_id, duplicate_of,
-     similarity, reason, cluster); the task returns its counts.
+     within the cluster (runtime/dedup_core.py, in blocks); the cluster's kept rows go to dedup/kept/ and its
+     removed rows to dedup/removed/ (pair_id, duplicate_of, similarity, reason, cluster); the task returns its
+     counts. A cluster over dedup.max_group_rows rows arrives in blocks of about that many instead (one per
+     reduce task), and Ray tasks compare them block x block and walk the keep order over the edge list they
+     return (blocks.py): no task holds a whole cluster.
 Both shuffles group by stand-ins of the bucket / cluster ids that land one per partition
 (bounded_data.one_key_per_partition), as mine does: a reduce task then holds one bucket or one cluster, not the
 several that hashing the ids puts in the fullest partition, so its memory does not grow with N (an exact bucket
@@ -34,8 +35,8 @@ clustered_dedup arm).
 
 One module per phase: policy (which rows the shards read, train.dedup's config), exact (the mark step and
 exact duplicates per key bucket), heldout (held-out text keys, routing held-out vectors, their leaks), semantic
-(per cluster: held-out vector leaks, semantic duplicates, the output files) and stage (the Ray Data steps, the
-stats). The report's dedup section is in stages/report.py.
+(per cluster: held-out vector leaks, semantic duplicates, the output files), blocks (the clusters split into
+blocks) and stage (the Ray Data steps, the stats). The report's dedup section is in stages/report.py.
 """
 from __future__ import annotations
 

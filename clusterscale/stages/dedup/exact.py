@@ -2,6 +2,8 @@
 reduce over one hash bucket of keys (in each key the first row in keep order stays)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow as pa
 
@@ -11,6 +13,9 @@ from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.stages.dedup.heldout import heldout_text_leaks
 
+if TYPE_CHECKING:
+    from clusterscale.stages.dedup.blocks import BlockPlan
+
 # bucket and part are int64: the stand-ins of one_key_per_partition land in their partition as int64 values.
 MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), pa.field("rank", pa.float64()),
                pa.field("bucket", pa.int64()), pa.field("part", pa.int64()), pa.field("reason", pa.int8()),
@@ -18,12 +23,12 @@ MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), p
                pa.field("best", pa.float64())]
 
 
-def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.ndarray, cluster_keys: np.ndarray
-              ) -> pa.Table:
+def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.ndarray,
+              cluster_keys: np.ndarray | BlockPlan) -> pa.Table:
     """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (the exact step's
     shuffle key: the stand-in in bucket_keys of a hash bucket of the text key), part (the cluster step's: the
-    stand-in in cluster_keys of its cluster), reason (KEPT, or HELDOUT_LEAK by text), duplicate_of, similarity
-    and best (set by the semantic pass)."""
+    stand-in in cluster_keys of its cluster, or the BlockPlan's key of its block), reason (KEPT, or HELDOUT_LEAK
+    by text), duplicate_of, similarity and best (set by the semantic pass)."""
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))
@@ -33,7 +38,8 @@ def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.n
         "key_hi": keys[:, 0], "key_lo": keys[:, 1],
         "rank": core.keep_rank(pair_ids, batch.column("cos").to_numpy(), dc.keep, dc.seed),
         "bucket": bucket_keys[(splitmix64(keys[:, 0]) % np.uint64(len(bucket_keys))).astype(np.int64)],
-        "part": cluster_keys[batch.column("cluster").to_numpy()],
+        "part": (cluster_keys[batch.column("cluster").to_numpy()] if isinstance(cluster_keys, np.ndarray)
+                 else cluster_keys.row_keys(batch.column("cluster").to_numpy(), pair_ids)),
         "reason": np.where(leaked, core.HELDOUT_LEAK, core.KEPT).astype(np.int8),
         "duplicate_of": leak_of, "similarity": leaked.astype(np.float32),
         "best": np.full(batch.num_rows, -np.inf)}

@@ -101,11 +101,11 @@ def heldout_vectors(batch: pa.Table, source: dict | None, embed: EmbedConfig | N
 
 
 def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None,
-                  embed: EmbedConfig | None, schema: pa.Schema, cluster_keys: np.ndarray) -> pa.Table:
+                  embed: EmbedConfig | None, schema: pa.Schema, cluster_keys) -> pa.Table:
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
     'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
-    cluster's shuffle key `part` (cluster_keys: see mark_rows; other columns null), so it travels through the
-    cluster shuffle to exactly those clusters."""
+    cluster's shuffle key `part` (cluster_keys: see mark_rows; a split cluster's held-out partition with a
+    BlockPlan; other columns null), so it travels through the cluster shuffle to exactly those clusters."""
     vectors = heldout_vectors(batch, source, embed)
     n, nprobe = batch.num_rows, min(nprobe, len(centroids))
     sims = vectors["emb"] @ np.asarray(centroids, np.float32).T
@@ -113,7 +113,8 @@ def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: d
     rows = np.repeat(np.arange(n), nprobe)
     values = {"pair_id": pa.array(batch.column("pair_id").to_numpy()[rows], pa.int64()),
               "cluster": pa.array(probes.reshape(-1).astype(np.int32)),
-              "part": pa.array(cluster_keys[probes.reshape(-1)], pa.int64()),
+              "part": pa.array(cluster_keys[probes.reshape(-1)] if isinstance(cluster_keys, np.ndarray)
+                               else cluster_keys.heldout_keys(probes.reshape(-1)), pa.int64()),
               "reason": pa.array(np.full(len(rows), core.HELDOUT_PROBE, np.int8)),
               **{c: emb_array(x[rows]) for c, x in vectors.items()}}
     return pa.table([values[f.name].cast(f.type) if f.name in values else pa.nulls(len(rows), f.type)

@@ -1,9 +1,9 @@
 """Semantic duplicates within one cluster (SemDeDup on runtime/dedup_core.py, in blocks), after the held-out
 vector leaks routed there, and the cluster's output files: its kept rows and its removed rows.
 
-A cluster with more rows to compare than dedup.max_group_rows is compared block x block in parallel Ray tasks
-(one per block pair, each returning only the pairs at or above the threshold), and the keep rule walks that edge
-list: the same removals as comparing it whole, with its work spread over every CPU of the Ray cluster."""
+A cluster with more rows than dedup.max_group_rows never comes here whole: stages/dedup/blocks.py compares it
+block x block in parallel Ray tasks and walks the keep order over the edge list they return (the same removals
+as comparing it whole, its work spread over every CPU of the Ray cluster); write_outputs writes its blocks."""
 from __future__ import annotations
 
 import json
@@ -26,6 +26,7 @@ from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 TASK_MEMORY_FRACTION = 0.25  # of one task's memory, what dedup.max_group_rows=auto lets a cluster's rows take
 
 KEPT_ROWS_PER_FILE = 200_000
+HISTOGRAM_BINS = len(core.histogram_near(np.zeros(0), 0.0)[1])
 REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()), ("similarity", pa.float32()),
                             ("reason", pa.string()), ("cluster", pa.int32())])
 
@@ -67,34 +68,9 @@ def group_rows_limit(dc: DedupConfig, row_bytes: float) -> int:
     return max(dc.block_rows, int(task_memory_bytes() * TASK_MEMORY_FRACTION // max(row_bytes, 1.0)))
 
 
-def block_pair_edges_task(*args):
-    """core.block_pair_edges as a Ray task (one CPU; numpy's BLAS gets Ray's one thread)."""
-    return core.block_pair_edges(*args)
-
-
-def split_greedy(x: np.ndarray, threshold: float, block_rows: int, max_group_rows: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """core.semantic_greedy's result for a cluster larger than max_group_rows (x in keep order): the edges of
-    every block pair (blocks of max_group_rows rows), each pair a Ray task (in this process without Ray), then
-    the keep rule over the edge list."""
-    import ray
-
-    starts = range(0, len(x), max_group_rows)
-    pairs = core.block_pairs(len(x), max_group_rows)
-    if ray.is_initialized():
-        blocks = {s: ray.put(x[s:s + max_group_rows]) for s in starts}  # each block stored once, read by its pairs
-        task = ray.remote(num_cpus=1)(block_pair_edges_task)
-        edges = ray.get([task.remote(blocks[a], blocks[b], a, b, threshold, block_rows) for a, b in pairs])
-    else:
-        edges = [core.block_pair_edges(x[a:a + max_group_rows], x[b:b + max_group_rows], a, b, threshold, block_rows)
-                 for a, b in pairs]
-    i, j, sim = (np.concatenate(column) for column in zip(*edges))
-    return core.greedy_from_edges(len(x), i, j, sim)
-
-
 def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
-    """The cluster's rows (sorted by pair_id) with semantic removals marked among the rows not already removed:
-    compared whole, or block x block in Ray tasks when more than dedup.max_group_rows rows are left."""
+    """The cluster's rows (sorted by pair_id) with semantic removals marked among the rows not already removed,
+    compared whole (a cluster larger than dedup.max_group_rows comes here in blocks: stages/dedup/blocks.py)."""
     reason = group.column("reason").to_numpy().copy()
     duplicate_of = group.column("duplicate_of").to_numpy().copy()
     similarity = group.column("similarity").to_numpy().copy()
@@ -104,11 +80,7 @@ def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
         pair_ids = group.column("pair_id").to_numpy()
         rows = alive[core.keep_order(pair_ids[alive], group.column("rank").to_numpy()[alive])]
         x = emb_matrix(group.column("emb").take(pa.array(rows)))
-        limit = group_rows_limit(dc, group.nbytes / max(group.num_rows, 1) + x.shape[1] * 4)
-        if len(rows) > limit:
-            kept, dup_index, row_best = split_greedy(x, dc.semantic_threshold, dc.block_rows, limit)
-        else:
-            kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows)
+        kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows)
         removed = rows[~kept]
         reason[removed] = core.SEMANTIC
         duplicate_of[removed] = pair_ids[rows[dup_index[~kept]]]
@@ -118,16 +90,19 @@ def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
 
 
 def example_group(group: pa.Table) -> dict | None:
-    """The cluster's largest semantic group: its kept pair and up to 3 removed ones (for the report)."""
+    """The cluster's largest semantic group: its kept pair and up to 3 removed ones (for the report). Of a block
+    of a split cluster: the largest group whose kept pair is in the block (its members in other blocks not
+    counted)."""
     reason = group.column("reason").to_numpy()
+    pair_ids = group.column("pair_id").to_numpy()
     semantic = np.flatnonzero(reason == core.SEMANTIC)
+    semantic = semantic[np.isin(group.column("duplicate_of").to_numpy()[semantic], pair_ids)]
     if not len(semantic):
         return None
     dup_of = group.column("duplicate_of").to_numpy()[semantic]
     heads, counts = np.unique(dup_of, return_counts=True)
     head = heads[np.argmax(counts)]  # equal sizes: the lowest pair_id
     members = semantic[dup_of == head][:3]
-    pair_ids = group.column("pair_id").to_numpy()
     kept_row = int(np.flatnonzero(pair_ids == head)[0])
     texts = {side: group.column(side) for side in ("query", "passage")}
     return {"cluster": int(group.column("cluster")[0].as_py()), "size": int(counts.max()) + 1,
@@ -138,33 +113,48 @@ def example_group(group: pa.Table) -> dict | None:
                 "passage": texts["passage"][int(r)].as_py()[:200]} for r in members]}
 
 
-def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str]) -> pa.Table:
-    """Group step: the semantic pass of one cluster, then its kept rows (all `columns` of assign/) and its removed
-    rows are written; returns the cluster's counts and histogram of best cosines (one row). dc: the dedup
-    section."""
+def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str], block: int = -1) -> pa.Table:
+    """Group step: the semantic pass of one cluster (or, block >= 0, of one block of a cluster split without a
+    semantic threshold), then its kept rows (all `columns` of assign/) and its removed rows are written; returns
+    the counts row of write_outputs. dc: the dedup section."""
     release_freed_memory()  # what the worker's previous group or task freed
     unit_delay_for_tests("dedup")
     cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
     group = semantic_pass(mark_vector_leaks(group, held, dc), dc)
+    return write_outputs(group, RunDir(run_uri), cluster, block, columns, dc)
+
+
+def counts_row(cluster: int, block: int, rows: int = 0, kept: int = 0, reason: np.ndarray | None = None,
+               histogram: list | None = None, example: dict | None = None, pending: bool = False) -> pa.Table:
+    """The one-row result of a group or block task: its rows, kept rows and removals per reason, the histogram of
+    best cosines near the threshold, an example group; pending: a split cluster's block whose removals are
+    decided later (stages/dedup/blocks.py), counted by its write task."""
+    reason = np.zeros(0, np.int8) if reason is None else reason
+    return pa.table({"cluster": [cluster], "block": [block], "pending": [pending], "rows": [rows], "kept": [kept],
+                     **{name: [int((reason == code).sum())] for code, name in core.REASONS.items()},
+                     "histogram": [histogram if histogram is not None else [0] * HISTOGRAM_BINS],
+                     "example": [json.dumps(example) if example else ""], "node": [this_node()]})
+
+
+def write_outputs(group: pa.Table, run: RunDir, cluster: int, block: int, columns: list[str], dc: DedupConfig
+                  ) -> pa.Table:
+    """Write the kept rows (all `columns` of assign/) and removed rows of a cluster, or of a block of one (block
+    >= 0: in the file names); the counts row."""
     reason = group.column("reason").to_numpy()
-    run = RunDir(run_uri)
+    name = f"c{cluster:06d}" if block < 0 else f"c{cluster:06d}-b{block:05d}"
     kept = group.filter(pa.array(reason == core.KEPT)).select(columns)
     for part, start in enumerate(range(0, kept.num_rows, KEPT_ROWS_PER_FILE)):
-        run.write_parquet(f"{DEDUP_KEPT}/part-c{cluster:06d}-{part:05d}.parquet",
+        run.write_parquet(f"{DEDUP_KEPT}/part-{name}-{part:05d}.parquet",
                           kept.slice(start, KEPT_ROWS_PER_FILE), row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
     removed = group.filter(pa.array(reason != core.KEPT))
     if removed.num_rows:
         names = np.array([core.REASONS.get(int(r), "") for r in range(max(core.REASONS) + 1)], dtype=object)
-        run.write_parquet(f"{DEDUP_REMOVED}/part-c{cluster:06d}.parquet", pa.table({
+        run.write_parquet(f"{DEDUP_REMOVED}/part-{name}.parquet", pa.table({
             "pair_id": removed.column("pair_id"), "duplicate_of": removed.column("duplicate_of"),
             "similarity": removed.column("similarity"),
             "reason": pa.array(names[removed.column("reason").to_numpy()].tolist(), pa.string()),
             "cluster": pa.array(np.full(removed.num_rows, cluster, np.int32))}, schema=REMOVED_SCHEMA))
     _, histogram = core.histogram_near(group.column("best").to_numpy(), dc.semantic_threshold)
-    example = example_group(group)
-    return pa.table({"cluster": [cluster], "rows": [group.num_rows], "kept": [kept.num_rows],
-                     **{name: [int((reason == code).sum())] for code, name in core.REASONS.items()},
-                     "histogram": [histogram], "example": [json.dumps(example) if example else ""],
-                     "node": [this_node()]})
+    return counts_row(cluster, block, group.num_rows, kept.num_rows, reason, histogram, example_group(group))

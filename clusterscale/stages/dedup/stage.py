@@ -23,7 +23,8 @@ from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
 from clusterscale.stages.dedup.policy import check_config
-from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, dedup_cluster, group_rows_limit
+from clusterscale.stages.dedup.blocks import BLOCKS, BlockPlan, cluster_group, cluster_sizes, run_split_clusters
+from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, group_rows_limit
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.runtime.nodes import node_stats
 
@@ -41,7 +42,7 @@ def removed_table(run: RunDir) -> pa.Table:
     return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
 
 
-def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np.ndarray) -> ray.data.Dataset | None:
+def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, plan: BlockPlan) -> ray.data.Dataset | None:
     """The held-out vectors as rows of `schema`, one per (held-out pair, probed cluster) (route_heldout); None
     without a semantic threshold or held-out pairs."""
     files, vectors = run.files("heldout"), vector_columns(schema.names)
@@ -52,7 +53,7 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, cluster_keys: np
     return read_row_groups(run, files, columns).map_batches(
         route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
                                   "source": source, "embed": cfg.embed, "schema": schema,
-                                  "cluster_keys": cluster_keys},
+                                  "cluster_keys": plan},
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
 
@@ -65,32 +66,49 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     schema = footer.schema.to_arrow_schema().remove_metadata()
     columns = schema.names
     # dedup.max_group_rows=auto sized once here, by a row's bytes in memory (Parquet's uncompressed size) and
-    # its float32 vector, so every cluster task splits by the same number
+    # its float32 vector; a cluster with more rows is split into blocks of about that many (stages/dedup/blocks.py)
     d = schema.field("emb").type.list_size
     row_bytes = (footer.row_group(0).total_byte_size / max(footer.row_group(0).num_rows, 1)
                  if footer.num_row_groups else 0.0) + 4 * d
-    dedup_cfg = dataclasses.replace(cfg.dedup, max_group_rows=group_rows_limit(cfg.dedup, row_bytes))
-    # One partition per bucket and per cluster (+ 1: a pooled small-cluster id may be k), each bucket / cluster
-    # grouped by the stand-in that lands in its own partition: a reduce holds one of them, whatever N.
-    buckets, clusters = max(1, math.ceil(n_rows / ROWS_PER_BUCKET)), cfg.cluster.k + 1
-    bucket_keys, cluster_keys = one_key_per_partition(buckets), one_key_per_partition(clusters)
-    progress, results = ProgressLine("dedup", n_rows), []
+    limit = group_rows_limit(cfg.dedup, row_bytes)
+    dedup_cfg = dataclasses.replace(cfg.dedup, max_group_rows=limit)
+    clusters = cfg.cluster.k + 1  # + 1: a pooled small-cluster id may be k
+    plan = BlockPlan.of(cluster_sizes(run, files, clusters), limit, cfg.dedup.semantic_threshold > 0) \
+        if n_rows > limit else BlockPlan.whole(clusters)
+    # One partition per exact bucket and per cluster or block, each grouped by the stand-in that lands in its own
+    # partition: a reduce holds one of them, whatever N.
+    buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
+    bucket_keys = one_key_per_partition(buckets)
+    progress, results, pending = ProgressLine("dedup", n_rows), [], []
+    run.remove(BLOCKS)  # a whole rerun: the blocks of an interrupted one are written again
     with bounded_shuffle_maps(disk_shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
-                                                  "cluster_keys": cluster_keys},
+                                                  "cluster_keys": plan},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
             ds = ds.groupby("bucket", num_partitions=buckets).map_groups(resolve_exact, batch_format="pyarrow")
-        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), cluster_keys)
+        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), plan)
         if held is not None:
             ds = ds.union(held)
-        ds = ds.groupby("part", num_partitions=clusters).map_groups(
-            dedup_cluster, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns},
+        ds = ds.groupby("part", num_partitions=plan.partitions).map_groups(
+            cluster_group, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns, "plan": plan},
             batch_format="pyarrow")
         for result in ds.iter_rows():
+            if result["pending"]:
+                if result["block"] >= 0:  # a split cluster's block, not its held-out vectors
+                    pending.append((result["cluster"], result["block"]))
+                continue
             results.append(result)
             progress.advance(result["rows"])
+    if pending:
+        writes = run_split_clusters(run, pending, columns, dedup_cfg)
+        while writes:
+            done, writes = ray.wait(writes, num_returns=1)
+            result = ray.get(done[0])
+            results.append(result)
+            progress.advance(result["rows"])
+    run.remove(BLOCKS)
     return results
 
 
@@ -122,12 +140,16 @@ def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, w
                            f"assign/k={cfg.cluster.k}/ holds {n_rows}: rerun `clusterscale dedup`.")
     edges, _ = core.histogram_near(np.zeros(0), cfg.dedup.semantic_threshold)
     histogram = np.sum([r["histogram"] for r in results], axis=0).astype(int).tolist() if results else []
+    # a split cluster's results come per block: its removals added up, its largest block's example group
+    removed_per_cluster: dict[int, int] = {}
+    for r in results:
+        removed_per_cluster[r["cluster"]] = removed_per_cluster.get(r["cluster"], 0) + r["rows"] - r["kept"]
     examples = sorted((json.loads(r["example"]) for r in results if r["example"]),
                       key=lambda e: (-e["size"], e["cluster"]))
+    examples = [e for n, e in enumerate(examples) if e["cluster"] not in {x["cluster"] for x in examples[:n]}]
     return {"rows": totals["kept"], "assigned": n_rows, "removed": removed,
             **{name: totals[name] for name in core.REASONS.values()}, "heldout_pairs": n_heldout,
-            "removed_per_cluster": {str(r["cluster"]): r["rows"] - r["kept"] for r in sorted(
-                results, key=lambda r: r["cluster"])},
+            "removed_per_cluster": {str(c): removed_per_cluster[c] for c in sorted(removed_per_cluster)},
             "similarity_histogram": {"edges": edges, "counts": histogram} if cfg.dedup.semantic_threshold else None,
             "examples": examples[:NUM_EXAMPLES], "k": cfg.cluster.k, "wall_s": round(wall, 3),
             "worker_s": round(wall, 3), **node_stats(r["node"] for r in results)}
