@@ -252,7 +252,7 @@ def test_block_plan_splits_only_the_clusters_over_the_limit():
     """BlockPlan: a cluster over max_group_rows gets ceil(rows / max_group_rows) blocks that its rows' pair_ids
     hash to (about equal), plus a partition for its held-out vectors with a semantic threshold; every partition
     key is distinct and maps back to its (cluster, block)."""
-    from clusterscale.stages.dedup.blocks import BlockPlan
+    from clusterscale.stages.dedup.partitions import BlockPlan
 
     plan = BlockPlan.of(np.array([100, 1000, 0, 250]), 100, semantic=True)
     assert plan.blocks.tolist() == [1, 10, 1, 3] and plan.split == [1, 3]

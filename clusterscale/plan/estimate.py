@@ -24,6 +24,7 @@ MB = 1024 * 1024
 ADAM_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34  # Korthikanti et al. 2022, bf16, no recompute (attention s^2 left out)
 ASSIGN_COLUMNS_BYTES = 8  # cluster int32 + cos float32 added to an embeddings row
+DEDUP_TASK_MEMORY_FRACTION = 0.25  # stages/dedup/semantic.TASK_MEMORY_FRACTION (dedup.max_group_rows=auto)
 OBJECT_STORE_FRACTION = 0.3  # Ray's default object store: 30% of a node's memory
 
 
@@ -148,8 +149,12 @@ class Planner:
             largest = int((self.shards / np.maximum(groups, 1)).max())
             sizes = GroupSizes(int(self.shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
             return float(writer_sizing(sizes, self.text_bytes)[1]), k * d * 8.0 * 2
-        if stage == "dedup":
-            return cfg.dedup.block_rows ** 2 * 4.0 * 2 + cfg.dedup.block_rows * d * 4.0 * 2, k * 8.0
+        if stage == "dedup":  # two blocks of a cluster (edges task; a whole cluster up to dedup.max_group_rows)
+            row = self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES
+            limit = (DEDUP_TASK_MEMORY_FRACTION * self.cluster.node_memory_bytes / max(1, self.cluster.cpus_per_node)
+                     / row if cfg.dedup.max_group_rows == "auto" else float(cfg.dedup.max_group_rows))
+            block = min(float(self.shards.max(initial=0)), limit)
+            return 2 * block * row + cfg.dedup.block_rows ** 2 * 8.0, k * 8.0
         if stage == "mine":
             if cfg.mine.max_group_rows == "auto":  # mine_search.auto_group_bounds: a quarter + a half of a task's memory
                 return 0.75 * self.cluster.node_memory_bytes / max(1, self.cluster.cpus_per_node), centroids

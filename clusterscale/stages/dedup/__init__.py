@@ -35,8 +35,8 @@ clustered_dedup arm).
 
 One module per phase: policy (which rows the shards read, train.dedup's config), exact (the mark step and
 exact duplicates per key bucket), heldout (held-out text keys, routing held-out vectors, their leaks), semantic
-(per cluster: held-out vector leaks, semantic duplicates, the output files), blocks (the clusters split into
-blocks) and stage (the Ray Data steps, the stats). The report's dedup section is in stages/report.py.
+(per cluster: held-out vector leaks, semantic duplicates, the output files), partitions and blocks (the clusters split
+into blocks) and stage (the Ray Data steps, the stats). The report's dedup section is in stages/report.py.
 """
 from __future__ import annotations
 

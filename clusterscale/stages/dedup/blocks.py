@@ -1,7 +1,7 @@
 """Clusters with more rows than dedup.max_group_rows, in blocks: no task holds a whole cluster.
 
 The cluster shuffle sends each row of such a cluster to one of its blocks (by a hash of its pair_id, about
-max_group_rows rows each: BlockPlan) and the held-out vectors routed to it to a partition of their own; the
+max_group_rows rows each: partitions.BlockPlan) and the held-out vectors routed to it to a partition of their own; the
 group task of each writes its rows under dedup/_blocks/. Then Ray tasks, each holding at most two blocks' rows:
   edges    one per block a: the held-out vector leaks among its rows (against the cluster's routed held-out
            vectors), and every pair at or above the threshold between a and each block b >= a (b read one at a
@@ -14,8 +14,6 @@ The removals are those of comparing the cluster whole (semantic.semantic_pass), 
 semantic threshold the blocks are independent: each block's group task writes its rows itself."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,13 +24,12 @@ from clusterscale.config import DedupConfig
 from clusterscale.io.layout import DEDUP
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.bounded_data import one_key_per_partition, read_row_groups
-from clusterscale.runtime.hashing import splitmix64
+from clusterscale.runtime.bounded_data import read_row_groups, release_freed_memory
+from clusterscale.runtime.nodes import unit_delay_for_tests
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 from clusterscale.stages.dedup.exact import replace_columns
-from clusterscale.runtime.bounded_data import release_freed_memory
-from clusterscale.runtime.nodes import unit_delay_for_tests
 from clusterscale.stages.dedup.heldout import heldout_vector_leaks, vector_columns
+from clusterscale.stages.dedup.partitions import BlockPlan
 from clusterscale.stages.dedup.semantic import counts_row, dedup_cluster, write_outputs
 
 BLOCKS = f"{DEDUP}/_blocks"  # the split clusters' rows and decisions while the stage runs (removed at its end)
@@ -50,58 +47,6 @@ def heldout_file(cluster: int) -> str:
 
 def decisions_file(cluster: int) -> str:
     return f"{BLOCKS}/_c{cluster:06d}-decisions.parquet"
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """The cluster shuffle's partitions: blocks[c] of cluster id c (1: the cluster is one group, as before), from
-    partition first[c] on; a split cluster's held-out vectors go to partition heldout[c] (-1 when not split).
-    keys: the stand-in shuffle key of each partition (bounded_data.one_key_per_partition)."""
-    blocks: np.ndarray
-    first: np.ndarray
-    heldout: np.ndarray
-    keys: np.ndarray
-
-    @classmethod
-    def of(cls, sizes: np.ndarray, max_group_rows: int, semantic: bool) -> BlockPlan:
-        """sizes: the rows of each cluster id (0..k; k is the pooled small clusters' id). A split cluster gets a
-        held-out partition only with a semantic threshold (held-out vectors are compared only then)."""
-        blocks = np.maximum(1, -(-np.asarray(sizes, np.int64) // max(1, max_group_rows)))
-        split = blocks > 1
-        extra = (split & semantic).astype(np.int64)
-        first = np.r_[0, np.cumsum(blocks + extra)[:-1]].astype(np.int64)
-        heldout = np.where(split & semantic, first + blocks, -1)
-        return cls(blocks, first, heldout, one_key_per_partition(int((blocks + extra).sum())))
-
-    @classmethod
-    def whole(cls, clusters: int) -> BlockPlan:
-        """One partition per cluster id (no cluster is split)."""
-        return cls.of(np.zeros(clusters, np.int64), 1, False)
-
-    @property
-    def partitions(self) -> int:
-        return len(self.keys)
-
-    @property
-    def split(self) -> list[int]:
-        return np.flatnonzero(self.blocks > 1).tolist()
-
-    def row_keys(self, clusters: np.ndarray, pair_ids: np.ndarray) -> np.ndarray:
-        """The shuffle key of training rows: their cluster's block that their pair_id hashes to."""
-        blocks = self.blocks[clusters]
-        block = (splitmix64(np.asarray(pair_ids, np.int64)) % blocks.astype(np.uint64)).astype(np.int64)
-        return self.keys[self.first[clusters] + block]
-
-    def heldout_keys(self, clusters: np.ndarray) -> np.ndarray:
-        """The shuffle key of held-out vectors routed to `clusters`: the cluster's group, or its held-out
-        partition when it is split."""
-        return self.keys[np.where(self.heldout[clusters] >= 0, self.heldout[clusters], self.first[clusters])]
-
-    def block_of(self, part_key: int) -> tuple[int, int]:
-        """(cluster, block) of a training partition's key; block -1 for a split cluster's held-out partition."""
-        index = int(np.flatnonzero(self.keys == part_key)[0])
-        cluster = int(np.searchsorted(self.first, index, side="right") - 1)
-        return cluster, (-1 if index == self.heldout[cluster] else index - int(self.first[cluster]))
 
 
 def _count_clusters(batch: pa.Table, clusters: int) -> pa.Table:
@@ -240,19 +185,21 @@ def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[st
 
 
 def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc: DedupConfig
-                       ) -> list[ray.ObjectRef]:
+                       ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
     """Start the edges, decide and write tasks of the split clusters whose blocks (cluster, block) the cluster
-    shuffle wrote (a block the hash left empty has no file and no task); the write tasks' refs, one per block."""
+    shuffle wrote (a block the hash left empty has no file and no task); the edges and the write tasks' refs, one
+    of each per block."""
     edges_task = ray.remote(num_cpus=1)(block_edges)
     decide_task = ray.remote(num_cpus=1)(decide_cluster)
     write_task = ray.remote(num_cpus=1)(write_block_outputs)
     by_cluster: dict[int, list[int]] = {}
     for cluster, block in pending:
         by_cluster.setdefault(cluster, []).append(block)
-    writes = []
+    compared, writes = [], []
     for cluster, blocks in sorted(by_cluster.items()):
         blocks = sorted(blocks)
         edges = [edges_task.remote(run.uri, cluster, b, blocks[n + 1:], dc) for n, b in enumerate(blocks)]
         decided = decide_task.remote(run.uri, cluster, blocks, *edges)
         writes += [write_task.remote(run.uri, cluster, b, columns, dc, decided) for b in blocks]
-    return writes
+        compared += edges
+    return compared, writes

@@ -2,8 +2,6 @@
 reduce over one hash bucket of keys (in each key the first row in keep order stays)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import pyarrow as pa
 
@@ -12,9 +10,7 @@ from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.stages.dedup.heldout import heldout_text_leaks
-
-if TYPE_CHECKING:
-    from clusterscale.stages.dedup.blocks import BlockPlan
+from clusterscale.stages.dedup.partitions import BlockPlan
 
 # bucket and part are int64: the stand-ins of one_key_per_partition land in their partition as int64 values.
 MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), pa.field("rank", pa.float64()),

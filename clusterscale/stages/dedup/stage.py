@@ -22,8 +22,9 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
+from clusterscale.stages.dedup.partitions import BlockPlan
 from clusterscale.stages.dedup.policy import check_config
-from clusterscale.stages.dedup.blocks import BLOCKS, BlockPlan, cluster_group, cluster_sizes, run_split_clusters
+from clusterscale.stages.dedup.blocks import BLOCKS, cluster_group, cluster_sizes, run_split_clusters
 from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, group_rows_limit
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.runtime.nodes import node_stats
@@ -101,10 +102,18 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
                 continue
             results.append(result)
             progress.advance(result["rows"])
-    if pending:
-        writes = run_split_clusters(run, pending, columns, dedup_cfg)
-        while writes:
-            done, writes = ray.wait(writes, num_returns=1)
+    if pending:  # the split clusters' block tasks: a line for the comparisons, then the rows as they are written
+        edges, writes = run_split_clusters(run, pending, columns, dedup_cfg)
+        print(f"[dedup] {len({c for c, _ in pending})} cluster(s) over dedup.max_group_rows={limit:,} rows: "
+              f"{len(edges):,} blocks, each compared with itself and the later blocks of its cluster", flush=True)
+        compared, edge_ids = ProgressLine("dedup", len(edges), unit="blocks"), {r.hex() for r in edges}
+        waiting = edges + writes
+        del edges
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            if done[0].hex() in edge_ids:
+                compared.advance(1)
+                continue
             result = ray.get(done[0])
             results.append(result)
             progress.advance(result["rows"])
