@@ -113,10 +113,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", help="The calibration file (default ~/.clusterscale/plan_calibration.json).")
     p.add_argument("--gpu-calibration", help="JSON written by benchmarks/gpu_check.sh on a GPU node.")
     p.add_argument("--calibrate", action="store_true",
-                   help="Time fit, assign and shard on two small synth runs on this machine and write the "
+                   help="Time ingest, fit, assign and shard on small synth runs on this machine and write the "
                         "calibration file.")
-    p.add_argument("--calibrate-rows", default="25000,100000",
-                   help="Synth sizes of --calibrate (default 25000,100000).")
+    p.add_argument("--calibrate-rows", default="25000,100000,200000",
+                   help="Synth sizes of --calibrate (default 25000,100000,200000): a least-squares line per "
+                        "stage over them.")
     p.add_argument("--json", dest="json_path", help="Also write the plan as JSON to this path.")
     p.add_argument("--save-in", help="Write the plan into RUN/report/plan_prediction.json (a run about to be made "
                                      "at these rows and k), so that `clusterscale report` shows predicted vs measured.")

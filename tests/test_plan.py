@@ -65,6 +65,25 @@ def test_line_fit():
     assert line_fit([[100, 6.0], [400, 4.0]]) == (4.0, 0.0)  # no growth: start-up only (flagged)
 
 
+def test_shard_shuffle_grows_with_its_partitions_and_a_run_wall_is_scaled_without_it():
+    """shard's shuffle term is rows x hash partitions (one per (shard, sub-group) key, up to MIN_PARTITIONS); a run's
+    measured wall scales the calibrated line only after the plan's k terms at the run's own size come off."""
+    from clusterscale.plan.rates import Rates, StageRate, k_terms_s, merge_run_costs
+    from clusterscale.plan.shape import shuffle_work
+
+    cfg = config.load(None, ["train.global_batch_size=32", "shard.max_group_rows=100000"])
+    work = {k: shuffle_work("shard", cfg, shape_of(cfg, [1000] * k)) for k in (50, 200, 400)}
+    assert work[50] == 50_000 * 50 and work[200] == 200_000 * 200 and work[400] == 400_000 * 200  # MIN_PARTITIONS
+    assert shuffle_work("assign", cfg, shape_of(cfg, [1000] * 50)) == 0
+    rates = Rates(stages={"shard": StageRate(10.0, 1e-4, "cal")}, shuffle_cpu_s_per_row_partition=1e-6)
+    extra = k_terms_s(rates, 0.0, 1e6, 2)
+    assert extra == pytest.approx(0.5)
+    # the line says 10 + 1e-4 x 100,000 / 2 = 15 s; measured 30.5 s of which 0.5 s is the shuffle term: scale 2
+    merge_run_costs(rates, {"shard": {"wall_s": 30.5}}, {"shard": 100_000.0}, 2, "run", {"shard": extra})
+    assert rates.stages["shard"].fixed_s == pytest.approx(20.0) and rates.stages["shard"].cpu_s_per_work == \
+        pytest.approx(2e-4)
+
+
 def write_calibration(path) -> str:
     stages = {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6, "cpus": 2, "task_base_mb": 100.0,
                   "driver_base_mb": 200.0} for s in ("ingest", "fit", "assign", "shard")}

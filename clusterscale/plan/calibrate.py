@@ -1,7 +1,9 @@
 """`clusterscale plan --calibrate`: time ingest, fit, assign and shard on two small synth runs on this machine (each
 stage its own `clusterscale` process, as a user runs it), sample the peak memory (USS) of its driver and of its
-largest Ray worker, and write the calibration file that plan/rates.py documents. Two sizes give each stage a
-start-up and a per-work rate (a line)."""
+largest Ray worker, and write the calibration file that plan/rates.py documents. Three sizes (25k, 100k, 200k by
+default) give each stage a start-up and a per-work rate (a least-squares line): with two sizes 4x apart, one noisy
+start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan", session 17). Faiss's
+search rate and Ray Data's shuffle rate per row and partition are timed on their own (the terms that grow with k)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +18,8 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import open_run
 from clusterscale.plan.cluster import this_machine
 from clusterscale.plan.estimate import MB, Models, Planner
-from clusterscale.plan.rates import (CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, line_fit)
-from clusterscale.plan.shape import run_shape, stage_work
+from clusterscale.plan.rates import CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, k_terms_s, line_fit
+from clusterscale.plan.shape import run_shape, search_work, shuffle_work, stage_work
 
 CALIBRATED_STAGES = ("fit", "assign", "shard")  # and ingest, on the synth pairs written out as Parquet
 CALIBRATION_DIM = 384
@@ -106,6 +108,51 @@ def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir,
     return run, costs, peaks
 
 
+def _shuffle_rows(batch: dict, payload: int) -> dict:
+    import numpy as np
+
+    ids = batch["id"]
+    return {"pair_id": ids, "query": np.array(["q" * (payload // 4)] * len(ids), dtype=object),
+            "passage": np.array(["p" * (payload - payload // 4)] * len(ids), dtype=object),
+            "cluster": (ids % 7).astype(np.int32), "sub": np.zeros(len(ids), np.int64)}
+
+
+def _count_group(group):
+    import pyarrow as pa
+
+    return pa.table({"rows": [group.num_rows]})
+
+
+def shuffle_seconds(blocks: int = 16, block_rows: int = 8192, partitions: tuple[int, int] = (16, 128),
+                    payload: int = 140) -> float:
+    """CPU-seconds per (row x partition) of a Ray Data hash shuffle (groupby + map_groups, as shard writes its
+    groups by (shard, sub)): the same rows shuffled into two partition counts, the difference over the extra
+    partitions; rows like shard's (pair_id, a query and a passage of `payload` bytes in all, cluster) in blocks of
+    assign's row-group size. Its own local Ray on this machine's CPUs."""
+    import ray
+
+    from clusterscale.config import RayConfig
+    from clusterscale.runtime.session import init_ray
+
+    cpus = os.cpu_count() or 1
+    init_ray(RayConfig(num_cpus=cpus, include_dashboard=False))
+    try:
+        def once(p: int) -> float:
+            ds = ray.data.range(blocks * block_rows, override_num_blocks=blocks).map_batches(
+                _shuffle_rows, fn_kwargs={"payload": payload}, batch_size=None, batch_format="numpy")
+            ds = ds.map_batches(lambda b: {**b, "shard": b["pair_id"] % p}, batch_size=None, batch_format="numpy")
+            started = time.perf_counter()
+            ds.groupby(["shard", "sub"], num_partitions=p).map_groups(_count_group, batch_format="pyarrow").materialize()
+            return time.perf_counter() - started
+
+        once(partitions[0])  # warm the workers
+        few = min(once(partitions[0]) for _ in range(2))
+        many = min(once(partitions[1]) for _ in range(2))
+    finally:
+        ray.shutdown()
+    return max(0.0, many - few) * cpus / (blocks * block_rows * (partitions[1] - partitions[0]))
+
+
 def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATION_DIM) -> float:
     """CPU-seconds per (row x centroid x dim) of faiss's flat inner-product search on one thread: assign's search
     term, which the synth calibration (k=64) barely exercises."""
@@ -137,6 +184,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     folders: dict[str, list] = {}
     machine = this_machine()
     load_before = os.getloadavg()[0]
+    search_rate, shuffle_rate = faiss_search_seconds(), shuffle_seconds()
+    k_rates = Rates(search_cpu_s_per_row_k_d=search_rate, shuffle_cpu_s_per_row_partition=shuffle_rate)
     with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
         for rows in sorted(sizes):
             run, costs, peaks = calibration_run(rows, root, overrides)
@@ -151,7 +200,9 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
             planner = Planner(cfg, shape, machine, Rates(bytes_per_row={k: v[-1] for k, v in folders.items()}),
                               models, None)
             for stage in ("ingest", *CALIBRATED_STAGES):
-                points[stage].append([stage_work(stage, cfg, shape), costs[stage]["wall_s"]])
+                extra = k_terms_s(k_rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
+                                  machine.cpus)  # the plan adds these on top of the line
+                points[stage].append([stage_work(stage, cfg, shape), max(0.0, costs[stage]["wall_s"] - extra)])
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
     stages = {}
@@ -165,7 +216,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
             "runs": [{"rows": n, "k": CALIBRATION_K, "dim": CALIBRATION_DIM, "data": "clusterscale synth"}
                      for n in sorted(sizes)],
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
-            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": faiss_search_seconds(),
+            "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": search_rate,
+            "shuffle_cpu_s_per_row_partition": shuffle_rate,
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

@@ -11,9 +11,10 @@ import numpy as np
 
 from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
-from clusterscale.plan.rates import DATASHEET_MFU, Rates
+from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
-                                     search_work, shard_sizes, stage_work, train_shape)
+                                     search_work, shard_sizes, shuffle_work, stage_work, train_shape)
+from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
@@ -140,7 +141,10 @@ class Planner:
             return self.models.embed_params * 4.0 + cfg.data.rows_per_part * self.embedding_row_bytes, 0.0
         if stage == "fit":
             actors = self.cluster.gpus or self.cluster.nodes  # stages/kmeans.fit_resources: per GPU, else per node
-            return fit_sample_rows(cfg, shape) / actors * d * 4 + 2 * centroids, 2 * k * d * 8.0
+            # stages/kmeans.SampleShard: the sample's chunks and their concatenation while it starts, then one copy
+            # and the blocked fp16 check (abs, fp16 and float32 round trip of FP16_CHECK_BLOCK_VALUES values)
+            sample = fit_sample_rows(cfg, shape) / actors * d * 4
+            return max(2 * sample, sample + FP16_CHECK_BLOCK_VALUES * 10.0) + 2 * centroids, 2 * k * d * 8.0
         if stage == "assign":  # one work unit (<= ASSIGN_UNIT_ROWS rows of one embeddings file) in, and out again
             unit = min(ASSIGN_UNIT_ROWS, max(embed_files(cfg, shape, self.embed_actors()), default=0))
             return unit * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
@@ -249,8 +253,8 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
-            if self.rates.search_cpu_s_per_row_k_d:  # fit's and assign's searches, at faiss's measured rate
-                wall += self.rates.search_cpu_s_per_row_k_d * search_work(name, cfg, shape) / cluster.cpus
+            # fit's and assign's searches and shard's shuffle partitions, at their measured rates
+            wall += k_terms_s(self.rates, search_work(name, cfg, shape), shuffle_work(name, cfg, shape), cluster.cpus)
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)

@@ -13,7 +13,10 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
    "stages": {"<stage>": {"points": [[work, wall_s], ...], "fixed_s", "cpu_s_per_work", "cpus",
                           "task_base_mb", "driver_base_mb"}},
    "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
-   "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search)}
+   "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search),
+   "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions)}
+The search and shuffle terms (plan/shape.search_work, shuffle_work: they grow with k) are added to a stage's line
+and taken out of the walls a line is fitted to or scaled by.
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
 the memory formula gives at the calibration size: the process's own footprint (Python, pyarrow, Ray).
 """
@@ -52,6 +55,7 @@ class Rates:
     imbalance_factor: float | None = None
     cpu_flops_per_s_per_cpu: float | None = None
     search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
+    shuffle_cpu_s_per_row_partition: float | None = None  # Ray Data hash shuffle, per row and partition
     gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
     gpu_source: str = ""
     notes: list[str] = field(default_factory=list)
@@ -123,7 +127,8 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
     when = data.get("measured_at", "?")
     rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
                   cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
-                  search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"))
+                  search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"),
+                  shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"))
     for stage, rec in data.get("stages", {}).items():
         if not rec["cpu_s_per_work"]:
             rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "
@@ -149,20 +154,30 @@ def stage_of_cost_key(key: str) -> str:
     return key.split(":", 1)[0]
 
 
-def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str) -> None:
+def k_terms_s(rates: Rates, search: float, shuffle: float, cpus: int) -> float:
+    """Seconds of a stage's terms that grow with k (a search's rows x k x d, a shuffle's rows x partitions) at the
+    calibrated rates; 0 for a rate not measured."""
+    return ((rates.search_cpu_s_per_row_k_d or 0.0) * search
+            + (rates.shuffle_cpu_s_per_row_partition or 0.0) * shuffle) / max(1, cpus)
+
+
+def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str,
+                    k_terms: dict[str, float] | None = None) -> None:
     """Rates of the stages a run measured (report/costs.json). A stage the calibration has a line for (start-up +
     per work, from two sizes) keeps that line's split, scaled by measured / the line's wall at the run's work and
     CPUs: the run says how fast this machine and data are, the calibration how the time divides between start-up
     and rows (one size cannot tell them apart: its start-up read as per-row time overestimated 600k pairs from a
     50k run by 2-3x, benchmarks/RESULTS.md "bench_plan"). A stage without a calibrated line is proportional
-    (its start-up scaled with the work: an upper bound, flagged)."""
+    (its start-up scaled with the work: an upper bound, flagged). k_terms: seconds of each stage's k-dependent
+    terms at the run's own size (k_terms_s), which the plan adds on top of the line: taken out of its wall first."""
     proportional = []
     for key, record in costs.items():
         stage = stage_of_cost_key(key)
         work = run_work.get(key) or run_work.get(stage)
         if not work or not record.get("wall_s") or (stage != key and stage in costs):
             continue
-        known, wall = rates.stages.get(stage), record["wall_s"]
+        known = rates.stages.get(stage)
+        wall = max(0.1 * record["wall_s"], record["wall_s"] - (k_terms or {}).get(stage, 0.0))
         line_wall = known.fixed_s + known.cpu_s_per_work * work / max(1, run_cpus) if known else 0.0
         if known and line_wall > 0:
             scale = wall / line_wall

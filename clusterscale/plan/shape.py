@@ -14,7 +14,7 @@ from clusterscale.io.layout import row_group_rows_for
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
 from clusterscale.stages.embed import auto_rows_per_unit
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
-from clusterscale.stages.shards import file_sizes, groups_per_shard
+from clusterscale.stages.shards import GroupSizes, file_sizes, groups_per_shard, writer_sizing
 from clusterscale.train import schedule
 
 DEFAULT_IMBALANCE = 1.5
@@ -148,6 +148,20 @@ def search_work(stage: str, cfg: Config, shape: RunShape) -> float:
     if stage == "assign":
         return float(shape.train_rows) * shape.k * shape.dim
     return 0.0
+
+
+def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> float:
+    """Rows x hash partitions of a stage's Ray Data shuffle (0 for a stage without one that grows with k): the
+    shuffle cuts every block into one piece per partition, and shard's partitions are its (shard, sub-group) keys,
+    so k of them up to MIN_PARTITIONS (stages/shards.writer_sizing). Measured: shard at 600k rows took 29 s at
+    k = 50 and 45 s at k = 200 (benchmarks/RESULTS.md "bench_plan"), at the calibrated per-row-partition rate."""
+    if stage != "shard":
+        return 0.0
+    shards = shard_sizes(cfg, shape).astype(np.int64)
+    groups = groups_per_shard(shards, cfg.shard.max_group_rows)
+    largest = int((shards / np.maximum(groups, 1)).max(initial=0))
+    sizes = GroupSizes(int(shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
+    return float(shape.train_rows) * writer_sizing(sizes, 1.0)[0]
 
 
 def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:

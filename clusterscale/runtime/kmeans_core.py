@@ -60,9 +60,13 @@ def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False
     return sims[:, 0], labels[:, 0]
 
 
-def fp16_exact(x: np.ndarray, block_rows: int = 65_536) -> bool:
+FP16_CHECK_BLOCK_VALUES = 1 << 21  # 8 MiB of float32: the check's three temporaries stay ~20 MiB at any d
+
+
+def fp16_exact(x: np.ndarray, block_values: int = FP16_CHECK_BLOCK_VALUES) -> bool:
     """True when every value is an fp16 value in [-1, 1]: then float64 sums of up to 2**29 rows are exact."""
-    for start in range(0, len(x), block_rows):  # in blocks: the fp16 round trip copies its input
+    block_rows = max(1, block_values // max(1, x.shape[1] if x.ndim == 2 else 1))
+    for start in range(0, len(x), block_rows):  # in blocks: abs() and the fp16 round trip copy their input
         block = x[start:start + block_rows]
         if not (np.abs(block).max() <= 1.0 and np.array_equal(block.astype(np.float16).astype(block.dtype), block)):
             return False

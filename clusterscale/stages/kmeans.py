@@ -64,6 +64,7 @@ class SampleShard:
         self.ids, chunks = load()
         self.dims = sorted({c.shape[1] for c in chunks})
         self.x = np.concatenate(chunks) if len(self.dims) == 1 else np.zeros((0, 0), np.float32)
+        del chunks  # the sample is held once from here on (twice only while it is concatenated)
         self.worker = LloydWorker(self.x, use_gpu) if len(self.dims) == 1 else None
 
     def describe(self) -> dict:
