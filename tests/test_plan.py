@@ -173,6 +173,16 @@ def test_plan_files_equal_a_finished_run(shared_run):
     import pyarrow.parquet as pq
     per_file = [pq.ParquetFile(run.fs.open_input_file(f)).metadata.num_rows for f in embedded]
     assert assign_files(per_file) == len(run.files(f"assign/k={cfg.cluster.k}"))
+    # The FLOP arithmetic counts the run's own tokens (a sample of pairs/, capped as the stages cap them), which
+    # report's costs count too, not the configured caps.
+    from clusterscale.plan.build import models_of
+    from clusterscale.stages.costs import mean_tokens
+
+    tokens = mean_tokens(run, cfg)
+    models = models_of(cfg, tokens)
+    assert models.embed_tokens == tokens["embed"] < cfg.embed.max_length
+    assert models.train_tokens == tokens["train_query"] + tokens["train_passage"]
+    assert "the mean of" in models.note and models_of(cfg).embed_tokens == cfg.embed.max_length
 
 
 def test_gpu_check_quick_writes_what_plan_reads(tmp_path):

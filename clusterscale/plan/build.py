@@ -133,8 +133,10 @@ def embedding_table_params(model: str, hidden: int | None = None) -> int | None:
         return None
 
 
-def models_of(cfg: Config) -> Models:
-    """Parameters (all, for memory; without the embedding tables, for FLOPs) and tokens of the encoder and student."""
+def models_of(cfg: Config, tokens: dict | None = None) -> Models:
+    """Parameters (all, for memory; without the embedding tables, for FLOPs) and tokens of the encoder and student:
+    `tokens` (stages/costs.mean_tokens over a sample of a run's pairs, capped at cfg's lengths) when given, else the
+    configured caps."""
     from clusterscale.stages.costs import param_count, student_param_count
 
     st = cfg.train.student
@@ -147,13 +149,21 @@ def models_of(cfg: Config) -> Models:
         notes.append(f"{cfg.embed.model} not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
     if student is None:
         notes.append(f"student not on disk: taken as BERT-base ({BERT_BASE_PARAMS / 1e6:.0f}M parameters)")
-    notes.append(f"FLOPs = 2 (forward) or 6 (training) x parameters without the embedding tables x tokens, tokens at "
-                 f"the configured caps (embed {cfg.embed.max_length}; train {st.query_max_length} + "
-                 f"{st.passage_max_length}): an upper bound, real texts are shorter")
+    if tokens:
+        embed_tokens, train_tokens = tokens["embed"], tokens["train_query"] + tokens["train_passage"]
+        notes.append(f"FLOPs = 2 (forward) or 6 (training) x parameters without the embedding tables x tokens, tokens "
+                     f"the mean of {tokens['sample_rows']:,} pairs of the run (embed {embed_tokens:.1f}; train "
+                     f"{tokens['train_query']:.1f} + {tokens['train_passage']:.1f}, capped at the configured lengths)")
+    else:
+        embed_tokens, train_tokens = cfg.embed.max_length, st.query_max_length + st.passage_max_length
+        notes.append(f"FLOPs = 2 (forward) or 6 (training) x parameters without the embedding tables x tokens, tokens "
+                     f"at the configured caps (embed {cfg.embed.max_length}; train {st.query_max_length} + "
+                     f"{st.passage_max_length}): an upper bound, real texts are shorter (--run-dir of a run on your "
+                     f"data measures them)")
     embed, student = embed or BERT_BASE_PARAMS, student or BERT_BASE_PARAMS
     return Models(embed, student, embed - (embed_table or BERT_BASE_EMBEDDING_TABLES),
-                  student - (student_table or BERT_BASE_EMBEDDING_TABLES), cfg.embed.max_length,
-                  st.query_max_length + st.passage_max_length, "; ".join(notes))
+                  student - (student_table or BERT_BASE_EMBEDDING_TABLES), embed_tokens, train_tokens,
+                  "; ".join(notes))
 
 
 def make_plan(request: PlanRequest) -> dict:
@@ -183,7 +193,9 @@ def make_plan(request: PlanRequest) -> dict:
                            f"(assumed: the calibration machine's per-core speed, linear scaling); start-ups as "
                            f"measured")
     dim, dim_from = embedding_dim(cfg, measured["dim"])
-    models = models_of(cfg)
+    from clusterscale.stages.costs import mean_tokens
+
+    models = models_of(cfg, mean_tokens(run, cfg) if run else None)
     imbalance = request.imbalance or rates.imbalance_factor
 
     def planner(n: int, k: int) -> Planner:

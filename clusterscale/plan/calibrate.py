@@ -153,6 +153,40 @@ def shuffle_seconds(blocks: int = 16, block_rows: int = 8192, partitions: tuple[
     return max(0.0, many - few) * cpus / (blocks * block_rows * (partitions[1] - partitions[0]))
 
 
+def cpu_encoder_mfu(texts: int = 256, words: tuple[int, int] = (4, 40)) -> float:
+    """The bundled encoder's forward on one CPU thread, as a fraction of that thread's fp32 matmul rate: the MFU
+    that plan's FLOP arithmetic for embed, evaluate and train on CPUs uses (FLOPs = 2 x parameters without the
+    embedding tables x non-padding tokens, as the report counts them). Seeded texts of 4-40 topic words (~23
+    tokens; the encoder sorts and pads them as embed does): ~55% here, 68% on equal 50-token texts. The stage's
+    own start-up and Ray overhead are not in it (plan's CPU embed without a measured run is a lower bound)."""
+    import numpy as np
+    import torch
+
+    from clusterscale.modeling.encoder import Encoder, resolve_model_path
+    from clusterscale.plan.build import embedding_table_params
+    from clusterscale.stages.costs import param_count
+    from clusterscale.train.metrics import cpu_matmul_flops
+
+    vocab = "planet orbit telescope galaxy comet recipe oven flour butter sauce stock bond market goal".split()
+    rng = np.random.default_rng(0)
+    batch = [" ".join(rng.choice(vocab, rng.integers(*words))) for _ in range(texts)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = resolve_model_path("bundled")
+        encoder = Encoder(model, device="cpu")
+        tokens = sum(len(ids) for ids in encoder.tokenizer(batch)["input_ids"])
+        encoder.encode(batch[:16])  # warm-up
+        started = time.perf_counter()
+        encoder.encode(batch)
+        seconds = time.perf_counter() - started
+        peak = cpu_matmul_flops(1)
+    finally:
+        torch.set_num_threads(saved)
+    flop_params = param_count(model) - (embedding_table_params(model) or 0)
+    return 2.0 * flop_params * tokens / seconds / peak
+
+
 def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATION_DIM) -> float:
     """CPU-seconds per (row x centroid x dim) of faiss's flat inner-product search on one thread: assign's search
     term, which the synth calibration (k=64) barely exercises."""
@@ -217,7 +251,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                      for n in sorted(sizes)],
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
             "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": search_rate,
-            "shuffle_cpu_s_per_row_partition": shuffle_rate,
+            "shuffle_cpu_s_per_row_partition": shuffle_rate, "cpu_encoder_mfu": cpu_encoder_mfu(),
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

@@ -62,8 +62,8 @@ class Models:
     student_params: int
     embed_flop_params: int    # without the embedding tables: what the FLOPs per token count
     student_flop_params: int
-    embed_tokens: int
-    train_tokens: int   # query + passage tokens of a pair
+    embed_tokens: float
+    train_tokens: float  # query + passage tokens of a pair
     note: str
 
 
@@ -120,7 +120,11 @@ class Planner:
         else:
             items = self.cfg.eval.max_queries + self.cfg.eval.num_distractors + shape.heldout_rows
             flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
-        rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * DATASHEET_MFU
+        mfu = self.rates.cpu_encoder_mfu
+        rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * (mfu or DATASHEET_MFU)
+        if mfu:
+            return flops / rate, (f"FLOPs at the calibrated fp32 matmul rate per CPU x {mfu:.0%} (the encoder's "
+                                  f"MFU, calibrated)")
         return flops / rate, (f"FLOPs at the calibrated fp32 matmul rate per CPU x {DATASHEET_MFU:.0%} (assumed "
                               f"MFU)")
 

@@ -14,7 +14,9 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
                           "task_base_mb", "driver_base_mb"}},
    "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
    "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search),
-   "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions)}
+   "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions),
+   "cpu_encoder_mfu" (the bundled encoder's forward on one CPU thread over its fp32 matmul rate: the CPU MFU of
+   embed, evaluate and train without a measured rate)}
 The search and shuffle terms (plan/shape.search_work, shuffle_work: they grow with k) are added to a stage's line
 and taken out of the walls a line is fitted to or scaled by.
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
@@ -56,6 +58,7 @@ class Rates:
     cpu_flops_per_s_per_cpu: float | None = None
     search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
     shuffle_cpu_s_per_row_partition: float | None = None  # Ray Data hash shuffle, per row and partition
+    cpu_encoder_mfu: float | None = None  # the bundled encoder's forward / the fp32 matmul rate, one CPU thread
     gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
     gpu_source: str = ""
     notes: list[str] = field(default_factory=list)
@@ -128,7 +131,8 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
     rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
                   cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
                   search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"),
-                  shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"))
+                  shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"),
+                  cpu_encoder_mfu=data.get("cpu_encoder_mfu"))
     for stage, rec in data.get("stages", {}).items():
         if not rec["cpu_s_per_work"]:
             rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "
