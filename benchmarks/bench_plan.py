@@ -5,10 +5,11 @@ benchmarks/bench_scale.py samples it).
     python benchmarks/bench_plan.py [--calibrate-rows 50000] [--rows 150000,600000] [--k 50,200]
                                     [--calibration FILE] [--out-dir DIR] [--json OUT] [--keep]
 
-1. `clusterscale synth` + fit, assign, shard at --calibrate-rows (first k), each stage its own CLI process;
+1. `clusterscale synth` + fit, assign, dedup (exact + semantic at 0.9), shard at --calibrate-rows (first k), each
+   stage its own CLI process;
 2. for every (rows, k): `clusterscale plan --run-dir CAL --rows N --k K --save-in RUN --json` (rates from CAL's
-   costs.json, start-ups and process footprints from --calibration when given), then synth + fit, assign, shard
-   into RUN, sampled;
+   costs.json, start-ups and process footprints from --calibration when given), then synth + fit, assign, dedup,
+   shard into RUN, sampled;
 3. a table per (rows, k, stage): predicted / measured wall s and largest task MB, errors; RESULTS-ready markdown
    with the load average. Heavy: the lead schedules real runs (`flock /tmp/cs-heavy.lock`).
 """
@@ -24,7 +25,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scale import cli, run_sampled, stage_wall_s  # noqa: E402
 
-STAGES = ("fit", "assign", "shard")
+STAGES = ("fit", "assign", "dedup", "shard")
+# dedup with both passes, as `plan --calibrate` times it; the other stages with dedup off (shard reads assign/)
+STAGE_KEYS = {"dedup": ["dedup.exact=true", "dedup.semantic_threshold=0.9"]}
 DIM, TOPICS = 384, 100
 
 
@@ -33,7 +36,7 @@ def run_stages(run_dir: str, rows: int, k: int, logs: str) -> dict:
     out = {}
     for stage, argv in [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(DIM),
                                                                "--topics", str(TOPICS)])),
-                        *[(s, cli(s, run_dir, keys)) for s in STAGES]]:
+                        *[(s, cli(s, run_dir, keys + STAGE_KEYS.get(s, []))) for s in STAGES]]:
         result = run_sampled(argv, os.path.join(logs, f"{os.path.basename(run_dir)}-{stage}.log"), 0.2)
         if result["returncode"]:
             raise SystemExit(f"{stage} at {rows} rows failed:\n{result.get('error')}")
@@ -43,8 +46,9 @@ def run_stages(run_dir: str, rows: int, k: int, logs: str) -> dict:
 
 
 def plan(cal_dir: str, rows: int, k: int, target: str, calibration: str | None, json_path: str, log: str) -> dict:
+    """The plan with dedup on (its keys change no other stage's plan)."""
     argv = [sys.executable, "-m", "clusterscale.cli", "plan", "--run-dir", cal_dir, "--rows", str(rows), "--k", str(k),
-            "--save-in", target, "--json", json_path, "--set", f"cluster.k={k}"]
+            "--save-in", target, "--json", json_path, "--set", f"cluster.k={k}", *STAGE_KEYS["dedup"]]
     if calibration:
         argv += ["--calibration", calibration]
     result = run_sampled(argv, log, 1.0)

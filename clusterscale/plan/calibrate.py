@@ -21,7 +21,10 @@ from clusterscale.plan.estimate import MB, Models, Planner
 from clusterscale.plan.rates import CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, k_terms_s, line_fit
 from clusterscale.plan.shape import run_shape, search_work, shuffle_work, stage_work
 
-CALIBRATED_STAGES = ("fit", "assign", "shard")  # and ingest, on the synth pairs written out as Parquet
+CALIBRATED_STAGES = ("fit", "assign", "dedup", "shard")  # and ingest, on the synth pairs written out as Parquet
+# dedup runs with both passes on (exact and semantic at cos >= 0.9) for its own measurement; shard, after it, with
+# dedup off (it reads assign/), as the other stages do.
+STAGE_KEYS = {"dedup": ["dedup.exact=true", "dedup.semantic_threshold=0.9"]}
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
@@ -96,7 +99,7 @@ def calibration_run(rows: int, root: str, overrides: list[str]) -> tuple[RunDir,
     run_dir = os.path.join(root, f"rows={rows}")
     keys = [f"cluster.k={CALIBRATION_K}", *overrides]
     cli_stage("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(CALIBRATION_DIM), "--topics", "100"])
-    peaks = {stage: cli_stage(stage, run_dir, keys) for stage in CALIBRATED_STAGES}
+    peaks = {stage: cli_stage(stage, run_dir, keys + STAGE_KEYS.get(stage, [])) for stage in CALIBRATED_STAGES}
     run = RunDir(run_dir)
     costs = run.read_json("report/costs.json")
     source = os.path.join(root, f"input-{rows}.parquet")
@@ -142,7 +145,8 @@ def shuffle_seconds(blocks: int = 16, block_rows: int = 8192, partitions: tuple[
                 _shuffle_rows, fn_kwargs={"payload": payload}, batch_size=None, batch_format="numpy")
             ds = ds.map_batches(lambda b: {**b, "shard": b["pair_id"] % p}, batch_size=None, batch_format="numpy")
             started = time.perf_counter()
-            ds.groupby(["shard", "sub"], num_partitions=p).map_groups(_count_group, batch_format="pyarrow").materialize()
+            grouped = ds.groupby(["shard", "sub"], num_partitions=p)
+            grouped.map_groups(_count_group, batch_format="pyarrow").materialize()
             return time.perf_counter() - started
 
         once(partitions[0])  # warm the workers
@@ -231,9 +235,13 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                 count = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}.get(folder)
                 if count:
                     folders.setdefault(folder, []).append(size / count)
-            planner = Planner(cfg, shape, machine, Rates(bytes_per_row={k: v[-1] for k, v in folders.items()}),
-                              models, None)
+            bytes_per_row = {k: v[-1] for k, v in folders.items()}
             for stage in ("ingest", *CALIBRATED_STAGES):
+                if stage in STAGE_KEYS:  # the stage's own keys (its work and sizing depend on them)
+                    cfg = open_run(run.uri, None, [*overrides, *STAGE_KEYS[stage]])[0]
+                else:
+                    cfg = open_run(run.uri, None, overrides)[0]
+                planner = Planner(cfg, shape, machine, Rates(bytes_per_row=bytes_per_row), models, None)
                 extra = k_terms_s(k_rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
                                   machine.cpus)  # the plan adds these on top of the line
                 points[stage].append([stage_work(stage, cfg, shape), max(0.0, costs[stage]["wall_s"] - extra)])
