@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ import yaml
 
 from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.rundir import RunDir
+from clusterscale.runtime.nodes import TEST_UNIT_DELAY_ENV
 from tests.conftest import RAY_SETTINGS, make_pairs, tiny_overrides
 from tests.s3_server import AWS_ENV, s3_server, s3_uri, upload_folder
 
@@ -75,6 +77,7 @@ def s3_endpoint():
 
 
 WORKER_NODES, CPUS_PER_WORKER = 2, 2
+EMBED_UNIT_DELAY_S = 0.4  # per embed unit on these nodes (runtime.nodes.TEST_UNIT_DELAY_ENV); see ray_head
 NODE_PORTS = ["--node-manager-port", "--object-manager-port", "--metrics-export-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--runtime-env-agent-port"]
 
@@ -95,6 +98,12 @@ def ray_head(tmp_path_factory, s3_endpoint):
     env.update({k: os.environ[k] for k in RAY_SETTINGS if k in os.environ})
     env.update(AWS_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
+    # Tiny embed units take milliseconds: a unit is encoded before the tokeniser has the next, so the encoder next to
+    # the tokeniser (Ray Data prefers the actor beside a block) could take every unit and the stage run on one node
+    # (seen once in CI). A short wait per unit (the test hook) keeps the first actor busy, so the other gets units.
+    delay_file = tmp_path_factory.mktemp("hook") / "unit_delay.json"
+    delay_file.write_text(json.dumps({"embed": EMBED_UNIT_DELAY_S}))
+    env[TEST_UNIT_DELAY_ENV] = str(delay_file)
     dashboard_port, gcs_port = free_port(), free_port()
 
     def ports(flags: list[str]) -> list[str]:
@@ -109,7 +118,8 @@ def ray_head(tmp_path_factory, s3_endpoint):
     try:
         for start in (head, *workers):
             subprocess.run(start, env=env, check=True, timeout=240, capture_output=True, text=True)
-        yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env, "temp_dir": temp_dir}
+        yield {"address": f"http://127.0.0.1:{dashboard_port}", "env": env, "temp_dir": temp_dir,
+               "units": Path(f"{delay_file}.units")}
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"ray start failed:\n{exc.stdout}\n{exc.stderr}")
     finally:
@@ -168,6 +178,8 @@ def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, 
         assert run.exists(stage, "_DONE.json"), stage
     ingested = run.done_stats("pairs")
     assert ingested["rows_in"] == 240 and ingested["quarantine"] == 0
+    embed_units = [line.split()[1] for line in ray_head["units"].read_text().splitlines() if line.startswith("embed ")]
+    assert len(set(embed_units)) == WORKER_NODES, embed_units  # the hook reached the actors on both nodes
     for stage in ("embeddings", "train/clustered-seed0"):  # the job used both worker nodes
         assert run.done_stats(stage)["num_nodes"] == WORKER_NODES, (stage, run.done_stats(stage)["nodes"])
     manifest = run.read_json("shards/k=4/manifest.json")
