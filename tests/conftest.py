@@ -90,12 +90,14 @@ def pairs_parquet(tmp_path) -> str:
 
 
 def tiny_overrides(model: str, data_path: str) -> list[str]:
-    """A full pipeline in well under a minute: tiny BERT as encoder and student, k=4, 2 workers."""
+    """A full pipeline in well under a minute: tiny BERT as encoder and student, k=4, 2 embed actors and ONE training
+    worker (a Ray Train fit here costs ~14 s with one rank, ~18 s with two: a test that needs ranks or DDP sets
+    train.num_workers=2)."""
     return [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p", "data.source_column=src",
             "data.heldout_fraction=0.1", f"embed.model={model}", "embed.max_length=32", "embed.batch_size=32",
             "cluster.k=4", "cluster.niter=10", f"train.init={model}", "train.global_batch_size=16",
             "train.steps=6", "train.query_max_length=16", "train.passage_max_length=32", "train.log_batches=true",
-            "train.warmup_steps=2", "train.lr=1e-3", "train.final_lr=1e-4", "eval.num_distractors=100"]
+            "train.warmup_steps=2", "train.lr=1e-3", "train.final_lr=1e-4", "eval.num_distractors=100", "train.num_workers=1"]
 
 
 @pytest.fixture
@@ -158,19 +160,22 @@ def shared_run(tmp_path_factory, tiny_model, ray_local) -> SharedRun:
     cwd = os.getcwd()
     os.chdir(base)
     try:
+        # The run's own training on 2 DDP ranks (test_pipeline_e2e reads both ranks' batch logs); the arms and the
+        # source run after it on one (train.num_workers changes no output: the run's training is still compare's
+        # clustered seed 0).
         overrides = tiny_overrides(os.path.relpath(tiny_model), "data/pairs.parquet") + [
-            "eval.extrapolate_to_rows=1000000"]
+            "eval.extrapolate_to_rows=1000000", "train.num_workers=2"]
         assert cli.main(["run", "--run-dir", "runs/x", "--set", *overrides]) == 0
         run = RunDir(str(base / "runs" / "x"))
         embedded_at = run.read_json("embeddings/_DONE.json")["finished_at"]
         trained = run.read_json("train/clustered-seed0/_DONE.json")
         assert cli.main(["compare", "--run-dir", "runs/x", "--samplers", ",".join(SHARED_SAMPLERS + (SHARED_MINED_ARM,)),
                          "--arm", f"{SHARED_MINED_ARM}:train.negatives_curriculum_steps={SHARED_EASY_STEPS}",
-                         "--seeds", str(SHARED_SEEDS)]) == 0
+                         "--seeds", str(SHARED_SEEDS), "--set", "train.num_workers=1"]) == 0
         # data.source_column=src: the source sampler's run must reach the cost summary too.
         # log_every_steps=2: metrics-only ray.train.report calls between the checkpoints.
         assert cli.main(["train", "--run-dir", "runs/x", "--set", "train.sampler=source",
-                         "train.log_every_steps=2"]) == 0
+                         "train.log_every_steps=2", "train.num_workers=1"]) == 0
         assert cli.main(["report", "--run-dir", "runs/x"]) == 0
         evaluate_cost = run.read_json("report/costs.json")["evaluate"]
         assert cli.main(["evaluate", "--run-dir", "runs/x"]) == 0

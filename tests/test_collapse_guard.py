@@ -86,7 +86,7 @@ def test_collapsed_run_is_stopped_with_the_message(tmp_path, ray_local, capsys):
     run = make_sharded_run(tmp_path / "run", rows_per_topic=64, global_batch_size=16)
     overrides = [f"train.{k}={v}" for k, v in (SCRATCH | {"global_batch_size": 16, "log_every_steps": 2,
                                                           "warmup_steps": 2, "pooling": "cls"}).items()]
-    cfg = config_mod.load(None, ["cluster.k=4", "train.steps=24"] + overrides)
+    cfg = config_mod.load(None, ["cluster.k=4", "train.steps=24", "train.num_workers=1"] + overrides)
     with pytest.raises(TrainingCollapsedError, match=r"looks collapsed at step \d+.*train.pooling=mean"):
         run_stage("train", cfg, run)
     record = json.loads(run.read_bytes(f"train/{cfg.train_name()}/collapse.json"))

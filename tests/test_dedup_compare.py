@@ -39,7 +39,8 @@ def compared(tmp_path_factory, shared_run):
     path = tmp_path_factory.mktemp("dedup-compare") / "run"
     shutil.copytree(shared_run.run.path(), path)
     rc = cli.main(["compare", "--run-dir", str(path), "--samplers", "clustered,clustered_dedup", "--seeds", "1",
-                   "--set", "dedup.exact=true", "dedup.apply_to_shards=false"])
+                   "--set", "dedup.exact=true", "dedup.apply_to_shards=false",
+                   "train.num_workers=1"])
     assert rc == 0
     return RunDir(str(path))
 

@@ -161,7 +161,8 @@ def test_submitted_pipeline_reads_and_writes_s3_and_fills_the_run_dir(ray_head, 
     submission = f"cs-{uuid.uuid4().hex[:8]}"
     result = job(ray_head, "submit", "--submission-id", submission, "--working-dir", str(REPO), "--",
                  "python", "jobs/run_pipeline.py", config, "--run-dir", run_uri,
-                 "--set", "train.steps=4", "train.log_batches=false", "embed.num_actors=2")
+                 "--set", "train.steps=4", "train.log_batches=false", "embed.num_actors=2",
+                 "train.num_workers=2")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert f"run directory: {run_uri}" in result.stdout
     assert "ray: joined" in result.stdout  # the job used the cluster it was submitted to

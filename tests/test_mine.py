@@ -225,7 +225,7 @@ def clp_recluster_run(sharded_mined_run):
     run_dir, overrides = sharded_mined_run
     # The sidecars training writes (the segment's) shuffle through the object store too (mined_run's overrides).
     extra = ["train.negatives_per_query=2", "train.loss=clp", "train.recluster_every=2", "train.steps=4",
-             "train.name=recl"]
+             "train.name=recl", "train.num_workers=2"]  # both ranks' batch logs are read below
     assert cli.main(["train", "--run-dir", str(run_dir), "--set", *overrides, *extra]) == 0
     return RunDir(str(run_dir))
 

@@ -44,6 +44,7 @@ K, TRAIN = 4, "train/clustered-seed0"
 # assign/ (with embed.side=passage it loads the encoder again, and encodes the queries twice: ~20 s a run here).
 EXTRA = ["ray.shared_run_dir=true", "dedup.exact=true", "train.negatives_per_query=1", "embed.rows_per_unit=36",
          "embed.num_actors=2", "embed.side=both", "train.checkpoint_every_steps=2", "train.max_failures=2",
+         "train.num_workers=2",
          "eval.num_distractors=50"]
 WORKED_ON = ("embeddings", f"assign/k={K}", f"shards/k={K}", TRAIN)  # each spreads its work over both nodes
 # A worker node is lost in each of these stages of the multi-node run, in pipeline order: once the stage has started

@@ -113,7 +113,7 @@ def test_synth_run_feeds_fit_assign_shard_train_evaluate(tmp_path, tiny_model, r
     sets = [f"embed.model={tiny_model}", "embed.max_length=32", "data.rows_per_part=300", "cluster.k=4",
             "cluster.niter=10", f"train.init={tiny_model}", "train.global_batch_size=16", "train.steps=4",
             "train.query_max_length=16", "train.passage_max_length=32", "train.warmup_steps=1",
-            "eval.num_distractors=50", "eval.max_queries=20"]
+            "eval.num_distractors=50", "eval.max_queries=20", "train.num_workers=1"]
     assert cli.main(["synth", "--run-dir", run_dir, "--rows", "900", "--dim", "16", "--topics", "4",
                      "--heldout-fraction", "0.1", "--seed", "7", "--set", *sets]) == 0
     for verb in ("fit", "assign", "shard", "train", "evaluate"):
