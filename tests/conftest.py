@@ -97,7 +97,8 @@ def tiny_overrides(model: str, data_path: str) -> list[str]:
             "data.heldout_fraction=0.1", f"embed.model={model}", "embed.max_length=32", "embed.batch_size=32",
             "cluster.k=4", "cluster.niter=10", f"train.init={model}", "train.global_batch_size=16",
             "train.steps=6", "train.query_max_length=16", "train.passage_max_length=32", "train.log_batches=true",
-            "train.warmup_steps=2", "train.lr=1e-3", "train.final_lr=1e-4", "eval.num_distractors=100", "train.num_workers=1"]
+            "train.warmup_steps=2", "train.lr=1e-3", "train.final_lr=1e-4", "eval.num_distractors=100",
+            "train.num_workers=1"]
 
 
 @pytest.fixture

@@ -84,6 +84,33 @@ def test_shard_shuffle_grows_with_its_partitions_and_a_run_wall_is_scaled_withou
         pytest.approx(2e-4)
 
 
+def test_dedup_time_is_a_line_in_rows_plus_its_semantic_and_shuffle_terms(tmp_path):
+    """dedup: a line in rows (mark, exact, writes), plus rows x cluster rows x d of the semantic pass at its own
+    measured rate and rows x (k + 1) partitions of its cluster shuffle; a calibration file without the semantic
+    rate (its dedup line was per rows x rows / k) has its dedup line dropped, with a note."""
+    from clusterscale.plan.rates import Rates, k_terms_s, rates_from_calibration
+    from clusterscale.plan.shape import semantic_work, shuffle_work, stage_work
+
+    on = config.load(None, ["dedup.exact=true", "dedup.semantic_threshold=0.9"])
+    exact_only = config.load(None, ["dedup.exact=true"])
+    for k in (50, 200):
+        shape = RunShape(600_000, 600_000, 0, k, 384, np.full(k, 600_000 // k), "test")
+        assert stage_work("dedup", on, shape) == 600_000
+        assert semantic_work("dedup", on, shape) == pytest.approx(600_000 * (600_000 / k) * 384)
+        assert shuffle_work("dedup", on, shape) == 600_000 * (k + 1)
+        assert semantic_work("dedup", exact_only, shape) == shuffle_work("dedup", exact_only, shape) == 0
+        assert semantic_work("mine", on, shape) == semantic_work("assign", on, shape) == 0
+    rates = Rates(semantic_cpu_s_per_row_row_d=1e-11, shuffle_cpu_s_per_row_partition=1e-7)
+    assert k_terms_s(rates, 0.0, 1e6, 2, semantic=4e11) == pytest.approx((0.1 + 4.0) / 2)
+    old = {"format": CALIBRATION_FORMAT, "stages": {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6}
+                                                    for s in ("shard", "dedup")}}
+    rates = rates_from_calibration(old, "old.json")
+    assert "dedup" not in rates.stages and "shard" in rates.stages
+    assert any(n.startswith("dedup: old.json predates") for n in rates.notes)
+    rates = rates_from_calibration({**old, "semantic_cpu_s_per_row_row_d": 5e-11}, "new.json")
+    assert rates.stages["dedup"].cpu_s_per_work == 1e-6 and rates.semantic_cpu_s_per_row_row_d == 5e-11
+
+
 def write_calibration(path) -> str:
     stages = {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6, "cpus": 2, "task_base_mb": 100.0,
                   "driver_base_mb": 200.0} for s in ("ingest", "fit", "assign", "shard")}

@@ -19,12 +19,13 @@ from clusterscale.pipeline import open_run
 from clusterscale.plan.cluster import this_machine
 from clusterscale.plan.estimate import MB, Models, Planner
 from clusterscale.plan.rates import CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, k_terms_s, line_fit
-from clusterscale.plan.shape import run_shape, search_work, shuffle_work, stage_work
+from clusterscale.plan.shape import run_shape, search_work, semantic_work, shuffle_work, stage_work
 
 CALIBRATED_STAGES = ("fit", "assign", "dedup", "shard")  # and ingest, on the synth pairs written out as Parquet
 # dedup runs with both passes on (exact and semantic at cos >= 0.9) for its own measurement; shard, after it, with
 # dedup off (it reads assign/), as the other stages do.
-STAGE_KEYS = {"dedup": ["dedup.exact=true", "dedup.semantic_threshold=0.9"]}
+SEMANTIC_THRESHOLD = 0.9
+STAGE_KEYS = {"dedup": ["dedup.exact=true", f"dedup.semantic_threshold={SEMANTIC_THRESHOLD}"]}
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
@@ -212,6 +213,37 @@ def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATI
         faiss.omp_set_num_threads(threads)
 
 
+def _semantic_once(rows: int, dim: int, threshold: float, block_rows: int) -> float:
+    import numpy as np
+
+    from clusterscale.runtime.dedup_core import semantic_greedy
+
+    x = np.random.default_rng(0).standard_normal((rows, dim), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    semantic_greedy(x[:256], threshold, block_rows)
+    started = time.perf_counter()
+    semantic_greedy(x, threshold, block_rows)
+    return (time.perf_counter() - started) / (rows * rows * dim)
+
+
+def semantic_seconds(rows: int = 6144, dim: int = CALIBRATION_DIM) -> float:
+    """CPU-seconds per (row x row x dim) of dedup's semantic pass: runtime/dedup_core.semantic_greedy (float64
+    blocks, as dedup's per-cluster tasks run it) on one cluster of random unit vectors (no duplicates: every row
+    is compared with every earlier one), at dedup's default threshold and block size. In a one-CPU Ray task, so
+    that NumPy's BLAS runs one thread, as in dedup's tasks."""
+    import ray
+
+    from clusterscale.config import DedupConfig, RayConfig
+    from clusterscale.runtime.session import init_ray
+
+    init_ray(RayConfig(num_cpus=os.cpu_count() or 1, include_dashboard=False))
+    try:
+        task = ray.remote(num_cpus=1)(_semantic_once)
+        return ray.get(task.remote(rows, dim, SEMANTIC_THRESHOLD, DedupConfig().block_rows))
+    finally:
+        ray.shutdown()
+
+
 def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     """Run the calibration at each size in `sizes` and write the calibration file; its path."""
     from clusterscale.train.metrics import cpu_matmul_flops
@@ -222,8 +254,9 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     folders: dict[str, list] = {}
     machine = this_machine()
     load_before = os.getloadavg()[0]
-    search_rate, shuffle_rate = faiss_search_seconds(), shuffle_seconds()
-    k_rates = Rates(search_cpu_s_per_row_k_d=search_rate, shuffle_cpu_s_per_row_partition=shuffle_rate)
+    search_rate, shuffle_rate, semantic_rate = faiss_search_seconds(), shuffle_seconds(), semantic_seconds()
+    k_rates = Rates(search_cpu_s_per_row_k_d=search_rate, shuffle_cpu_s_per_row_partition=shuffle_rate,
+                    semantic_cpu_s_per_row_row_d=semantic_rate)
     with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
         for rows in sorted(sizes):
             run, costs, peaks = calibration_run(rows, root, overrides)
@@ -242,8 +275,9 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                 else:
                     cfg = open_run(run.uri, None, overrides)[0]
                 planner = Planner(cfg, shape, machine, Rates(bytes_per_row=bytes_per_row), models, None)
+                # the plan adds these on top of the line
                 extra = k_terms_s(k_rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
-                                  machine.cpus)  # the plan adds these on top of the line
+                                  machine.cpus, semantic_work(stage, cfg, shape))
                 points[stage].append([stage_work(stage, cfg, shape), max(0.0, costs[stage]["wall_s"] - extra)])
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
@@ -259,7 +293,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                      for n in sorted(sizes)],
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
             "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": search_rate,
-            "shuffle_cpu_s_per_row_partition": shuffle_rate, "cpu_encoder_mfu": cpu_encoder_mfu(),
+            "shuffle_cpu_s_per_row_partition": shuffle_rate, "semantic_cpu_s_per_row_row_d": semantic_rate,
+            "cpu_encoder_mfu": cpu_encoder_mfu(),
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

@@ -13,7 +13,8 @@ from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
-                                     search_work, shard_sizes, shuffle_work, stage_work, train_shape)
+                                     search_work, semantic_work, shard_sizes, shuffle_work, stage_work,
+                                     train_shape)
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
@@ -257,8 +258,9 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
-            # fit's and assign's searches and shard's shuffle partitions, at their measured rates
-            wall += k_terms_s(self.rates, search_work(name, cfg, shape), shuffle_work(name, cfg, shape), cluster.cpus)
+            # fit's and assign's searches, shard's and dedup's shuffle partitions, dedup's semantic pass: measured rates
+            wall += k_terms_s(self.rates, search_work(name, cfg, shape), shuffle_work(name, cfg, shape), cluster.cpus,
+                              semantic_work(name, cfg, shape))
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)

@@ -15,10 +15,11 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
    "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
    "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search),
    "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions),
+   "semantic_cpu_s_per_row_row_d" (dedup's semantic pass: a cluster of m rows compared with itself, per m x m x d),
    "cpu_encoder_mfu" (the bundled encoder's forward on one CPU thread over its fp32 matmul rate: the CPU MFU of
    embed, evaluate and train without a measured rate)}
-The search and shuffle terms (plan/shape.search_work, shuffle_work: they grow with k) are added to a stage's line
-and taken out of the walls a line is fitted to or scaled by.
+The search, shuffle and semantic terms (plan/shape.search_work, shuffle_work, semantic_work: they grow with k, or
+with rows x rows / k) are added to a stage's line and taken out of the walls a line is fitted to or scaled by.
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
 the memory formula gives at the calibration size: the process's own footprint (Python, pyarrow, Ray).
 """
@@ -58,6 +59,7 @@ class Rates:
     cpu_flops_per_s_per_cpu: float | None = None
     search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
     shuffle_cpu_s_per_row_partition: float | None = None  # Ray Data hash shuffle, per row and partition
+    semantic_cpu_s_per_row_row_d: float | None = None  # dedup's in-cluster compare (dedup_core), one thread
     cpu_encoder_mfu: float | None = None  # the bundled encoder's forward / the fp32 matmul rate, one CPU thread
     gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
     gpu_source: str = ""
@@ -132,8 +134,14 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
                   cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
                   search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"),
                   shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"),
+                  semantic_cpu_s_per_row_row_d=data.get("semantic_cpu_s_per_row_row_d"),
                   cpu_encoder_mfu=data.get("cpu_encoder_mfu"))
     for stage, rec in data.get("stages", {}).items():
+        if stage == "dedup" and rates.semantic_cpu_s_per_row_row_d is None:
+            # Written before the semantic term had a rate of its own: its dedup line is per rows x rows / k x d.
+            rates.notes.append(f"dedup: {path} predates dedup's two terms (per row, and the semantic rate): its "
+                               f"dedup line is not used; rewrite the file with `clusterscale plan --calibrate`")
+            continue
         if not rec["cpu_s_per_work"]:
             rates.notes.append(f"{stage}: the calibration saw no growth with the work between its sizes (noise "
                                f"larger than the per-row time): its time is the start-up only; calibrate with larger "
@@ -158,11 +166,13 @@ def stage_of_cost_key(key: str) -> str:
     return key.split(":", 1)[0]
 
 
-def k_terms_s(rates: Rates, search: float, shuffle: float, cpus: int) -> float:
-    """Seconds of a stage's terms that grow with k (a search's rows x k x d, a shuffle's rows x partitions) at the
-    calibrated rates; 0 for a rate not measured."""
+def k_terms_s(rates: Rates, search: float, shuffle: float, cpus: int, semantic: float = 0.0) -> float:
+    """Seconds of a stage's terms that grow with k (a search's rows x k x d, a shuffle's rows x partitions) or with
+    rows x rows / k (dedup's semantic pass: rows x cluster rows x d) at the calibrated rates; 0 for a rate not
+    measured."""
     return ((rates.search_cpu_s_per_row_k_d or 0.0) * search
-            + (rates.shuffle_cpu_s_per_row_partition or 0.0) * shuffle) / max(1, cpus)
+            + (rates.shuffle_cpu_s_per_row_partition or 0.0) * shuffle
+            + (rates.semantic_cpu_s_per_row_row_d or 0.0) * semantic) / max(1, cpus)
 
 
 def merge_run_costs(rates: Rates, costs: dict, run_work: dict[str, float], run_cpus: int, source: str,

@@ -154,7 +154,12 @@ def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> float:
     """Rows x hash partitions of a stage's Ray Data shuffle (0 for a stage without one that grows with k): the
     shuffle cuts every block into one piece per partition, and shard's partitions are its (shard, sub-group) keys,
     so k of them up to MIN_PARTITIONS (stages/shards.writer_sizing). Measured: shard at 600k rows took 29 s at
-    k = 50 and 45 s at k = 200 (benchmarks/RESULTS.md "bench_plan"), at the calibrated per-row-partition rate."""
+    k = 50 and 45 s at k = 200 (benchmarks/RESULTS.md "bench_plan"), at the calibrated per-row-partition rate.
+    dedup's shuffle by cluster has one partition per cluster (k + 1: a pooled small-cluster id; more where a cluster
+    is split into blocks). Its exact pass's key buckets (one per ROWS_PER_BUCKET rows) are not counted: their
+    number grows with N, not k, and rows x buckets would make a hash split quadratic in N."""
+    if stage == "dedup":
+        return float(shape.train_rows) * (shape.k + 1) if cfg.dedup.semantic_threshold else 0.0
     if stage != "shard":
         return 0.0
     shards = shard_sizes(cfg, shape).astype(np.int64)
@@ -164,16 +169,22 @@ def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> float:
     return float(shape.train_rows) * writer_sizing(sizes, 1.0)[0]
 
 
+def semantic_work(stage: str, cfg: Config, shape: RunShape) -> float:
+    """Rows x rows of their cluster x d of dedup's semantic pass (each row against the kept rows of its cluster,
+    runtime/dedup_core.semantic_greedy), at the rate `plan --calibrate` measures on that function; 0 otherwise."""
+    if stage != "dedup" or not cfg.dedup.semantic_threshold:
+        return 0.0
+    return float(shape.train_rows) * (shape.train_rows / shape.k) * shape.dim
+
+
 def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:
     """The quantity a stage's CPU time grows with: rows for the passes that touch each row a fixed number of
     times, and the sample rows the fit reads (the nearest-centroid searches, rows x k x d in assign and sample x k
-    x d x niter in the fit, are search_work(), at faiss's calibrated rate); rows x (rows per searched cluster) x d
-    for the in-cluster searches (dedup's semantic pass, mine)."""
+    x d x niter in the fit, are search_work(), at faiss's calibrated rate; dedup's semantic pass is semantic_work());
+    rows x (rows per searched cluster) x d for mine's in-cluster searches."""
     n, k, d = shape.train_rows, shape.k, shape.dim
     if stage == "fit":
         return float(fit_sample_rows(cfg, shape))
-    if stage == "dedup":
-        return float(n) * (n / k) * d if cfg.dedup.semantic_threshold else float(n)
     if stage == "mine":
         return float(n) * cfg.mine.nprobe * (n / k) * d
     if stage == "evaluate":
