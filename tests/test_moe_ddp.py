@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from clusterscale.modeling.encoder import load_model, load_tokenizer
 from clusterscale.modeling.student import embed
@@ -16,7 +15,7 @@ from clusterscale.modeling.moe import add_moe, moe_aux_loss, moe_layers
 from clusterscale.config import TrainConfig
 from clusterscale.train.step import contrastive_backward
 from tests.conftest import make_pairs
-from tests.test_train_grad import _free_port
+from tests.test_train_grad import _free_port, start_two_ranks
 
 N, AUX_WEIGHT, IDLE_EXPERT = 12, 0.5, 3
 CASES = {"plain": 0, "gradcache": 4}
@@ -90,7 +89,7 @@ def _reference(path: str) -> tuple[torch.Tensor, bool]:
 @pytest.fixture(scope="module")
 def ddp_grads(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-ddp")
-    mp.spawn(_worker, args=(2, _free_port(), tiny_model, str(out)), nprocs=2, join=True)
+    start_two_ranks(_worker, _free_port(), tiny_model, str(out))
     return {case: torch.load(out / f"{case}.pt", weights_only=True) for case in CASES}
 
 

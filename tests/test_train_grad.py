@@ -86,9 +86,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The gloo ranks of this module, test_train_grad_clp, test_train_metrics and test_moe_ddp start from one forkserver
+# that has imported torch, transformers' BERT and these modules once: each rank is a fork of it (a spawned rank would
+# import them again, ~5 CPU-seconds each, 8 ranks in all). The forkserver runs no torch op before forking (no
+# threads to fork).
+FORKSERVER_PRELOAD = ["torch", "transformers.models.bert.modeling_bert", "tests.test_train_grad",
+                      "tests.test_train_grad_clp", "tests.test_train_metrics", "tests.test_moe_ddp"]
+
+
+def start_two_ranks(worker, *args) -> None:
+    """worker(rank, 2, *args) on two processes forked from the preloaded forkserver; raises if a rank fails."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the forkserver starts (first call)
+    mp.start_processes(worker, args=(2, *args), nprocs=2, join=True, start_method="forkserver")
+
+
 def spawn_two_ranks(worker, path: str, out, cases) -> dict:
     """Run worker(rank, 2, port, path, out) on a 2-rank gloo group; load the {case}.pt files rank 0 saved."""
-    mp.spawn(worker, args=(2, _free_port(), path, str(out)), nprocs=2, join=True)
+    start_two_ranks(worker, _free_port(), path, str(out))
     return {case: torch.load(out / f"{case}.pt", weights_only=True) for case in cases}
 
 

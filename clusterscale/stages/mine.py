@@ -43,7 +43,6 @@ from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, auto_group_bounds, cluster_counts,
                                              merge_candidates, queries_from_neighbours, route_rows, search_cluster)
-from clusterscale.modeling.encoder import Encoder
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
@@ -105,6 +104,8 @@ class EncodeQueries:
 
     def __init__(self, ec: EmbedConfig, threads: int):
         import torch
+
+        from clusterscale.modeling.encoder import Encoder  # torch: in these actors only, not in mine's task workers
 
         torch.set_num_threads(threads)
         self.batch_size = ec.batch_size
