@@ -8,13 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from clusterscale.config import Config
-from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
 from clusterscale.io.layout import read_manifest, shard_set_manifest_path
 from clusterscale.io.rundir import RunDir
-from clusterscale.modeling.student import scratch_bert
 from clusterscale.train import schedule
 from clusterscale.train.metrics import read_metrics
 
@@ -41,6 +38,8 @@ def param_count(model: str) -> int | None:
     try:
         from safetensors import safe_open
 
+        from clusterscale.modeling.encoder import resolve_model_path  # torch: not at import (the CLI imports this)
+
         files = sorted(Path(resolve_model_path(model)).glob("*.safetensors"))
         total = 0
         for f in files:
@@ -55,6 +54,11 @@ def student_param_count(cfg: Config) -> int | None:
     """Parameters of the student: its init weights, or a from-scratch BERT built on the meta device (no memory)."""
     if cfg.train.student.init != "scratch":
         return param_count(cfg.train.student.init)
+    import torch
+
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
+    from clusterscale.modeling.student import scratch_bert
+
     try:
         vocab = len(load_tokenizer(resolve_model_path(cfg.train.student.tokenizer)))
     except Exception:
@@ -68,6 +72,8 @@ def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length (embed: per
     pair, both texts with embed.side=both)."""
     import pyarrow.dataset as pads
+
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
 
     files = run.files("pairs")
     if not files:

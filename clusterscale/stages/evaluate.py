@@ -17,7 +17,6 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.modeling.encoder import Encoder
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.ingest import heldout_key
 from clusterscale.stages.kmeans import load_centroids
@@ -188,6 +187,8 @@ class EvalEncoder:
 
     def encode(self, model: str, pooling: str, texts: list[str], max_length: int, batch_size: int) -> np.ndarray:
         if self.loaded != (model, pooling):
+            from clusterscale.modeling.encoder import Encoder  # torch: in this actor, not in the CLI's import
+
             self.encoder = None  # the previous model's memory goes before the next one loads
             self.encoder = Encoder(model, pooling=pooling, threads=self.threads)
             self.loaded = (model, pooling)

@@ -9,13 +9,15 @@ import os
 import posixpath
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from clusterscale.config import TrainConfig
 from clusterscale.io.layout import batches_path, collapse_path, metrics_path, train_dir
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.schedule import GlobalBatch
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: `clusterscale` starts without it
+    import torch
 
 # Dense bf16 peak TFLOP/s per GPU (vendor datasheets, no sparsity), matched on the device name.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0,
@@ -34,6 +36,8 @@ OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "ne
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:
     """Peak FLOP/s of one worker: train.peak_tflops, a datasheet value, or a measured fp32 matmul on CPU; None when
     unknown (a GPU not in GPU_PEAK_TFLOPS)."""
+    import torch
+
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type == "cuda":
@@ -54,6 +58,8 @@ def cpu_matmul_flops(threads: int) -> float:
     The fastest of CPU_MATMUL_TRIALS products, not their mean: a measurement shared with other work (another
     rank, a busy box) only ever reads low, and a peak read low gives an MFU over 100% (121.7% was seen with a mean
     of 5). MetricsProcessor still drops an MFU the steps prove impossible."""
+    import torch
+
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -235,6 +241,8 @@ class StepFigures:
 def reduce_step_figures(loss: torch.Tensor, stats: dict, world: int) -> StepFigures:
     """This rank's loss share and step stats (step.contrastive_backward) -> the global figures, in one small
     all-reduce. Which optional figures exist depends only on the config, so all ranks send the same layout."""
+    import torch
+
     means = [*MEANS, *(k for k in OPTIONAL_MEANS if k in stats)]
     sums = [*SUMS, *(k for k in OPTIONAL_SUMS if k in stats)]
     values = torch.stack([loss.detach().float()] + [torch.as_tensor(stats[k], dtype=torch.float32).to(loss.device)
