@@ -139,3 +139,26 @@ def test_a_local_start_never_joins_another_ray_on_this_machine(monkeypatch):
     monkeypatch.setattr(session, "ray_data_progress", lambda on_terminal: None)
     session.init_ray(RayConfig(num_cpus=2, include_dashboard=False))
     assert [kwargs["address"] for kwargs in seen] == ["local"] and seen[0]["num_cpus"] == 2
+
+
+def test_a_joined_cluster_gets_the_omp_policy_once_for_the_job_not_per_faiss_actor(monkeypatch):
+    """faiss' OpenMP policy reaches a cluster's workers through the job's runtime_env (one worker pool), unless the
+    job it was submitted in sets it already (Ray refuses a driver runtime_env that repeats a key of the job's)."""
+    import json
+
+    from clusterscale.runtime import session
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert session.omp_policy_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    job = {"runtime_env": {"working_dir": "gcs://pkg.zip", "env_vars": {"HF_HUB_OFFLINE": "1"}}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # exported by the user: theirs wins
+    assert session.omp_policy_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}
+    job["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] = "PASSIVE"
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert session.omp_policy_runtime_env() == {}
+    monkeypatch.setattr(session, "_workers_have_omp_policy", True)
+    assert session.faiss_runtime_env() == {}
+    monkeypatch.setattr(session, "_workers_have_omp_policy", False)  # Ray started by someone else
+    assert session.faiss_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}

@@ -15,10 +15,12 @@ import ray
 
 from clusterscale.config import ConfigError, RayConfig
 
-# OpenMP wait policy for faiss on CPU (see faiss_runtime_env); True once init_ray started a local Ray whose
-# workers inherit it from this process's environment.
+# OpenMP wait policy for faiss on CPU (see faiss_runtime_env). _local_workers_inherit_env: init_ray started a local
+# Ray (whose workers inherit this process's environment); _workers_have_omp_policy: every worker of this job has the
+# policy (a local Ray's by inheritance, a joined cluster's from the job's runtime_env that init_ray sets).
 OMP_POLICY = "PASSIVE"
 _local_workers_inherit_env = False
+_workers_have_omp_policy = False
 
 
 def cluster_address(cfg: RayConfig) -> str | None:
@@ -153,6 +155,8 @@ def init_ray(cfg: RayConfig) -> None:
     if address is not None and (bound := _loopback_only(address)):
         kwargs.update(address=bound, _node_ip_address="127.0.0.1")
         loopback = True
+    if address is not None and (job_env := omp_policy_runtime_env()):
+        kwargs["runtime_env"] = job_env
     if address is None:  # a local instance: nothing listens beyond loopback unless asked
         # "local": a new instance of our own, never one found on this machine (ray.init() without an address
         # joins the Ray of /tmp/ray/ray_current_cluster, e.g. a `ray start` head someone else runs here).
@@ -184,8 +188,10 @@ def init_ray(cfg: RayConfig) -> None:
                   f"({attempt + 2}/3)", flush=True)
             ray.shutdown()
     _drop_worker_log_noise()
-    global _local_workers_inherit_env
-    _local_workers_inherit_env = address is None
+    global _local_workers_inherit_env, _workers_have_omp_policy
+    _local_workers_inherit_env = _workers_have_omp_policy = address is None
+    if address is not None:  # set by this job's runtime_env, or by the job it was submitted in
+        _workers_have_omp_policy = True
     ray_data_progress(sys.stdout.isatty())
 
 
@@ -207,11 +213,26 @@ def faiss_runtime_env() -> dict:
     faiss-cpu's OpenMP threads otherwise spin after each search and compete with its OpenBLAS calls and
     the rest of the step: faiss.Kmeans on 2 cores ran 1.4x faster with OMP_WAIT_POLICY=PASSIVE (see
     benchmarks/RESULTS.md); torch embedding speed is unchanged by it. A value the user exported wins.
-    Empty for a local Ray that init_ray started (its workers inherit the variable; a runtime_env would cost
-    each actor ~2 s of worker start-up); on a cluster Ray merges these env_vars with the job's own.
-    """
-    if _local_workers_inherit_env:
+    Empty once init_ray started or joined Ray: every worker of the job has the policy then (a local Ray's
+    workers inherit it, a cluster's get it from the job's runtime_env), and a runtime_env of their own would
+    put these actors in a worker pool of their own, new processes on every node (~1-2 CPU-s each)."""
+    if _workers_have_omp_policy:
         return {}
+    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", OMP_POLICY)}}
+
+
+def omp_policy_runtime_env() -> dict:
+    """The job-level runtime_env that gives a joined cluster's workers the OpenMP wait policy (faiss_runtime_env);
+    empty when the job this driver was submitted in already sets OMP_WAIT_POLICY (Ray refuses a driver's
+    runtime_env that repeats a key of the job's)."""
+    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if injected:
+        try:
+            job_env = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
+        except (ValueError, AttributeError):
+            job_env = {}
+        if "OMP_WAIT_POLICY" in job_env:
+            return {}
     return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", OMP_POLICY)}}
 
 
