@@ -47,3 +47,10 @@ def test_issue_27_benchmarks_import_what_they_measure():
     files, stats = load("bench_driver_files"), load("bench_shard_stats")
     assert callable(files.missing_files) and callable(files.RunDir.footers)
     assert callable(stats.shards.cluster_stats) and stats.shards.STATS_FAN_IN >= 2
+
+
+def test_dedup_memory_diagnosis_reaches_the_sampler_it_uses():
+    """benchmarks/dedup_memory.py (issue 29's diagnosis of dedup's largest process) runs bench_scale's sampler."""
+    diagnosis = load("dedup_memory")
+    assert callable(diagnosis.run_sampled) and callable(diagnosis.stage_wall_s) and callable(diagnosis.main)
+    assert diagnosis.cli("dedup", "/r", ["cluster.k=50"])[-4:] == ["--run-dir", "/r", "--set", "cluster.k=50"]
