@@ -238,3 +238,27 @@ def test_a_runs_costs_scale_the_calibrated_line_and_keep_its_start_up():
     assert shard.fixed_s + shard.cpu_s_per_work * 4 * work / 2 == pytest.approx(100.0)  # 4x the rows: not 160 s
     assert (assign.fixed_s, assign.cpu_s_per_work) == pytest.approx((0.0, 8.0 * 2 / work))
     assert any(note.startswith("assign: one measured size") for note in rates.notes)
+
+
+def test_dedup_memory_is_at_least_its_shuffle_worker_by_where_the_shuffle_goes(tmp_path):
+    """dedup's largest process is a worker of its hash shuffle (one 64 MiB input batch), at the size measured for the
+    object-store shuffle below ray.disk_shuffle_min_mib of input and for the shuffle through local files above;
+    in proportion below one batch; never below the per-cluster task."""
+    from clusterscale.plan.estimate import DEDUP_SHUFFLE_WORKER_MB
+
+    calibration = write_calibration(tmp_path / "cal.json")
+
+    def dedup_mb(rows: int, *keys: str) -> float:
+        out = tmp_path / f"plan-{rows}-{len(keys)}.json"
+        assert cli.main(["plan", "--rows", str(rows), "--k", "50", "--calibration", calibration, "--json", str(out),
+                         "--set", "dedup.exact=true", "dedup.semantic_threshold=0.9", *keys]) == 0
+        return json.loads(out.read_text())["stages"]["dedup"]["peak_task_mb"]
+
+    # ~0.9 kB a row (bundled encoder, d = 384, fp16 vectors + text): 150k rows ~130 MB, 600k ~520 MB of input
+    assert dedup_mb(150_000) == DEDUP_SHUFFLE_WORKER_MB["object store"]
+    assert dedup_mb(600_000) == DEDUP_SHUFFLE_WORKER_MB["local files"]
+    assert dedup_mb(600_000, "ray.disk_shuffle=false") == DEDUP_SHUFFLE_WORKER_MB["object store"]
+    small = dedup_mb(20_000)
+    assert 0 < small < DEDUP_SHUFFLE_WORKER_MB["object store"]
+    # a whole cluster of 3M rows per task: the per-cluster task is the larger
+    assert dedup_mb(150_000_000, "dedup.max_group_rows=3000000") > DEDUP_SHUFFLE_WORKER_MB["local files"]

@@ -15,6 +15,7 @@ from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
                                      search_work, semantic_work, shard_sizes, shuffle_work, stage_work,
                                      train_shape)
+from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
@@ -28,6 +29,13 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34  # Korthikanti et al. 2022, bf16, n
 ASSIGN_COLUMNS_BYTES = 8  # cluster int32 + cos float32 added to an embeddings row
 DEDUP_TASK_MEMORY_FRACTION = 0.25  # stages/dedup/semantic.TASK_MEMORY_FRACTION (dedup.max_group_rows=auto)
 OBJECT_STORE_FRACTION = 0.3  # Ray's default object store: 30% of a node's memory
+# dedup's largest process is not its per-cluster task but a worker of its hash shuffle, which holds one input batch
+# of runtime/bounded_data.SHUFFLE_MAP_BATCH_BYTES (64 MiB) plus up to one row group: bounded, whatever N. Measured
+# USS (benchmarks/RESULTS.md, session 19): Ray Data's HashShuffleMap task through the object store (input under
+# ray.disk_shuffle_min_mib), benchmarks/dedup_memory.py at 150k rows, d = 384, any passes: 585 MB; through local
+# files, bench_scale at 600k rows (session 8): the read + mark task and the disk shuffle's reduce, 772 / 784 MB.
+# Ray 2.60 on the 2-core CPU box; a plan says so where it uses them.
+DEDUP_SHUFFLE_WORKER_MB = {"object store": 585.0, "local files": 784.0}
 
 
 @dataclass
@@ -265,14 +273,29 @@ class Planner:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)
         task_base, driver_base, mem_source = self.base(name)
+        task_mb = task / MB + task_base
+        if name == "dedup":
+            task_mb, mem_source = self.dedup_shuffle_worker(task_mb, mem_source)
         disk, files = self.outputs(name)
         shuffled, spilled = self.shuffle(name)
         hours = wall / 3600 if not math.isnan(wall) else math.nan
         return StagePlan(name, "gpu" if gpus_used else "cpu", wall, gpus_used * hours,
                          (cluster.cpus if not gpus_used else gpus_used) * hours,
                          None if self.price is None else self.price * cluster.gpus * hours,
-                         task / MB + task_base, driver / MB + driver_base, disk, files, shuffled, spilled,
-                         source, mem_source)
+                         task_mb, driver / MB + driver_base, disk, files, shuffled, spilled, source, mem_source)
+
+    def dedup_shuffle_worker(self, block_task_mb: float, mem_source: str) -> tuple[float, str]:
+        """dedup's largest process: its per-cluster task (block_task_mb) or a worker of its hash shuffle, at the
+        measured size of one full input batch (DEDUP_SHUFFLE_WORKER_MB, by where the shuffle goes: local files from
+        ray.disk_shuffle_min_mib of input on), in proportion below one batch."""
+        rc = self.cfg.ray
+        rows_bytes = self.shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)
+        path = "local files" if rc.disk_shuffle and rows_bytes >= rc.disk_shuffle_min_mib * 2**20 else "object store"
+        worker = DEDUP_SHUFFLE_WORKER_MB[path] * min(1.0, rows_bytes / SHUFFLE_MAP_BATCH_BYTES)
+        if worker <= block_task_mb:
+            return block_task_mb, mem_source
+        return worker, (f"a worker of its shuffle through {path}: measured on the 2-core CPU box (Ray 2.60, "
+                        f"benchmarks/RESULTS.md session 19), not calibrated here")
 
     def train_flops_per_pair(self) -> float:
         """6 x params x tokens (forward + backward), plus a forward more with GradCache (its re-forward) unless a
