@@ -262,3 +262,26 @@ def test_dedup_memory_is_at_least_its_shuffle_worker_by_where_the_shuffle_goes(t
     assert 0 < small < DEDUP_SHUFFLE_WORKER_MB["object store"]
     # a whole cluster of 3M rows per task: the per-cluster task is the larger
     assert dedup_mb(150_000_000, "dedup.max_group_rows=3000000") > DEDUP_SHUFFLE_WORKER_MB["local files"]
+
+
+def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
+    """shard moves text rows; mine each passage and query once per probed cluster, vectors included; dedup whole
+    assign/ rows (text, vectors, cluster and cosine) once by cluster, and once more by key bucket with dedup.exact."""
+    calibration, rows = write_calibration(tmp_path / "cal.json"), 200_000
+
+    def moved(*keys: str) -> dict[str, float]:
+        out = tmp_path / f"plan-{len(keys)}.json"
+        assert cli.main(["plan", "--rows", str(rows), "--k", "50", "--calibration", calibration, "--json", str(out),
+                         "--set", "train.negatives_per_query=1", *keys]) == 0
+        return {name: s["shuffle_bytes"] for name, s in json.loads(out.read_text())["stages"].items()}
+
+    semantic = moved("dedup.semantic_threshold=0.9")
+    both = moved("dedup.semantic_threshold=0.9", "dedup.exact=true")
+    cfg = config.load(None, [])
+    train_rows = semantic["shard"] / 300  # write_calibration's 300 text bytes a pair; the held-out rows left out
+    assert 0.9 * rows < train_rows < rows
+    vectors = 2 * 384 * (2 if cfg.embed.side == "both" else 1)  # fp16, the bundled encoder's d
+    assert semantic["dedup"] == pytest.approx(train_rows * (300 + vectors + 8))
+    assert both["dedup"] == pytest.approx(2 * semantic["dedup"])
+    assert semantic["mine"] == pytest.approx(train_rows * (1 + cfg.mine.nprobe) * (300 + vectors))
+    assert semantic["embed"] == semantic["fit"] == 0

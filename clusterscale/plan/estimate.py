@@ -230,13 +230,32 @@ class Planner:
             return self.cfg.embed.num_actors
         return self.cluster.gpus or max(1, self.cluster.cpus // max(1, self.cfg.embed.threads_per_actor))
 
+    def shuffle_input(self, stage: str) -> tuple[float, float]:
+        """(bytes the stage's shuffles move, bytes of their input rows as the stage sizes them to choose local files
+        or the object store: runtime/bounded_data.disk_shuffle_for, the assign/ rows it reads, vectors included).
+        shard moves text (and vectors with shard.keep_emb); mine each passage and each query once per probed
+        cluster, with their vectors; dedup whole assign/ rows, once by cluster and once more by exact key bucket."""
+        n, dim, row = self.shape.train_rows, self.shape.dim, self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES
+        if stage == "shard":
+            return n * (self.text_bytes + (2 * dim if self.cfg.shard.keep_emb else 0)), n * row
+        if stage == "mine":
+            copies = n * (1 + self.cfg.mine.nprobe)
+            return copies * self.embedding_row_bytes, copies * row
+        if stage == "dedup":
+            return n * row * (2 if self.cfg.dedup.exact else 1), n * row
+        return 0.0, 0.0
+
+    def through_files(self, input_bytes: float) -> bool:
+        """Whether a shuffle of that input goes through local files (runtime/bounded_data.disk_shuffle_for)."""
+        rc = self.cfg.ray
+        if not rc.disk_shuffle or not rc.disk_shuffle_min_mib:
+            return rc.disk_shuffle
+        return input_bytes >= rc.disk_shuffle_min_mib * 2**20
+
     def shuffle(self, stage: str) -> tuple[float, float]:
-        """(bytes a stage shuffles, bytes spilled beyond the object stores)."""
-        n = self.shape.train_rows
-        moved = {"shard": n * self.text_bytes, "mine": n * (1 + self.cfg.mine.nprobe) * self.text_bytes,
-                 "dedup": n * 64.0 if self.cfg.dedup.exact else 0.0}.get(stage, 0.0)
-        rc = self.cfg.ray  # through local files (runtime/bounded_data.disk_shuffle_for): no object-store spill
-        if not moved or (rc.disk_shuffle and moved >= rc.disk_shuffle_min_mib * 2**20):
+        """(bytes a stage shuffles, bytes spilled beyond the object stores: none through local files)."""
+        moved, input_bytes = self.shuffle_input(stage)
+        if not moved or self.through_files(input_bytes):
             return moved, 0.0
         store = OBJECT_STORE_FRACTION * self.cluster.node_memory_bytes * self.cluster.nodes
         return moved, max(0.0, moved - store)
@@ -288,9 +307,8 @@ class Planner:
         """dedup's largest process: its per-cluster task (block_task_mb) or a worker of its hash shuffle, at the
         measured size of one full input batch (DEDUP_SHUFFLE_WORKER_MB, by where the shuffle goes: local files from
         ray.disk_shuffle_min_mib of input on), in proportion below one batch."""
-        rc = self.cfg.ray
-        rows_bytes = self.shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)
-        path = "local files" if rc.disk_shuffle and rows_bytes >= rc.disk_shuffle_min_mib * 2**20 else "object store"
+        rows_bytes = self.shuffle_input("dedup")[1]
+        path = "local files" if self.through_files(rows_bytes) else "object store"
         worker = DEDUP_SHUFFLE_WORKER_MB[path] * min(1.0, rows_bytes / SHUFFLE_MAP_BATCH_BYTES)
         if worker <= block_task_mb:
             return block_task_mb, mem_source
