@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 
 from clusterscale.config import RayConfig
 from clusterscale.io.rundir import RunDir
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for, one_key_per_partition
+from clusterscale.runtime.bounded_data import (SHUFFLE_MAP_BATCH_BYTES, ShuffleSettings, bounded_shuffle_maps,
+                                               one_key_per_partition, shuffle_for)
 
 
 def test_stand_ins_are_distinct_and_land_one_per_partition():
@@ -30,7 +31,7 @@ def test_groupby_on_stand_ins_through_the_disk_shuffle(ray_local):
 
     keys = np.repeat(np.arange(24), 50)
     stand_ins = one_key_per_partition(24)
-    with bounded_shuffle_maps(disk=True):
+    with bounded_shuffle_maps(ShuffleSettings(disk=True)):
         ds = ray.data.from_arrow(pa.table({"key": stand_ins[keys], "x": np.arange(len(keys))}))
         out = ds.repartition(6).groupby("key", num_partitions=24).map_groups(keys_seen, batch_format="pyarrow")
         rows = out.take_all()
@@ -38,17 +39,28 @@ def test_groupby_on_stand_ins_through_the_disk_shuffle(ray_local):
     assert all(r["rows"] == 50 for r in rows)
 
 
-def test_small_shuffles_stay_in_the_object_store(tmp_path):
+def test_small_shuffles_stay_in_the_object_store_with_an_aggregator_per_batch(tmp_path):
     """ray.disk_shuffle sends a shuffle through local files from ray.disk_shuffle_min_mib of rows on (estimated from
-    the first file's bytes per row): 1,000 rows of 1 KiB are ~1 MiB."""
+    the first file's bytes per row): 1,000 rows of 1 KiB are ~1 MiB. Below, in the object store, one aggregator
+    actor per 64 MiB batch of rows, not Ray Data's one per cluster CPU, in the DataContext that the datasets made
+    inside copy."""
     rows = [np.random.default_rng(i).bytes(1024) for i in range(1000)]
     pq.write_table(pa.table({"x": rows}), tmp_path / "part.parquet", compression="zstd")
     run, files = RunDir(str(tmp_path)), [str(tmp_path / "part.parquet")]
     per_row = pq.read_metadata(files[0]).row_group(0).total_byte_size / 1000
     assert per_row > 1000  # uncompressed bytes: the rows as they sit in memory, not the zstd file
     at = int(2**20 / per_row)  # the rows that make 1 MiB
-    assert disk_shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at + 1)
-    assert not disk_shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at - 1)
-    assert not disk_shuffle_for(RayConfig(disk_shuffle=False, disk_shuffle_min_mib=0), run, files, 10**9)
-    assert disk_shuffle_for(RayConfig(disk_shuffle_min_mib=0), run, [], 0)  # 0: every shuffle, no footer read
-    assert not disk_shuffle_for(RayConfig(), run, files, 10**5)  # the default 256 MiB: ~100 MiB stays in memory
+    assert shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at + 1) == ShuffleSettings(disk=True)
+    assert shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, files, at - 1) == ShuffleSettings(False, 1)
+    assert shuffle_for(RayConfig(disk_shuffle_min_mib=0), run, [], 0).disk  # 0: every shuffle, no footer read
+    default = shuffle_for(RayConfig(), run, files, 10**5)  # the default 256 MiB: ~100 MiB stays in memory
+    assert default == ShuffleSettings(False, 2)
+    huge = shuffle_for(RayConfig(disk_shuffle=False, disk_shuffle_min_mib=0), run, files, 10**9)
+    assert not huge.disk and huge.aggregators == -(-10**9 * per_row // SHUFFLE_MAP_BATCH_BYTES)
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.max_hash_shuffle_aggregators
+    for settings, inside in ((default, 2), (huge, 128)):  # Ray Data's own cap of 128 holds
+        with bounded_shuffle_maps(settings):
+            now = ray.data.DataContext.get_current()
+            assert now.max_hash_shuffle_aggregators == inside and not now.use_disk_based_hash_shuffle
+        assert ctx.max_hash_shuffle_aggregators == before

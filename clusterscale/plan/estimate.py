@@ -232,7 +232,7 @@ class Planner:
 
     def shuffle_input(self, stage: str) -> tuple[float, float]:
         """(bytes the stage's shuffles move, bytes of their input rows as the stage sizes them to choose local files
-        or the object store: runtime/bounded_data.disk_shuffle_for, the assign/ rows it reads, vectors included).
+        or the object store: runtime/bounded_data.shuffle_for, the assign/ rows it reads, vectors included).
         shard moves text (and vectors with shard.keep_emb); mine each passage and each query once per probed
         cluster, with their vectors; dedup whole assign/ rows, once by cluster and once more by exact key bucket."""
         n, dim, row = self.shape.train_rows, self.shape.dim, self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES
@@ -246,7 +246,7 @@ class Planner:
         return 0.0, 0.0
 
     def through_files(self, input_bytes: float) -> bool:
-        """Whether a shuffle of that input goes through local files (runtime/bounded_data.disk_shuffle_for)."""
+        """Whether a shuffle of that input goes through local files (runtime/bounded_data.shuffle_for)."""
         rc = self.cfg.ray
         if not rc.disk_shuffle or not rc.disk_shuffle_min_mib:
             return rc.disk_shuffle

@@ -18,7 +18,7 @@ ray.disk_shuffle, the default) bounded_shuffle_maps switches the datasets made i
 hash shuffle: map tasks write their partitions to local files and reduce tasks fetch their own partition's byte
 ranges (from other nodes over an Arrow Flight server per node, bound to the node's IP and not covered by Ray's
 token auth: keep the cluster network private, as the shipped configs do). A shuffle of less than
-ray.disk_shuffle_min_mib of rows (disk_shuffle_for) stays in the object store: starting the file servers costs
+ray.disk_shuffle_min_mib of rows (shuffle_for) stays in the object store: starting the file servers costs
 ~5-10 s per shuffle, and such rows fit in it with room to spare.
 
 Ray Data tasks run one after another in long-lived workers, and both Arrow's allocator and glibc's malloc keep
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -108,30 +110,47 @@ def read_row_groups(run: RunDir, files: list[str], columns: list[str]) -> ray.da
         _read_units, fn_kwargs={"run_uri": run.uri, "columns": columns}, batch_size=1, batch_format="pyarrow")
 
 
-def disk_shuffle_for(rc: RayConfig, run: RunDir, files: list[str], rows: int) -> bool:
-    """Whether a hash shuffle of `rows` rows like those of `files` goes through local files: ray.disk_shuffle, and
-    their bytes in memory (the first file's uncompressed Parquet bytes per row, times rows) reach
-    ray.disk_shuffle_min_mib. One footer read."""
-    if not rc.disk_shuffle or not rc.disk_shuffle_min_mib:
-        return rc.disk_shuffle
+@dataclass(frozen=True)
+class ShuffleSettings:
+    """How a stage's hash shuffles run (shuffle_for): through local files or the object store, and at most how many
+    aggregator actors Ray Data starts for one (None: its default, min(cluster CPUs, 128))."""
+    disk: bool = True
+    aggregators: int | None = None
+
+
+def shuffle_for(rc: RayConfig, run: RunDir, files: list[str], rows: int) -> ShuffleSettings:
+    """How a hash shuffle of `rows` rows like those of `files` runs, by their bytes in memory (the first file's
+    uncompressed Parquet bytes per row, times rows; one footer read): through local files with ray.disk_shuffle
+    from ray.disk_shuffle_min_mib on; else in the object store, with one aggregator per SHUFFLE_MAP_BATCH_BYTES of
+    rows (Ray Data would start one per cluster CPU, up to 128, each an actor process of its own, even for a few
+    hundred rows)."""
+    if not rc.disk_shuffle_min_mib and rc.disk_shuffle:
+        return ShuffleSettings(disk=True)
     if not files or rows <= 0:
-        return False
+        return ShuffleSettings(disk=False, aggregators=1)
     with run.fs.open_input_file(files[0]) as f:
         footer = pq.ParquetFile(f).metadata
     stored = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
-    return stored / max(footer.num_rows, 1) * rows >= rc.disk_shuffle_min_mib * 2**20
+    input_bytes = stored / max(footer.num_rows, 1) * rows
+    if rc.disk_shuffle and input_bytes >= rc.disk_shuffle_min_mib * 2**20:
+        return ShuffleSettings(disk=True)
+    return ShuffleSettings(disk=False, aggregators=max(1, math.ceil(input_bytes / SHUFFLE_MAP_BATCH_BYTES)))
 
 
 @contextlib.contextmanager
-def bounded_shuffle_maps(disk: bool = True) -> Iterator[None]:
+def bounded_shuffle_maps(settings: ShuffleSettings = ShuffleSettings()) -> Iterator[None]:
     """Datasets made inside have hash-shuffle map tasks of about SHUFFLE_MAP_BATCH_BYTES of input each and, with
-    disk, shuffle through local files instead of the object store (ray.disk_shuffle). Make the datasets inside:
-    a Dataset copies the DataContext current when it is created."""
+    settings.disk, shuffle through local files instead of the object store (ray.disk_shuffle); at most
+    settings.aggregators aggregators each. Make the datasets inside: a Dataset copies the DataContext current when
+    it is created."""
     ctx = ray.data.DataContext.get_current()
-    before = ctx.shuffle_input_batch_bytes, ctx.use_disk_based_hash_shuffle
+    before = ctx.shuffle_input_batch_bytes, ctx.use_disk_based_hash_shuffle, ctx.max_hash_shuffle_aggregators
     ctx.shuffle_input_batch_bytes = SHUFFLE_MAP_BATCH_BYTES
-    ctx.use_disk_based_hash_shuffle = disk
+    ctx.use_disk_based_hash_shuffle = settings.disk
+    if settings.aggregators is not None:
+        ctx.max_hash_shuffle_aggregators = min(settings.aggregators,
+                                               before[2] or ray.data.context.DEFAULT_MAX_HASH_SHUFFLE_AGGREGATORS)
     try:
         yield
     finally:
-        ctx.shuffle_input_batch_bytes, ctx.use_disk_based_hash_shuffle = before
+        ctx.shuffle_input_batch_bytes, ctx.use_disk_based_hash_shuffle, ctx.max_hash_shuffle_aggregators = before

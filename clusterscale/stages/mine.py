@@ -47,7 +47,7 @@ from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, disk_shuffle_for, one_key_per_partition,
+from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
                                                read_row_groups, release_freed_memory)
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
@@ -339,8 +339,8 @@ def run_mine(ctx: StageContext) -> StageResult:
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
     # Each passage travels once per search group of its cluster, each query once per probed cluster.
-    on_disk = disk_shuffle_for(cfg.ray, run, run.files(assign_dir(k)), n_rows * (1 + cfg.mine.nprobe))
-    with bounded_shuffle_maps(on_disk):  # before any dataset exists: each Dataset copies the DataContext it is made in
+    shuffle = shuffle_for(cfg.ray, run, run.files(assign_dir(k)), n_rows * (1 + cfg.mine.nprobe))
+    with bounded_shuffle_maps(shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
         if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
             results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, len(plan["units"]), n_rows)
             write_empty_buckets(run, plan)

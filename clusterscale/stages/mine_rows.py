@@ -29,7 +29,7 @@ import ray
 from clusterscale.config import Config
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for, read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, shuffle_for
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, candidate_files, groups_per_piece,
                                           shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
@@ -137,9 +137,9 @@ def sidecars_for_training(cfg: Config, neg_run: RunDir, shards_run: RunDir) -> d
     set_dir, manifest = found
     # The joins' rows: a row's text with each of its candidates'.
     candidates = cfg.mine.range_max - cfg.mine.range_min
-    on_disk = disk_shuffle_for(cfg.ray, shards_run, [shards_run.path(f) for f in manifest.files[:1]],
+    shuffle = shuffle_for(cfg.ray, shards_run, [shards_run.path(f) for f in manifest.files[:1]],
                                sum(manifest.strata_sizes) * candidates)
-    with bounded_shuffle_maps(on_disk):  # also when training writes them (outside the mine stage)
+    with bounded_shuffle_maps(shuffle):  # also when training writes them (outside the mine stage)
         return write_sidecars(neg_run, shards_run, set_dir, manifest, candidates)
 
 

@@ -27,7 +27,7 @@ from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_d
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.stages.shards import SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups, write_groups
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, shuffle_for
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.hashing import SeededPermutation
 
@@ -157,7 +157,7 @@ def run_shard_set(ctx: StageContext) -> StageResult:
                              cfg.shard.max_group_rows)
     paths = [run.path(f["file"]) for f in files]
     # The same bounded hash shuffle as the clustered shards' (64 MiB maps, through files when large): made inside.
-    with bounded_shuffle_maps(disk_shuffle_for(cfg.ray, run, paths[:1], keys.total)):
+    with bounded_shuffle_maps(shuffle_for(cfg.ray, run, paths[:1], keys.total)):
         ds = ray.data.from_items(files, override_num_blocks=min(len(files), MAX_READ_TASKS))
         ds = ds.map_batches(read_keyed_files, fn_args=(run.uri, keys, columns), batch_size=1, batch_format="numpy")
         groups = write_groups(ds, run, k, layout, columns, group_sizes, paths, f"shard {sampler}", ctx.resources)

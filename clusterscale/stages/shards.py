@@ -25,7 +25,7 @@ from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
-from clusterscale.runtime.bounded_data import bounded_shuffle_maps, disk_shuffle_for, read_row_groups
+from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, shuffle_for
 from clusterscale.runtime.resources import ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
@@ -353,8 +353,8 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)
-    on_disk = disk_shuffle_for(cfg.ray, run, run.files(source), int(counts.sum()))
-    with bounded_shuffle_maps(on_disk):  # 64 MiB shuffle maps, through files or not (runtime/bounded_data)
+    shuffle = shuffle_for(cfg.ray, run, run.files(source), int(counts.sum()))
+    with bounded_shuffle_maps(shuffle):  # 64 MiB shuffle maps, through files or not (runtime/bounded_data)
         groups = write_shards(ctx, target, shard_rows, plan["pool_id"], rows_per_file, row_group_rows, source,
                               folder)
     clusters = [shard_entry(shard, groups[shard], np.flatnonzero((target == shard) & (counts > 0)), sums,

@@ -16,7 +16,7 @@ from clusterscale.config import Config
 from clusterscale.io.layout import DEDUP_KEPT, DEDUP_REMOVED, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, disk_shuffle_for, one_key_per_partition,
+from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
                                                read_row_groups)
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.stage_context import StageContext
@@ -82,7 +82,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
     bucket_keys = one_key_per_partition(buckets)
     progress, results, pending = ProgressLine("dedup", n_rows), [], []
     run.remove(BLOCKS)  # a whole rerun: the blocks of an interrupted one are written again
-    with bounded_shuffle_maps(disk_shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
+    with bounded_shuffle_maps(shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
                                                   "cluster_keys": plan},
