@@ -285,3 +285,21 @@ def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
     assert both["dedup"] == pytest.approx(2 * semantic["dedup"])
     assert semantic["mine"] == pytest.approx(train_rows * (1 + cfg.mine.nprobe) * (300 + vectors))
     assert semantic["embed"] == semantic["fit"] == 0
+
+
+def test_dedup_shuffle_worker_from_the_calibration_when_it_measured_one(tmp_path):
+    """`plan --calibrate` measures dedup's shuffle worker both ways (object store, local files); plan then uses
+    those figures, and says so, instead of the 2-core box's."""
+    path = tmp_path / "cal.json"
+    data = json.loads(open(write_calibration(path)).read())
+    data["dedup_shuffle_worker_mb"] = {"object store": 500.0, "local files": 900.0}
+    path.write_text(json.dumps(data))
+
+    def dedup(rows: int) -> dict:
+        out = tmp_path / f"plan-{rows}.json"
+        assert cli.main(["plan", "--rows", str(rows), "--k", "50", "--calibration", str(path), "--json", str(out),
+                         "--set", "dedup.exact=true", "dedup.semantic_threshold=0.9"]) == 0
+        return json.loads(out.read_text())["stages"]["dedup"]
+
+    assert dedup(150_000)["peak_task_mb"] == 500.0 and dedup(600_000)["peak_task_mb"] == 900.0
+    assert "measured by --calibrate" in dedup(600_000)["memory_from"]

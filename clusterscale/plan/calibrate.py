@@ -3,7 +3,9 @@ stage its own `clusterscale` process, as a user runs it), sample the peak memory
 largest Ray worker, and write the calibration file that plan/rates.py documents. Three sizes (25k, 100k, 200k by
 default) give each stage a start-up and a per-work rate (a least-squares line): with two sizes 4x apart, one noisy
 start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan", session 17). Faiss's
-search rate and Ray Data's shuffle rate per row and partition are timed on their own (the terms that grow with k)."""
+search rate and Ray Data's shuffle rate per row and partition are timed on their own (the terms that grow with k).
+dedup's largest worker holds one full shuffle batch from ~64 MiB of input on: at the largest size, dedup runs once
+more with its shuffle through local files, so both of its figures (object store, local files) are this machine's."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from clusterscale.plan.cluster import this_machine
 from clusterscale.plan.estimate import MB, Models, Planner
 from clusterscale.plan.rates import CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, k_terms_s, line_fit
 from clusterscale.plan.shape import run_shape, search_work, semantic_work, shuffle_work, stage_work
+from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 
 CALIBRATED_STAGES = ("fit", "assign", "dedup", "shard")  # and ingest, on the synth pairs written out as Parquet
 # dedup runs with both passes on (exact and semantic at cos >= 0.9) for its own measurement; shard, after it, with
@@ -244,6 +247,19 @@ def semantic_seconds(rows: int = 6144, dim: int = CALIBRATION_DIM) -> float:
         ray.shutdown()
 
 
+def dedup_shuffle_worker(run: RunDir, planner: Planner, peak_mb: float, overrides: list[str]) -> dict[str, float]:
+    """dedup's largest worker with a full shuffle batch in both places its shuffle goes, when this run's dedup
+    input holds at least one SHUFFLE_MAP_BATCH_BYTES batch and stays below ray.disk_shuffle_min_mib (its own dedup
+    went through the object store: peak_mb): then dedup again through local files (ray.disk_shuffle_min_mib=0).
+    {} for a smaller run."""
+    input_bytes = planner.shuffle_input("dedup")[1]
+    if input_bytes < SHUFFLE_MAP_BATCH_BYTES or planner.through_files(input_bytes):
+        return {}
+    keys = [f"cluster.k={CALIBRATION_K}", *overrides, *STAGE_KEYS["dedup"], "ray.disk_shuffle_min_mib=0"]
+    through_files = cli_stage("dedup", run.root, keys, ["--replace"])[0]
+    return {"object store": peak_mb, "local files": through_files}
+
+
 def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     """Run the calibration at each size in `sizes` and write the calibration file; its path."""
     from clusterscale.train.metrics import cpu_matmul_flops
@@ -257,6 +273,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     search_rate, shuffle_rate, semantic_rate = faiss_search_seconds(), shuffle_seconds(), semantic_seconds()
     k_rates = Rates(search_cpu_s_per_row_k_d=search_rate, shuffle_cpu_s_per_row_partition=shuffle_rate,
                     semantic_cpu_s_per_row_row_d=semantic_rate)
+    shuffle_worker: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
         for rows in sorted(sizes):
             run, costs, peaks = calibration_run(rows, root, overrides)
@@ -281,6 +298,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                 points[stage].append([stage_work(stage, cfg, shape), max(0.0, costs[stage]["wall_s"] - extra)])
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
+                if stage == "dedup" and rows == max(sizes):
+                    shuffle_worker = dedup_shuffle_worker(run, planner, peaks["dedup"][0], overrides)
     stages = {}
     for stage in ("ingest", *CALIBRATED_STAGES):
         fixed, per_work = line_fit(points[stage])
@@ -294,7 +313,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
             "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": search_rate,
             "shuffle_cpu_s_per_row_partition": shuffle_rate, "semantic_cpu_s_per_row_row_d": semantic_rate,
-            "cpu_encoder_mfu": cpu_encoder_mfu(),
+            "cpu_encoder_mfu": cpu_encoder_mfu(), "dedup_shuffle_worker_mb": shuffle_worker,
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

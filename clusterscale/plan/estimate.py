@@ -305,15 +305,17 @@ class Planner:
 
     def dedup_shuffle_worker(self, block_task_mb: float, mem_source: str) -> tuple[float, str]:
         """dedup's largest process: its per-cluster task (block_task_mb) or a worker of its hash shuffle, at the
-        measured size of one full input batch (DEDUP_SHUFFLE_WORKER_MB, by where the shuffle goes: local files from
-        ray.disk_shuffle_min_mib of input on), in proportion below one batch."""
+        size of one full input batch by where the shuffle goes (local files from ray.disk_shuffle_min_mib of input
+        on), in proportion below one batch: as `--calibrate` measured it, else DEDUP_SHUFFLE_WORKER_MB."""
         rows_bytes = self.shuffle_input("dedup")[1]
         path = "local files" if self.through_files(rows_bytes) else "object store"
-        worker = DEDUP_SHUFFLE_WORKER_MB[path] * min(1.0, rows_bytes / SHUFFLE_MAP_BATCH_BYTES)
+        measured = self.rates.dedup_shuffle_worker_mb.get(path)
+        worker = (measured or DEDUP_SHUFFLE_WORKER_MB[path]) * min(1.0, rows_bytes / SHUFFLE_MAP_BATCH_BYTES)
         if worker <= block_task_mb:
             return block_task_mb, mem_source
-        return worker, (f"a worker of its shuffle through {path}: measured on the 2-core CPU box (Ray 2.60, "
-                        f"benchmarks/RESULTS.md session 19), not calibrated here")
+        source = self.rates.dedup_shuffle_source if measured else \
+            "measured on the 2-core CPU box (Ray 2.60, benchmarks/RESULTS.md session 19), not calibrated here"
+        return worker, f"a worker of its shuffle through {path}: {source}"
 
     def train_flops_per_pair(self) -> float:
         """6 x params x tokens (forward + backward), plus a forward more with GradCache (its re-forward) unless a

@@ -17,7 +17,9 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
    "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions),
    "semantic_cpu_s_per_row_row_d" (dedup's semantic pass: a cluster of m rows compared with itself, per m x m x d),
    "cpu_encoder_mfu" (the bundled encoder's forward on one CPU thread over its fp32 matmul rate: the CPU MFU of
-   embed, evaluate and train without a measured rate)}
+   embed, evaluate and train without a measured rate),
+   "dedup_shuffle_worker_mb": {"object store" | "local files": peak USS MB of dedup's largest worker with a full
+   64 MiB shuffle batch, its shuffle through the object store or through local files}}
 The search, shuffle and semantic terms (plan/shape.search_work, shuffle_work, semantic_work: they grow with k, or
 with rows x rows / k) are added to a stage's line and taken out of the walls a line is fitted to or scaled by.
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
@@ -61,6 +63,8 @@ class Rates:
     shuffle_cpu_s_per_row_partition: float | None = None  # Ray Data hash shuffle, per row and partition
     semantic_cpu_s_per_row_row_d: float | None = None  # dedup's in-cluster compare (dedup_core), one thread
     cpu_encoder_mfu: float | None = None  # the bundled encoder's forward / the fp32 matmul rate, one CPU thread
+    dedup_shuffle_worker_mb: dict[str, float] = field(default_factory=dict)  # by where the shuffle goes
+    dedup_shuffle_source: str = ""
     gpu: dict | None = None  # a GPU calibration JSON (benchmarks/gpu_check.sh)
     gpu_source: str = ""
     notes: list[str] = field(default_factory=list)
@@ -135,7 +139,9 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
                   search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"),
                   shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"),
                   semantic_cpu_s_per_row_row_d=data.get("semantic_cpu_s_per_row_row_d"),
-                  cpu_encoder_mfu=data.get("cpu_encoder_mfu"))
+                  cpu_encoder_mfu=data.get("cpu_encoder_mfu"),
+                  dedup_shuffle_worker_mb=dict(data.get("dedup_shuffle_worker_mb", {})),
+                  dedup_shuffle_source=f"measured by --calibrate {when} ({path})")
     for stage, rec in data.get("stages", {}).items():
         if stage == "dedup" and rates.semantic_cpu_s_per_row_row_d is None:
             # Written before the semantic term had a rate of its own: its dedup line is per rows x rows / k x d.
