@@ -288,8 +288,8 @@ def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
 
 
 def test_dedup_shuffle_worker_from_the_calibration_when_it_measured_one(tmp_path):
-    """`plan --calibrate` measures dedup's shuffle worker both ways (object store, local files); plan then uses
-    those figures, and says so, instead of the 2-core box's."""
+    """`plan --calibrate` measures dedup's shuffle worker (through the object store); plan uses a calibration's
+    figures, and says so, instead of the 2-core box's."""
     path = tmp_path / "cal.json"
     data = json.loads(open(write_calibration(path)).read())
     data["dedup_shuffle_worker_mb"] = {"object store": 500.0, "local files": 900.0}

@@ -4,8 +4,8 @@ largest Ray worker, and write the calibration file that plan/rates.py documents.
 default) give each stage a start-up and a per-work rate (a least-squares line): with two sizes 4x apart, one noisy
 start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan", session 17). Faiss's
 search rate and Ray Data's shuffle rate per row and partition are timed on their own (the terms that grow with k).
-dedup's largest worker holds one full shuffle batch from ~64 MiB of input on: at the largest size, dedup runs once
-more with its shuffle through local files, so both of its figures (object store, local files) are this machine's."""
+dedup's largest worker holds one full shuffle batch from ~64 MiB of input on: the largest size's dedup (through the
+object store) measures that worker on this machine."""
 from __future__ import annotations
 
 import json
@@ -247,17 +247,16 @@ def semantic_seconds(rows: int = 6144, dim: int = CALIBRATION_DIM) -> float:
         ray.shutdown()
 
 
-def dedup_shuffle_worker(run: RunDir, planner: Planner, peak_mb: float, overrides: list[str]) -> dict[str, float]:
-    """dedup's largest worker with a full shuffle batch in both places its shuffle goes, when this run's dedup
-    input holds at least one SHUFFLE_MAP_BATCH_BYTES batch and stays below ray.disk_shuffle_min_mib (its own dedup
-    went through the object store: peak_mb): then dedup again through local files (ray.disk_shuffle_min_mib=0).
-    {} for a smaller run."""
+def dedup_shuffle_worker(planner: Planner, peak_mb: float) -> dict[str, float]:
+    """{"object store": dedup's largest worker} when this run's dedup input holds at least one
+    SHUFFLE_MAP_BATCH_BYTES batch and stays below ray.disk_shuffle_min_mib (so its shuffle went through the object
+    store with a full batch); {} for a smaller run. Not through local files: a worker of that shuffle kept growing
+    past the calibration's sizes (555 MB at 200k rows, 750-757 MB at 600k; benchmarks/RESULTS.md session 20), so
+    plan keeps the 600k measurement for it."""
     input_bytes = planner.shuffle_input("dedup")[1]
     if input_bytes < SHUFFLE_MAP_BATCH_BYTES or planner.through_files(input_bytes):
         return {}
-    keys = [f"cluster.k={CALIBRATION_K}", *overrides, *STAGE_KEYS["dedup"], "ray.disk_shuffle_min_mib=0"]
-    through_files = cli_stage("dedup", run.root, keys, ["--replace"])[0]
-    return {"object store": peak_mb, "local files": through_files}
+    return {"object store": peak_mb}
 
 
 def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
@@ -299,7 +298,7 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
                 if stage == "dedup" and rows == max(sizes):
-                    shuffle_worker = dedup_shuffle_worker(run, planner, peaks["dedup"][0], overrides)
+                    shuffle_worker = dedup_shuffle_worker(planner, peaks["dedup"][0])
     stages = {}
     for stage in ("ingest", *CALIBRATED_STAGES):
         fixed, per_work = line_fit(points[stage])

@@ -306,7 +306,8 @@ class Planner:
     def dedup_shuffle_worker(self, block_task_mb: float, mem_source: str) -> tuple[float, str]:
         """dedup's largest process: its per-cluster task (block_task_mb) or a worker of its hash shuffle, at the
         size of one full input batch by where the shuffle goes (local files from ray.disk_shuffle_min_mib of input
-        on), in proportion below one batch: as `--calibrate` measured it, else DEDUP_SHUFFLE_WORKER_MB."""
+        on), in proportion below one batch: as `--calibrate` measured it (the object store's), else
+        DEDUP_SHUFFLE_WORKER_MB."""
         rows_bytes = self.shuffle_input("dedup")[1]
         path = "local files" if self.through_files(rows_bytes) else "object store"
         measured = self.rates.dedup_shuffle_worker_mb.get(path)

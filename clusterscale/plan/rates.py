@@ -18,8 +18,8 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
    "semantic_cpu_s_per_row_row_d" (dedup's semantic pass: a cluster of m rows compared with itself, per m x m x d),
    "cpu_encoder_mfu" (the bundled encoder's forward on one CPU thread over its fp32 matmul rate: the CPU MFU of
    embed, evaluate and train without a measured rate),
-   "dedup_shuffle_worker_mb": {"object store" | "local files": peak USS MB of dedup's largest worker with a full
-   64 MiB shuffle batch, its shuffle through the object store or through local files}}
+   "dedup_shuffle_worker_mb": {"object store": peak USS MB of dedup's largest worker with a full 64 MiB shuffle
+   batch through the object store; "local files" is read too, when a file has it}}
 The search, shuffle and semantic terms (plan/shape.search_work, shuffle_work, semantic_work: they grow with k, or
 with rows x rows / k) are added to a stage's line and taken out of the walls a line is fitted to or scaled by.
 task_base_mb / driver_base_mb: the measured peak (USS) of the stage's largest task and of the driver, less what
