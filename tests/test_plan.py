@@ -4,6 +4,7 @@ the shared_run fixture (made once per session)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from clusterscale.plan.build import PlanRequest, make_plan
 from clusterscale.plan.rates import CALIBRATION_FORMAT, line_fit
 from clusterscale.plan.shape import (RunShape, assign_files, embed_files, imbalance_factor, lognormal_sizes, run_shape,
                                      shard_files, shard_sizes, train_shape)
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
 from clusterscale.train import schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,30 +68,57 @@ def test_line_fit():
 
 
 def test_shard_shuffle_grows_with_its_partitions_and_a_run_wall_is_scaled_without_it():
-    """shard's shuffle term is rows x hash partitions (one per (shard, sub-group) key, up to MIN_PARTITIONS); a run's
-    measured wall scales the calibrated line only after the plan's k terms at the run's own size come off."""
-    from clusterscale.plan.rates import Rates, StageRate, k_terms_s, merge_run_costs
-    from clusterscale.plan.shape import shuffle_work
+    """shard's shuffle terms are its hash partitions (one per (shard, sub-group) key, up to MIN_PARTITIONS) and its
+    input blocks (assign/ row groups) x partitions, at the rate of the path the shuffle takes; a run's measured wall
+    scales the calibrated line only after the plan's k terms at the run's own size come off."""
+    from clusterscale.plan.rates import Rates, ShuffleRate, StageRate, k_terms_s, merge_run_costs
+    from clusterscale.plan.shape import ShuffleWork, shuffle_work
 
     cfg = config.load(None, ["train.global_batch_size=32", "shard.max_group_rows=100000"])
     work = {k: shuffle_work("shard", cfg, shape_of(cfg, [1000] * k)) for k in (50, 200, 400)}
-    assert work[50] == 50_000 * 50 and work[200] == 200_000 * 200 and work[400] == 400_000 * 200  # MIN_PARTITIONS
-    assert shuffle_work("assign", cfg, shape_of(cfg, [1000] * 50)) == 0
-    rates = Rates(stages={"shard": StageRate(10.0, 1e-4, "cal")}, shuffle_cpu_s_per_row_partition=1e-6)
-    extra = k_terms_s(rates, 0.0, 1e6, 2)
-    assert extra == pytest.approx(0.5)
+    blocks = {k: math.ceil(1000 * k / EMBEDDINGS_ROW_GROUP_ROWS) for k in work}
+    assert work[50] == ShuffleWork(50, blocks[50]) and work[200] == ShuffleWork(200, blocks[200])
+    assert work[400] == ShuffleWork(200, blocks[400])  # MIN_PARTITIONS
+    assert shuffle_work("assign", cfg, shape_of(cfg, [1000] * 50)) == ShuffleWork()
+    rates = Rates(stages={"shard": StageRate(10.0, 1e-4, "cal")},
+                  shuffle={"object store": ShuffleRate(0.01, 0.0), "local files": ShuffleRate(0.002, 0.001)})
+    assert k_terms_s(rates, 0.0, ShuffleWork(100, 50), 2) == pytest.approx(0.5)
+    assert k_terms_s(rates, 0.0, ShuffleWork(100, 50), 2, shuffle_path="local files") == pytest.approx(2.6)
     # the line says 10 + 1e-4 x 100,000 / 2 = 15 s; measured 30.5 s of which 0.5 s is the shuffle term: scale 2
-    merge_run_costs(rates, {"shard": {"wall_s": 30.5}}, {"shard": 100_000.0}, 2, "run", {"shard": extra})
+    merge_run_costs(rates, {"shard": {"wall_s": 30.5}}, {"shard": 100_000.0}, 2, "run", {"shard": 0.5})
     assert rates.stages["shard"].fixed_s == pytest.approx(20.0) and rates.stages["shard"].cpu_s_per_work == \
         pytest.approx(2e-4)
+
+
+def test_the_planner_takes_the_shuffle_rate_of_the_path_its_shuffle_goes(tmp_path):
+    """Below ray.disk_shuffle_min_mib of input the shuffle stays in the object store, from it on it goes through local
+    files (runtime/bounded_data.shuffle_for), and the plan adds that path's rate; an older calibration file's one
+    rate per row and partition (timed on 8,192-row blocks) stands for both paths, per block x partition."""
+    from clusterscale.plan.cluster import this_machine
+    from clusterscale.plan.estimate import Models, Planner
+    from clusterscale.plan.rates import Rates, ShuffleRate, rates_from_calibration
+    from clusterscale.plan.shape import run_shape, shuffle_work
+
+    cfg = config.load(None, ["ray.disk_shuffle_min_mib=64"])
+    rates = Rates(bytes_per_row={"pairs": 400.0},
+                  shuffle={"object store": ShuffleRate(0.01, 0.0), "local files": ShuffleRate(0.0, 0.001)})
+    for rows, path in ((50_000, "object store"), (2_000_000, "local files")):
+        shape = run_shape(cfg, rows, 50, 384, None)
+        planner = Planner(cfg, shape, this_machine(), rates, Models(0, 0, 0, 0, 0, 0, ""), None)
+        assert planner.shuffle_path("shard") == path
+        work = shuffle_work("shard", cfg, shape)
+        expected = 0.01 * work.partitions if path == "object store" else 0.001 * work.pieces
+        assert planner.k_terms("shard", 1) == pytest.approx(expected)
+    old = rates_from_calibration({"format": CALIBRATION_FORMAT, "shuffle_cpu_s_per_row_partition": 2e-7}, "old.json")
+    assert old.shuffle == {p: ShuffleRate(0.0, 2e-7 * 8192) for p in ("object store", "local files")}
 
 
 def test_dedup_time_is_a_line_in_rows_plus_its_semantic_and_shuffle_terms(tmp_path):
     """dedup: a line in rows (mark, exact, writes), plus rows x cluster rows x d of the semantic pass at its own
     measured rate and rows x (k + 1) partitions of its cluster shuffle; a calibration file without the semantic
     rate (its dedup line was per rows x rows / k) has its dedup line dropped, with a note."""
-    from clusterscale.plan.rates import Rates, k_terms_s, rates_from_calibration
-    from clusterscale.plan.shape import semantic_work, shuffle_work, stage_work
+    from clusterscale.plan.rates import Rates, ShuffleRate, k_terms_s, rates_from_calibration
+    from clusterscale.plan.shape import ShuffleWork, semantic_work, shuffle_work, stage_work
 
     on = config.load(None, ["dedup.exact=true", "dedup.semantic_threshold=0.9"])
     exact_only = config.load(None, ["dedup.exact=true"])
@@ -97,11 +126,11 @@ def test_dedup_time_is_a_line_in_rows_plus_its_semantic_and_shuffle_terms(tmp_pa
         shape = RunShape(600_000, 600_000, 0, k, 384, np.full(k, 600_000 // k), "test")
         assert stage_work("dedup", on, shape) == 600_000
         assert semantic_work("dedup", on, shape) == pytest.approx(600_000 * (600_000 / k) * 384)
-        assert shuffle_work("dedup", on, shape) == 600_000 * (k + 1)
-        assert semantic_work("dedup", exact_only, shape) == shuffle_work("dedup", exact_only, shape) == 0
+        assert shuffle_work("dedup", on, shape) == ShuffleWork(k + 1, math.ceil(600_000 / EMBEDDINGS_ROW_GROUP_ROWS))
+        assert semantic_work("dedup", exact_only, shape) == 0 and shuffle_work("dedup", exact_only, shape).pieces == 0
         assert semantic_work("mine", on, shape) == semantic_work("assign", on, shape) == 0
-    rates = Rates(semantic_cpu_s_per_row_row_d=1e-11, shuffle_cpu_s_per_row_partition=1e-7)
-    assert k_terms_s(rates, 0.0, 1e6, 2, semantic=4e11) == pytest.approx((0.1 + 4.0) / 2)
+    rates = Rates(semantic_cpu_s_per_row_row_d=1e-11, shuffle={"object store": ShuffleRate(1e-3, 1e-4)})
+    assert k_terms_s(rates, 0.0, ShuffleWork(100, 10), 2, semantic=4e11) == pytest.approx((0.1 + 0.1 + 4.0) / 2)
     old = {"format": CALIBRATION_FORMAT, "stages": {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6}
                                                     for s in ("shard", "dedup")}}
     rates = rates_from_calibration(old, "old.json")

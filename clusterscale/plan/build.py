@@ -14,12 +14,11 @@ from clusterscale.config import Config, ConfigError
 from clusterscale.io.input_files import infer_format, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
-from clusterscale.plan.cluster import load_cluster
+from clusterscale.plan.cluster import load_cluster, this_machine
 from clusterscale.plan.estimate import Models, Planner, preprocess_over_train, uncalibrated
-from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, k_terms_s, load_calibration,
+from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_calibration,
                                      load_gpu_calibration, merge_run_costs, rates_from_calibration)
-from clusterscale.plan.shape import (run_shape, search_work, semantic_work, shard_sizes, shuffle_work, stage_work,
-                                     train_shape)
+from clusterscale.plan.shape import run_shape, shard_sizes, stage_work, train_shape
 
 BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
 BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
@@ -108,14 +107,14 @@ def run_measurements(run: RunDir, cfg: Config, rates: Rates) -> dict:
     for key, rec in costs.items():
         if key.startswith("train") and rec.get("steps"):
             work[key] = float(rec["steps"] * rec.get("global_batch_size", cfg.train.schedule.global_batch_size))
-    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
-    k_terms = {stage: k_terms_s(rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape), cpus,
-                                semantic_work(stage, cfg, shape)) for stage in ("fit", "assign", "dedup", "shard")}
-    merge_run_costs(rates, costs, work, cpus, f"measured in {run.uri} (report/costs.json)", k_terms)
     sizes = folder_bytes(run.root) if run.fs.type_name == "local" else {}
     per_row = {"pairs": shape.train_rows, "heldout": shape.heldout_rows}
     rates.bytes_per_row.update({folder: sizes[folder] / rows for folder, rows in per_row.items()
                                 if sizes.get(folder) and rows})
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    planner = Planner(cfg, shape, this_machine(), rates, Models(0, 0, 0, 0, 0, 0, ""), None)  # the run's k terms
+    k_terms = {stage: planner.k_terms(stage, cpus) for stage in ("fit", "assign", "dedup", "shard")}
+    merge_run_costs(rates, costs, work, cpus, f"measured in {run.uri} (report/costs.json)", k_terms)
     return out
 
 

@@ -3,7 +3,8 @@ stage its own `clusterscale` process, as a user runs it), sample the peak memory
 largest Ray worker, and write the calibration file that plan/rates.py documents. Three sizes (25k, 100k, 200k by
 default) give each stage a start-up and a per-work rate (a least-squares line): with two sizes 4x apart, one noisy
 start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan", session 17). Faiss's
-search rate and Ray Data's shuffle rate per row and partition are timed on their own (the terms that grow with k).
+search rate and Ray Data's shuffle rates (per partition, per block x partition; through local files and the
+object store) are timed on their own (the terms that grow with k).
 dedup's largest worker holds one full shuffle batch from ~64 MiB of input on: the largest size's dedup (through the
 object store) measures that worker on this machine."""
 from __future__ import annotations
@@ -15,14 +16,17 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import open_run
 from clusterscale.plan.cluster import this_machine
 from clusterscale.plan.estimate import MB, Models, Planner
-from clusterscale.plan.rates import CALIBRATION_FORMAT, DEFAULT_CALIBRATION, Rates, folder_bytes, k_terms_s, line_fit
-from clusterscale.plan.shape import run_shape, search_work, semantic_work, shuffle_work, stage_work
+from clusterscale.plan.rates import (CALIBRATION_FORMAT, DEFAULT_CALIBRATION, SHUFFLE_PATHS, Rates, ShuffleRate,
+                                     folder_bytes, line_fit)
+from clusterscale.plan.shape import run_shape, stage_work
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
 
 CALIBRATED_STAGES = ("fit", "assign", "dedup", "shard")  # and ingest, on the synth pairs written out as Parquet
 # dedup runs with both passes on (exact and semantic at cos >= 0.9) for its own measurement; shard, after it, with
@@ -32,6 +36,8 @@ STAGE_KEYS = {"dedup": ["dedup.exact=true", f"dedup.semantic_threshold={SEMANTIC
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
+
+
 class PeakSampler:
     """Peak USS of a command's process (the driver) and of its largest descendant titled `ray::...` or running
     default_worker.py (a Ray task, actor or Ray Data operator), sampled on a thread (psutil, which Ray ships):
@@ -130,35 +136,45 @@ def _count_group(group):
     return pa.table({"rows": [group.num_rows]})
 
 
-def shuffle_seconds(blocks: int = 16, block_rows: int = 8192, partitions: tuple[int, int] = (16, 128),
-                    payload: int = 140) -> float:
-    """CPU-seconds per (row x partition) of a Ray Data hash shuffle (groupby + map_groups, as shard writes its
-    groups by (shard, sub)): the same rows shuffled into two partition counts, the difference over the extra
-    partitions; rows like shard's (pair_id, a query and a passage of `payload` bytes in all, cluster) in blocks of
-    assign's row-group size. Its own local Ray on this machine's CPUs."""
+def shuffle_seconds(disk: bool, block_counts: tuple[int, int] = (16, 64), partitions: tuple[int, int] = (16, 128),
+                    payload: int = 140) -> ShuffleRate:
+    """CPU-seconds of a Ray Data hash shuffle (groupby + map_groups, as shard writes its groups by (shard, sub))
+    per partition and per input block x partition, through local files (disk) or the object store: the same blocks
+    shuffled into two partition counts give the cost of the extra partitions, at two block counts to split it into
+    its two terms. Rows like shard's (pair_id, a query and a passage of `payload` bytes in all, cluster) in blocks
+    of assign/'s row group (EMBEDDINGS_ROW_GROUP_ROWS). The rows per partition do not enter: 4x the rows in the same
+    blocks cost the same extra partitions here (benchmarks/RESULTS.md, session 21). Its own local Ray on this
+    machine's CPUs."""
     import ray
 
     from clusterscale.config import RayConfig
+    from clusterscale.runtime.bounded_data import ShuffleSettings, bounded_shuffle_maps
     from clusterscale.runtime.session import init_ray
 
     cpus = os.cpu_count() or 1
     init_ray(RayConfig(num_cpus=cpus, include_dashboard=False))
     try:
-        def once(p: int) -> float:
-            ds = ray.data.range(blocks * block_rows, override_num_blocks=blocks).map_batches(
-                _shuffle_rows, fn_kwargs={"payload": payload}, batch_size=None, batch_format="numpy")
-            ds = ds.map_batches(lambda b: {**b, "shard": b["pair_id"] % p}, batch_size=None, batch_format="numpy")
-            started = time.perf_counter()
-            grouped = ds.groupby(["shard", "sub"], num_partitions=p)
-            grouped.map_groups(_count_group, batch_format="pyarrow").materialize()
+        def once(blocks: int, p: int) -> float:
+            with bounded_shuffle_maps(ShuffleSettings(disk=disk)):
+                ds = ray.data.range(blocks * EMBEDDINGS_ROW_GROUP_ROWS, override_num_blocks=blocks).map_batches(
+                    _shuffle_rows, fn_kwargs={"payload": payload}, batch_size=None, batch_format="numpy")
+                ds = ds.map_batches(lambda b: {**b, "shard": b["pair_id"] % p}, batch_size=None,
+                                    batch_format="numpy")
+                started = time.perf_counter()
+                grouped = ds.groupby(["shard", "sub"], num_partitions=p)
+                grouped.map_groups(_count_group, batch_format="pyarrow").materialize()
             return time.perf_counter() - started
 
-        once(partitions[0])  # warm the workers
-        few = min(once(partitions[0]) for _ in range(2))
-        many = min(once(partitions[1]) for _ in range(2))
+        once(block_counts[0], partitions[0])  # warm the workers
+        extra = []  # CPU-s per extra partition, at each block count
+        for blocks in block_counts:
+            few = min(once(blocks, partitions[0]) for _ in range(2))
+            many = min(once(blocks, partitions[1]) for _ in range(2))
+            extra.append(max(0.0, many - few) * cpus / (partitions[1] - partitions[0]))
     finally:
         ray.shutdown()
-    return max(0.0, many - few) * cpus / (blocks * block_rows * (partitions[1] - partitions[0]))
+    per_piece = max(0.0, (extra[1] - extra[0]) / (block_counts[1] - block_counts[0]))
+    return ShuffleRate(max(0.0, extra[0] - per_piece * block_counts[0]), per_piece)
 
 
 def cpu_encoder_mfu(texts: int = 256, words: tuple[int, int] = (4, 40)) -> float:
@@ -269,9 +285,9 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     folders: dict[str, list] = {}
     machine = this_machine()
     load_before = os.getloadavg()[0]
-    search_rate, shuffle_rate, semantic_rate = faiss_search_seconds(), shuffle_seconds(), semantic_seconds()
-    k_rates = Rates(search_cpu_s_per_row_k_d=search_rate, shuffle_cpu_s_per_row_partition=shuffle_rate,
-                    semantic_cpu_s_per_row_row_d=semantic_rate)
+    search_rate, semantic_rate = faiss_search_seconds(), semantic_seconds()
+    shuffle = {path: shuffle_seconds(disk=path == "local files") for path in SHUFFLE_PATHS}
+    k_rates = dict(search_cpu_s_per_row_k_d=search_rate, shuffle=shuffle, semantic_cpu_s_per_row_row_d=semantic_rate)
     shuffle_worker: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="cs-calibrate-") as root:
         for rows in sorted(sizes):
@@ -290,10 +306,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                     cfg = open_run(run.uri, None, [*overrides, *STAGE_KEYS[stage]])[0]
                 else:
                     cfg = open_run(run.uri, None, overrides)[0]
-                planner = Planner(cfg, shape, machine, Rates(bytes_per_row=bytes_per_row), models, None)
-                # the plan adds these on top of the line
-                extra = k_terms_s(k_rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
-                                  machine.cpus, semantic_work(stage, cfg, shape))
+                planner = Planner(cfg, shape, machine, Rates(bytes_per_row=bytes_per_row, **k_rates), models, None)
+                extra = planner.k_terms(stage)  # the plan adds these on top of the line
                 points[stage].append([stage_work(stage, cfg, shape), max(0.0, costs[stage]["wall_s"] - extra)])
                 task, driver = planner.task_bytes(stage)
                 memory[stage].append((peaks[stage][0] - task / MB, peaks[stage][1] - driver / MB))
@@ -311,7 +325,8 @@ def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
                      for n in sorted(sizes)],
             "stages": stages, "bytes_per_row": {k: sum(v) / len(v) for k, v in folders.items()},
             "cpu_flops_per_s_per_cpu": cpu_matmul_flops(1), "search_cpu_s_per_row_k_d": search_rate,
-            "shuffle_cpu_s_per_row_partition": shuffle_rate, "semantic_cpu_s_per_row_row_d": semantic_rate,
+            "shuffle_cpu_s": {path: asdict(rate) for path, rate in shuffle.items()},
+            "semantic_cpu_s_per_row_row_d": semantic_rate,
             "cpu_encoder_mfu": cpu_encoder_mfu(), "dedup_shuffle_worker_mb": shuffle_worker,
             "note": "synth text (topic words): bytes per row of real text differ; pass --run-dir of a real run"}
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -252,6 +252,16 @@ class Planner:
             return rc.disk_shuffle
         return input_bytes >= rc.disk_shuffle_min_mib * 2**20
 
+    def shuffle_path(self, stage: str) -> str:
+        """Where the stage's hash shuffle goes: "local files" or "object store" (rates.SHUFFLE_PATHS)."""
+        return "local files" if self.through_files(self.shuffle_input(stage)[1]) else "object store"
+
+    def k_terms(self, stage: str, cpus: int | None = None) -> float:
+        """Seconds of the stage's terms that grow with k (rates.k_terms_s), its shuffle at the rate of its path."""
+        cfg, shape = self.cfg, self.shape
+        return k_terms_s(self.rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
+                         cpus or self.cluster.cpus, semantic_work(stage, cfg, shape), self.shuffle_path(stage))
+
     def shuffle(self, stage: str) -> tuple[float, float]:
         """(bytes a stage shuffles, bytes spilled beyond the object stores: none through local files)."""
         moved, input_bytes = self.shuffle_input(stage)
@@ -286,8 +296,7 @@ class Planner:
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
             # fit's and assign's searches, shard's and dedup's shuffle partitions, dedup's semantic pass: measured rates
-            wall += k_terms_s(self.rates, search_work(name, cfg, shape), shuffle_work(name, cfg, shape), cluster.cpus,
-                              semantic_work(name, cfg, shape))
+            wall += self.k_terms(name)
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
         task, driver = self.task_bytes(name)

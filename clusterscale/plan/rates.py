@@ -14,7 +14,9 @@ The calibration file (JSON, default ~/.clusterscale/plan_calibration.json, or --
                           "task_base_mb", "driver_base_mb"}},
    "bytes_per_row": {"<run-dir folder>": bytes on disk per row}, "imbalance_factor",
    "cpu_flops_per_s_per_cpu" (fp32 matmul), "search_cpu_s_per_row_k_d" (faiss flat inner-product search),
-   "shuffle_cpu_s_per_row_partition" (a Ray Data hash shuffle cutting each block into its partitions),
+   "shuffle_cpu_s": {"object store" | "local files": {"per_partition", "per_block_partition"}} (a Ray Data hash
+   shuffle by where it goes: CPU-s per hash partition and per input block x partition; an older file's
+   "shuffle_cpu_s_per_row_partition", timed on 8,192-row blocks, is read as per block x partition),
    "semantic_cpu_s_per_row_row_d" (dedup's semantic pass: a cluster of m rows compared with itself, per m x m x d),
    "cpu_encoder_mfu" (the bundled encoder's forward on one CPU thread over its fp32 matmul rate: the CPU MFU of
    embed, evaluate and train without a measured rate),
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from clusterscale.config import Config, ConfigError
+from clusterscale.plan.shape import ShuffleWork
 
 CALIBRATION_FORMAT = "clusterscale-plan-calibration/1"
 GPU_CALIBRATION_FORMAT = "clusterscale-gpu-check/1"
@@ -42,6 +45,18 @@ DATASHEET_MFU = 0.35
 """Fraction of the datasheet bf16 peak assumed for the encoder and the training step when no GPU calibration
 exists: BERT-base-sized encoders at 256 tokens reach ~30-45% on A100/H100 class GPUs in published training
 logs. An assumption: every figure that rests on it is marked 'datasheet'."""
+
+
+SHUFFLE_PATHS = ("object store", "local files")  # where a hash shuffle goes (runtime/bounded_data.shuffle_for)
+OLD_SHUFFLE_BLOCK_ROWS = 8_192  # the block size an old calibration's per-row-partition shuffle rate was timed at
+
+
+@dataclass(frozen=True)
+class ShuffleRate:
+    """CPU-seconds of a hash shuffle per partition (its reduce task and output) and per input block x partition
+    (the piece each map task cuts from a block for each partition)."""
+    per_partition: float = 0.0
+    per_block_partition: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,7 @@ class Rates:
     imbalance_factor: float | None = None
     cpu_flops_per_s_per_cpu: float | None = None
     search_cpu_s_per_row_k_d: float | None = None  # faiss IndexFlatIP search, one thread
-    shuffle_cpu_s_per_row_partition: float | None = None  # Ray Data hash shuffle, per row and partition
+    shuffle: dict[str, ShuffleRate] = field(default_factory=dict)  # Ray Data hash shuffle, by SHUFFLE_PATHS
     semantic_cpu_s_per_row_row_d: float | None = None  # dedup's in-cluster compare (dedup_core), one thread
     cpu_encoder_mfu: float | None = None  # the bundled encoder's forward / the fp32 matmul rate, one CPU thread
     dedup_shuffle_worker_mb: dict[str, float] = field(default_factory=dict)  # by where the shuffle goes
@@ -137,7 +152,7 @@ def rates_from_calibration(data: dict, path: str) -> Rates:
     rates = Rates(bytes_per_row=dict(data.get("bytes_per_row", {})), imbalance_factor=data.get("imbalance_factor"),
                   cpu_flops_per_s_per_cpu=data.get("cpu_flops_per_s_per_cpu"),
                   search_cpu_s_per_row_k_d=data.get("search_cpu_s_per_row_k_d"),
-                  shuffle_cpu_s_per_row_partition=data.get("shuffle_cpu_s_per_row_partition"),
+                  shuffle=shuffle_rates(data),
                   semantic_cpu_s_per_row_row_d=data.get("semantic_cpu_s_per_row_row_d"),
                   cpu_encoder_mfu=data.get("cpu_encoder_mfu"),
                   dedup_shuffle_worker_mb=dict(data.get("dedup_shuffle_worker_mb", {})),
@@ -172,12 +187,24 @@ def stage_of_cost_key(key: str) -> str:
     return key.split(":", 1)[0]
 
 
-def k_terms_s(rates: Rates, search: float, shuffle: float, cpus: int, semantic: float = 0.0) -> float:
-    """Seconds of a stage's terms that grow with k (a search's rows x k x d, a shuffle's rows x partitions) or with
-    rows x rows / k (dedup's semantic pass: rows x cluster rows x d) at the calibrated rates; 0 for a rate not
-    measured."""
+def shuffle_rates(data: dict) -> dict[str, ShuffleRate]:
+    """A calibration file's shuffle rates by path; an older file's one rate per row and partition (timed through the
+    object store on OLD_SHUFFLE_BLOCK_ROWS-row blocks) stands for both paths, per block and partition."""
+    if "shuffle_cpu_s" in data:
+        return {path: ShuffleRate(rec.get("per_partition", 0.0), rec.get("per_block_partition", 0.0))
+                for path, rec in data["shuffle_cpu_s"].items()}
+    old = data.get("shuffle_cpu_s_per_row_partition")
+    return {path: ShuffleRate(0.0, old * OLD_SHUFFLE_BLOCK_ROWS) for path in SHUFFLE_PATHS} if old else {}
+
+
+def k_terms_s(rates: Rates, search: float, shuffle: ShuffleWork, cpus: int, semantic: float = 0.0,
+              shuffle_path: str = "object store") -> float:
+    """Seconds of a stage's terms that grow with k (a search's rows x k x d, a shuffle's partitions and blocks x
+    partitions at the rate of the path it takes) or with rows x rows / k (dedup's semantic pass: rows x cluster
+    rows x d) at the calibrated rates; 0 for a rate not measured."""
+    shuffle_rate = rates.shuffle.get(shuffle_path) or ShuffleRate()
     return ((rates.search_cpu_s_per_row_k_d or 0.0) * search
-            + (rates.shuffle_cpu_s_per_row_partition or 0.0) * shuffle
+            + shuffle_rate.per_partition * shuffle.partitions + shuffle_rate.per_block_partition * shuffle.pieces
             + (rates.semantic_cpu_s_per_row_row_d or 0.0) * semantic) / max(1, cpus)
 
 

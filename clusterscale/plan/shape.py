@@ -150,23 +150,36 @@ def search_work(stage: str, cfg: Config, shape: RunShape) -> float:
     return 0.0
 
 
-def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> float:
-    """Rows x hash partitions of a stage's Ray Data shuffle (0 for a stage without one that grows with k): the
-    shuffle cuts every block into one piece per partition, and shard's partitions are its (shard, sub-group) keys,
-    so k of them up to MIN_PARTITIONS (stages/shards.writer_sizing). Measured: shard at 600k rows took 29 s at
-    k = 50 and 45 s at k = 200 (benchmarks/RESULTS.md "bench_plan"), at the calibrated per-row-partition rate.
-    dedup's shuffle by cluster has one partition per cluster (k + 1: a pooled small-cluster id; more where a cluster
-    is split into blocks). Its exact pass's key buckets (one per ROWS_PER_BUCKET rows) are not counted: their
-    number grows with N, not k, and rows x buckets would make a hash split quadratic in N."""
+@dataclass(frozen=True)
+class ShuffleWork:
+    """The terms of a stage's Ray Data hash shuffle that grow with k: its hash partitions (a reduce task each) and
+    its input blocks x partitions (every map task cuts each block into one piece per partition)."""
+    partitions: float = 0.0
+    blocks: float = 0.0
+
+    @property
+    def pieces(self) -> float:
+        return self.partitions * self.blocks
+
+
+def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> ShuffleWork:
+    """The hash shuffle of a stage whose partitions grow with k (none otherwise). shard's partitions are its
+    (shard, sub-group) keys, so k of them up to MIN_PARTITIONS (stages/shards.writer_sizing); dedup's shuffle by
+    cluster has one per cluster (k + 1: a pooled small-cluster id; more where a cluster is split into blocks). Its
+    exact pass's key buckets (one per ROWS_PER_BUCKET rows) are not counted: their number grows with N, not k. Both
+    read assign/ one Parquet row group (EMBEDDINGS_ROW_GROUP_ROWS rows) per block. The time is not rows x partitions:
+    `plan --calibrate` timed the same partitions over 4x the rows at the same cost through the object store, and
+    through local files a cost per block and partition (benchmarks/RESULTS.md, session 21)."""
+    blocks = float(math.ceil(shape.train_rows / EMBEDDINGS_ROW_GROUP_ROWS))
     if stage == "dedup":
-        return float(shape.train_rows) * (shape.k + 1) if cfg.dedup.semantic_threshold else 0.0
+        return ShuffleWork(float(shape.k + 1), blocks) if cfg.dedup.semantic_threshold else ShuffleWork()
     if stage != "shard":
-        return 0.0
+        return ShuffleWork()
     shards = shard_sizes(cfg, shape).astype(np.int64)
     groups = groups_per_shard(shards, cfg.shard.max_group_rows)
     largest = int((shards / np.maximum(groups, 1)).max(initial=0))
     sizes = GroupSizes(int(shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
-    return float(shape.train_rows) * writer_sizing(sizes, 1.0)[0]
+    return ShuffleWork(float(writer_sizing(sizes, 1.0)[0]), blocks)
 
 
 def semantic_work(stage: str, cfg: Config, shape: RunShape) -> float:
