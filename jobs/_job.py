@@ -44,7 +44,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def run_job(description: str, body: Callable, argv: list[str] | None = None,
             parser: argparse.ArgumentParser | None = None) -> int:
     """Parse arguments, load and validate the config, join Ray, call body(cfg, run, args); an exit status.
-    Ctrl-C: exit 130, finished units kept (runtime.interrupt; only when run as a program, argv None)."""
+    Ctrl-C: exit 130 (SIGTERM, as `ray job stop` sends: 143), finished units kept (runtime.interrupt; only when
+    run as a program, argv None)."""
     if argv is None:
         interrupt.install()
     args = (parser or build_parser(description)).parse_args(argv)

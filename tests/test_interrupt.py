@@ -1,8 +1,10 @@
 """Ctrl-C of a clusterscale process (runtime.interrupt), without Ray: a second SIGINT ends it at once, even when
-the first one's stop hangs and when the process inherited SIGINT ignored (a background job of a script). The
-first SIGINT during a real stage is tested in test_embed_restart (embed killed mid-run, then resumed)."""
+the first one's stop hangs and when the process inherited SIGINT ignored (a background job of a script); SIGTERM
+stops it the same way, after ray.init's own SIGTERM handler too. The first SIGINT during a real stage is tested in
+test_embed_restart (embed killed mid-run, then resumed)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -49,6 +51,44 @@ def test_second_sigint_ends_the_process_at_once(tmp_path):
             proc.kill()
             proc.wait()
     assert err.read_text().strip() == STAGES["train"].interrupted and "train --resume" in err.read_text()
+
+
+# A driver holding a stage lock when SIGTERM comes (`ray job stop`, `kill`). It joins the suite's Ray (RAY_ADDRESS)
+# through runtime/session.init_ray, whose ray.init gives a driver a SIGTERM handler of its own (sys.exit on the main
+# thread: the stage would unwind from wherever it is) that init_ray takes back.
+TERMINATED = """
+import sys, time
+from clusterscale.config import RayConfig
+from clusterscale.io.rundir import RunDir
+from clusterscale.runtime import interrupt, session
+assert interrupt.install()
+session.init_ray(RayConfig())
+with RunDir(sys.argv[1]).lock("embeddings"):
+    print("ready", flush=True)
+    try:
+        time.sleep(3600)
+    finally:  # never reached: the process ends without unwinding, as after Ctrl-C
+        print("unwound", flush=True)
+"""
+
+
+def test_sigterm_stops_like_ctrl_c_with_exit_143_and_gives_the_lock_back(tmp_path, ray_local):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n", proc.stderr.read().decode()[-3000:]
+        assert list((run / "locks").glob("*.json"))  # held
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == interrupt.EXIT_TERMINATED == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read().decode()
+    assert err.rstrip().endswith(interrupt.MESSAGE) and err.count(interrupt.MESSAGE) == 1 and "Traceback" not in err
+    assert proc.stdout.read() == b""  # nothing unwound
+    assert not list((run / "locks").glob("*.json"))
 
 
 def test_a_library_caller_keeps_its_own_ctrl_c():

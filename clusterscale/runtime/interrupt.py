@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) for the command line and the jobs: stop within seconds with exit 130, keep every finished unit.
+"""Ctrl-C (SIGINT) and SIGTERM (`ray job stop`, `kill`, a scheduler's preemption) for the command line and the jobs:
+stop within seconds with exit 130 (143 for SIGTERM), keep every finished unit.
 
 A stage's finished work is already safe against a kill (units, checkpoints and done markers are written under a
 temporary name and renamed; a rerun skips what is complete and clears temporary leftovers), so the first SIGINT
@@ -16,6 +17,10 @@ run, exit 0 at the third signal; `keep_sigint` stops that). The C-level handler 
 fd whatever Python handler is installed, so the watcher sees each SIGINT in time. The Python handler installed
 here does nothing; it also replaces SIG_IGN, which a process started in the background by a non-interactive shell
 (`clusterscale run ... &` in a script) inherits for SIGINT and under which Ctrl-C was silently ignored.
+
+SIGTERM takes the same path. ray.init() gives a driver a SIGTERM handler of its own (sys.exit on the main thread:
+the stage unwinds from wherever it is, and a library on the way may catch the exit, as Ray Train's fit() turned a
+KeyboardInterrupt into a normal return), so runtime/session.init_ray takes SIGTERM back after it (reclaim_sigterm).
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from collections.abc import Iterator
 from clusterscale.io.rundir import release_held_locks
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+EXIT_CODES = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 MESSAGE = "interrupted: finished units are kept; rerun the same command to resume"
 RELEASE_TIMEOUT_S = 5.0  # the most the first SIGINT waits for the locks to be given back (an object store)
 FLUSH_TIMEOUT_S = 1.0  # the most it waits for buffered output (a full pipe must not hold the exit)
@@ -41,8 +48,9 @@ _stopping = threading.Event()  # set by the first SIGINT; the main thread must n
 
 
 def install() -> bool:
-    """Take over SIGINT for this process (idempotent). Only from the main thread of a program's entry point: a
-    library caller (a test calling cli.main) keeps its own Ctrl-C. False when not installed (not the main thread)."""
+    """Take over SIGINT and SIGTERM for this process (idempotent). Only from the main thread of a program's entry
+    point: a library caller (a test calling cli.main) keeps its own. False when not installed (not the main
+    thread)."""
     global _wakeup
     if _wakeup is not None:
         return True
@@ -51,7 +59,8 @@ def install() -> bool:
     reader, writer = socket.socketpair()
     reader.setblocking(True)
     writer.setblocking(False)  # the C handler must never block on a full buffer
-    signal.signal(signal.SIGINT, _ignore)
+    for number in EXIT_CODES:
+        signal.signal(number, _ignore)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     _wakeup = (reader, writer)
     threading.Thread(target=_watch, args=(reader,), name="clusterscale-sigint", daemon=True).start()
@@ -61,6 +70,13 @@ def install() -> bool:
 
 def installed() -> bool:
     return _wakeup is not None
+
+
+def reclaim_sigterm() -> None:
+    """Take SIGTERM back from a handler set after install() (ray.init's sys.exit): on the main thread, when
+    installed."""
+    if installed() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _ignore)
 
 
 def keep_sigint(obj, method: str) -> None:
@@ -83,26 +99,27 @@ def saying(message: str) -> Iterator[None]:
 
 
 def _ignore(signum, frame) -> None:
-    """The Python-level SIGINT handler: no KeyboardInterrupt; the watcher thread acts."""
+    """The Python-level SIGINT and SIGTERM handler: no KeyboardInterrupt, no SystemExit; the watcher thread acts."""
 
 
 def _watch(reader: socket.socket) -> None:
-    """Read the signal numbers the C handler writes; the first SIGINT starts the stop, the second exits now."""
-    seen = 0
+    """Read the signal numbers the C handler writes; the first SIGINT or SIGTERM starts the stop (which exits with
+    that signal's code), the second exits now."""
+    code = None
     while True:
         data = reader.recv(64)
         for number in data:
-            if number != signal.SIGINT:
-                continue  # another signal with a Python handler (Ray's SIGTERM): not ours
-            seen += 1
-            if seen == 1:
-                threading.Thread(target=_stop, name="clusterscale-stop", daemon=True).start()
+            if number not in EXIT_CODES:
+                continue  # another signal with a Python handler: not ours
+            if code is None:
+                code = EXIT_CODES[number]
+                threading.Thread(target=_stop, args=(code,), name="clusterscale-stop", daemon=True).start()
             else:
-                os._exit(EXIT_INTERRUPTED)
+                os._exit(code)
 
 
-def _stop() -> None:
-    """Say it, give back the stage locks (bounded), exit 130."""
+def _stop(code: int = EXIT_INTERRUPTED) -> None:
+    """Say it, give back the stage locks (bounded), exit with `code` (130 after SIGINT, 143 after SIGTERM)."""
     _stopping.set()
     _bounded(_flush, FLUSH_TIMEOUT_S)  # lines already printed come out before ours
     os.write(2, f"\n{_messages[-1]}\n".encode())  # unbuffered: the main thread may hold sys.stderr's lock
@@ -110,7 +127,7 @@ def _stop() -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     _bounded(release_held_locks, RELEASE_TIMEOUT_S)
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(code)
 
 
 def _wait_for_stop() -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import ray
 
 from clusterscale.config import ConfigError, RayConfig
+from clusterscale.runtime import interrupt
 
 # OpenMP wait policy for faiss on CPU (see faiss_runtime_env). _local_workers_inherit_env: init_ray started a local
 # Ray (whose workers inherit this process's environment); _workers_have_omp_policy: every worker of this job has the
@@ -187,6 +188,7 @@ def init_ray(cfg: RayConfig) -> None:
             print(f"[ray] the local Ray node did not start within Ray's 30 s (machine busy?); retrying "
                   f"({attempt + 2}/3)", flush=True)
             ray.shutdown()
+    interrupt.reclaim_sigterm()  # ray.init set sys.exit on SIGTERM for this driver
     _drop_worker_log_noise()
     global _local_workers_inherit_env, _workers_have_omp_policy
     _local_workers_inherit_env = _workers_have_omp_policy = address is None
