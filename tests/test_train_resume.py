@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -63,7 +64,12 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     and is resumed: the uninterrupted clustered run's batches, losses and learning rates. The run is the curriculum
     sampler at p = 1 (start = end = 1), which is the clustered schedule batch for batch (it reads the clustered shards
     through the curriculum's two sets; the random set is written on demand). Metrics-only reports (every step)
-    between the checkpoints must not disturb the restart."""
+    between the checkpoints must not disturb the restart. The resume is compare's (an arm stopped midway with the
+    same config continues by itself: `train --resume` underneath); with another config it would train afresh."""
+    from clusterscale.experiments import _train
+    from clusterscale.pipeline import STAGES
+    from clusterscale.train.loop import stopped_midway
+
     keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1",
             "train.checkpoint_every_steps=2", "train.max_failures=1", "train.log_every_steps=1")
     stats = run_stage("train", _cfg(tiny_model, "resumed", *keys, "train.stop_after_steps=5"), sharded,
@@ -71,8 +77,14 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     assert stats["stopped_at_step"] == 5 and not sharded.exists("train/resumed/_DONE.json")
     assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
     assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 5  # the steps redone after the restart once
-    run_stage("train", _cfg(tiny_model, "resumed", *keys), sharded, resume=True)
+    cfg, other = _cfg(tiny_model, "resumed", *keys), _cfg(tiny_model, "resumed", *keys, "train.lr=5e-4")
+    assert stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(cfg, sharded))
+    assert not stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(other, sharded))
+    attempt = os.stat(sharded.path("train/resumed/_ATTEMPT.json")).st_mtime_ns
+    _train(cfg, sharded, {})
     _assert_same_run(sharded, "resumed", uninterrupted)
+    assert os.stat(sharded.path("train/resumed/_ATTEMPT.json")).st_mtime_ns == attempt  # continued, not begun anew
+    assert not stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(cfg, sharded))  # done
 
 
 def test_moe_with_the_source_sampler_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):

@@ -31,6 +31,7 @@ from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.train import recluster
 from clusterscale.train.recluster import segment_bounds, segment_dir
 
+ATTEMPT = "_ATTEMPT.json"  # in train/<name>/: the fingerprint of the config its latest attempt started with
 RAY_RUN_NAME = "ray-train"  # fixed: Ray Train resumes a run whose name and storage path it finds again
 
 
@@ -66,6 +67,8 @@ def run_train(ctx: StageContext) -> StageResult:
             if set_cfg.train.schedule.sampler != "clustered":
                 ctx.stage("shard_set", set_cfg, run)
     plan = plan_training(cfg, run, ctx.resume)
+    if not ctx.resume:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_midway)
+        run.write_json(f"{train_dir(plan.name)}/{ATTEMPT}", {"fingerprint": str(ctx.fingerprint or "")})
     if cfg.train.objective.negatives_per_query:  # the rows of the shard sets this sampler reads carry their negatives
         for set_cfg in set_configs(cfg):
             sidecars_for_training(set_cfg, run, run)
@@ -77,6 +80,15 @@ def run_train(ctx: StageContext) -> StageResult:
             recluster_s += time.time() - started
         result = train_segment(ctx, plan, segment, shards_uri, ctx.resume or segment > 0)
     return finish_training(cfg, run, plan, result, recluster_s)
+
+
+def stopped_midway(run: RunDir, name: str, fingerprint: str) -> bool:
+    """Whether train/<name>/ holds an attempt that stopped midway (Ray Train's checkpoints, no done marker) and that
+    started with the config of `fingerprint`: `train --resume` would continue it on the same batches."""
+    out = train_dir(name)
+    if run.exists(out, "_DONE.json") or not run.exists(out, "ray", RAY_RUN_NAME) or not run.exists(out, ATTEMPT):
+        return False
+    return run.read_json(f"{out}/{ATTEMPT}").get("fingerprint") == fingerprint
 
 
 def set_configs(cfg: Config) -> list[Config]:
