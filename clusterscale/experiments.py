@@ -33,7 +33,7 @@ from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.arm_costs import arm_preprocess, gain_per_hour
 from clusterscale.train.curriculum import CURRICULUM
-from clusterscale.train.loop import stopped_midway
+from clusterscale.train.loop import stopped_attempt
 from clusterscale.train.schedule import SAMPLERS
 
 ARM_SAMPLERS = (*SAMPLERS, CURRICULUM)  # an arm named after a sampler trains with it
@@ -88,8 +88,8 @@ def _train(cfg: Config, run: RunDir, stage_options: dict) -> None:
     """Train one arm. An arm whose earlier attempt stopped midway with this very config (Ctrl-C, a lost node, a
     killed job: its checkpoints kept, no done marker) continues from its latest checkpoint on the same batches, so a
     study of hours runs in pieces; --replace trains it afresh."""
-    resume = not stage_options.get("replace") and stopped_midway(run, cfg.train_name(),
-                                                                 STAGES["train"].fingerprint_of(cfg, run))
+    stopped = None if stage_options.get("replace") else stopped_attempt(run, cfg.train_name())
+    resume = stopped is not None and stopped == STAGES["train"].fingerprint_of(cfg, run)
     if resume:
         print(f"[{train_dir(cfg.train_name())}] an earlier attempt with this config stopped midway: continuing from "
               f"its latest checkpoint", flush=True)

@@ -68,7 +68,7 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     same config continues by itself: `train --resume` underneath); with another config it would train afresh."""
     from clusterscale.experiments import _train
     from clusterscale.pipeline import STAGES
-    from clusterscale.train.loop import stopped_midway
+    from clusterscale.train.loop import stopped_attempt
 
     keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1",
             "train.checkpoint_every_steps=2", "train.max_failures=1", "train.log_every_steps=1")
@@ -78,13 +78,13 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     assert sharded.exists("train/resumed/ray")  # unfinished: the checkpoint stays for --resume
     assert len(_jsonl(sharded, "train/resumed/batches/rank-0.jsonl")) == 5  # the steps redone after the restart once
     cfg, other = _cfg(tiny_model, "resumed", *keys), _cfg(tiny_model, "resumed", *keys, "train.lr=5e-4")
-    assert stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(cfg, sharded))
-    assert not stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(other, sharded))
+    assert stopped_attempt(sharded, "resumed") == STAGES["train"].fingerprint_of(cfg, sharded)
+    assert stopped_attempt(sharded, "resumed") != STAGES["train"].fingerprint_of(other, sharded)
     attempt = os.stat(sharded.path("train/resumed/_ATTEMPT.json")).st_mtime_ns
     _train(cfg, sharded, {})
     _assert_same_run(sharded, "resumed", uninterrupted)
     assert os.stat(sharded.path("train/resumed/_ATTEMPT.json")).st_mtime_ns == attempt  # continued, not begun anew
-    assert not stopped_midway(sharded, "resumed", STAGES["train"].fingerprint_of(cfg, sharded))  # done
+    assert stopped_attempt(sharded, "resumed") is None  # done
 
 
 def test_moe_with_the_source_sampler_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):

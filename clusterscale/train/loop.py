@@ -67,7 +67,7 @@ def run_train(ctx: StageContext) -> StageResult:
             if set_cfg.train.schedule.sampler != "clustered":
                 ctx.stage("shard_set", set_cfg, run)
     plan = plan_training(cfg, run, ctx.resume)
-    if not ctx.resume:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_midway)
+    if not ctx.resume:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_attempt)
         run.write_json(f"{train_dir(plan.name)}/{ATTEMPT}", {"fingerprint": str(ctx.fingerprint or "")})
     if cfg.train.objective.negatives_per_query:  # the rows of the shard sets this sampler reads carry their negatives
         for set_cfg in set_configs(cfg):
@@ -82,13 +82,13 @@ def run_train(ctx: StageContext) -> StageResult:
     return finish_training(cfg, run, plan, result, recluster_s)
 
 
-def stopped_midway(run: RunDir, name: str, fingerprint: str) -> bool:
-    """Whether train/<name>/ holds an attempt that stopped midway (Ray Train's checkpoints, no done marker) and that
-    started with the config of `fingerprint`: `train --resume` would continue it on the same batches."""
+def stopped_attempt(run: RunDir, name: str) -> str | None:
+    """The config fingerprint of an attempt of train/<name>/ that stopped midway (Ray Train's checkpoints, no done
+    marker), which `train --resume` would continue on the same batches; None when there is none."""
     out = train_dir(name)
     if run.exists(out, "_DONE.json") or not run.exists(out, "ray", RAY_RUN_NAME) or not run.exists(out, ATTEMPT):
-        return False
-    return run.read_json(f"{out}/{ATTEMPT}").get("fingerprint") == fingerprint
+        return None
+    return run.read_json(f"{out}/{ATTEMPT}").get("fingerprint")
 
 
 def set_configs(cfg: Config) -> list[Config]:
