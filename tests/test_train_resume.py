@@ -85,6 +85,10 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     _assert_same_run(sharded, "resumed", uninterrupted)
     assert os.stat(sharded.path("train/resumed/_ATTEMPT.json")).st_mtime_ns == attempt  # continued, not begun anew
     assert stopped_attempt(sharded, "resumed") is None  # done
+    # stopped before Ray Train registered a checkpoint (a start-up, a first step): nothing to continue, starts afresh
+    sharded.makedirs("train/early/ray/ray-train")
+    sharded.write_json("train/early/_ATTEMPT.json", {"fingerprint": STAGES["train"].fingerprint_of(cfg, sharded)})
+    assert stopped_attempt(sharded, "early") is None
 
 
 def test_moe_with_the_source_sampler_uniform_weighting_and_gradcache(sharded, tiny_model, ray_local):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import time
 
@@ -83,12 +84,20 @@ def run_train(ctx: StageContext) -> StageResult:
 
 
 def stopped_attempt(run: RunDir, name: str) -> str | None:
-    """The config fingerprint of an attempt of train/<name>/ that stopped midway (Ray Train's checkpoints, no done
-    marker), which `train --resume` would continue on the same batches; None when there is none."""
+    """The config fingerprint of an attempt of train/<name>/ that stopped midway after Ray Train registered a
+    checkpoint (and before the done marker), which `train --resume` would continue on the same batches; None when
+    there is none (an attempt stopped before its first checkpoint starts afresh)."""
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
     out = train_dir(name)
-    if run.exists(out, "_DONE.json") or not run.exists(out, "ray", RAY_RUN_NAME) or not run.exists(out, ATTEMPT):
+    snapshot = f"{out}/ray/{RAY_RUN_NAME}/{CHECKPOINT_MANAGER_SNAPSHOT_FILENAME}"
+    if run.exists(out, "_DONE.json") or not run.exists(snapshot) or not run.exists(out, ATTEMPT):
         return None
-    return run.read_json(f"{out}/{ATTEMPT}").get("fingerprint")
+    try:  # Ray Train writes its snapshot in place: a torn read is no checkpoint yet
+        registered = json.loads(run.read_bytes(snapshot)).get("latest_checkpoint_result")
+    except ValueError:
+        return None
+    return run.read_json(f"{out}/{ATTEMPT}").get("fingerprint") if registered else None
 
 
 def set_configs(cfg: Config) -> list[Config]:
