@@ -7,7 +7,10 @@
 # seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~30 min, MiniLM ~3 h) and record `uptime` with the figures:
-#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both]      (log: OUT_DIR/study.log)
+#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new]      (log: OUT_DIR/study.log)
+# minilm-new: random and the three new arms only (random seed 0 reproduced the ef13e37 study bit for bit, so its
+# clustered and random_clusters arms stand); OUT_DIR/minilm may start as a copy of OUT_DIR/scratch's preprocessing
+# folders (pairs, heldout, quarantine, embeddings, kmeans, assign, shards, negatives): the same keys, reused.
 # RESULTS.md's tables come from the run's own summary: python benchmarks/study_table.py OUT_DIR/minilm.
 # It can be run in pieces: rerun the same command and compare skips the finished arms, and an arm stopped
 # midway resumes from its last checkpoint (every 50 steps) on the same batches.
@@ -38,6 +41,11 @@ EASY=(--arm "random+mined:train.negatives_curriculum_steps=$EASY_STEPS"
     time clusterscale compare --run-dir "$OUT/scratch" --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" --seeds 5 \
       --set "${COMMON[@]}" "${SCRATCH[@]}"
     clusterscale report --run-dir "$OUT/scratch"
+  fi
+  if [[ $WHICH == minilm-new ]]; then  # MiniLM's new arms beside random only: the 9 old arms stand (RESULTS.md)
+    time clusterscale compare --run-dir "$OUT/minilm" --arms "random,$NEW_ARMS" "${EASY[@]}" \
+      --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
+    clusterscale report --run-dir "$OUT/minilm"
   fi
   if [[ $WHICH == minilm || $WHICH == both ]]; then
     time clusterscale compare --run-dir "$OUT/minilm" --arms "clustered,random,random_clusters,$NEW_ARMS" "${EASY[@]}" \
