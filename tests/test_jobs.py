@@ -96,8 +96,10 @@ def ray_head(tmp_path_factory, s3_endpoint):
     # The suite's Ray settings (conftest: a short controller poll, no preemption watcher, idle workers kept) hold on
     # these nodes too; their raylets and workers inherit them from the nodes' environment.
     env.update({k: os.environ[k] for k in RAY_SETTINGS if k in os.environ})
+    # The job's driver takes a stage lock on the S3 run for each of ~10 stages and reads it back after the settle time
+    # (2 s by default, README "Locks"): a short one on loopback.
     env.update(AWS_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1")
+               HF_HUB_OFFLINE="1", CLUSTERSCALE_LOCK_SETTLE_S="0.5")
     # Tiny embed units take milliseconds: a unit is encoded before the tokeniser has the next, so the encoder next to
     # the tokeniser (Ray Data prefers the actor beside a block) could take every unit and the stage run on one node
     # (seen once in CI). A short wait per unit (the test hook) keeps the first actor busy, so the other gets units.

@@ -115,6 +115,20 @@ def test_stage_lock_is_a_lease_on_object_stores(s3_endpoint, monkeypatch):
         assert run.read_json("locks/train/x.json")["host"] != "elsewhere"
 
 
+def test_lock_settle_time_comes_from_the_environment(monkeypatch):
+    from clusterscale.errors import UserError
+    from clusterscale.io import rundir
+
+    monkeypatch.delenv(rundir.LOCK_SETTLE_ENV, raising=False)
+    assert rundir.lock_settle_s() == rundir.LOCK_SETTLE_S
+    monkeypatch.setenv(rundir.LOCK_SETTLE_ENV, "0.25")
+    assert rundir.lock_settle_s() == 0.25
+    for bad in ("soon", "-1", "nan", "1e9"):
+        monkeypatch.setenv(rundir.LOCK_SETTLE_ENV, bad)
+        with pytest.raises(UserError, match=f"CLUSTERSCALE_LOCK_SETTLE_S='{bad}' is not a number of seconds"):
+            rundir.lock_settle_s()
+
+
 def test_local_copy_downloads_a_folder(s3_endpoint, tmp_path):
     run = RunDir(s3_uri(s3_endpoint, "copy-bucket/m"))
     run.write_text("config.json", "{}")

@@ -71,6 +71,22 @@ class StageLockedError(UserError, RuntimeError):
 LOCK_TTL_S = 300.0  # a lease its holder stopped renewing for this long is stale (the holder is gone)
 LOCK_RENEW_S = 30.0
 LOCK_SETTLE_S = 2.0  # object stores: how long a new lease must stay ours before we trust it
+LOCK_SETTLE_ENV = "CLUSTERSCALE_LOCK_SETTLE_S"  # overrides it (README "Locks")
+
+
+def lock_settle_s() -> float:
+    """Seconds a new lease on an object store must stay ours: LOCK_SETTLE_S, or CLUSTERSCALE_LOCK_SETTLE_S."""
+    text = os.environ.get(LOCK_SETTLE_ENV, "").strip()
+    if not text:
+        return LOCK_SETTLE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0.0 <= seconds <= 60.0:
+        raise UserError(f"{LOCK_SETTLE_ENV}={text!r} is not a number of seconds from 0 to 60: set it to how long "
+                        f"a new stage lock on an object store must stay yours (default {LOCK_SETTLE_S}), or unset it.")
+    return seconds
 
 
 def join_uri(uri: str, *parts: str) -> str:
@@ -344,7 +360,7 @@ class RunDir:
         if self.exists(rel):
             return False
         self.write_json(rel, me)
-        time.sleep(LOCK_SETTLE_S)
+        time.sleep(lock_settle_s())
         return (self._read_lock(rel) or {}).get("id") == me["id"]
 
     def _read_lock(self, rel: str) -> dict | None:

@@ -2,9 +2,10 @@
 
 Ray Data's read_parquet (2.60, datasource V2) packs 128 MiB bins of row groups from several files into one
 read task and reads ahead inside it: a read worker measured ~0.9-1.4 GB at 150k-600k rows of d=384 pairs
-(benchmarks/bench_scale.py), growing with the number of files. Reading one row group per task with pyarrow
-keeps a read task at O(one row group) (embed, synth and assign write 8,192-row groups), and a following
-map_batches fuses into the same task.
+(benchmarks/bench_scale.py), growing with the number of files, and lists the files' footers on a pool of up to 32
+actors of its own per read (each a new worker process: ~1-2 s a read on a 2-CPU node). Reading one row group per task
+with pyarrow keeps a read task at O(one row group) (embed, synth and assign write 8,192-row groups), and a following
+map_batches fuses into the same task. Every stage reads through read_row_groups.
 
 Ray Data's hash shuffle (groupby, repartition by key) coalesces up to DataContext.shuffle_input_batch_bytes
 (default 1 GiB) of input blocks into one map task: at these sizes that is all the rows of the stage in one task

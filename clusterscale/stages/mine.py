@@ -135,21 +135,20 @@ def pairs_with_vectors(cfg: Config, run: RunDir, source: RunDir, encoder: str | 
     assigned = assign_dir(cfg.cluster.k)
     text = ["pair_id", "query", "passage", "cluster"]
     if encoder is not None:  # re-embedded vectors, joined to the frozen clusters by pair_id
-        frozen = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(text)
-        vectors = ray.data.read_parquet(source.files("embeddings"), filesystem=source.fs).select_columns(
-            ["pair_id", "emb", "emb_query"])
+        frozen = read_row_groups(run, run.files(assigned), text)
+        vectors = read_row_groups(source, source.files("embeddings"), ["pair_id", "emb", "emb_query"])
         partitions = max(1, len(run.files(assigned)))
         return frozen.join(vectors, "inner", partitions, on=("pair_id",)), False
     has_queries = "emb_query" in _schema(run, assigned)
     if has_queries:
         return read_row_groups(run, run.files(assigned), text + ["emb", "emb_query"]), False
-    ds = ray.data.read_parquet(run.files(assigned), filesystem=run.fs).select_columns(text + ["emb"])
+    ds = read_row_groups(run, run.files(assigned), text + ["emb"])
     pool = encoder_pool(cfg.mine, need)
     # CPU actors reserve at most half the CPUs (they still run pool.threads threads), so the read and
     # grouping tasks are never starved (a whole-CPU pool deadlocks Ray Data on a small box).
     options = pool.options if pool.on_gpu else {"num_cpus": min(pool.num_cpus, ClusterResources.current().cpus / 2)}
-    # Whole read blocks as batches: a query's vector (its padding, its sub-batch) then never depends on which
-    # rows arrived with it, so a rerun ranks near-ties the same way.
+    # Whole read blocks (one row group each) as batches: a query's vector (its padding, its sub-batch) then never
+    # depends on which rows arrived with it, so a rerun ranks near-ties the same way.
     return ds.map_batches(EncodeQueries, fn_constructor_args=(cfg.embed, pool.threads), batch_size=None,
                           batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=pool.actors),
                           **options), True
