@@ -258,19 +258,18 @@ def run_assign(ctx: StageContext) -> StageResult:
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
     n_rows = run.done_stats("embeddings")["rows"]
     cluster = ClusterResources.current()
-    units = assign_units(run)
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
-    plan = plan_actors(ctx.resources, cpu_actors=cluster.cpus, work_units=len(units),
+    plan = plan_actors(ctx.resources, cpu_actors=cluster.cpus,
                        use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
+    units = assign_units(run)
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
-    # The whole pool from the start (never more actors than units), spread one actor per node in turn: the units
-    # are known up front, so growing the pool from one actor per node only delayed them (200k rows on 2 CPUs:
-    # 4.99 -> 4.37 s, benchmarks/RESULTS.md session 23). Every node takes a share of the units from the first, and
-    # a node's loss costs only the units in flight there.
-    ds = map_spread(ds.map_batches, AssignUnits, first_actors=plan.actors, on_gpu=plan.on_gpu,
+    # At least one actor per node from the start, spread: every node takes a share of the units, and a node's loss
+    # costs only the units in flight there. Autoscaling from one actor would leave small runs on one node.
+    first = max(1, min(plan.actors, cluster.nodes, len(units)))
+    ds = map_spread(ds.map_batches, AssignUnits, first_actors=first, on_gpu=plan.on_gpu,
                     fn_constructor_args=(index, run.uri, out), batch_size=1, batch_format="pyarrow",
-                    compute=ray.data.ActorPoolStrategy(size=plan.actors), **remote_args)
+                    compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **remote_args)
     progress, written, nodes = ProgressLine("assign", n_rows), 0, set()
     for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total
         written += result["rows"]
