@@ -190,9 +190,11 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
                    **stage_options)
     metrics: dict[str, dict[str, list]] = {}
     frozen = None
-    for sampler, arm_cfgs in arms.items():  # every arm trains, then every arm is evaluated by one encoder process
-        for i, arm_cfg in enumerate(arm_cfgs):
-            arm_cfg = arm_cfgs[i] = _the_runs_own_when_same(cfg, run, arm_cfg, stage_options)
+    # Every arm trains, seed by seed (seed 0 of every arm before seed 1 of any: a compare run in pieces has the same
+    # seeds of every arm done first), then every arm is evaluated by one encoder process.
+    for i in range(len(seed_list)):
+        for arm_cfgs in arms.values():
+            arm_cfg = arm_cfgs[i] = _the_runs_own_when_same(cfg, run, arm_cfgs[i], stage_options)
             print(f"== compare: {arm_cfg.train_name()} ==", flush=True)
             _train(arm_cfg, run, stage_options)
     with evaluate_together():
