@@ -7,7 +7,7 @@
 # seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~30 min, MiniLM ~3 h) and record `uptime` with the figures:
-#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new]      (log: OUT_DIR/study.log)
+#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new|minilm-new-evaluate]      (log: OUT_DIR/study.log)
 # minilm-new: issue 30's five arms (random, clustered and the three new ones) for MiniLM. The bundled dataset is
 # harvested from the installed packages' docstrings, so it changes with their versions (the ef13e37 study's 13,588
 # rows are not this install's): arms are paired only within one run directory, never across harvests.
@@ -20,6 +20,13 @@
 # ~ one epoch of 12,887 pairs / 64). The scratch student runs them with random and clustered over 5 seeds (seeds
 # 0-2 of random and clustered are reused); MiniLM runs them with random and clustered over 3 seeds (minilm-new).
 # compare mines once for every arm and seed.
+# Over several machines (each session's box is new; the MiniLM study is ~4 h of training here): stop the study
+# between arms (Ctrl-C), then `bash benchmarks/run_study.sh OUT_DIR minilm-new-evaluate` evaluates the finished
+# arms with compare's own configs, and `python benchmarks/study_state.py save OUT_DIR/minilm STATE.tar.gz` keeps
+# their results (no weights). On the next machine: `python benchmarks/study_state.py restore STATE.tar.gz
+# OUT_DIR/minilm`, this script with minilm-new again, and, once its log shows the first `== compare:`,
+# `python benchmarks/study_state.py verify STATE.tar.gz OUT_DIR/minilm` (the recomputed preprocessing must be the
+# one the restored arms trained on). benchmarks/results/study30_minilm/arms.tar.gz is the state so far.
 # The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>
 set -euo pipefail
 OUT=${1:-runs/study}
@@ -46,6 +53,10 @@ EASY=(--arm "random+mined:train.negatives_curriculum_steps=$EASY_STEPS"
     time clusterscale compare --run-dir "$OUT/minilm" --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" \
       --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
     clusterscale report --run-dir "$OUT/minilm"
+  fi
+  if [[ $WHICH == minilm-new-evaluate ]]; then  # the arms finished so far, as the final compare will see them
+    python "$(dirname "$0")/study_state.py" evaluate "$OUT/minilm" -- --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" \
+      --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
   fi
   if [[ $WHICH == minilm || $WHICH == both ]]; then
     time clusterscale compare --run-dir "$OUT/minilm" --arms "clustered,random,random_clusters,$NEW_ARMS" "${EASY[@]}" \

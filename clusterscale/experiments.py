@@ -169,14 +169,9 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
 
     An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys).
     stage_options: keyword arguments of every run_stages call (replace, command)."""
-    if seeds < 1:
-        raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
-    seed_list = [cfg.train.schedule.seed + i for i in range(seeds)]
-    custom_arms = custom_arms or {}
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
-    arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
-                for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
-    check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
+    arms = compare_arms(cfg, samplers, seeds, custom_arms)
+    seed_list = [a.train.schedule.seed for a in next(iter(arms.values()))]
     for arm_cfgs in arms.values():  # e.g. train.dedup with dedup applied to the shared shards: refused now
         if arm_cfgs[0].train.shards.dedup:
             train_dedup_config(arm_cfgs[0])
@@ -208,6 +203,19 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     run.write_json("report/compare.json", summary)
     run_stage("report", cfg, run)
     return summary
+
+
+def compare_arms(cfg: Config, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None
+                 ) -> dict[str, list[Config]]:
+    """compare's arm configs: arm name -> one config per seed (train.seed, +1, ...), named compare-<arm>-seed<s>."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {seeds}.")
+    custom_arms = custom_arms or {}
+    seed_list = [cfg.train.schedule.seed + i for i in range(seeds)]
+    arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
+                for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
+    check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
+    return arms
 
 
 def _the_runs_own_when_same(cfg: Config, run: RunDir, arm_cfg: Config, stage_options: dict) -> Config:

@@ -54,3 +54,42 @@ def test_dedup_memory_diagnosis_reaches_the_sampler_it_uses():
     diagnosis = load("dedup_memory")
     assert callable(diagnosis.run_sampled) and callable(diagnosis.stage_wall_s) and callable(diagnosis.main)
     assert diagnosis.cli("dedup", "/r", ["cluster.k=50"])[-4:] == ["--run-dir", "/r", "--set", "cluster.k=50"]
+
+
+def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path):
+    """study_state.py (the MiniLM study over several machines) saves a finished arm's records and held-out result
+    without its weights, leaves an arm stopped midway out, restores into a new run dir, and `verify` passes on the
+    same preprocessing and fails, naming the folder, when the shards differ."""
+    import json
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    state = load("study_state")
+    old, new = tmp_path / "old", tmp_path / "new"
+    for rel, rows in {"pairs/part-0.parquet": 5, "heldout/part-0.parquet": 2, "shards/k=2/cluster=0/p-0.parquet": 3,
+                      "negatives/rows/shards/k=2/cluster=0/p-0/piece-0.parquet": 3}.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"pair_id": list(range(rows)), "text": ["t"] * rows}), old / rel)
+    for rel, text in {"train/done/_DONE.json": "{}", "train/done/metrics.jsonl": "{}\n",
+                      "train/done/model/model.safetensors": "w", "train/done/ray/ckpt": "c", "eval/done.json": "{}",
+                      "eval/frozen.json": "{}", "report/costs.json": json.dumps({"train:done": {"wall_s": 1}}),
+                      "train/stopped/metrics.jsonl": "{}\n"}.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_text(text)
+    state.save(old, tmp_path / "s.tar.gz")
+    for folder in ("pairs", "heldout", "shards", "negatives"):  # the new machine recomputes its preprocessing
+        shutil.copytree(old / folder, new / folder)
+    state.restore(tmp_path / "s.tar.gz", new)
+    assert (new / "train/done/_DONE.json").exists() and (new / "eval/done.json").exists()
+    assert json.loads((new / "report/costs.json").read_text()) == {"train:done": {"wall_s": 1}}
+    assert not (new / "train/done/model").exists() and not (new / "train/done/ray").exists()
+    assert not (new / "train/stopped").exists()
+    state.verify(tmp_path / "s.tar.gz", new)
+    with pytest.raises(SystemExit, match="already holds done"):
+        state.restore(tmp_path / "s.tar.gz", new)
+    pq.write_table(pa.table({"pair_id": [0, 2, 1], "text": ["t"] * 3}), new / "shards/k=2/cluster=0/p-0.parquet")
+    with pytest.raises(SystemExit, match=r"shards \(shards/k=\*/cluster=\*\)"):
+        state.verify(tmp_path / "s.tar.gz", new)
