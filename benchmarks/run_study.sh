@@ -7,7 +7,8 @@
 # seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~30 min, MiniLM ~3 h) and record `uptime` with the figures:
-#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new|minilm-new-evaluate]      (log: OUT_DIR/study.log)
+#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new|minilm-new-evaluate]
+#   (log: OUT_DIR/study.log)
 # minilm-new: issue 30's five arms (random, clustered and the three new ones) for MiniLM. The bundled dataset is
 # harvested from the installed packages' docstrings, so it changes with their versions (the ef13e37 study's 13,588
 # rows are not this install's): arms are paired only within one run directory, never across harvests.

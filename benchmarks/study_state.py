@@ -1,5 +1,5 @@
-"""Carry a compare study's finished arms from one machine to the next (issue 30's MiniLM study is ~4 h of CPU
-training and a session's machine is gone with it): the arms' results, not their weights.
+"""Carry a compare study's finished arms from one machine to the next (issue 30's MiniLM study is ~4-8 h of CPU
+training on a 2-core box, and a session's machine is gone with it): the arms' results, not their weights.
 
     python benchmarks/study_state.py evaluate RUN_DIR -- COMPARE_ARGS  # the finished arms of a study stopped midway
     python benchmarks/study_state.py save RUN_DIR STATE.tar.gz     # finished arms, their costs and digests
@@ -8,11 +8,11 @@ training and a session's machine is gone with it): the arms' results, not their 
 
 `evaluate` takes the study's own compare arguments (--arms, --arm, --seeds, --set ...; see run_study.sh) and
 evaluates, with compare's own arm configs, every arm that has finished training, so that the results carry the
-fingerprints the final compare looks for. `save` keeps, per finished arm (train/<name>/ with a done marker): its done marker, metrics, config and cost
-records, and its held-out result eval/<name>.json, so that `clusterscale compare` skips its training (done marker)
-and its evaluation (the result's fingerprint) on the new machine; the frozen encoder's result; report/costs.json.
-It leaves out the weights, checkpoints and the batches logs: the compare summary needs none of them. An arm stopped
-midway is left out (its checkpoints are what resume needs): it trains again.
+fingerprints the final compare looks for. `save` keeps, per finished arm (train/<name>/ with a done marker): its
+done marker, metrics, config and cost records, and its held-out result eval/<name>.json, so that `clusterscale
+compare` skips its training (done marker) and its evaluation (the result's fingerprint) on the new machine; the
+frozen encoder's result; report/costs.json. It leaves out the weights, checkpoints and the batches logs: the compare
+summary needs none of them. An arm stopped midway is left out (its checkpoints are what resume needs): it trains again.
 
 Preprocessing is not carried: the study recomputes it (a few minutes) from the same config. The restored arms are
 valid only if that gives the same pairs, held-out set, clusters, shards and mined negatives; `save` records a digest

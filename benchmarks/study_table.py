@@ -68,7 +68,9 @@ def cost_rows(summary: dict) -> list[str]:
 
 
 def _interval(d: dict) -> str:
-    low, high = d.get("ci95") or (float("nan"), float("nan"))
+    if not d.get("ci95"):  # one seed: no interval
+        return f"{d['mean']:+.4f} (1 seed, no interval)"
+    low, high = d["ci95"]
     return f"{d['mean']:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
