@@ -107,7 +107,7 @@ def test_routing_records_skip_inference_and_stay_bounded():
 
 
 def _grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                       for p in model.parameters() if p.requires_grad])
 
 
