@@ -63,7 +63,8 @@ class EmbedConfig(Section):
     pooling: str = knob("auto", "Pooling of token states; 'auto' reads the sentence-transformers pooling "
                                 "config of the model folder (CLS when there is none).", ("auto", "mean", "cls"))
     max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).", bounds=POSITIVE)
-    batch_size: int = knob(256, "Most texts per forward pass; the token budget below usually binds first.",
+    batch_size: int = knob(256, "Most texts per forward pass. On CPUs the token budget below binds first; on a "
+                                "GPU this does for ~100-token texts (1024: MiniLM 29% faster on an H200).",
                            affects_output=False, bounds=POSITIVE)
     max_tokens_per_batch: int = knob(0, "Token budget per forward pass (texts x longest text, after sorting by "
                                         "length); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False,
