@@ -7,7 +7,7 @@
 # seed-paired differences with 95% intervals (clustered - random, clustered - random_clusters) and the loss and
 # hardness curves. Run it alone on a quiet box (it is hours of CPU on a 2-core machine: the scratch student
 # ~30 min, MiniLM ~3 h) and record `uptime` with the figures:
-#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new|minilm-new-evaluate]
+#   bash benchmarks/run_study.sh [OUT_DIR] [scratch|minilm|both|minilm-new|minilm-new-evaluate|minilm-new-verify]
 #   (log: OUT_DIR/study.log)
 # minilm-new: issue 30's five arms (random, clustered and the three new ones) for MiniLM. The bundled dataset is
 # harvested from the installed packages' docstrings, so it changes with their versions (the ef13e37 study's 13,588
@@ -24,10 +24,14 @@
 # Over several machines (each session's box is new; the MiniLM study is ~4 h of training here): stop the study
 # between arms (Ctrl-C), then `bash benchmarks/run_study.sh OUT_DIR minilm-new-evaluate` evaluates the finished
 # arms with compare's own configs, and `python benchmarks/study_state.py save OUT_DIR/minilm STATE.tar.gz` keeps
-# their results (no weights). On the next machine: `python benchmarks/study_state.py restore STATE.tar.gz
-# OUT_DIR/minilm`, this script with minilm-new again, and, once its log shows the first `== compare:`,
-# `python benchmarks/study_state.py verify STATE.tar.gz OUT_DIR/minilm` (the recomputed preprocessing must be the
-# one the restored arms trained on). benchmarks/results/study30_minilm/arms.tar.gz is the state so far.
+# their results (no weights). The preprocessing is the same row for row only on the same kind of CPU (two boxes with
+# different CPUs put some rows in other clusters), so the next arms train on a carried one, PRE.tar.gz, saved once with
+# `study_state.py save-preprocessing OUT_DIR/minilm PRE.tar.gz`. On the next machine: `python
+# benchmarks/study_state.py restore STATE.tar.gz OUT_DIR/minilm --preprocessing PRE.tar.gz`, this script with
+# minilm-new again, and, once its log shows the first `== compare:`, `bash benchmarks/run_study.sh OUT_DIR
+# minilm-new-verify` (every seed's arms must share one preprocessing). benchmarks/results/study30_minilm/ holds the
+# state so far (arms.tar.gz) and the preprocessing of seeds 1 and 2 (preprocessing.tar.gz; seed 0 trained on an
+# earlier box's).
 # The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>
 set -euo pipefail
 OUT=${1:-runs/study}
@@ -58,6 +62,10 @@ EASY=(--arm "random+mined:train.negatives_curriculum_steps=$EASY_STEPS"
   if [[ $WHICH == minilm-new-evaluate ]]; then  # the arms finished so far, as the final compare will see them
     python "$(dirname "$0")/study_state.py" evaluate "$OUT/minilm" -- --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" \
       --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
+  fi
+  if [[ $WHICH == minilm-new-verify ]]; then  # the restored arms against this run dir's preprocessing, per seed
+    python "$(dirname "$0")/study_state.py" verify "${STUDY_STATE:-$(dirname "$0")/results/study30_minilm/arms.tar.gz}" \
+      "$OUT/minilm" -- --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
   fi
   if [[ $WHICH == minilm || $WHICH == both ]]; then
     time clusterscale compare --run-dir "$OUT/minilm" --arms "clustered,random,random_clusters,$NEW_ARMS" "${EASY[@]}" \

@@ -56,12 +56,15 @@ def test_dedup_memory_diagnosis_reaches_the_sampler_it_uses():
     assert diagnosis.cli("dedup", "/r", ["cluster.k=50"])[-4:] == ["--run-dir", "/r", "--set", "cluster.k=50"]
 
 
-def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path):
+def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path, monkeypatch):
     """study_state.py (the MiniLM study over several machines) saves a finished arm's records and held-out result
     without its weights, leaves an arm stopped midway out, restores into a new run dir, and `verify` passes on the
-    same preprocessing and fails, naming the folder, when the shards differ."""
+    same preprocessing and fails, naming the folder, when the shards differ; with the study's arms it lets a seed
+    trained wholly on another preprocessing stand and refuses one that would mix two. save-preprocessing carries
+    what the next arms read (not the embeddings or the sidecars), and a restore of it verifies."""
     import json
-    import shutil
+    import tarfile
+    from types import SimpleNamespace
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -70,26 +73,58 @@ def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path
     state = load("study_state")
     old, new = tmp_path / "old", tmp_path / "new"
     for rel, rows in {"pairs/part-0.parquet": 5, "heldout/part-0.parquet": 2, "shards/k=2/cluster=0/p-0.parquet": 3,
-                      "negatives/rows/shards/k=2/cluster=0/p-0/piece-0.parquet": 3}.items():
+                      "shards/k=2/random/p-0.parquet": 3, "negatives/part-00000.parquet": 3,
+                      "negatives/rows/shards/k=2/cluster=0/p-0/piece-0.parquet": 3,
+                      "embeddings/part-0.parquet": 5}.items():
         (old / rel).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table({"pair_id": list(range(rows)), "text": ["t"] * rows}), old / rel)
-    for rel, text in {"train/done/_DONE.json": "{}", "train/done/metrics.jsonl": "{}\n",
-                      "train/done/model/model.safetensors": "w", "train/done/ray/ckpt": "c", "eval/done.json": "{}",
-                      "eval/frozen.json": "{}", "report/costs.json": json.dumps({"train:done": {"wall_s": 1}}),
-                      "train/stopped/metrics.jsonl": "{}\n"}.items():
+    seed0 = "compare-random-seed0"
+    for rel, text in {f"train/{seed0}/_DONE.json": "{}", f"train/{seed0}/metrics.jsonl": "{}\n",
+                      f"train/{seed0}/model/model.safetensors": "w", f"train/{seed0}/ray/ckpt": "c",
+                      f"eval/{seed0}.json": "{}", "eval/frozen.json": "{}",
+                      "report/costs.json": json.dumps({f"train:{seed0}": {"wall_s": 1}}),
+                      "train/compare-clustered-seed0/metrics.jsonl": "{}\n", "config.yaml": "x: 1\n",
+                      **{f"{d}/_DONE.json": "{}" for d in ("pairs", "heldout", "embeddings", "shards/k=2",
+                                                           "shards/k=2/random", "negatives")}}.items():
         (old / rel).parent.mkdir(parents=True, exist_ok=True)
         (old / rel).write_text(text)
     state.save(old, tmp_path / "s.tar.gz")
-    for folder in ("pairs", "heldout", "shards", "negatives"):  # the new machine recomputes its preprocessing
-        shutil.copytree(old / folder, new / folder)
+    state.save_preprocessing(old, tmp_path / "pre.tar.gz")
+    with tarfile.open(tmp_path / "pre.tar.gz") as tar:
+        carried = set(tar.getnames())
+    assert {"pairs/part-0.parquet", "shards/k=2/cluster=0/p-0.parquet", "negatives/part-00000.parquet",
+            "embeddings/_DONE.json", "config.yaml"} <= carried
+    assert not carried & {"embeddings/part-0.parquet", "shards/k=2/random/p-0.parquet", "shards/k=2/random/_DONE.json",
+                          "negatives/rows/shards/k=2/cluster=0/p-0/piece-0.parquet"}
+    state.restore_preprocessing(tmp_path / "pre.tar.gz", new)  # the next machine reuses this preprocessing
     state.restore(tmp_path / "s.tar.gz", new)
-    assert (new / "train/done/_DONE.json").exists() and (new / "eval/done.json").exists()
-    assert json.loads((new / "report/costs.json").read_text()) == {"train:done": {"wall_s": 1}}
-    assert not (new / "train/done/model").exists() and not (new / "train/done/ray").exists()
-    assert not (new / "train/stopped").exists()
+    assert (new / f"train/{seed0}/_DONE.json").exists() and (new / f"eval/{seed0}.json").exists()
+    assert json.loads((new / "report/costs.json").read_text()) == {f"train:{seed0}": {"wall_s": 1}}
+    assert not (new / f"train/{seed0}/model").exists() and not (new / f"train/{seed0}/ray").exists()
+    assert not (new / "train/compare-clustered-seed0").exists()
     state.verify(tmp_path / "s.tar.gz", new)
-    with pytest.raises(SystemExit, match="already holds done"):
+    with pytest.raises(SystemExit, match=f"already holds {seed0}"):
         state.restore(tmp_path / "s.tar.gz", new)
+    with pytest.raises(SystemExit, match="already holds a preprocessing"):
+        state.restore_preprocessing(tmp_path / "pre.tar.gz", new)
+
+    # Another CPU's preprocessing: the shards differ.
     pq.write_table(pa.table({"pair_id": [0, 2, 1], "text": ["t"] * 3}), new / "shards/k=2/cluster=0/p-0.parquet")
     with pytest.raises(SystemExit, match=r"shards \(shards/k=\*/cluster=\*\)"):
         state.verify(tmp_path / "s.tar.gz", new)
+    study = [SimpleNamespace(train_name=lambda a=a: a) for a in
+             (seed0, "compare-clustered-seed0", "compare-random-seed1", "compare-clustered-seed1")]
+    monkeypatch.setattr(state, "_compare_arms", lambda run_dir, argv: (study, None))
+    with pytest.raises(SystemExit, match="would mix two preprocessings"):  # clustered seed 0 would train here
+        state.verify(tmp_path / "s.tar.gz", new, ["--seeds", "2"])
+    (new / "train/compare-clustered-seed0").mkdir(parents=True)  # seed 0 finished on the old box: it stands
+    (new / "train/compare-clustered-seed0/_DONE.json").write_text("{}")
+    (new / "train/compare-clustered-seed0/metrics.jsonl").write_text("{}\n")
+    (new / "eval/compare-clustered-seed0.json").write_text("{}")
+    state.save(new, tmp_path / "s2.tar.gz")  # each arm keeps the digests of the preprocessing it trained on
+    saved = state._state(tmp_path / "s2.tar.gz")["arm_digests"]
+    assert saved[seed0]["shards"] != saved["compare-clustered-seed0"]["shards"]
+    with pytest.raises(SystemExit, match="would mix two preprocessings"):  # one seed, two preprocessings
+        state.verify(tmp_path / "s2.tar.gz", new, ["--seeds", "2"])
+    study[1:2] = []
+    state.verify(tmp_path / "s.tar.gz", new, ["--seeds", "2"])  # seed 0 done elsewhere, seed 1 trains here
