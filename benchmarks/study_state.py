@@ -172,12 +172,7 @@ def restore(tar_path: Path, run_dir: Path) -> None:
     if clash:
         sys.exit(f"{run_dir}/train already holds {', '.join(clash)}: restore into a run dir without those arms.")
     run_dir.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tar_path) as tar:
-        members = [m for m in tar.getmembers() if m.name != DIGESTS]
-        bad = [m.name for m in members if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts]
-        if bad:
-            sys.exit(f"{tar_path} holds entries that are not plain files inside the run dir: {bad}")
-        tar.extractall(run_dir, members=members, filter="data")
+    _extract(tar_path, run_dir)
     (run_dir / DIGESTS).write_text(json.dumps({"arm_digests": {**_restored(run_dir), **_arm_digests(state)}}, indent=1))
     print(f"restored {len(state['arms'])} arm(s) into {run_dir}: {', '.join(state['arms'])}. After the study's "
           f"preprocessing, run: python {sys.argv[0]} verify {tar_path} {run_dir}")
@@ -187,13 +182,19 @@ def restore_preprocessing(tar_path: Path, run_dir: Path) -> None:
     if (run_dir / "pairs" / "_DONE.json").exists():
         sys.exit(f"{run_dir} already holds a preprocessing (pairs/_DONE.json): restore it into a new run dir.")
     run_dir.mkdir(parents=True, exist_ok=True)
+    files = _extract(tar_path, run_dir)
+    print(f"restored the preprocessing of {tar_path} ({files} files) into {run_dir}: the study reuses it")
+
+
+def _extract(tar_path: Path, run_dir: Path) -> int:
+    """Extract a state or preprocessing file (its plain files, inside run_dir; not the state's digests); how many."""
     with tarfile.open(tar_path) as tar:
-        members = tar.getmembers()
+        members = [m for m in tar.getmembers() if m.name != DIGESTS]
         bad = [m.name for m in members if not m.isfile() or m.name.startswith("/") or ".." in Path(m.name).parts]
         if bad:
             sys.exit(f"{tar_path} holds entries that are not plain files inside the run dir: {bad}")
         tar.extractall(run_dir, members=members, filter="data")
-    print(f"restored the preprocessing of {tar_path} ({len(members)} files) into {run_dir}: the study reuses it")
+    return len(members)
 
 
 def _seed(arm: str) -> str:
@@ -227,9 +228,8 @@ def verify(tar_path: Path, run_dir: Path, compare_argv: list[str] | None = None)
         lines = [f"{arm}: {d}" for arm, diff in mixed.items() for d in diff]
         sys.exit("The preprocessing differs from the one these restored arms trained on, and other arms of their seed "
                  "trained or are to train on another, so the seed would mix two preprocessings: stop the study, "
-                 "restore the preprocessing "
-                 "they trained on (restore --preprocessing) into a new run dir, or remove their train/<name>/ and "
-                 "eval/<name>.json and run them again:\n  " + "\n  ".join(lines))
+                 "restore the preprocessing they trained on (restore --preprocessing) into a new run dir, or remove "
+                 "their train/<name>/ and eval/<name>.json and run them again:\n  " + "\n  ".join(lines))
     same = len(state["arms"]) - len(other)
     print((f"preprocessing identical to the one {same} restored arm(s) trained on ({', '.join(now)})" if same else
            f"no restored arm trained on this preprocessing ({', '.join(now)})")
