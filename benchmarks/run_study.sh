@@ -30,8 +30,8 @@
 # benchmarks/study_state.py restore STATE.tar.gz OUT_DIR/minilm --preprocessing PRE.tar.gz`, this script with
 # minilm-new again, and, once its log shows the first `== compare:`, `bash benchmarks/run_study.sh OUT_DIR
 # minilm-new-verify` (every seed's arms must share one preprocessing). benchmarks/results/study30_minilm/ holds the
-# state so far (arms.tar.gz) and the preprocessing of seeds 1 and 2 (preprocessing.tar.gz; seed 0 trained on an
-# earlier box's).
+# finished study (3 seeds x 5 arms: arms.tar.gz, compare.json, report.md) and the preprocessing of seeds 1 and 2
+# (preprocessing.tar.gz; seed 0 trained on an earlier box's).
 # The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>
 set -euo pipefail
 OUT=${1:-runs/study}
