@@ -241,7 +241,8 @@ def measure_scale(rows: int, args, root: str) -> dict:
     run_dir = os.path.join(root, f"rows={rows}")
     logs = os.path.join(root, f"logs-{rows}")
     os.makedirs(logs, exist_ok=True)
-    keys = [f"cluster.k={args.k}", "embed.side=both", f"data.rows_per_part={args.rows_per_part}", *STAGE_KEYS]
+    keys = [f"cluster.k={args.k}", "embed.side=both", f"data.rows_per_part={args.rows_per_part}", *STAGE_KEYS,
+            *([f"data.heldout_fraction={args.heldout_fraction}"] if args.heldout_fraction is not None else [])]
     dedup_keys = DEDUP_KEYS + (LARGE_CLUSTER_DEDUP_KEYS if args.large_clusters else [])
     out = {}
     order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
@@ -357,6 +358,9 @@ def main() -> None:
                              "dedup splits them into blocks (dedup.max_group_rows=1024); the JSON gets "
                              "large_cluster_bytes_growth (mine's bytes_moved_per_row at 4N / at N) and "
                              "dedup_block_memory_growth (dedup's largest process at 4N / at N).")
+    parser.add_argument("--heldout-fraction", type=float, default=None,
+                        help="data.heldout_fraction of the synth runs (default: the config's 0.05). A large one "
+                             "(0.5) grows heldout/ with N, the regime of evaluate's driver at 100M pairs.")
     parser.add_argument("--interval", type=float, default=0.2, help="Seconds between memory samples.")
     parser.add_argument("--out-dir", help="Where the synthetic runs go (default: a temporary folder).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directories.")
@@ -381,6 +385,8 @@ def main() -> None:
     result = {stage: stage_entry(scales, [r[stage] for r in runs]) for stage in STAGES if stage in runs[0]}
     growths = [e["growth"] for e in result.values() if e["growth"] is not None and "error" not in e]
     result["max_memory_growth"] = max(growths) if growths else None
+    if args.heldout_fraction is not None:
+        result["heldout_fraction"] = args.heldout_fraction
     if args.large_clusters:
         result["regime"] = "large_clusters (cluster.k = 4)"
         result["large_cluster_bytes_growth"] = result.get("mine", {}).get("bytes_growth")

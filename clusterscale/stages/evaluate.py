@@ -13,12 +13,11 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import ray
 
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.stages.ingest import heldout_key
+from clusterscale.stages.eval_set import EVAL_SALT, heldout_queries
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
                                     model_dir)
@@ -29,8 +28,6 @@ from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.synthetic import synthetic_embeddings
-
-EVAL_SALT = 0xE7A1
 
 
 # --- metrics (binary relevance; a query may have several relevant passages) -------------------------
@@ -73,27 +70,14 @@ def mean_by_group(values: list[float], groups: list[int]) -> dict[int, dict]:
 
 
 # --- the evaluation set --------------------------------------------------------------------------------
-def _read(run: RunDir, folder: str, columns: list[str]) -> pa.Table:
-    return pads.dataset(run.files(folder), filesystem=run.fs, format="parquet").to_table(columns=columns)
-
-
 def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
     """Queries, a deduplicated passage pool, and per query the pool indices of all its passages.
 
     The held-out split keeps every pair of a query on one side, so a held-out query can come with
     several passages: it is scored once, and each of its passages counts as relevant (grouped by the
-    key the split hashes). A query stands for its group by its first pair (pair_id, passage, source)."""
-    held = _read(run, "heldout", ["pair_id", "query", "passage", "source"])
-    if held.num_rows == 0:
-        raise ValueError("No held-out pairs: set data.heldout_fraction > 0 and rerun `clusterscale ingest` "
-                         "in a new --run-dir.")
-    groups: dict[str, list[int]] = {}
-    for row, query in enumerate(held.column("query").to_pylist()):
-        groups.setdefault(heldout_key(query), []).append(row)
-    members = list(groups.values())
-    firsts = held.column("pair_id").to_numpy()[[rows[0] for rows in members]]
-    chosen = np.sort(np.argsort(hash_unit(firsts, salt=EVAL_SALT))[:max_queries])
-    members = [members[g] for g in chosen]
+    key the split hashes). A query stands for its group by its first pair (pair_id, passage, source).
+    Chosen inside Ray tasks (eval_set.heldout_queries): the driver holds the chosen groups, not heldout/."""
+    held, members = heldout_queries(run, max_queries)
     held_passages = held.column("passage").to_pylist()
     pool_texts: list[str] = []
     index_of: dict[str, int] = {}
