@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from clusterscale.stages import eval_set
-from clusterscale.stages.eval_set import heldout_queries
-from clusterscale.stages.evaluate import (EVAL_SALT, build_eval_set, distractor_passages, merge_candidates,
+from clusterscale.stages.eval_set import (EVAL_SALT, distractor_passages, heldout_queries, merge_candidates,
                                           unit_candidates)
+from clusterscale.stages.evaluate import build_eval_set
 from clusterscale.stages.ingest import heldout_key
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.io.rundir import RunDir
@@ -51,7 +51,7 @@ def test_pool_is_the_same_for_one_or_three_files_and_equals_the_old_choice(tmp_p
 
 def test_a_unit_returns_at_most_d_candidates_and_the_merge_stays_bounded(tmp_path):
     run = _write(tmp_path, "run", _pairs(), [0, 700], row_group_size=300)
-    candidates = [unit_candidates(run.uri, (0, run.files("pairs")[0], g), 25) for g in range(3)]
+    candidates = [unit_candidates(run.uri, (0, run.files("pairs")[0], g, 300 * g), 25) for g in range(3)]
     assert [c.num_rows for c in candidates] == [25, 25, 25]
     assert candidates[1].column("row").to_numpy().min() >= 300  # positions count from the file's start
     best = None

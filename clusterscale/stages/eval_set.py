@@ -143,3 +143,53 @@ def heldout_queries(run: RunDir, max_queries: int) -> tuple[pa.Table, list[list[
         groups[order[gid]].append(row)
     return picked, groups
 
+
+# --- the distractor pool: the num_distractors pairs/ rows of smallest hash_unit(pair_id, EVAL_SALT) -----------
+def unit_candidates(run_uri: str, unit: Unit, num_distractors: int) -> pa.Table:
+    """The at most num_distractors rows of one row group with the smallest keys: key, pair_id, position and
+    passage. Keys come from pair_id alone; the passages of the kept rows are the only texts that leave the task
+    (the row group's passage column is read once: O(a row group), like any work unit)."""
+    run = RunDir(run_uri)
+    file_index, path, group, first_row = unit
+    with run.fs.open_input_file(path) as handle:
+        parquet = pq.ParquetFile(handle)
+        ids = parquet.read_row_group(group, columns=["pair_id"]).column("pair_id").to_numpy()
+        keys = hash_unit(ids, salt=EVAL_SALT)
+        keep = _smallest(keys, ids, num_distractors)
+        passages = parquet.read_row_group(group, columns=["passage"]).column("passage").take(pa.array(keep)) \
+            if len(keep) else pa.array([], pa.string())
+    return pa.table({"key": keys[keep], "pair_id": ids[keep], "file": np.full(len(keep), file_index, np.int64),
+                     "row": keep.astype(np.int64) + first_row, "passage": passages})
+
+
+def _smallest(keys: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n smallest (key, pair_id): a partial sort, so a unit costs O(rows), not O(rows log rows)."""
+    if len(keys) > n:
+        bound = np.partition(keys, n - 1)[n - 1]
+        candidates = np.flatnonzero(keys <= bound)
+    else:
+        candidates = np.arange(len(keys))
+    return candidates[np.lexsort((ids[candidates], keys[candidates]))][:n]
+
+
+def merge_candidates(best: pa.Table | None, more: pa.Table, n: int) -> pa.Table:
+    """The n smallest (key, pair_id) of two candidate tables: the driver's bounded running pick."""
+    both = more if best is None else pa.concat_tables([best, more])
+    order = _smallest(both.column("key").to_numpy(), both.column("pair_id").to_numpy(), n)
+    return both.take(pa.array(order))
+
+
+def distractor_passages(run: RunDir, num_distractors: int) -> list[str]:
+    """Passages of the num_distractors pairs/ rows of smallest hash key, in pairs/ order (file, row).
+
+    One Ray task per row group returns its own smallest num_distractors; the driver keeps a running
+    pick of num_distractors, so it holds O(num_distractors), whatever N and however pairs/ is split.
+    Without a Ray session (library use, unit tests) the same units run here, one after another."""
+    work = units(run, "pairs")[0]
+    best = None
+    for found in (_map_units(unit_candidates, run, work, num_distractors) if num_distractors else ()):
+        best = merge_candidates(best, found, num_distractors)
+    if best is None:
+        return []
+    position = np.lexsort((best.column("row").to_numpy(), best.column("file").to_numpy()))
+    return best.column("passage").take(pa.array(position)).to_pylist()

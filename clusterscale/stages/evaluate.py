@@ -13,11 +13,10 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from clusterscale.runtime.hashing import hash_unit
-from clusterscale.stages.eval_set import EVAL_SALT, heldout_queries
+from clusterscale.stages.eval_set import EVAL_SALT, distractor_passages, heldout_queries
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
                                     model_dir)
@@ -90,75 +89,6 @@ def build_eval_set(run: RunDir, max_queries: int, num_distractors: int) -> dict:
     return {"query_ids": reps.column("pair_id").to_pylist(), "queries": reps.column("query").to_pylist(),
             "passages": reps.column("passage").to_pylist(), "sources": reps.column("source").to_pylist(),
             "pool": pool_texts, "qrels": [{index_of[held_passages[row]] for row in rows} for rows in members]}
-
-
-# --- the distractor pool: the num_distractors pairs/ rows of smallest hash_unit(pair_id, EVAL_SALT) -----------
-def pair_units(run: RunDir) -> list[tuple[int, str, int]]:
-    """(file index, path, row group) of every row group of pairs/, in file order."""
-    units = []
-    for f, path in enumerate(run.files("pairs")):
-        with run.fs.open_input_file(path) as handle:
-            groups = pq.ParquetFile(handle).metadata.num_row_groups
-        units += [(f, path, g) for g in range(groups)]
-    return units
-
-
-def unit_candidates(run_uri: str, unit: tuple[int, str, int], num_distractors: int) -> pa.Table:
-    """The at most num_distractors rows of one row group with the smallest keys: key, pair_id, position and
-    passage. Keys come from pair_id alone; the passages of the kept rows are the only texts that leave the task
-    (the row group's passage column is read once: O(a row group), like any work unit)."""
-    run = RunDir(run_uri)
-    file_index, path, group = unit
-    with run.fs.open_input_file(path) as handle:
-        parquet = pq.ParquetFile(handle)
-        ids = parquet.read_row_group(group, columns=["pair_id"]).column("pair_id").to_numpy()
-        keys = hash_unit(ids, salt=EVAL_SALT)
-        keep = _smallest(keys, ids, num_distractors)
-        passages = parquet.read_row_group(group, columns=["passage"]).column("passage").take(pa.array(keep)) \
-            if len(keep) else pa.array([], pa.string())
-        first_row = sum(parquet.metadata.row_group(g).num_rows for g in range(group))
-    return pa.table({"key": keys[keep], "pair_id": ids[keep], "file": np.full(len(keep), file_index, np.int64),
-                     "row": keep.astype(np.int64) + first_row, "passage": passages})
-
-
-def _smallest(keys: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
-    """Indices of the n smallest (key, pair_id): a partial sort, so a unit costs O(rows), not O(rows log rows)."""
-    if len(keys) > n:
-        bound = np.partition(keys, n - 1)[n - 1]
-        candidates = np.flatnonzero(keys <= bound)
-    else:
-        candidates = np.arange(len(keys))
-    return candidates[np.lexsort((ids[candidates], keys[candidates]))][:n]
-
-
-def merge_candidates(best: pa.Table | None, more: pa.Table, n: int) -> pa.Table:
-    """The n smallest (key, pair_id) of two candidate tables: the driver's bounded running pick."""
-    both = more if best is None else pa.concat_tables([best, more])
-    order = _smallest(both.column("key").to_numpy(), both.column("pair_id").to_numpy(), n)
-    return both.take(pa.array(order))
-
-
-def distractor_passages(run: RunDir, num_distractors: int) -> list[str]:
-    """Passages of the num_distractors pairs/ rows of smallest hash key, in pairs/ order (file, row).
-
-    One Ray task per row group returns its own smallest num_distractors; the driver keeps a running
-    pick of num_distractors, so it holds O(num_distractors), whatever N and however pairs/ is split.
-    Without a Ray session (library use, unit tests) the same units run here, one after another."""
-    units = pair_units(run)
-    best = None
-    if num_distractors and units and ray.is_initialized():
-        task = ray.remote(num_cpus=1, max_retries=2)(unit_candidates)
-        pending = [task.remote(run.uri, u, num_distractors) for u in units]
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            best = merge_candidates(best, ray.get(done[0]), num_distractors)
-    elif num_distractors:
-        for u in units:
-            best = merge_candidates(best, unit_candidates(run.uri, u, num_distractors), num_distractors)
-    if best is None:
-        return []
-    position = np.lexsort((best.column("row").to_numpy(), best.column("file").to_numpy()))
-    return best.column("passage").take(pa.array(position)).to_pylist()
 
 
 class EvalEncoder:
