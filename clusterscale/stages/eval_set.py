@@ -2,7 +2,7 @@
 running pick; the driver holds O(eval.max_queries + eval.num_distractors) rows whatever N and
 data.heldout_fraction are (5% of 100M pairs is 5M held-out pairs: never in one process).
 
-`build_eval_set(run, max_queries, num_distractors)` is what evaluate calls. Without a Ray session (library use,
+evaluate's build_eval_set calls `heldout_queries` and `distractor_passages`. Without a Ray session (library use,
 unit tests) the same per-unit functions run in this process, one after another.
 """
 from __future__ import annotations
