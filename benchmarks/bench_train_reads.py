@@ -9,6 +9,12 @@ are counted at the filesystem (every file opened through the run's pyarrow files
 are each returned row's share of its row group's compressed column chunks (pair_id, query, passage).
 A sampler other than clustered reads its shard set (shards/k=<k>/<sampler>/), which is written first
 through the executor, as `clusterscale train` does, when the run has none (on a local Ray).
+
+--latency-ms MS measures what an object store's latency does to a training step instead: one rank (rank 0 of
+--world-size) reads its rows through the trainer's prefetch while each step "computes" for --compute-ms (a
+sleep, as a GPU step leaves the CPU free), once on local disk and once through a filesystem that adds MS to
+every request (each open and each read), at the default train.prefetch_steps and at --low-prefetch; the
+figure is step time through the slow filesystem / step time on local disk (goal <= 1.2 at the default).
 """
 from __future__ import annotations
 
@@ -115,6 +121,68 @@ def measure(run_dir: str, k: int, world_size: int, steps: int, seed: int, footer
             "median_step_amplification": statistics.median(per_step), "wall_s": round(time.time() - started, 1)}
 
 
+class LatencyFS:
+    """The run's filesystem with `latency_s` added to every request: opening a file and each read of it."""
+
+    def __init__(self, fs, latency_s: float):
+        self.fs, self.latency_s, self.requests = fs, latency_s, 0
+
+    def open_input_file(self, path: str):
+        self._wait()
+        return _SlowFile(self.fs.open_input_file(path), self)
+
+    def _wait(self) -> None:
+        self.requests += 1
+        time.sleep(self.latency_s)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+class _SlowFile(data._CountingFile):
+    def __init__(self, native, fs: LatencyFS):
+        super().__init__(native)
+        self.fs = fs
+
+    def read(self, size: int = -1) -> bytes:
+        self.fs._wait()
+        return super().read(size)
+
+
+def step_times(run_dir: str, k: int, world_size: int, steps: int, seed: int, compute_s: float,
+               latency_s: float, depth: int) -> dict:
+    """Seconds per step of one rank that reads through prefetch(depth) and computes compute_s a step."""
+    run = RunDir(run_dir)
+    manifest = shard_set_manifest(run, k, pipeline.open_run(run_dir, None, [f"cluster.k={k}"])[0]
+                                  .train.schedule.global_batch_size, "clustered")
+    if latency_s:
+        run.fs = LatencyFS(run.fs, latency_s)
+    reader = data.ShardReader(run, manifest)
+    batches = schedule.iterate(manifest.strata_sizes, manifest.global_batch_size, "clustered", seed, steps,
+                               block_rows=data.schedule_block_rows(manifest))
+    started, waited = time.perf_counter(), 0.0
+    for item in reader.prefetch(batches, 0, world_size, depth=depth):
+        waited += item.wait_s
+        time.sleep(compute_s)
+    wall = time.perf_counter() - started
+    return {"depth": depth, "latency_ms": latency_s * 1e3, "step_s": wall / steps, "waited_s": round(waited, 3),
+            "requests_per_step": getattr(run.fs, "requests", 0) / steps}
+
+
+def measure_latency(args) -> dict:
+    from clusterscale.train.trainer_config import ComputeConfig
+
+    default = ComputeConfig().prefetch_steps
+    common = (args.run_dir, args.k, args.world_size, args.steps, args.seed, args.compute_ms / 1e3)
+    local = step_times(*common, 0.0, default)
+    slow = {depth: step_times(*common, args.latency_ms / 1e3, depth) for depth in (default, args.low_prefetch)}
+    return {"compute_ms": args.compute_ms, "latency_ms": args.latency_ms, "world_size": args.world_size,
+            "steps": args.steps, "default_prefetch_steps": default, "local": local,
+            "slow": {str(d): r for d, r in slow.items()},
+            "step_time_ratio_default": slow[default]["step_s"] / local["step_s"],
+            f"step_time_ratio_prefetch_{args.low_prefetch}": slow[args.low_prefetch]["step_s"] / local["step_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
@@ -126,8 +194,21 @@ def main() -> None:
                         help="ShardReader's footer cache (row-group reader only); small values emulate the cache "
                              "misses of a run with many more files than the cache holds")
     parser.add_argument("--samplers", default="clustered", help="comma-separated train.sampler values")
+    parser.add_argument("--latency-ms", type=float,
+                        help="Measure step time through a filesystem adding this latency to every request instead")
+    parser.add_argument("--compute-ms", type=float, default=150.0,
+                        help="--latency-ms: each step's compute (default 150 ms, a BERT-base step of 64 pairs per "
+                             "GPU rank)")
+    parser.add_argument("--low-prefetch", type=int, default=1, help="--latency-ms: the prefetch to compare with")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.latency_ms is not None:
+        result = measure_latency(args)
+        print(json.dumps(result, indent=2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     result = [measure(args.run_dir, args.k, args.world_size, args.steps, args.seed, args.footer_cache_mb, sampler)
               for sampler in args.samplers.split(",")]
     print(json.dumps(result, indent=2))

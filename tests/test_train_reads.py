@@ -160,6 +160,47 @@ def test_prefetch_stops_when_the_consumer_stops(tmp_path):
     assert len(consumed) <= 5  # one consumed, two queued, one being read: the thread stopped
 
 
+def test_prefetch_keeps_several_reads_in_flight_and_says_how_long_a_step_waited(tmp_path):
+    """Each read waits on a slow store (a barrier for 4 readers): the reads overlap, results stay in order, and
+    the wait a step saw is reported (the first waits for its read, later ones find theirs done)."""
+    import threading
+
+    from clusterscale.train.data import READ_THREADS, prefetch
+
+    run = make_sharded_run(tmp_path, row_group_rows=4)
+    manifest = read_manifest(run, "shards/k=4/manifest.json")
+    reader = ShardReader(run, manifest)
+    batches = list(schedule.iterate(manifest.strata_sizes, B, "clustered", 0, 12, block_rows=4))
+    together = threading.Barrier(READ_THREADS, timeout=20)  # passes only when READ_THREADS reads run at once
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+
+    def slow_read(gb, shard, rows):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        if gb.step < READ_THREADS:
+            together.wait()
+        with lock:
+            in_flight[0] -= 1
+        return reader._read(gb, shard, rows)
+
+    got = list(prefetch(slow_read, iter(batches), rank=0, world_size=2, depth=8))
+    assert [r.batch.step for r in got] == list(range(12)) and most[0] == READ_THREADS
+    sync = ShardReader(run, manifest)
+    for item in got:
+        assert item.table.equals(sync.rows(item.batch.shard, item.batch.rank_rows(0, 2)))
+    assert got[0].wait_s > 0 and all(r.wait_s >= 0 for r in got)
+
+
+def test_the_progress_line_says_when_steps_waited_for_data():
+    from clusterscale.train.metrics import _waited
+
+    assert _waited(0.0, 10.0) == "" and _waited(0.2, 10.0) == ""  # under 5% of the time: nothing said
+    assert _waited(3.0, 10.0) == ("; waited 3.0s for data (30%): raise train.prefetch_steps, or read from storage "
+                                  "nearer the workers")
+
+
 def test_shard_writer_writes_whole_row_groups_of_the_batch_slice(tmp_path):
     from clusterscale.io.rundir import RunDir
     from clusterscale.stages.shards import SHARD_COLUMNS, SetLayout, WriteClusterShard

@@ -1,5 +1,5 @@
-"""Reading training rows from a sampler's shard set: a row-group reader with prefetch (the manifest and its
-checks are io/layout's, shared with the writers).
+"""Reading training rows from a sampler's shard set: a row-group reader with prefetch, several reads in flight
+(the manifest and its checks are io/layout's, shared with the writers).
 
 Every sampler trains from a shard set (io/layout.shard_set_dir): the clustered shards for `clustered`, a set
 written from them for `random`, `random_clusters` and `source` (stages/shard_sets.py), both the clustered shards
@@ -9,10 +9,11 @@ other files.
 """
 from __future__ import annotations
 
-import queue
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -24,6 +25,10 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.train.schedule import GlobalBatch
 
 READ_COLUMNS = ["pair_id", "query", "passage"]
+READ_THREADS = 4
+"""Reads in flight at once per rank: an object store serves each request in ~10-100 ms whatever its size, so
+reads must overlap, not queue behind one another (4 x 8 batches ahead kept a step's reads off its critical path
+at +30 ms a request, benchmarks/bench_train_reads.py --latency-ms)."""
 
 
 class _CountingFile:
@@ -94,6 +99,7 @@ class RankRows:
     bytes_read: int             # fetched from the filesystem (footers included)
     bytes_used: int             # the on-disk bytes of the rows returned (their share of the groups read)
     footer_bytes: int = 0       # the part of bytes_read that was Parquet footers
+    wait_s: float = 0.0         # how long the step waited for these rows (prefetch: 0 when they were ready)
 
 
 class ShardReader:
@@ -109,16 +115,18 @@ class ShardReader:
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
         self.footer_cache_bytes, self._footer_bytes = footer_cache_bytes, 0
         self.bytes_read = self.bytes_used = self.footer_bytes_read = 0
-        self._lock = threading.Lock()  # prefetch reads in a thread; rows() may be called beside it
+        self._lock = threading.Lock()  # the footer cache and the counters: prefetch reads in several threads
 
     def _open(self, rel: str) -> _CountingFile:
         return _CountingFile(self.run.fs.open_input_file(self.run.path(rel)))
 
     def _footer(self, rel: str) -> tuple[_Footer, int]:
-        """(footer of a shard file, bytes read to get it: 0 when cached)."""
-        if rel in self.footers:
-            self.footers.move_to_end(rel)
-            return self.footers[rel], 0
+        """(footer of a shard file, bytes read to get it: 0 when cached). Read outside the lock, so two threads
+        may both read a footer not yet cached; the cache keeps one."""
+        with self._lock:
+            if rel in self.footers:
+                self.footers.move_to_end(rel)
+                return self.footers[rel], 0
         handle = self._open(rel)
         try:
             md = _read_footer(handle)
@@ -126,10 +134,12 @@ class ShardReader:
             handle.close()
         counts = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
         footer = _Footer(md, np.cumsum([0] + counts))
-        self.footers[rel] = footer
-        self._footer_bytes += md.serialized_size
-        while self._footer_bytes > self.footer_cache_bytes and len(self.footers) > 1:
-            self._footer_bytes -= self.footers.popitem(last=False)[1].metadata.serialized_size
+        with self._lock:
+            if rel not in self.footers:
+                self.footers[rel] = footer
+                self._footer_bytes += md.serialized_size
+            while self._footer_bytes > self.footer_cache_bytes and len(self.footers) > 1:
+                self._footer_bytes -= self.footers.popitem(last=False)[1].metadata.serialized_size
         return footer, handle.bytes_read
 
     def _file_starts(self, shard: int) -> tuple[np.ndarray, int]:
@@ -181,8 +191,8 @@ class ShardReader:
     def _read(self, batch: GlobalBatch | None, shard: int, rows: np.ndarray) -> RankRows:
         """A shard's `rows` and what reading them cost, added to the reader's counters."""
         rows = np.asarray(rows, dtype=np.int64)
+        table, read, used, footers = self._read_shard_rows(shard, rows)
         with self._lock:
-            table, read, used, footers = self._read_shard_rows(shard, rows)
             self.bytes_read += read
             self.bytes_used += used
             self.footer_bytes_read += footers
@@ -197,8 +207,8 @@ class ShardReader:
         return self.read(shard, rows)[0]
 
     def prefetch(self, batches: Iterable[GlobalBatch], rank: int, world_size: int,
-                 depth: int = 2) -> Iterator[RankRows]:
-        """This rank's rows of each batch, read up to `depth` batches ahead in a background thread."""
+                 depth: int = 8) -> Iterator[RankRows]:
+        """This rank's rows of each batch, read up to `depth` batches ahead (see `prefetch`)."""
         return prefetch(self._read, batches, rank, world_size, depth)
 
 
@@ -215,44 +225,33 @@ class StackedReader:
         return self.readers[which]._read(batch, shard - int(self.firsts[which]), rows)
 
     def prefetch(self, batches: Iterable[GlobalBatch], rank: int, world_size: int,
-                 depth: int = 2) -> Iterator[RankRows]:
+                 depth: int = 8) -> Iterator[RankRows]:
         return prefetch(self._read, batches, rank, world_size, depth)
 
 
-def prefetch(read, batches: Iterable[GlobalBatch], rank: int, world_size: int, depth: int = 2) -> Iterator[RankRows]:
-    """This rank's rows of each batch (read(batch, shard, rows) -> RankRows), read up to `depth` batches ahead in
-    a background thread."""
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for gb in batches:
-                if not put(read(gb, gb.shard, gb.rank_rows(rank, world_size))):
-                    return
-            put(None)
-        except BaseException as error:  # handed to the consumer, raised there
-            put(error)
-
-    worker = threading.Thread(target=work, name=f"shard-prefetch-{rank}", daemon=True)
-    worker.start()
+def prefetch(read, batches: Iterable[GlobalBatch], rank: int, world_size: int, depth: int = 8,
+             threads: int = READ_THREADS) -> Iterator[RankRows]:
+    """This rank's rows of each batch (read(batch, shard, rows) -> RankRows), in order, read up to `depth`
+    batches ahead by `threads` reading threads; each item's wait_s is how long the consumer waited for it. A read
+    error is raised at its batch; closing the iterator cancels the reads not started."""
+    pool = ThreadPoolExecutor(max_workers=max(1, min(threads, depth)), thread_name_prefix=f"shard-read-{rank}")
+    pending: deque[Future] = deque()
+    source = iter(batches)
     try:
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        while True:
+            for gb in source:  # top up to `depth` reads in flight or done
+                pending.append(pool.submit(read, gb, gb.shard, gb.rank_rows(rank, world_size)))
+                if len(pending) >= depth:
+                    break
+            if not pending:
+                return
+            started = time.perf_counter()
+            item = pending.popleft().result()
+            yield replace(item, wait_s=time.perf_counter() - started)
     finally:
-        stop.set()
-        worker.join(timeout=5)
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def schedule_block_rows(manifest: ShardManifest) -> int:

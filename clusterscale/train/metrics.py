@@ -28,7 +28,7 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 # used: bytes_read / bytes_used is the read amplification).
 MEANS = ("pos_cos", "neg_cos_mean", "neg_cos_max")
 SUMS = ("masked_false_negatives", "tokens")
-OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss")
+OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss", "data_wait_s")
 OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded", "bytes_read",
                  "bytes_used", "footer_bytes_read")
 
@@ -238,6 +238,14 @@ class StepFigures:
         return {**self.means, **self.sums}
 
 
+def _waited(waited_s: float, elapsed_s: float) -> str:
+    """The progress line's note when steps waited for their rows (>= 5% of the time since the last line)."""
+    if waited_s < max(0.05 * elapsed_s, 1e-3):
+        return ""
+    return (f"; waited {waited_s:.1f}s for data ({waited_s / max(elapsed_s, 1e-9):.0%}): raise "
+            f"train.prefetch_steps, or read from storage nearer the workers")
+
+
 def reduce_step_figures(loss: torch.Tensor, stats: dict, world: int) -> StepFigures:
     """This rank's loss share and step stats (step.contrastive_backward) -> the global figures, in one small
     all-reduce. Which optional figures exist depends only on the config, so all ranks send the same layout."""
@@ -288,6 +296,7 @@ class MetricsProcessor:
                                    tc.optimizer.warmup_steps, logs.log_every_steps)
         self.progress: dict = {}  # the latest figures, for Ray's reports
         self.started = self.last_print = time.time()
+        self.waited_s = 0.0  # waited for data since the last printed line (the ranks' mean)
 
     def log(self, result: StepResult) -> None:
         """Append a step to the logs; rank 0 flushes and prints every train.log_every_steps and at the stop."""
@@ -300,6 +309,7 @@ class MetricsProcessor:
             return
         record = self.record(result)
         self.metrics.append(record)
+        self.waited_s += figures.means.get("data_wait_s", 0.0)
         if self.board is not None:
             self.board.log(record)
         if (gb.step + 1) % self.tc.logging.log_every_steps == 0 or gb.step + 1 == self.stop_step:
@@ -323,10 +333,12 @@ class MetricsProcessor:
         now = time.time()
         pairs = self.tc.logging.log_every_steps * self.tc.schedule.global_batch_size
         pairs_per_s = pairs / max(now - self.last_print, 1e-9)
-        self.last_print = now
         mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else "unknown"
+        waited = _waited(self.waited_s, now - self.last_print)
+        self.last_print, self.waited_s = now, 0.0
         print(f"[train] step {record['step'] + 1}/{self.num_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
-              f"lr {record['lr']:.2e} neg_cos {record['neg_cos_mean']:.3f} {pairs_per_s:.1f} pairs/s MFU {mfu}", flush=True)
+              f"lr {record['lr']:.2e} neg_cos {record['neg_cos_mean']:.3f} {pairs_per_s:.1f} pairs/s MFU {mfu}{waited}",
+              flush=True)
 
     def check(self, result: StepResult) -> str | None:
         """Raise on a non-finite loss; the collapse guard's verdict the first time it judges the run collapsed

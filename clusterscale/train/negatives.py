@@ -16,6 +16,8 @@ must embed the same number of negatives for the cross-rank gather.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -139,6 +141,7 @@ class NegativeSidecars:
     def __init__(self, run: RunDir, manifest: dict):
         self.run, self.per_piece = run, groups_per_piece(manifest)
         self.bytes_read = 0  # on-disk bytes of the sidecar row groups read (footers not counted)
+        self._lock = threading.Lock()  # prefetch attaches in several threads
 
     def attach(self, rows: pa.Table, shard_file: str, groups: list[int]) -> pa.Table:
         """`rows` (row groups `groups` of shard_file, ascending, concatenated) with their negatives' columns."""
@@ -154,8 +157,10 @@ class NegativeSidecars:
             with handle:
                 parquet = pq.ParquetFile(handle)
                 pieces.append(parquet.read_row_groups(local, columns=["pair_id", *SIDECAR_COLUMNS], use_threads=False))
-            self.bytes_read += sum(parquet.metadata.row_group(g).column(c).total_compressed_size
-                                   for g in local for c in range(parquet.metadata.num_columns))
+            read = sum(parquet.metadata.row_group(g).column(c).total_compressed_size
+                       for g in local for c in range(parquet.metadata.num_columns))
+            with self._lock:
+                self.bytes_read += read
         side = pa.concat_tables(pieces)
         if not side.column("pair_id").equals(rows.column("pair_id")):
             raise NegativesError(f"The negatives of {shard_file} are not aligned to it (the shards were rewritten "

@@ -17,6 +17,10 @@ class ComputeConfig(Section):
     grad_cache_chunk: int = knob(0, "GradCache: embed each rank's rows in chunks of this many pairs, so "
                                     "activation memory no longer grows with the batch; 0 = off. Same "
                                     "gradients, ~1/3 more compute.", affects_output=False, bounds=NON_NEGATIVE)
+    prefetch_steps: int = knob(8, "Read this rank's rows this many global steps ahead, with up to 4 reads in "
+                                  "flight at once (an object store answers each request in tens of ms; the "
+                                  "progress line says when steps waited for data). Memory: this many batches "
+                                  "of rows per rank.", affects_output=False, bounds=POSITIVE, added=True)
     peak_tflops: float = knob(0.0, "Peak TFLOP/s of one worker's device for the MFU estimate; 0 = look up the "
                                    "GPU, or measure an fp32 matmul on CPU.", affects_output=False,
                               bounds=NON_NEGATIVE)
