@@ -50,7 +50,7 @@ def test_semantic_greedy_equals_brute_force(planted, rule, block_rows):
 
 
 def split_by_cluster(x, cluster, pair_ids, cos, rule, max_group_rows) -> dict[int, tuple[int, float]]:
-    """greedy_by_cluster through the block x block edge list (core.split_greedy, in this process)."""
+    """greedy_by_cluster decided in chunks of the keep order (core.split_greedy, in this process)."""
     removed = {}
     for c in np.unique(cluster):
         rows = np.flatnonzero(cluster == c)
@@ -64,8 +64,9 @@ def split_by_cluster(x, cluster, pair_ids, cos, rule, max_group_rows) -> dict[in
 @pytest.mark.parametrize("rule", ["hard", "easy", "random"])
 @pytest.mark.parametrize("max_group_rows", [13, 64])
 def test_clusters_split_into_blocks_equal_brute_force(planted, rule, max_group_rows):
-    """Clusters of ~85 rows in blocks of 13 or 64 rows: the edge list of every block pair, walked in keep order,
-    removes exactly the rows brute force removes, with the same duplicate_of and cosine."""
+    """Clusters of ~85 rows in chunks of 13 or 64 rows of their keep order: each chunk against the rows kept
+    before it, then within itself, removes exactly the rows brute force removes, with the same duplicate_of and
+    cosine."""
     x, cluster, pair_ids, cos = planted
     assert np.bincount(cluster).min() > max_group_rows  # every cluster split, into blocks of 5-row chunks
     expected = brute_force_semantic(x, cluster, pair_ids, cos, rule, 7, THRESHOLD)
@@ -75,19 +76,65 @@ def test_clusters_split_into_blocks_equal_brute_force(planted, rule, max_group_r
         assert got[pid][0] == dup and got[pid][1] == pytest.approx(sim, abs=1e-12)
 
 
-def test_block_pair_edges_decide_near_threshold_pairs_in_float64():
-    """Thresholds 1e-12 either side of a pair's cosine (far inside float32's error): the pair is an edge exactly
-    when its float64 cosine reaches the threshold, whatever float32 says."""
+def boilerplate_cluster(n: int, dense: bool, seed: int = 0) -> np.ndarray:
+    """n unit vectors (fp16-representable), random order: spread ones, and with `dense` a third of them within
+    cosine ~0.995 of one centre (a boilerplate group: every pair of it over the threshold)."""
+    rng = np.random.default_rng(seed)
+    x = unit(rng.standard_normal((n, D)))
+    if dense:
+        third = rng.permutation(n)[:n // 3]
+        x[third] = unit(x[0] + 0.1 * rng.standard_normal((len(third), D)) / np.sqrt(D))
+    return x.astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("rule", ["hard", "easy", "random"])
+@pytest.mark.parametrize("chunk_rows, block_rows", [(16, 5), (50, 16), (1000, 7)])
+def test_split_greedy_equals_semantic_greedy_on_a_boilerplate_cluster(rule, chunk_rows, block_rows):
+    """A cluster a third of whose rows are near-duplicates of one another (and planted copies): chunked in its
+    keep order, the kept set, duplicate_of and similarity are the unsplit pass's, for every keep rule."""
+    x = boilerplate_cluster(240, dense=True)
+    rng = np.random.default_rng(5)
+    pair_ids, cos = rng.permutation(len(x)).astype(np.int64) * 3 + 1, rng.random(len(x)).astype(np.float32)
+    order = core.keep_order(pair_ids, core.keep_rank(pair_ids, cos, rule, 7))
+    kept, dup, best = core.semantic_greedy(x[order], THRESHOLD, 64)
+    assert (~kept).sum() >= len(x) // 3 - 1  # the boilerplate group is one kept row
+    got_kept, got_dup, got_best = core.split_greedy(x[order], THRESHOLD, block_rows, chunk_rows)
+    np.testing.assert_array_equal(got_kept, kept)
+    np.testing.assert_array_equal(got_dup, dup)
+    np.testing.assert_allclose(got_best[~kept], best[~kept], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(got_best[kept], best[kept], rtol=0, atol=1e-5)  # below the threshold: float32's
+
+
+def test_split_greedy_memory_does_not_grow_with_duplicate_density():
+    """The chunked pass materialises nothing per near-duplicate pair: its peak traced memory on a cluster a third
+    of whose rows are near-duplicates of one another (~1,800 pairs over the threshold, ~2x the rows) is no larger
+    than on a cluster of the same size with none."""
+    import tracemalloc
+
+    peaks = {}
+    for dense in (False, True):
+        x = boilerplate_cluster(240, dense)
+        pairs = int(np.triu((x.astype(np.float64) @ x.T.astype(np.float64)) >= THRESHOLD, k=1).sum())
+        tracemalloc.start()
+        core.split_greedy(x, THRESHOLD, 16, 48)
+        peaks[dense] = (tracemalloc.get_traced_memory()[1], pairs)
+        tracemalloc.stop()
+    assert peaks[False][1] == 0 and peaks[True][1] > 2 * len(x)
+    assert peaks[True][0] <= 1.1 * peaks[False][0]
+
+
+def test_raise_best_decides_near_threshold_pairs_in_float64():
+    """Thresholds 1e-12 either side of a pair's cosine (far inside float32's error): the kept row's best is the
+    float64 cosine, so it reaches the threshold exactly when float64 says; equal cosines: the earlier kept row."""
     rng = np.random.default_rng(0)
     a = unit(rng.standard_normal((1, D)))
     b = unit(rng.standard_normal((1, D)))
     exact = float((a @ b.T)[0, 0])
-    for threshold, is_edge in ((exact - 1e-12, True), (exact + 1e-12, False)):
-        i, j, sim = core.block_pair_edges(a, b, 0, 1, threshold, 8)
-        assert (len(i) == 1) == is_edge
-        if is_edge:
-            assert (i[0], j[0], sim[0]) == (0, 1, pytest.approx(exact, abs=1e-14))
-    assert len(core.block_pairs(100, 30)) == 10  # 4 blocks: 4 + 3 + 2 + 1 pairs
+    for threshold, removed in ((exact - 1e-12, True), (exact + 1e-12, False)):
+        best, best_of = np.full(1, -np.inf), np.full(1, -1, np.int64)
+        core.raise_best(a, np.concatenate([b, b]), np.array([7, 8]), threshold, 8, best, best_of)
+        assert (best[0] >= threshold) == removed and best_of[0] == 7
+        assert best[0] == pytest.approx(exact, abs=1e-14)
 
 
 def test_keep_rules_keep_the_right_member():

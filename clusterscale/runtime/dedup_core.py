@@ -5,10 +5,10 @@ Semantic groups, precisely: sort a cluster's rows into keep order; walk it; a ro
 a row kept before it is >= the threshold, else it is kept. A removed row's duplicate_of is the kept row before it
 with the highest cosine (equal cosines: the earliest in keep order). `semantic_greedy` computes exactly that in
 blocks of rows, so its memory does not grow with the square of the cluster. A cluster too large for one task
-is compared block x block instead (`block_pair_edges`; stages/dedup/blocks.py runs them in Ray tasks): only the
-pairs at or above the threshold come back (an edge list), and `greedy_from_edges` walks the same keep order over
-them, so the kept rows, each removed row's duplicate_of and similarity are exactly `semantic_greedy`'s
-(`split_greedy`: the same in one process).
+is decided in chunks of its keep order instead (`split_greedy` in one process; stages/dedup/blocks.py runs it as a
+chain of Ray tasks): each chunk against the rows kept before it (`raise_best`), then within itself
+(`semantic_greedy` with that prior), so the kept rows, each removed row's duplicate_of and similarity are
+`semantic_greedy`'s, and a removed row is never compared again: no list of near-duplicate pairs is ever made.
 """
 from __future__ import annotations
 
@@ -85,22 +85,29 @@ def _take_better(best: np.ndarray, best_of: np.ndarray, sims: np.ndarray, column
     best_of[better] = columns[j[better]]
 
 
-def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int, keys: np.ndarray | None = None,
+                    prior: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Semantic groups (module docstring) of unit vectors x already in keep order, block_rows rows at a time.
 
-    Returns (kept: bool (n,), duplicate_of: the index of a removed row's kept duplicate, -1 when kept,
-    best: each row's highest cosine to a row kept before it, -inf when none). Cosines in float64, so the
-    result does not depend on the blocking (nor on the BLAS). x stays in its own dtype; only blocks are widened."""
+    Returns (kept: bool (n,), duplicate_of: the key of a removed row's kept duplicate, -1 when kept, best: each
+    row's highest cosine to a row kept before it, -inf when none). keys: what duplicate_of names a row of x by
+    (default: its index). prior: (best, best_of) of each row over kept rows that precede all of x (best_of in the
+    caller's keys; raise_best leaves them so), when x is one chunk of a longer keep order (split_greedy).
+    Cosines in float64, so the result does not depend on the blocking (nor on the BLAS). x stays in its own
+    dtype; only blocks are widened."""
     n = len(x)
+    keys = np.arange(n) if keys is None else np.asarray(keys, np.int64)
     kept = np.zeros(n, bool)
-    best, best_of = np.full(n, -np.inf), np.full(n, -1, np.int64)
+    best, best_of = (np.full(n, -np.inf), np.full(n, -1, np.int64)) if prior is None else \
+        (np.array(prior[0], np.float64), np.array(prior[1], np.int64))
     for start in range(0, n, block_rows):
         stop = min(n, start + block_rows)
         block, rows = np.asarray(x[start:stop], np.float64), np.arange(start, stop)
         earlier = np.flatnonzero(kept[:start])
         for c in range(0, len(earlier), block_rows):
             columns = earlier[c:c + block_rows]
-            _take_better(best[start:stop], best_of[start:stop], block @ np.asarray(x[columns], np.float64).T, columns)
+            _take_better(best[start:stop], best_of[start:stop], block @ np.asarray(x[columns], np.float64).T,
+                         keys[columns])
         within = block @ block.T
         before = np.tri(len(rows), k=-1, dtype=bool).T  # before[i, j]: row i precedes row j
         alive = best[start:stop] < threshold
@@ -112,7 +119,7 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int) -> tuple[n
         # best over the block's own kept rows before each row (columns = the kept rows, rows of `within`); in
         # place, so the block holds one block_rows^2 float64 matrix, not two
         within[~(before & alive[:, None])] = -np.inf
-        _take_better(best[start:stop], best_of[start:stop], within.T, rows)
+        _take_better(best[start:stop], best_of[start:stop], within.T, keys[rows])
     return kept, np.where(kept, -1, best_of), best
 
 
@@ -123,74 +130,55 @@ def near_threshold_margin(d: int) -> float:
     return max(1e-5, d * 2.0 ** -23)
 
 
-def block_pair_edges(xa: np.ndarray, xb: np.ndarray, start_a: int, start_b: int, threshold: float,
-                     block_rows: int, same: bool | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The edges (i, j, cosine) between two blocks of unit vectors of one cluster in keep order, rows start_a..
-    and start_b.. (start_a <= start_b; the same block: only i < j): every pair with i < j and float64 cosine >=
-    threshold. Products in float32, block_rows x block_rows at a time; the few pairs within
-    near_threshold_margin of the threshold or above are recomputed in float64 (their cosine is exact, so ties
-    and duplicate_of do not depend on the blocking nor on the BLAS). `same` (default: start_a == start_b) says
-    whether xa and xb are one block (only its pairs i < j) or two (every pair)."""
-    same = start_a == start_b if same is None else same
-    margin = near_threshold_margin(xa.shape[1])
-    a32, b32 = np.asarray(xa, np.float32), np.asarray(xb, np.float32)
-    found_i, found_j = [], []
-    for r in range(0, len(xa), block_rows):
-        rows = a32[r:r + block_rows]
-        for c in range(r if same else 0, len(xb), block_rows):
-            hit_r, hit_c = np.nonzero(rows @ b32[c:c + block_rows].T >= threshold - margin)
-            hit_r, hit_c = hit_r + r, hit_c + c
-            if same:
-                keep = hit_r < hit_c
-                hit_r, hit_c = hit_r[keep], hit_c[keep]
-            found_i.append(hit_r)
-            found_j.append(hit_c)
-    i = np.concatenate(found_i) if found_i else np.zeros(0, np.int64)
-    j = np.concatenate(found_j) if found_j else np.zeros(0, np.int64)
-    sim = np.einsum("nd,nd->n", np.asarray(xa[i], np.float64), np.asarray(xb[j], np.float64))
-    keep = sim >= threshold
-    return (i[keep] + start_a).astype(np.int64), (j[keep] + start_b).astype(np.int64), sim[keep]
+def raise_best(x: np.ndarray, kept_x: np.ndarray, kept_keys: np.ndarray, threshold: float, block_rows: int,
+               best: np.ndarray, best_of: np.ndarray) -> None:
+    """Raise each row of x's best (its highest cosine to a kept row before it) and best_of (that row's key) in place
+    over kept rows `kept_x` (keys `kept_keys`) that are in keep order and all precede x's rows; called on earlier
+    kept rows in keep order, it leaves what semantic_greedy's `prior` wants. Products in float32, block_rows x
+    block_rows at a time; a row with a product within near_threshold_margin of the threshold or above gets its
+    best over those few columns in float64, so a best at or above the threshold and the earliest kept row among
+    equal ones are semantic_greedy's (exact float64); a best below it (a kept row's: only the histogram reads
+    it) may be float32's. Memory: the two blocks and one block_rows^2 product, whatever the duplicates."""
+    margin = near_threshold_margin(x.shape[1])
+    kept_keys = np.asarray(kept_keys, np.int64)
+    for r in range(0, len(x), block_rows):
+        rows = np.asarray(x[r:r + block_rows], np.float32)
+        for c in range(0, len(kept_x), block_rows):
+            sims = rows @ np.asarray(kept_x[c:c + block_rows], np.float32).T
+            j = np.argmax(sims, axis=1)  # the first maximum: the earliest column among equals
+            top = sims[np.arange(len(j)), j].astype(np.float64)
+            near_r, near_c = np.nonzero(sims >= threshold - margin)
+            del sims
+            if len(near_r):
+                exact = np.einsum("nd,nd->n", np.asarray(x[r + near_r], np.float64),
+                                  np.asarray(kept_x[c + near_c], np.float64))
+                order = np.lexsort((near_c, -exact, near_r))  # per row: the highest cosine, then the earliest column
+                first = order[np.r_[True, near_r[order][1:] != near_r[order][:-1]]]
+                j[near_r[first]], top[near_r[first]] = near_c[first], exact[first]
+            better = top > best[r:r + len(rows)]  # equal: the earlier block's column stays
+            best[r:r + len(rows)][better] = top[better]
+            best_of[r:r + len(rows)][better] = kept_keys[c + j[better]]
 
 
-def block_pairs(n: int, max_group_rows: int) -> list[tuple[int, int]]:
-    """The (start_a, start_b) of every block pair of a cluster of n rows in blocks of max_group_rows,
-    start_a <= start_b: each pair of rows is in exactly one of them."""
-    starts = range(0, n, max_group_rows)
-    return [(a, b) for a in starts for b in starts if a <= b]
-
-
-def split_greedy(x: np.ndarray, threshold: float, block_rows: int, max_group_rows: int
+def split_greedy(x: np.ndarray, threshold: float, block_rows: int, chunk_rows: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """semantic_greedy's (kept, duplicate_of) for x in keep order, through the edges of every block pair (blocks
-    of max_group_rows rows) walked by greedy_from_edges: in one process, what stages/dedup/blocks.py spreads over
-    Ray tasks."""
-    edges = [block_pair_edges(x[a:a + max_group_rows], x[b:b + max_group_rows], a, b, threshold, block_rows)
-             for a, b in block_pairs(len(x), max_group_rows)]
-    i, j, sim = (np.concatenate(column) for column in zip(*edges))
-    return greedy_from_edges(len(x), i, j, sim)
-
-
-def greedy_from_edges(n: int, i: np.ndarray, j: np.ndarray, sim: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """semantic_greedy's (kept, duplicate_of, best) for n rows in keep order from the edge list of every pair
-    i < j with cosine >= the threshold: walking j in keep order, a row is removed when an edge reaches it from a
-    kept row; its duplicate is that kept row with the highest cosine (the earliest among equals). best holds a
-    removed row's cosine to it; a kept row's best to the rows kept before it is below the threshold, so not in
-    the edge list: -inf."""
-    kept = np.ones(n, bool)
-    best, best_of = np.full(n, -np.inf), np.full(n, -1, np.int64)
-    order = np.lexsort((i, j))  # by target row, then source row: the earliest source first among equal cosines
-    i, j, sim = i[order], j[order], sim[order]
-    starts = np.flatnonzero(np.r_[True, j[1:] != j[:-1]]) if len(j) else np.zeros(0, np.int64)
-    for lo, hi in zip(starts, np.r_[starts[1:], len(j)].astype(np.int64)):
-        sources = i[lo:hi]
-        from_kept = kept[sources]  # final: every source precedes this target
-        if from_kept.any():
-            s = np.where(from_kept, sim[lo:hi], -np.inf)
-            at = int(np.argmax(s))
-            target = j[lo]
-            kept[target], best[target], best_of[target] = False, s[at], sources[at]
-    return kept, np.where(kept, -1, best_of), best
+    """semantic_greedy's (kept, duplicate_of, best) for x in keep order, decided chunk_rows rows at a time in keep
+    order: each chunk against the kept rows of the chunks before it (raise_best, one earlier chunk's kept rows at a
+    time), then within itself (semantic_greedy with that prior). A removed row is never compared again, so nothing
+    grows with the number of near-duplicate pairs: in one process, what stages/dedup/blocks.py runs as a chain of
+    Ray tasks. best below the threshold (kept rows) from earlier chunks may be float32's (raise_best)."""
+    n = len(x)
+    kept, duplicate_of, best = np.zeros(n, bool), np.full(n, -1, np.int64), np.full(n, -np.inf)
+    kept_before: list[np.ndarray] = []  # the kept rows of each chunk so far
+    for start in range(0, n, chunk_rows):
+        rows = np.arange(start, min(n, start + chunk_rows))
+        prior = np.full(len(rows), -np.inf), np.full(len(rows), -1, np.int64)
+        for earlier in kept_before:
+            raise_best(x[rows], x[earlier], earlier, threshold, block_rows, *prior)
+        kept[rows], duplicate_of[rows], best[rows] = semantic_greedy(x[rows], threshold, block_rows, keys=rows,
+                                                                     prior=prior)
+        kept_before.append(rows[kept[rows]])
+    return kept, duplicate_of, best
 
 
 def heldout_matches(x: np.ndarray, heldout: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,16 +2,23 @@
 
 The cluster shuffle sends each row of such a cluster to one of its blocks (by a hash of its pair_id, about
 max_group_rows rows each: partitions.BlockPlan) and the held-out vectors routed to it to a partition of their own; the
-group task of each writes its rows under dedup/_blocks/. Then Ray tasks, each holding at most two blocks' rows:
-  edges    one per block a: the held-out vector leaks among its rows (against the cluster's routed held-out
-           vectors), and every pair at or above the threshold between a and each block b >= a (b read one at a
-           time; core.block_pair_edges: float32 products, float64 near the threshold);
-  decide   one per cluster: the keep rule (core.greedy_from_edges) over the edge list of the rows still kept, in
-           keep order; it reads only the cluster's pair_id, rank and reason columns, and writes its decisions
-           (the removed rows) under dedup/_blocks/;
+group task of each writes its rows under dedup/_blocks/. The semantic pass then decides the cluster in chunks of its
+keep order (core.split_greedy, as Ray tasks):
+  bounds   one per cluster: the keep-order key (rank, pair_id) of every max_group_rows-th row the exact step kept
+           (it reads only the pair_id, rank and reason columns: 17 bytes a row);
+  split    one per block: its held-out vector leaks (against the cluster's routed held-out vectors; its leaks file),
+           and its other rows in keep order, one Parquet row group per chunk they fall in (its chunks file);
+  decide   one per chunk, in keep order (each waits for the one before): the chunk's rows (a row group of each
+           block) against the rows kept by the chunks before it, one kept file at a time (core.raise_best), then
+           within itself (core.semantic_greedy); writes its decisions and adds its kept rows to the kept files
+           (each up to max_group_rows rows);
   write    one per block: its kept and removed rows to dedup/kept/ and dedup/removed/, and its counts.
-The removals are those of comparing the cluster whole (semantic.semantic_pass), whatever the blocking. Without a
-semantic threshold the blocks are independent: each block's group task writes its rows itself."""
+The removals are those of comparing the cluster whole (semantic.semantic_pass), whatever the blocking. Only kept
+rows are compared with later rows, so no structure grows with the number of near-duplicate pairs: a task holds at
+most a chunk, one kept file (or the last one topped up: two) and one dedup.block_rows^2 product, whatever the
+duplicate density (a boilerplate cluster's removed rows are never compared again). The chain is the cluster's
+critical path (as comparing it whole would be); clusters run side by side. Without a semantic threshold the blocks
+are independent: each block's group task writes its rows itself."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,6 +42,7 @@ from clusterscale.stages.dedup.semantic import counts_row, dedup_cluster, write_
 BLOCKS = f"{DEDUP}/_blocks"  # the split clusters' rows and decisions while the stage runs (removed at its end)
 DECISION_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.int8()), ("duplicate_of", pa.int64()),
                              ("similarity", pa.float32()), ("best", pa.float64())])
+ROW_GROUP_MAX_ROWS = 1 << 20  # of a chunks file (pyarrow's default cap), so that a row group is one chunk's
 
 
 def block_file(cluster: int, block: int) -> str:
@@ -45,8 +53,21 @@ def heldout_file(cluster: int) -> str:
     return f"{BLOCKS}/_c{cluster:06d}-heldout.parquet"
 
 
-def decisions_file(cluster: int) -> str:
-    return f"{BLOCKS}/_c{cluster:06d}-decisions.parquet"
+def chunks_file(cluster: int, block: int) -> str:
+    return f"{BLOCKS}/_c{cluster:06d}-b{block:05d}-chunks.parquet"
+
+
+def leaks_file(cluster: int, block: int) -> str:
+    return f"{BLOCKS}/_c{cluster:06d}-b{block:05d}-leaks.parquet"
+
+
+def decisions_file(cluster: int, chunk: int) -> str:
+    return f"{BLOCKS}/_c{cluster:06d}-k{chunk:05d}-decisions.parquet"
+
+
+def kept_file(cluster: int, chunk: int, part: int) -> str:
+    """The kept rows' vectors (part `part` written by chunk `chunk`'s decide task)."""
+    return f"{BLOCKS}/_c{cluster:06d}-k{chunk:05d}-kept{part:03d}.parquet"
 
 
 def _count_clusters(batch: pa.Table, clusters: int) -> pa.Table:
@@ -91,115 +112,171 @@ def _alive_rows(run: RunDir, cluster: int, block: int, columns: list[str]) -> pa
     return table.filter(pc.equal(table.column("reason"), core.KEPT))
 
 
-def block_edges(run_uri: str, cluster: int, block: int, later: list[int], dc: DedupConfig) -> dict:
-    """Ray task (edges): block `block`'s held-out vector leaks, and the edges (pair_id u, pair_id v, cosine) at or
-    above the threshold between its rows and those of itself and each block of `later` (read one at a time),
-    among the rows the exact step kept."""
+def _read(run: RunDir, rel: str) -> pa.Table:
+    return pq.read_table(run.fs.open_input_file(run.path(rel)))
+
+
+def chunk_bounds(run_uri: str, cluster: int, blocks: list[int], chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ray task (bounds): (rank, pair_id) of the first row of each chunk: the rows the exact step kept, in keep
+    order, every chunk_rows rows (a chunk loses its held-out leaks later, so it may hold fewer)."""
+    run = RunDir(run_uri)
+    table = pa.concat_tables([_alive_rows(run, cluster, b, ["pair_id", "rank", "reason"]) for b in blocks])
+    pair_ids, rank = table.column("pair_id").to_numpy(), table.column("rank").to_numpy()
+    first = core.keep_order(pair_ids, rank)[::chunk_rows]
+    return rank[first].astype(np.float64), pair_ids[first].astype(np.int64)
+
+
+def chunk_of(pair_ids: np.ndarray, rank: np.ndarray, bounds: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The chunk of each row: the last bound at or before its keep-order key (rank, pair_id)."""
+    bound_rank, bound_ids = bounds
+    n_bounds = len(bound_ids)
+    is_row = np.r_[np.zeros(n_bounds, np.int8), np.ones(len(pair_ids), np.int8)]
+    order = np.lexsort((is_row, np.r_[bound_ids, pair_ids], np.r_[bound_rank, rank]))  # a bound before its row
+    bounds_so_far = np.cumsum(is_row[order] == 0) - 1
+    chunk = np.empty(len(pair_ids), np.int64)
+    rows = order >= n_bounds
+    chunk[order[rows] - n_bounds] = np.maximum(bounds_so_far[rows], 0)
+    return chunk
+
+
+def split_block(run_uri: str, cluster: int, block: int, dc: DedupConfig, bounds: tuple[np.ndarray, np.ndarray]
+                ) -> list[int]:
+    """Ray task (split): block `block`'s held-out vector leaks among the rows the exact step kept (its leaks file),
+    and its other such rows (pair_id, rank, emb) in keep order, one row group per chunk (its chunks file); returns
+    the chunk of each of its row groups, in order."""
     release_freed_memory()
     run = RunDir(run_uri)
     names = pq.read_schema(run.fs.open_input_file(run.path(block_file(cluster, block)))).names
-    rows = _alive_rows(run, cluster, block, ["pair_id", "reason", *vector_columns(names)])
-    ids_a, xa = rows.column("pair_id").to_numpy(), emb_matrix(rows.column("emb"))
+    rows = _alive_rows(run, cluster, block, ["pair_id", "rank", "reason", *vector_columns(names)])
     leak_of, similarity = np.full(rows.num_rows, -1, np.int64), np.zeros(rows.num_rows, np.float32)
     if run.exists(heldout_file(cluster)):
-        held = pq.read_table(run.fs.open_input_file(run.path(heldout_file(cluster))))
-        leak_of, similarity = heldout_vector_leaks(rows, held, dc)
-        del held
-    del rows
+        leak_of, similarity = heldout_vector_leaks(rows, _read(run, heldout_file(cluster)), dc)
     hit = leak_of >= 0
-    leaks = {"pair_id": ids_a[hit], "duplicate_of": leak_of[hit], "similarity": similarity[hit]}
-    found = []
-    for other in [block, *later]:
-        if other == block:
-            ids_b, xb = ids_a, xa
-        else:
-            rows = _alive_rows(run, cluster, other, ["pair_id", "reason", "emb"])
-            ids_b, xb = rows.column("pair_id").to_numpy(), emb_matrix(rows.column("emb"))
-        i, j, sim = core.block_pair_edges(xa, xb, 0, 0, dc.semantic_threshold, dc.block_rows, same=other == block)
-        found.append((ids_a[i], ids_b[j], sim))
-    u, v, sim = (np.concatenate(column) for column in zip(*found))
-    return {"leaks": leaks, "u": u, "v": v, "sim": sim}
+    run.write_parquet(leaks_file(cluster, block), pa.table({
+        "pair_id": rows.column("pair_id").to_numpy()[hit], "reason": np.full(hit.sum(), core.HELDOUT_LEAK, np.int8),
+        "duplicate_of": leak_of[hit], "similarity": similarity[hit], "best": np.full(hit.sum(), -np.inf)},
+        schema=DECISION_SCHEMA))
+    rows = rows.filter(pa.array(~hit)).select(["pair_id", "rank", "emb"])
+    if not rows.num_rows:
+        return []
+    rows = rows.take(pa.array(core.keep_order(rows.column("pair_id").to_numpy(), rows.column("rank").to_numpy())))
+    chunk = chunk_of(rows.column("pair_id").to_numpy(), rows.column("rank").to_numpy(), bounds)
+    starts = np.flatnonzero(np.r_[True, chunk[1:] != chunk[:-1]])  # chunk never decreases in keep order
+    sink, group_chunks = pa.BufferOutputStream(), []
+    with pq.ParquetWriter(sink, rows.schema) as writer:
+        for start, stop in zip(starts.tolist(), np.r_[starts[1:], len(chunk)].tolist()):
+            for first in range(start, stop, ROW_GROUP_MAX_ROWS):
+                writer.write_table(rows.slice(first, min(stop, first + ROW_GROUP_MAX_ROWS) - first),
+                                   row_group_size=ROW_GROUP_MAX_ROWS)
+                group_chunks.append(int(chunk[start]))
+    run.write_bytes(chunks_file(cluster, block), sink.getvalue())
+    return group_chunks
 
 
-def decide_cluster(run_uri: str, cluster: int, blocks: list[int], *edges: dict) -> int:
-    """Ray task (decide): the keep rule over one split cluster's edge lists (one per block, from block_edges)
-    among its rows not removed by the exact step nor as held-out leaks; writes the cluster's decisions (every
-    removed row: held-out leak or semantic, with duplicate_of, similarity, best); returns their number."""
+def _append_kept(run: RunDir, cluster: int, chunk: int, kept: pa.Table, state: dict, chunk_rows: int) -> dict:
+    """The kept files after adding `kept` (pair_id, emb): the last one topped up to chunk_rows rows (as a new file:
+    a retried task reads the files of `state` as they were), then new ones."""
+    files = list(state["kept"])
+    if not kept.num_rows:
+        return state
+    if files and state["last_rows"] < chunk_rows:
+        kept = pa.concat_tables([_read(run, files.pop()), kept])
+    for part, start in enumerate(range(0, kept.num_rows, chunk_rows)):
+        files.append(kept_file(cluster, chunk, part))
+        run.write_parquet(files[-1], kept.slice(start, chunk_rows))
+    return {"kept": files, "last_rows": kept.num_rows - chunk_rows * ((kept.num_rows - 1) // chunk_rows)}
+
+
+def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: DedupConfig, state: dict,
+                 *splits: list[int]) -> dict:
+    """Ray task (decide): chunk `chunk` of a split cluster's keep order (a row group of each block's chunks file:
+    `splits`, split_block's results) against the rows kept before it (the kept files of `state`, one at a time),
+    then within itself; writes its decisions (every row: best; a removed one: reason, duplicate_of, similarity) and
+    returns the kept files' state with its kept rows added."""
+    release_freed_memory()
     run = RunDir(run_uri)
-    parts = [pq.read_table(run.fs.open_input_file(run.path(block_file(cluster, b))),
-                           columns=["pair_id", "rank", "reason"]) for b in blocks]
-    table = pa.concat_tables(parts).sort_by("pair_id")
+    parts = []
+    for block, chunks in zip(blocks, splits):
+        groups = [g for g, c in enumerate(chunks) if c == chunk]
+        if groups:
+            parts.append(pq.ParquetFile(run.fs.open_input_file(run.path(chunks_file(cluster, block))))
+                         .read_row_groups(groups))
+    if not parts:  # every row of the chunk a held-out leak
+        run.write_parquet(decisions_file(cluster, chunk), DECISION_SCHEMA.empty_table())
+        return state
+    rows = pa.concat_tables(parts)
     del parts
-    pair_ids, rank = table.column("pair_id").to_numpy(), table.column("rank").to_numpy()
-    reason = table.column("reason").to_numpy().copy()
-    leaked = {name: np.concatenate([e["leaks"][name] for e in edges]) for name in ("pair_id", "duplicate_of",
-                                                                                   "similarity")}
-    reason[np.searchsorted(pair_ids, leaked["pair_id"])] = core.HELDOUT_LEAK
-    alive = np.flatnonzero(reason == core.KEPT)
-    order = core.keep_order(pair_ids[alive], rank[alive])  # order[p]: the alive row at keep position p
-    position = np.empty(len(alive), np.int64)
-    position[order] = np.arange(len(alive))
-    alive_ids = pair_ids[alive]  # sorted (pair_ids is)
-    u, v, sim = (np.concatenate([e[name] for e in edges]) for name in ("u", "v", "sim"))
-    at_u, at_v = np.searchsorted(alive_ids, u), np.searchsorted(alive_ids, v)
-    both = (at_u < len(alive_ids)) & (at_v < len(alive_ids))
-    both[both] = (alive_ids[at_u[both]] == u[both]) & (alive_ids[at_v[both]] == v[both])  # a leak is no source
-    pu, pv = position[at_u[both]], position[at_v[both]]
-    kept, dup_index, best = core.greedy_from_edges(len(alive), np.minimum(pu, pv), np.maximum(pu, pv), sim[both])
-    removed = np.flatnonzero(~kept)  # keep positions
-    semantic_ids = alive_ids[order[removed]]
-    decisions = pa.table({
-        "pair_id": np.r_[leaked["pair_id"], semantic_ids],
-        "reason": np.r_[np.full(len(leaked["pair_id"]), core.HELDOUT_LEAK), np.full(len(removed), core.SEMANTIC)
-                        ].astype(np.int8),
-        "duplicate_of": np.r_[leaked["duplicate_of"], alive_ids[order[dup_index[removed]]]].astype(np.int64),
-        "similarity": np.r_[leaked["similarity"], best[removed]].astype(np.float32),
-        "best": np.r_[np.full(len(leaked["pair_id"]), -np.inf), best[removed]]}, schema=DECISION_SCHEMA)
-    run.write_parquet(decisions_file(cluster), decisions)
-    return decisions.num_rows
+    rows = rows.take(pa.array(core.keep_order(rows.column("pair_id").to_numpy(), rows.column("rank").to_numpy())))
+    pair_ids, x = rows.column("pair_id").to_numpy(), emb_matrix(rows.column("emb"))
+    best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
+    for rel in state["kept"]:
+        earlier = _read(run, rel)
+        core.raise_best(x, emb_matrix(earlier.column("emb")), earlier.column("pair_id").to_numpy(),
+                        dc.semantic_threshold, dc.block_rows, best, best_of)
+        del earlier
+    kept, duplicate_of, best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows, keys=pair_ids,
+                                                    prior=(best, best_of))
+    run.write_parquet(decisions_file(cluster, chunk), pa.table({
+        "pair_id": pair_ids, "reason": np.where(kept, core.KEPT, core.SEMANTIC).astype(np.int8),
+        "duplicate_of": duplicate_of, "similarity": np.where(kept, 0.0, best).astype(np.float32), "best": best},
+        schema=DECISION_SCHEMA))
+    return _append_kept(run, cluster, chunk, rows.filter(pa.array(kept)).select(["pair_id", "emb"]), state,
+                        dc.max_group_rows)
 
 
-def decided_block(run: RunDir, cluster: int, block: int) -> pa.Table:
-    """A split cluster's block (sorted by pair_id) with its cluster's decisions applied."""
-    group = pq.read_table(run.fs.open_input_file(run.path(block_file(cluster, block))))
-    decisions = pq.read_table(run.fs.open_input_file(run.path(decisions_file(cluster))))
-    mine = pc.is_in(decisions.column("pair_id"), value_set=group.column("pair_id").combine_chunks())
-    decisions = decisions.filter(mine).sort_by("pair_id")
-    at = np.searchsorted(group.column("pair_id").to_numpy(), decisions.column("pair_id").to_numpy())
+def decided_block(run: RunDir, cluster: int, block: int, chunks: int) -> pa.Table:
+    """A split cluster's block (sorted by pair_id) with its leaks and its cluster's decisions applied (the decisions
+    read one chunk at a time)."""
+    group = _read(run, block_file(cluster, block))
+    pair_ids = group.column("pair_id").to_numpy()
     columns = {name: group.column(name).to_numpy().copy() for name in ("reason", "duplicate_of", "similarity",
                                                                        "best")}
-    for name, values in columns.items():
-        values[at] = decisions.column(name).to_numpy()
+    for rel in [leaks_file(cluster, block), *(decisions_file(cluster, c) for c in range(chunks))]:
+        decisions = _read(run, rel)
+        decisions = decisions.filter(pc.is_in(decisions.column("pair_id"), value_set=group.column("pair_id")
+                                              .combine_chunks()))
+        at = np.searchsorted(pair_ids, decisions.column("pair_id").to_numpy())
+        removed = decisions.column("reason").to_numpy() != core.KEPT
+        columns["best"][at] = decisions.column("best").to_numpy()
+        for name in ("reason", "duplicate_of", "similarity"):
+            columns[name][at[removed]] = decisions.column(name).to_numpy()[removed]
     return replace_columns(group, **columns)
 
 
-def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[str], dc: DedupConfig,
-                        _decided: int) -> dict:
+def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[str], dc: DedupConfig, chunks: int,
+                        _decided: dict, _split: list[int]) -> dict:
     """Ray task (write): a split cluster's block, its cluster's decisions applied, to dedup/kept/ and
-    dedup/removed/; its counts row (semantic.write_outputs) as a dict. _decided: decide_cluster's result, so that
-    this task runs after it."""
+    dedup/removed/; its counts row (semantic.write_outputs) as a dict. _decided, _split: the last decide task's and
+    the block's split task's results, so that this task runs after them."""
     release_freed_memory()
     unit_delay_for_tests("dedup")
     run = RunDir(run_uri)
-    return write_outputs(decided_block(run, cluster, block), run, cluster, block, columns, dc).to_pylist()[0]
+    return write_outputs(decided_block(run, cluster, block, chunks), run, cluster, block, columns, dc
+                         ).to_pylist()[0]
 
 
 def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc: DedupConfig
                        ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
-    """Start the edges, decide and write tasks of the split clusters whose blocks (cluster, block) the cluster
-    shuffle wrote (a block the hash left empty has no file and no task); the edges and the write tasks' refs, one
-    of each per block."""
-    edges_task = ray.remote(num_cpus=1)(block_edges)
-    decide_task = ray.remote(num_cpus=1)(decide_cluster)
+    """Start the bounds, split, decide and write tasks of the split clusters whose blocks (cluster, block) the
+    cluster shuffle wrote (a block the hash left empty has no file and no task); waits for the bounds (a few keys
+    per cluster); returns the decide tasks' refs (one per chunk) and the write tasks' (one per block)."""
+    bounds_task = ray.remote(num_cpus=1)(chunk_bounds)
+    split_task = ray.remote(num_cpus=1)(split_block)
+    decide_task = ray.remote(num_cpus=1)(decide_chunk)
     write_task = ray.remote(num_cpus=1)(write_block_outputs)
     by_cluster: dict[int, list[int]] = {}
     for cluster, block in pending:
         by_cluster.setdefault(cluster, []).append(block)
-    compared, writes = [], []
-    for cluster, blocks in sorted(by_cluster.items()):
-        blocks = sorted(blocks)
-        edges = [edges_task.remote(run.uri, cluster, b, blocks[n + 1:], dc) for n, b in enumerate(blocks)]
-        decided = decide_task.remote(run.uri, cluster, blocks, *edges)
-        writes += [write_task.remote(run.uri, cluster, b, columns, dc, decided) for b in blocks]
-        compared += edges
-    return compared, writes
+    clusters = [(cluster, sorted(blocks)) for cluster, blocks in sorted(by_cluster.items())]
+    bounds = ray.get([bounds_task.remote(run.uri, cluster, blocks, dc.max_group_rows) for cluster, blocks in clusters])
+    decided, writes = [], []
+    for (cluster, blocks), cluster_bounds in zip(clusters, bounds):
+        splits = [split_task.remote(run.uri, cluster, b, dc, cluster_bounds) for b in blocks]
+        state = {"kept": [], "last_rows": 0}
+        chunks = len(cluster_bounds[1])
+        for chunk in range(chunks):
+            state = decide_task.remote(run.uri, cluster, chunk, blocks, dc, state, *splits)
+            decided.append(state)
+        writes += [write_task.remote(run.uri, cluster, b, columns, dc, chunks, state, split)
+                   for b, split in zip(blocks, splits)]
+    return decided, writes

@@ -1,9 +1,9 @@
 """Semantic duplicates within one cluster (SemDeDup on runtime/dedup_core.py, in blocks), after the held-out
 vector leaks routed there, and the cluster's output files: its kept rows and its removed rows.
 
-A cluster with more rows than dedup.max_group_rows never comes here whole: stages/dedup/blocks.py compares it
-block x block in parallel Ray tasks and walks the keep order over the edge list they return (the same removals
-as comparing it whole, its work spread over every CPU of the Ray cluster); write_outputs writes its blocks."""
+A cluster with more rows than dedup.max_group_rows never comes here whole: stages/dedup/blocks.py decides it in
+chunks of its keep order, each against the rows kept before it, in a chain of Ray tasks (the same removals as
+comparing it whole, no task holding more than a few blocks); write_outputs writes its blocks."""
 from __future__ import annotations
 
 import json

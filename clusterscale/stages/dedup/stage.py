@@ -102,17 +102,17 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
                 continue
             results.append(result)
             progress.advance(result["rows"])
-    if pending:  # the split clusters' block tasks: a line for the comparisons, then the rows as they are written
-        edges, writes = run_split_clusters(run, pending, columns, dedup_cfg)
+    if pending:  # the split clusters' tasks: a line for the chunks decided, then the rows as they are written
+        decided, writes = run_split_clusters(run, pending, columns, dedup_cfg)
         print(f"[dedup] {len({c for c, _ in pending})} cluster(s) over dedup.max_group_rows={limit:,} rows: "
-              f"{len(edges):,} blocks, each compared with itself and the later blocks of its cluster", flush=True)
-        compared, edge_ids = ProgressLine("dedup", len(edges), unit="blocks"), {r.hex() for r in edges}
-        waiting = edges + writes
-        del edges
+              f"{len(decided):,} chunks, each decided in keep order against the rows kept before it", flush=True)
+        chunks, decided_ids = ProgressLine("dedup", len(decided), unit="chunks"), {r.hex() for r in decided}
+        waiting = decided + writes
+        del decided
         while waiting:
             done, waiting = ray.wait(waiting, num_returns=1)
-            if done[0].hex() in edge_ids:
-                compared.advance(1)
+            if done[0].hex() in decided_ids:
+                chunks.advance(1)
                 continue
             result = ray.get(done[0])
             results.append(result)
