@@ -25,7 +25,10 @@ by the stage's whole process tree (rchar + wchar: files, the disk shuffle's part
 object store's shared-memory pages, mapped rather than read, are not counted) / N; `bytes_growth` = its
 value at 4N / at N. --large-clusters (cluster.k = 4) adds `large_cluster_bytes_growth`: mine's bytes_growth
 when every cluster is larger than the old 16,384-row search groups, and `dedup_block_memory_growth`: dedup's
-growth with every cluster split into blocks of dedup.max_group_rows = 1,024 rows. rows_per_s = N / the stage's
+growth with every cluster split into blocks of dedup.max_group_rows = 1,024 rows. --boilerplate (with
+--large-clusters) makes 1/(2k) of the rows near-duplicates of one vector (synth --boilerplate: about a third of one
+cluster, cosine ~0.99 to one another) and reruns dedup unsplit after the measured one: `dedup_kept_rows` (split,
+unsplit) at N and 4N, and `dedup_kept_equal_unsplit`. rows_per_s = N / the stage's
 own wall time from RUN/report/costs.json (without Ray's start-up, which the process time `seconds` includes).
 
 Training (`train`, a 2-step tiny from-scratch model) runs before evaluate only because evaluate scores a
@@ -224,6 +227,14 @@ def stage_wall_s(run_dir: str, stage: str) -> float | None:
     return entry.get("wall_s") if isinstance(entry, dict) else None
 
 
+def dedup_kept_rows(run_dir: str) -> int | None:
+    path = os.path.join(run_dir, "dedup", "_DONE.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["stats"]["rows"]
+
+
 def cli(verb: str, run_dir: str, keys: list[str], extra: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "clusterscale.cli", verb, "--run-dir", run_dir, *extra, "--set", *keys]
 
@@ -245,8 +256,9 @@ def measure_scale(rows: int, args, root: str) -> dict:
             *([f"data.heldout_fraction={args.heldout_fraction}"] if args.heldout_fraction is not None else [])]
     dedup_keys = DEDUP_KEYS + (LARGE_CLUSTER_DEDUP_KEYS if args.large_clusters else [])
     out = {}
+    boilerplate = ["--boilerplate", str(1 / (2 * args.k))] if args.boilerplate else []
     order = [("synth", cli("synth", run_dir, keys, ["--rows", str(rows), "--dim", str(args.dim),
-                                                    "--topics", str(args.topics)])),
+                                                    "--topics", str(args.topics), *boilerplate])),
              *[(s, cli(s, run_dir, keys + (dedup_keys if s == "dedup" else []))) for s in STAGES[:5]],
              ("train", cli("train", run_dir, keys)),
              ("evaluate", cli("evaluate", run_dir, keys))]
@@ -260,6 +272,11 @@ def measure_scale(rows: int, args, root: str) -> dict:
             json.dump(out, f, indent=2)
         print(f"[bench_scale] rows={rows} {stage}: {result['seconds']}s, largest process {result['peak_uss_mb']} MB "
               f"({result['largest_process']}){' ERROR' if result['returncode'] else ''}", flush=True)
+        if stage == "dedup" and args.boilerplate:  # the same dedup unsplit (not measured): its kept rows
+            split_rows = dedup_kept_rows(run_dir)
+            unsplit = run_sampled(cli("dedup", run_dir, keys + DEDUP_KEYS + ["dedup.max_group_rows=100000000"],
+                                      ["--replace"]), os.path.join(logs, "dedup-unsplit.log"), args.interval)
+            result["kept_rows"] = [split_rows, dedup_kept_rows(run_dir) if not unsplit["returncode"] else None]
     if not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
@@ -358,6 +375,10 @@ def main() -> None:
                              "dedup splits them into blocks (dedup.max_group_rows=1024); the JSON gets "
                              "large_cluster_bytes_growth (mine's bytes_moved_per_row at 4N / at N) and "
                              "dedup_block_memory_growth (dedup's largest process at 4N / at N).")
+    parser.add_argument("--boilerplate", action="store_true",
+                        help="With --large-clusters: 1/(2k) of the rows are near-duplicates of one vector (about a "
+                             "third of one cluster); dedup is rerun unsplit, and the JSON gets dedup_kept_rows and "
+                             "dedup_kept_equal_unsplit.")
     parser.add_argument("--heldout-fraction", type=float, default=None,
                         help="data.heldout_fraction of the synth runs (default: the config's 0.05). A large one "
                              "(0.5) grows heldout/ with N, the regime of evaluate's driver at 100M pairs.")
@@ -370,6 +391,8 @@ def main() -> None:
     bench_scale_train.add_arguments(parser, prefix="train-")
     args = parser.parse_args()
     train_options = bench_scale_train.train_args(args, prefix="train-") if args.train else None
+    if args.boilerplate and not args.large_clusters:
+        parser.error("--boilerplate goes with --large-clusters (it measures dedup's split clusters)")
     if args.large_clusters:
         args.k = 4
     args.stages = [s for s in (args.stages or ("mine,dedup" if args.large_clusters else ",".join(STAGES))).split(",")
@@ -391,6 +414,10 @@ def main() -> None:
         result["regime"] = "large_clusters (cluster.k = 4)"
         result["large_cluster_bytes_growth"] = result.get("mine", {}).get("bytes_growth")
         result["dedup_block_memory_growth"] = result.get("dedup", {}).get("growth")
+    if args.boilerplate:
+        result["dedup_kept_rows"] = [r.get("dedup", {}).get("kept_rows") for r in runs]  # (split, unsplit) per scale
+        result["dedup_kept_equal_unsplit"] = all(k and k[0] is not None and k[0] == k[1]
+                                                 for k in result["dedup_kept_rows"])
     result["setup"] = {s: stage_entry(scales, [r[s] for r in runs]) for s in ("synth", "train") if s in runs[0]}
     if train_options is not None:
         result |= bench_scale_train.run(train_options, root)

@@ -15,6 +15,7 @@ from clusterscale.errors import bounded_repr, user_message
 from clusterscale.io.layout import load_manifest, shards_dir
 from clusterscale.redact import redact_uri, redacted_command
 from clusterscale.io.rundir import RunDir
+from clusterscale.knobs import check_text
 from clusterscale.pipeline import STAGE_VERBS, STAGES, execute, open_run
 from clusterscale.runtime import interrupt
 from clusterscale.runtime.session import check_run_dir_shared, init_ray
@@ -95,6 +96,9 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-fraction", type=float,
                    help="data.heldout_fraction of the run (default: the config's, 0.05).")
     p.add_argument("--seed", type=int, default=0, help="Generator seed (default 0).")
+    p.add_argument("--boilerplate", type=float, default=0.0,
+                   help="Fraction of rows that are boilerplate: near-duplicates of one vector (cosine ~0.99 to one "
+                        "another), so one cluster holds them all (default 0).")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,7 +160,7 @@ def run_plan_verb(args) -> None:
 
 
 def run_synth_verb(args) -> None:
-    spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed)
+    spec = SynthSpec(rows=args.rows, dim=args.dim, topics=args.topics, seed=args.seed, boilerplate=args.boilerplate)
     spec.check()
     extra = [f"data.path={spec.data_path()}"]
     if args.heldout_fraction is not None:
@@ -244,6 +248,21 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     print(f"table written to {json_path}")
 
 
+# Options naming a path or URI (argparse dest -> as the user wrote it), refused before any work when they hold a
+# control character or are an ambiguous URI (knobs.check_text); open_run checks --run-dir and --set again (jobs).
+PATH_OPTIONS = {"config": "the config file", "run_dir": "--run-dir", "run_dir_opt": "--run-dir", "run": "RUN",
+                "save_in": "--save-in", "json_path": "--json", "cluster": "--cluster", "calibration": "--calibration",
+                "gpu_calibration": "--gpu-calibration"}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    for dest, option in PATH_OPTIONS.items():
+        if isinstance(getattr(args, dest, None), str):
+            check_text(option, getattr(args, dest))
+    for text in getattr(args, "overrides", []):
+        config_mod.parse_override(text)
+
+
 @redacted_command
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (console script, python -m), not a caller passing arguments
@@ -251,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        check_arguments(args)
         if args.verb == "config":
             print(config_mod.describe())
             return 0

@@ -21,7 +21,8 @@ from typing import Callable, Iterator
 
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import TRAIN, eval_path
-from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageMissingError, StageResult, changed_keys
+from clusterscale.io.rundir import (ConfigMismatchError, RunDir, StageMissingError, StageResult, UnreadableFileError,
+                                    changed_keys)
 from clusterscale.errors import UserError, user_error
 from clusterscale.runtime import interrupt, nodes
 from clusterscale.runtime.resources import Resources
@@ -76,6 +77,9 @@ class Input:
     made_with: Sections = ()
     """For a folder that holds one config's output at a time (dedup/kept/): the config sections its marker must
     have been made with (this config's values), checked before the stage runs (not when its output is reused)."""
+    reads_every_file: bool = True
+    """The stage reads every Parquet file in the folder (a listing), so a stray one added there is refused with the
+    files its marker lists (RunDir.check_complete); False: it reads the files a manifest names (the shards)."""
 
     def describe(self, cfg: Config) -> str:
         return f"{self.what} for k={cfg.cluster.k}" if isinstance(self.folder, PerK) else self.what
@@ -120,6 +124,13 @@ class Stage:
     """Work that needs the done marker (train: the model card, dropping checkpoints)."""
     refusal_hint: str = ""
     """Said instead of the --replace advice when an output made with another config cannot be replaced."""
+    check_reuse: Callable[[StageContext, str], None] | None = None
+    """Called with the output folder before a done output is reused; raises ConfigMismatchError to refuse it (ingest:
+    an input file changed since), which --replace then replaces like an output made with another config."""
+    changes_after_done: tuple[str, ...] = ()
+    """Paths inside the output (a folder ends with '/') that change after its done marker is written, so the marker
+    does not list them for its readers' check (train: the checkpoints after_done drops, the model card evaluate
+    rewrites)."""
     keeps_units: bool = False
     """The stage resumes an interrupted attempt from its own unit plan (embed, mine), so the executor does not
     clear its output before running it."""
@@ -166,7 +177,8 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
                        fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)
     lost_node_said = _naming_lost_nodes(stage, run, alive, command)
-    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said:
+    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said, \
+            _naming_unreadable(stage, ctx):
         if replace == "always":
             _replace(run, stage.output_of(cfg))
         try:
@@ -227,16 +239,20 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
     cfg, run = ctx.cfg, ctx.run
     for need in stage.inputs:
         ctx.source.require(resolve(need.folder, cfg), need.verb, need.describe(cfg))
-    if not stage.sections:
+    if not stage.sections:  # no marker: it runs every time, reusing what it cached (its inputs maybe unread)
         return stage.run(ctx)
     out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
     extras = [(resolve(e.folder, cfg), cfg.fingerprint(e.sections), e.sections == stage.sections)
               for e in stage.extra_outputs]
+    if stage.check_reuse and run.is_done(out, fingerprint, quiet=True) and all(
+            run.is_done(f, fp, quiet=True) for f, fp, _ in extras):
+        stage.check_reuse(ctx, out)  # before "reused" is said
     # An extra output fingerprinted like the stage's own is said with it; one with its own sections is said too.
     if run.is_done(out, fingerprint) and all(run.is_done(f, fp, quiet=same) for f, fp, same in extras):
         return StageResult(run.done_stats(out))
     for need in stage.inputs:
         _check_made_with(ctx.source, need, cfg)
+    _check_complete(ctx.source, stage, cfg)
     if not (stage.keeps_units or ctx.resume):  # an interrupted attempt's partial output
         for folder in (out, *(f for f, _, _ in extras)):
             run.begin(folder)
@@ -245,10 +261,39 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
         for folder, extra_fingerprint, _ in extras:
             marker = result.outputs[folder]
             run.mark_done(folder, extra_fingerprint, marker.stats, marker.config)
-        run.mark_done(out, fingerprint, result.stats, result.config)
+        run.mark_done(out, fingerprint, result.stats, result.config, unlisted=stage.changes_after_done)
         if stage.after_done:
             stage.after_done(cfg, run, result)
     return result
+
+
+def _check_complete(source: RunDir, stage: Stage, cfg: Config) -> None:
+    """Each input folder (once) against the files its done marker lists, before the stage reads it: one listing per
+    folder (RunDir.check_complete)."""
+    checked = set()
+    for need in stage.inputs:
+        folder = resolve(need.folder, cfg)
+        if folder not in checked:
+            checked.add(folder)
+            source.check_complete(folder, need.describe(cfg), need.verb, strays=need.reads_every_file)
+
+
+@contextlib.contextmanager
+def _naming_unreadable(stage: Stage, ctx: StageContext) -> Iterator[None]:
+    """A run file that does not parse (a done marker, a manifest, a Parquet footer) inside an input folder or the
+    output: said with the command that rebuilds that folder (the verb that writes it, with --replace)."""
+    try:
+        yield
+    except UnreadableFileError as exc:
+        if not getattr(exc, "generic", False):  # its reader said what rebuilds it (or it crossed a Ray task)
+            raise
+        writers = [(ctx.source, resolve(need.folder, ctx.cfg), need.verb) for need in stage.inputs]
+        if stage.in_run is not None and stage.sections:  # a verb of its own, whose --replace redoes the output
+            writers.append((ctx.run, stage.output_of(ctx.cfg), stage.name))
+        for run, folder, verb in writers:
+            if exc.rel.startswith(f"{folder}/"):
+                raise exc.advised(run.rebuild_advice(folder, verb)) from None
+        raise
 
 
 def _check_made_with(source: RunDir, need: Input, cfg: Config) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import unicodedata
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from clusterscale.errors import UserError, bounded_repr
+from clusterscale.redact import ENCODE_ADVICE, redact_uri, uri_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -180,6 +182,7 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
     elif kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {bounded_repr(value)}.")
+        check_text(key, value)
     elif kind is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
@@ -188,3 +191,30 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         either = " or an integer" if str(f.type) == "int | str" else ""
         raise ConfigError(f"{key} must be one of {', '.join(choices)}{either}; got {bounded_repr(value)}.")
     return value
+
+
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL character"}
+
+
+def refuse_control_characters(key: str, value: str) -> None:
+    """Refuse a newline, NUL or other control character in `value`: no path, URI, model id, name or column holds
+    one, so it is a paste mistake (YAML would even fold a newline into a space, naming a path that does not exist).
+    The message names `key` and shows the value escaped (repr), redacted."""
+    char = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+    if char is None:
+        return
+    shown = redact_uri(repr(value))  # escaped first: the redaction of a URI's secret works line by line
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    raise ConfigError(f"{key} holds {_CONTROL_NAMES.get(char, f'the control character {char!r}')}: {shown}. No "
+                      f"path, URI, name or column holds one; most likely it came with a paste: give the value again "
+                      f"on one line, without it.")
+
+
+def check_text(key: str, value: str) -> None:
+    """Refuse a string value (a config key's, a path or URI on the command line) that holds a control character,
+    or is a URI that does not parse or whose credentials are ambiguous (redact.uri_problem): cheap and offline, so
+    it runs before any work or network request. The URI is shown redacted."""
+    refuse_control_characters(key, value)
+    problem = uri_problem(value)
+    if problem:
+        raise ConfigError(f"{key} {redact_uri(value)} is not a valid URI: {problem}. {ENCODE_ADVICE}.")

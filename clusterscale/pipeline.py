@@ -16,13 +16,15 @@ from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVE
                                     train_dir)
 from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.modeling.model_code import check_model_code
+from clusterscale.knobs import check_text
 from clusterscale.runtime import session
 from clusterscale.runtime.resources import Resources
 from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
 from clusterscale.stages.embed import run_embed
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.io.input_files import refuse_run_dir_in_data
-from clusterscale.stages.ingest import run_ingest
+from clusterscale.stages.ingest import refuse_changed_inputs, run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
 from clusterscale.stages.report import run_report
@@ -102,7 +104,7 @@ _PAIRS = Input("pairs", "ingest", "Ingested pairs")
 _HELDOUT = Input("heldout", "ingest", "Held-out pairs")
 _EMBEDDINGS = Input("embeddings", "embed", "Embeddings")
 _ASSIGNED = Input(PerK(assign_dir), "assign", "Cluster assignments")
-_SHARDED = Input(PerK(shards_dir), "shard", "Shards")
+_SHARDED = Input(PerK(shards_dir), "shard", "Shards", reads_every_file=False)  # read through its manifest
 _TRAINED = PerConfigFolder(_train_dir, f"{train_dir('<name>')}/")
 
 # The stages in pipeline order: the one list of them.
@@ -111,14 +113,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           extra_outputs=(*_PARTS_WRITTEN, ExtraOutput("embeddings", ("data", "embed"))),
           refusal_hint="Write the synthetic run into a new --run-dir.", in_run=None),
     Stage("ingest", "Read, validate and split the input pairs into pairs/, heldout/ and quarantine/.", run_ingest,
-          "pairs", sections=("data",), extra_outputs=_PARTS_WRITTEN, shared=True),
+          "pairs", sections=("data",), extra_outputs=_PARTS_WRITTEN, shared=True, check_reuse=refuse_changed_inputs),
     Stage("embed", "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
           run_embed, "embeddings", inputs=(_PAIRS,), sections=("data", "embed"), keeps_units=True,
           resources=_ON_GPU, shared=True),
     Stage("fit", "Fit spherical k-means (faiss) on a seeded sample of the embeddings.", run_fit, PerK(kmeans_dir),
           inputs=(_EMBEDDINGS,), sections=_CLUSTERING, resources=_ON_GPU, shared=True),
     Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).", run_assign,
-          PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"),), sections=_CLUSTERING,
+          PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"), _EMBEDDINGS), sections=_CLUSTERING,
           resources=Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), shared=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
           run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=_DEDUP,
@@ -140,7 +142,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining),
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
           inputs=(_SHARDED,), sections=(*_SHARDS, "train"), extra=_train_extra, resources=_ON_GPU,
-          cost_key=_train_cost_key, after_done=after_training,
+          cost_key=_train_cost_key, after_done=after_training, changes_after_done=("ray/", "model/README.md"),
           interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and "
                       "--run-dir) continues from train's latest checkpoint (train.checkpoint_every_steps)"),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.", run_evaluate, EVAL,
@@ -175,10 +177,15 @@ def open_run(run_dir: str, config_path: str | None, overrides: list[str]) -> tup
     """(config, RunDir) of a command: an existing run starts from its own RUN/config.yaml, a new one from the
     default (or the config file); --set applies on top. Local paths come back absolute, so that nothing
     relative to this working directory reaches a Ray worker."""
+    check_text("--run-dir", run_dir)  # a control character, an ambiguous URI: before any network request
+    for text in overrides:
+        config_mod.parse_override(text)
     with filesystem_errors(run_dir):  # the first contact with an object store names the --run-dir
         run = RunDir(run_dir)
         run_config = run.config_in_force()
-    return config_mod.load(config_path, overrides, run_config=run_config), run
+    cfg = config_mod.load(config_path, overrides, run_config=run_config)
+    check_model_code(cfg)  # a model folder's own code: refused here, not in every actor that loads it
+    return cfg, run
 
 
 def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = False, write_config: bool = True,

@@ -22,6 +22,7 @@ REDACTED = "***"
 # runs to the last '@' before the first '/' (an '@' later in a path, as in gs://b/team/jane@x.com/, is left alone).
 # The price is over-redaction: 'hdfs://nn:8020/a/jane@corp/x' shows as 'hdfs://***@corp/x'; a password that
 # begins with digits and holds a '/' cannot be told from a port, and a leaked secret is the worse mistake.
+# uri_problem refuses every URI this reading and the parser's disagree on, before it is used.
 _USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?:[^\s/:@?#]*:[^\n]*|[^\s/?#]+)@")
 # access_key=, secret_key=, session_token=, account_key=, password=, X-Amz-Signature=, sig=, X-Amz-Credential= ...
 # The value runs to the next '&' or the end of the line (a malformed value may hold spaces or quotes); a value
@@ -135,10 +136,17 @@ def uri_problem(uri: str) -> str | None:
         return None
     if not _URI_CHARS.fullmatch(uri):
         return "it holds a character a URI cannot hold unencoded (a space, a '%' not followed by two hex digits, ...)"
-    userinfo, _, host_port = authority.group(1).rpartition("@")
+    userinfo, at, host_port = authority.group(1).rpartition("@")
     if "@" in userinfo:
         return "more than one '@' precedes its host"
     port = (host_port.rpartition("]")[2] if host_port.startswith("[") else host_port).partition(":")[2]
     if port and not port.isdigit():
         return "what follows '://' up to the first '/' is not host[:port] (a secret holding a '/'?)"
+    shown = _USERINFO.match(uri)
+    if shown and shown.end() != authority.start(1) + len(userinfo) + len(at):
+        # redact_uri hides up to the last '@'; the parser takes the host (bucket) from before it: the part
+        # between them may be the secret's tail, and would be shown and used as the bucket.
+        return ("it is ambiguous: it reads as user:secret@host (a ':' after '://', an '@' later), but a second '@' "
+                "or a '/' comes before the last '@', so where the secret ends and the host (bucket) begins cannot "
+                "be told; write an '@' of the path as %40")
     return None

@@ -87,6 +87,8 @@ def test_every_key_printed_or_documented_loads_the_same():
     assert len(recorded) > 150
     for text, before in recorded.items():
         now = json.loads(json.dumps(snapshot(lambda: config_mod.load(None, [text]), text.split(".")[0])))
+        if "error" in before and re.match(r"--set [\w.]+ holds a newline: ", now.get("error", "")):
+            continue  # a line break inside a --set value (README text run on): its own error since issue 55
         if RECORDED_CWD in json.dumps(before):  # a relative path, made absolute in the folder it was recorded in
             before = json.loads(json.dumps(before["values"]).replace(RECORDED_CWD, os.getcwd()))
             now = now["values"]

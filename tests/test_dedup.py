@@ -36,8 +36,8 @@ def settings(disk_shuffle: bool = True, **dedup) -> list[str]:
 
 
 def plant(run: RunDir) -> dict[str, list[int]]:
-    """Append planted rows to embeddings/ (one more file; the marker's count follows): exact copies of a pair's
-    passage text, near copies of a pair's vector, and copies of held-out passages (text) and vectors."""
+    """Append planted rows to embeddings/ (one more file; the marker's count and file list follow): exact copies of
+    a pair's passage text, near copies of a pair's vector, and copies of held-out passages (text) and vectors."""
     pairs = pads.dataset(run.files("embeddings"), filesystem=run.fs).to_table()
     held = pads.dataset(run.files("heldout"), filesystem=run.fs).to_table()
     rng = np.random.default_rng(0)
@@ -59,6 +59,7 @@ def plant(run: RunDir) -> dict[str, list[int]]:
     run.write_parquet("embeddings/part-99999-00000-00000.parquet", table.cast(pairs.schema))
     done = run.read_json("embeddings/_DONE.json")
     done["stats"]["rows"] += n
+    done["files"] = run.listed_files("embeddings")  # the planted file is one of the folder's (else refused as stray)
     run.write_json("embeddings/_DONE.json", done)
     return {name: ids[i * PLANTED:(i + 1) * PLANTED].tolist() for i, name in enumerate(("exact", "near", "leak_text",
                                                                                         "leak_vector"))}

@@ -46,3 +46,47 @@ def test_task_user_error_and_full_disk_are_one_paragraph_and_lose_no_rows(tmp_pa
     ids = [i for folder in ("pairs", "heldout", "quarantine") if run.files(folder)
            for i in pads.dataset(run.files(folder), format="parquet").to_table().column("pair_id").to_pylist()]
     assert sorted(ids) == list(range(320))
+
+
+def test_full_disk_in_training_is_one_paragraph_without_worker_tracebacks(tmp_path, ray_local, tiny_model,
+                                                                          monkeypatch, capsys):
+    """Ray Train logs a worker's error with its traceback before the driver hears of it: for a user fault (here a full
+    disk as the rank writes its logs) the worker's console says nothing (its Ray Train log file keeps the record) and
+    the driver prints the one paragraph."""
+    import glob
+    import os
+    import time
+
+    from clusterscale.train import trainer
+    from tests.train_data import make_sharded_run, train_overrides
+
+    def disk_full_loop(config: dict) -> None:  # runs in the Ray Train worker: the disk fills up there
+        from clusterscale.train import metrics
+        from clusterscale.train import trainer as worker_trainer
+
+        def full(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device", self.run.path(self.rel))
+
+        metrics.JsonlLog.flush = full
+        worker_trainer.train_loop_per_worker(config)
+
+    monkeypatch.setattr(trainer, "train_loop_per_worker", disk_full_loop)  # what train/loop.py hands Ray Train
+    run = make_sharded_run(tmp_path / "run")
+    started = time.time()
+    overrides = train_overrides(tiny_model, steps=2) + ["train.num_workers=1"]
+    assert cli.main(["train", "--run-dir", run.uri, "--set", *overrides]) == 2
+    out, err = capsys.readouterr()
+    paragraph = error_paragraph(err)
+    assert paragraph.startswith("error: No space left on device") and "metrics.jsonl" in paragraph
+    assert "free space on that disk" in paragraph and paragraph.count("\n") == 1
+    assert "Traceback" not in out + err and "Error in training function" not in out + err
+    # What the driver prints of a worker is what the worker wrote to its console files: nothing of the fault; Ray
+    # Train's own log file of the worker keeps it.
+    logs = os.path.join(ray_local._private.worker._global_node.get_session_dir_path(), "logs")
+
+    def written_since_start(pattern: str) -> str:
+        return "".join(open(path, errors="replace").read() for path in glob.glob(os.path.join(logs, pattern))
+                       if os.path.getmtime(path) >= started)
+
+    assert "No space left on device" not in written_since_start("worker-*")
+    assert "Error in training function" in written_since_start("train/ray-train-sys-worker-*.log")

@@ -1,8 +1,11 @@
 """Ingest on hostile input, round 2 (issue 31): symlink loops and files reached twice, repeated column names,
 ragged CSV rows keeping their numbers, a mislabelled binary file, run directories inside the data folder and
-an oversized config. User faults exit 2 with one paragraph; every row is read once and kept or quarantined."""
+an oversized config; round 3 (issue 55): deeply nested JSON, a byte-order mark, control characters, an input
+file replaced after ingest. User faults exit 2 with one paragraph; every row is read once and kept or quarantined."""
 from __future__ import annotations
 
+import io
+import json
 import os
 
 import pyarrow as pa
@@ -143,8 +146,8 @@ def test_cli_parquet_named_csv_says_it_is_not_csv(tmp_path, ray_local, capsys):
     with pytest.raises(IngestError, match="this is not JSONL text: it holds NUL bytes .* UTF-16/32"):
         _ingest(tmp_path / "utf16", tmp_path / "nul.jsonl")
     (tmp_path / "one_nul.jsonl").write_bytes(b'{"q": "a\x00", "p": "b"}\n{"q": "c", "p": "d"}\n')
-    tables, counts = _ingest(tmp_path / "stray", tmp_path / "one_nul.jsonl")  # a stray NUL is its line's fault
-    assert counts[0]["rows_in"] == 2 and [r["reason"] for r in tables["quarantine"]] == ["invalid_json"]
+    tables, counts = _ingest(tmp_path / "stray", tmp_path / "one_nul.jsonl")  # a stray NUL is its text's (a space)
+    assert counts[0]["rows_in"] == 2 and sorted(r["query"] for k in KINDS for r in tables[k]) == ["a", "c"]
 
 
 def test_cli_run_dir_inside_the_data_folder_is_refused_before_writing(tmp_path, ray_local, capsys):
@@ -168,3 +171,134 @@ def test_cli_oversized_config_file_is_refused_unparsed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: Config file {path} is larger than 1,048,576 bytes (1 MiB)") and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+# Round 3 (issue 55): deep JSON, a byte-order mark, control characters, an input file replaced after ingest.
+
+def _deep(levels: int, closed: bool = True) -> str:
+    return "[" * levels + ("]" * levels if closed else "")
+
+
+def _objects(levels: int) -> str:
+    return '{"q": "deep", "p": ' + '{"a": ' * levels + "1" + "}" * levels + "}"
+
+
+def _conserved_stats(run: RunDir) -> dict:
+    stats = run.done_stats("pairs")
+    assert stats["rows_in"] == stats["pairs"] + stats["heldout"] + stats["quarantine"] == len(_table_rows(run))
+    return stats
+
+
+def test_cli_deeply_nested_json_is_quarantined_and_the_rest_ingested(tmp_path, ray_local, capsys):
+    """100,000 `[` or 5,000 objects deep: in a JSON line (the file's first, so the file starts with `[`), as an
+    element of a JSON array, and as a whole file of one line; each is one quarantined row."""
+    data = tmp_path / "data"
+    data.mkdir()
+    good = [json.dumps({"q": f"query {i}", "p": f"passage {i}"}) for i in range(6)]
+    (data / "a.jsonl").write_text("\n".join([_deep(100_000), *good[:3], _objects(5_000), *good[3:]]) + "\n")
+    (data / "b.json").write_text("[" + ", ".join([good[0], _deep(100_000), _objects(5_000), good[1]]) + "]")
+    (data / "c.jsonl").write_text(_deep(100_000))
+    run = RunDir(str(tmp_path / "run"))
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0 and "Traceback" not in out + err, err
+    stats = _conserved_stats(run)
+    assert stats["rows_in"] == 8 + 4 + 1 and stats["reasons"] == {"json_too_deep": 5}
+    deep = sorted((r["input_file"].rsplit("/", 1)[1], r["input_row"]) for r in _table_rows(run) if "reason" in r)
+    assert deep == [("a.jsonl", 0), ("a.jsonl", 4), ("b.json", 1), ("b.json", 2), ("c.jsonl", 0)]
+
+
+def test_json_nesting_cap_is_a_function_of_the_record(tmp_path):
+    from clusterscale.io.json_input import MAX_JSON_DEPTH, json_array_items, too_deep
+
+    at_cap = '{"q": "a", "p": "b", "x": ' + _deep(MAX_JSON_DEPTH - 1) + "}"
+    assert not too_deep(at_cap) and too_deep("[" + at_cap + "]")
+    assert not too_deep('{"q": "' + "[" * 500 + '", "p": "\\"{{{"}')  # brackets inside strings do not nest
+    text = "[" + ", ".join(['{"q": 1}', _deep(3_000), '"]]"', _objects(2_000), "7"]) + "]"
+    whole = list(json_array_items(io.StringIO(text)))
+    assert [raw for _, raw in whole] == ['{"q": 1}', _deep(3_000), '"]]"', _objects(2_000), "7"]
+    for chunk_chars in (1, 7, 1000):  # an element found by its brackets may span chunks too
+        assert [raw for _, raw in json_array_items(io.StringIO(text), chunk_chars=chunk_chars)] == \
+            [raw for _, raw in whole]
+    (tmp_path / "open.jsonl").write_text(_deep(100_000, closed=False))  # one line, never closed: a bad array
+    with pytest.raises(IngestError, match="open.jsonl: cannot be read as jsonl .*not closed before the end"):
+        _ingest(tmp_path, tmp_path / "open.jsonl")
+
+
+def test_a_json_file_is_one_array_unless_its_first_line_is_a_whole_value_with_more_lines(tmp_path):
+    rows = [{"q": "a", "p": "b"}, {"q": "c", "p": "d"}]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a_pretty.jsonl").write_text(json.dumps(rows, indent=2))  # arrays, whatever the suffix
+    (folder / "b_one_line.json").write_text(json.dumps(rows) + "\n\n")
+    (folder / "c_lines.jsonl").write_text("[1, 2]\n\n" + "\n".join(map(json.dumps, rows)) + "\n")  # JSON lines
+    tables, counts = _ingest(tmp_path, folder)
+    assert [c["rows_in"] for c in counts] == [2, 2, 4]
+    assert [(r["reason"], r["input_row"]) for r in tables["quarantine"]] == [("not_an_object", 0), ("blank_line", 1)]
+
+
+def test_byte_order_mark_starts_json_lines_arrays_and_csv(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(bom + b'{"q": "a0", "p": "x"}\n{"q": "a1", "p": "x"}\n')
+    (folder / "b.json").write_bytes(bom + b' [{"q": "b0", "p": "x"}, {"q": "b1", "p": "x"}]')
+    (folder / "c.csv").write_bytes(bom + b"q,p\nc0,x\nc1,x\n")
+    tables, counts = _ingest(tmp_path, folder)
+    assert [c["rows_in"] for c in counts] == [2, 2, 2] and tables["quarantine"] == []
+    assert sorted(r["query"] for k in KINDS for r in tables[k]) == ["a0", "a1", "b0", "b1", "c0", "c1"]
+
+
+def test_control_characters_are_spaces_in_every_format(tmp_path):
+    """NUL and the other C0/C1 controls but tab, LF, CR: a space in CSV, JSON (raw or escaped) and Parquet alike;
+    a text of nothing else is empty (quarantined `empty` in every format)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.csv").write_bytes(b"q,p\na\x00b\x1bc,t\tu\n\x00\xc2\x85,x\n")
+    (folder / "b.jsonl").write_bytes(b'{"q": "a\x00b\x1bc", "p": "t\tu"}\n{"q": "\x00\xc2\x85", "p": "x"}\n')
+    (folder / "c.jsonl").write_bytes(b'{"q": "a\\u0000b\\u001bc", "p": "t\\tu"}\n{"q": "\\u0000\\u0085", "p": "x"}\n')
+    (folder / "d.json").write_bytes(b'[{"q": "a\x00b\x1bc", "p": "t\tu"}, {"q": "\x00\xc2\x85", "p": "x"}]')
+    pq.write_table(pa.table({"q": ["a\x00b\x1bc", "\x00\x85"], "p": ["t\tu", "x"]}), folder / "e.parquet")
+    tables, counts = _ingest(tmp_path, folder)
+    assert [c["rows_in"] for c in counts] == [2] * 5
+    assert sorted((r["query"], r["passage"]) for r in tables["pairs"] + tables["heldout"]) == [("a b c", "t\tu")] * 5
+    assert [(r["reason"], r["input_row"]) for r in tables["quarantine"]] == [("query_empty", 1)] * 5
+
+
+def test_cli_input_file_replaced_after_ingest_refuses_reuse_naming_it(tmp_path, ray_local, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = data / "pairs.jsonl"
+
+    def write(rows: int, mtime: int) -> None:
+        path.write_text("".join(json.dumps({"q": f"q{i}", "p": f"p{i}"}) + "\n" for i in range(rows)))
+        os.utime(path, (mtime, mtime))
+
+    write(50, 1_700_000_000)
+    run = RunDir(str(tmp_path / "run"))
+    assert _cli_ingest(capsys, run.uri, data)[0] == 0
+    code, out, _ = _cli_ingest(capsys, run.uri, data)
+    assert code == 0 and "[pairs] reused" in out  # nothing changed
+
+    write(100, 1_700_000_100)  # the same name, new rows
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    _user_fault(code, err)
+    assert "reused" not in out and f"{path} changed (" in err and "bytes, modified 2023-11-14T22:13:20.000Z ->" in err
+    assert "--replace" in err and _conserved_stats(run)["rows_in"] == 50
+    code, _, err = _cli_ingest(capsys, run.uri, data, "--replace")
+    assert code == 0 and _conserved_stats(run)["rows_in"] == 100, err
+
+    (data / "more.jsonl").write_text('{"q": "new", "p": "row"}\n')  # a file added is a change too
+    code, _, err = _cli_ingest(capsys, run.uri, data)
+    _user_fault(code, err)
+    assert f"{data / 'more.jsonl'} was added" in err
+
+    data.rename(tmp_path / "moved")  # a data.path that can no longer be listed: pairs/ is the only copy, reused
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0 and "cannot be listed now" in out and "[pairs] reused" in out, err
+    (tmp_path / "moved").rename(data)
+
+    marker = run.read_json("pairs/_DONE.json")  # a marker from before inputs were recorded: reused as it was
+    del marker["stats"]["inputs"]
+    run.write_json("pairs/_DONE.json", marker)
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0 and "[pairs] reused" in out, err

@@ -14,7 +14,7 @@ import pytest
 
 from clusterscale import cli, config
 from clusterscale.stages.ingest import IngestError, IngestUnit, heldout_key, ingest_unit, list_input_files
-from clusterscale.io.input_files import _json_array_items
+from clusterscale.io.json_input import json_array_items
 from clusterscale.io.rundir import RunDir
 
 KINDS = ("pairs", "heldout", "quarantine")
@@ -187,10 +187,10 @@ def test_json_file_holding_an_array(tmp_path):
 
 def test_json_array_parser_is_independent_of_chunk_size():
     text = '[ {"q": "a", "p": [1, 2]}, 12345, "str\\u00e9", null , {"x": {"y": 1.5e3}} ]\n'
-    whole = list(_json_array_items(io.StringIO(text)))
+    whole = list(json_array_items(io.StringIO(text)))
     assert [v for v, _ in whole] == [{"q": "a", "p": [1, 2]}, 12345, "str\u00e9", None, {"x": {"y": 1500.0}}]
     for chunk_chars in range(1, 12):
-        assert list(_json_array_items(io.StringIO(text), chunk_chars=chunk_chars)) == whole
+        assert list(json_array_items(io.StringIO(text), chunk_chars=chunk_chars)) == whole
 
 
 def test_heldout_split_keeps_each_query_on_one_side(tmp_path):

@@ -68,6 +68,7 @@ def test_mixed_dimensions(tmp_path, ray_local):
     other = RunDir(str(tmp_path / "other"))
     write_embeddings_stage(other, clustered_unit_vectors(100, 16, 2)[0], first_id=100)
     run.write_bytes("embeddings/part-00001.parquet", other.read_bytes("embeddings/part-00000.parquet"))
+    run.mark_done("embeddings", "synthetic", {"rows": 200})  # written so, not changed since (a stray file is refused)
     with pytest.raises(ClusteringError, match=r"mixes vectors of dimensions \[8, 16\]"):
         run_stage("fit", cfg_with("cluster.k=2", "cluster.num_workers=1"), run)
 

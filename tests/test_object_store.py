@@ -137,3 +137,20 @@ def test_local_copy_downloads_a_folder(s3_endpoint, tmp_path):
     assert sorted(os.listdir(local)) == ["1_Pooling", "config.json"]
     assert json.load(open(os.path.join(local, "1_Pooling", "config.json")))["pooling_mode_mean_tokens"]
     assert local_copy(str(tmp_path)) == str(tmp_path)  # local folders are used in place
+
+
+def test_an_ambiguous_userinfo_is_refused_before_the_store_is_used(s3_endpoint, capsys):
+    """Issue 55: the secret's tail was taken as the bucket, and writing config.yaml into it was a traceback."""
+    import pyarrow.fs as pafs
+
+    from clusterscale import cli
+
+    uri = s3_uri(s3_endpoint, "USERQ:TOPSECRET@LEAKEDPART/x@hostbucket/x")
+    assert cli.main(["ingest", "--run-dir", uri]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --run-dir s3://***@hostbucket/x?endpoint_override=") and err.count("\n") == 1
+    assert "it is ambiguous" in err and "Traceback" not in err
+    assert not any(fragment in err for fragment in ("USERQ", "TOPSECRET", "LEAKEDPART")), err
+    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "any"))
+    buckets = {info.path for info in fs.get_file_info(pafs.FileSelector("/"))}
+    assert not buckets & {"leakedpart", "LEAKEDPART", "hostbucket"}, buckets

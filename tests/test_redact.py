@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clusterscale import cli, config, pipeline
 from clusterscale.stages.ingest import IngestError
@@ -115,6 +116,13 @@ def test_bounded_repr_redacts_before_it_cuts():
     (MALFORMED["query"], "a character a URI cannot hold"),
     ("s3://AKIA:wJal%2FS3KRET@bucket/x?region=r", None), ("s3://b/in/*.parquet", None),
     ("hdfs://nn:8020/x", None), ("s3://[::1]:9000/b/x", None), ("/local path/x y", None), ("s3://***@b/x", None),
+    # userinfo and a later '@' (issue 55): the parser's host is the secret's tail, redact_uri hides up to the last '@'
+    ("s3://user:S3KRET@ret99/x@bucket/x", "it is ambiguous"), ("s3://AKIA:p@ss/w0rd@bucket/x", "it is ambiguous"),
+    ("s3://AKIA:123/S3KRET@bucket/x", "it is ambiguous"),  # a secret starting with digits, holding a '/'
+    ("s3://AKIA:S3KRET@bucket/team/jane@example.com/x", "write an '@' of the path as %40"),
+    ("hdfs://nn:8020/a/jane@corp/x", "it is ambiguous"),  # redact_uri would show hdfs://***@corp/x
+    ("s3://AKIA:S3KRET@bucket/team/jane%40example.com/x", None), ("s3://AKIA@bucket/team/jane@example.com/x", None),
+    ("gs://bucket/team/jane@example.com/x.parquet", None),  # an '@' in a path without userinfo
 ])
 def test_uri_problem(uri, problem):
     found = uri_problem(uri)
@@ -247,3 +255,54 @@ def test_resolve_filesystem_refusals_are_user_errors_without_the_secret(uri, exp
     assert expected in str(refused.value)
     printed = "".join(traceback.format_exception(refused.value))  # pyarrow's error (quoting the URI) not chained
     assert not any(s in printed for s in SECRETS), printed
+
+
+# Issue 55: a URI whose userinfo is ambiguous used the secret's tail as the bucket (`bucket 'LEAKEDPART'` in the
+# region lookup's error; a traceback against a reachable store). Each fragment is unique to one part of the URI.
+AMBIGUOUS = {"tail as bucket": "s3://USERQ:TOPSECRET@LEAKEDPART/x@hostbucket/x",
+             "p@ss/word": "s3://USERQ:PQZ@SSQ/WORDQ@hostbucket/x?endpoint_override=127.0.0.1:1&scheme=http",
+             "digits and '/'": "s3://USERQ:4242/TAILQ@hostbucket/x"}
+AMBIGUOUS_FRAGMENTS = ("USERQ", "TOPSECRET", "LEAKEDPART", "PQZ", "SSQ", "WORDQ", "4242", "TAILQ")
+
+
+@pytest.mark.parametrize("uri", AMBIGUOUS.values(), ids=AMBIGUOUS.keys())
+@pytest.mark.parametrize("where", ["--run-dir", "--set data.path", "--set train.init", "embed.model in a file",
+                                   "plan --run-dir"])
+def test_cli_refuses_an_ambiguous_userinfo_before_any_work(tmp_path, capsys, monkeypatch, uri, where):
+    import clusterscale.runtime.session
+
+    monkeypatch.setattr(clusterscale.runtime.session, "init_ray", None)  # a URI let through fails fast
+    run_dir, config_file = tmp_path / "run", tmp_path / "config" / "c.yaml"
+    config_file.parent.mkdir()
+    config_file.write_text(yaml.safe_dump({"embed": {"model": uri}}))
+    argv = {"--run-dir": ["ingest", "--run-dir", uri],
+            "--set data.path": ["ingest", "--run-dir", str(run_dir), "--set", f"data.path={uri}"],
+            "--set train.init": ["train", "--run-dir", str(run_dir), "--set", f"train.init={uri}"],
+            "embed.model in a file": ["embed", str(config_file), "--run-dir", str(run_dir)],
+            "plan --run-dir": ["plan", "--run-dir", uri, "--rows", "1000"]}[where]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    named = "--run-dir" if "--run-dir" in where else where.split(" in ")[0]
+    assert f"error: {named} {redact_uri(uri)} is not a valid URI: it is ambiguous" in err
+    assert "s3://***@hostbucket/x" in err and "Percent-encode" in err and "AWS_SECRET_ACCESS_KEY" in err
+    assert not any(fragment in err for fragment in AMBIGUOUS_FRAGMENTS), err
+    assert [p.name for p in tmp_path.iterdir()] == ["config"]  # no run directory, nothing written
+
+
+def test_resolve_filesystem_refuses_an_ambiguous_userinfo_offline(monkeypatch):
+    """Any other URI (a model folder, a costs run) reaches pyarrow through resolve_filesystem: refused there
+    before from_uri, which would look the secret's tail up as a bucket."""
+    from types import SimpleNamespace
+
+    from clusterscale.io import filesystems
+    from clusterscale.io.filesystems import UriError, resolve_filesystem
+
+    def no_network(uri):
+        raise AssertionError("from_uri was called")
+
+    monkeypatch.setattr(filesystems, "pafs", SimpleNamespace(FileSystem=SimpleNamespace(from_uri=no_network)))
+    with pytest.raises(UriError) as refused:
+        resolve_filesystem(AMBIGUOUS["tail as bucket"])
+    assert "s3://***@hostbucket/x is not a valid URI: it is ambiguous" in str(refused.value)
+    assert not any(fragment in str(refused.value) for fragment in AMBIGUOUS_FRAGMENTS)

@@ -162,3 +162,83 @@ def test_a_joined_cluster_gets_the_omp_policy_once_for_the_job_not_per_faiss_act
     assert session.faiss_runtime_env() == {}
     monkeypatch.setattr(session, "_workers_have_omp_policy", False)  # Ray started by someone else
     assert session.faiss_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE"}}
+
+
+def test_local_ray_processes_know_their_own_address(ray_local):
+    """init_ray gives its local Ray's processes RAY_ADDRESS=<its GCS>: Ray's State API client, called without an
+    address (Ray Train's PlacementGroupCleaner), finds this Ray even beside another one. The driver's own environment
+    has none (a later init_ray must not join it); a watcher ends the agents if the driver is killed (reaper.py)."""
+    import os
+
+    from clusterscale.runtime import session
+
+    @ray_local.remote(num_cpus=0)
+    def address_seen() -> tuple[str | None, str]:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        return os.environ.get("RAY_ADDRESS"), canonicalize_bootstrap_address_or_die(None)  # the State API's lookup
+
+    own = ray_local.get_runtime_context().gcs_address
+    assert ray_local.get(address_seen.remote()) == (own, own)
+    assert "RAY_ADDRESS" not in os.environ and "RAY_GCS_SERVER_PORT" not in os.environ
+    assert any(watcher.poll() is None for watcher in session._reapers)
+
+
+def test_the_state_api_of_a_worker_beside_another_local_ray_asks_its_own(ray_local):
+    """A second Ray on this machine (`ray start --head`, own temp dir and ports, stopped by killing its processes only:
+    never `ray stop`, which stops every Ray here): the call Ray Train's PlacementGroupCleaner makes every second finds
+    this Ray, instead of failing with "Found multiple active Ray instances" and a traceback. Slow for this file:
+    10-20 s, most of it starting and stopping that Ray."""
+    import os
+    import shutil
+    import subprocess
+
+    from tests.test_jobs import RAY, free_port, processes_of, stop_head
+
+    @ray_local.remote(num_cpus=0)
+    def cleaner_query() -> str:
+        from ray.train.v2._internal.state.util import is_actor_alive
+        from ray.util.state.exception import RayStateApiException
+
+        try:  # the cleaner's own call; this Ray's dashboard is off, so its State API answers with an error
+            is_actor_alive(actor_id="ff" * 16, timeout=5)
+        except RayStateApiException as exc:
+            return f"asked this Ray: {type(exc).__name__}"
+        return "asked this Ray"
+
+    temp_dir = f"/tmp/csaddr-{os.getpid()}"  # short: Ray's socket paths are length-limited
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    try:
+        subprocess.run([RAY, "start", "--head", "--num-cpus=0", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+                        "--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
+                       env=env, check=True, timeout=120, capture_output=True)
+        assert ray_local.get(cleaner_query.remote()).startswith("asked this Ray")
+    finally:
+        stop_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not processes_of(temp_dir)
+
+
+def test_a_killed_drivers_watcher_ends_what_its_raylet_left(tmp_path):
+    """runtime/reaper.py: when the driver's pipe ends and its raylet is gone, the processes the raylet started (here
+    stand-ins that ignore SIGTERM, as the agents do for a minute) are killed; another raylet's are not."""
+    import os
+    import subprocess
+    import sys
+
+    from clusterscale.runtime import reaper
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a raylet that died with its driver
+    stay = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    left = subprocess.Popen([sys.executable, "-c", stay], env={**os.environ, "RAY_RAYLET_PID": str(gone.pid)})
+    other = subprocess.Popen([sys.executable, "-c", stay], env={**os.environ, "RAY_RAYLET_PID": str(os.getpid())})
+    try:
+        watcher = reaper.start(gone.pid)
+        watcher.stdin.close()  # what the kernel does when the driver is killed
+        assert watcher.wait(timeout=10) == 0
+        assert left.wait(timeout=5) == -9 and other.poll() is None
+    finally:
+        for proc in (left, other):
+            proc.kill()
+            proc.wait()

@@ -89,6 +89,24 @@ def test_mine_frozen_refuses_a_synth_run_without_query_vectors(tmp_path):
     assert resolve_encoder(load(None, ["embed.side=both"]), run) is None
 
 
+def test_boilerplate_rows_are_near_duplicates_of_one_another_and_leave_the_rest_unchanged():
+    """synth --boilerplate 0.25: about a quarter of the rows within cosine 0.99 of one another (every pair), the
+    other rows' vectors and every text as without it; the fraction rides in data.path (and back)."""
+    plain, spec = SynthSpec(rows=1500, dim=64, topics=4, seed=2), SynthSpec(rows=1500, dim=64, topics=4, seed=2,
+                                                                           boilerplate=0.25)
+    assert SynthSpec.from_data_path(spec.data_path()) == spec and "boilerplate" not in plain.data_path()
+    a, b = synth_rows(plain, 0, plain.rows), synth_rows(spec, 0, spec.rows)
+    xa, xb = emb_matrix(a.column("emb")), emb_matrix(b.column("emb"))
+    changed = np.flatnonzero((xa != xb).any(axis=1))
+    assert abs(len(changed) / spec.rows - 0.25) < 0.04 and a.drop(["emb"]).equals(b.drop(["emb"]))
+    sims = xb[changed].astype(np.float64) @ xb[changed].T.astype(np.float64)
+    assert sims.min() >= 0.99
+    args = cli.build_parser().parse_args(["synth", "--run-dir", "r", "--rows", "10", "--boilerplate", "0.3"])
+    assert args.boilerplate == 0.3
+    with pytest.raises(Exception, match="synth --boilerplate must be a fraction"):
+        SynthSpec(rows=10, boilerplate=1.5).check()
+
+
 def test_synth_refuses_bad_sizes(tmp_path, capsys):
     assert cli.main(["synth", "--run-dir", str(tmp_path / "run"), "--rows", "0"]) == 2
     assert "synth --rows must be a positive integer, got 0" in capsys.readouterr().err

@@ -46,11 +46,11 @@ def test_missing_shards_names_the_verb(tmp_path, tiny_model):
 def test_missing_manifest_or_shard_file(tmp_path, tiny_model):
     run = make_sharded_run(tmp_path / "a")
     run.remove("shards/k=4/manifest.json")
-    with pytest.raises(StageMissingError, match="manifest.json is missing.*rerun `clusterscale shard`"):
+    with pytest.raises(StageMissingError, match="manifest.json is missing.*`clusterscale shard --run-dir .* --replace`"):
         run_stage("train", _cfg(tiny_model), run)
     run = make_sharded_run(tmp_path / "b")
     run.remove("shards/k=4/cluster=2/part-00001.parquet")
-    with pytest.raises(StageMissingError, match="1 shard file.*cluster=2/part-00001.parquet"):
+    with pytest.raises(StageMissingError, match="cluster=2/part-00001.parquet is missing.*`clusterscale shard "):
         run_stage("train", _cfg(tiny_model), run)
 
 
@@ -71,6 +71,8 @@ def test_source_sampler_needs_a_source_column(tmp_path, tiny_model):
         table = pq.read_table(f)
         pq.write_table(table.set_column(table.schema.get_field_index("source"), "source",
                                         pa.nulls(table.num_rows, pa.string())), f)
+    done = run.read_json("shards/k=4/_DONE.json")
+    run.write_json("shards/k=4/_DONE.json", done | {"files": run.listed_files("shards/k=4")})  # rewritten so on purpose
     with pytest.raises(TrainDataError, match="every row's `source` is empty"):
         run_stage("train", _cfg(tiny_model, "train.sampler=source"), run)
 

@@ -31,3 +31,37 @@ def test_refused_starts_say_what_to_do(tmp_path, start, restored, segment, resum
     with pytest.raises(RuntimeError, match=message):
         job.check_start(start, restored)
     _job(tmp_path, segment=(0, 0, 8), resume=False).check_start(0, restored=False)  # a fresh start is fine
+
+
+def test_a_workers_console_drops_user_faults_only(monkeypatch):
+    """keep_user_faults_off_console: a record logged while a user fault is handled (as Ray Train logs a rank's error)
+    is not shown; a bug's traceback is, and other records are."""
+    import errno
+    import logging
+
+    from clusterscale.train.trainer import keep_user_faults_off_console
+
+    class Collect(logging.Handler):
+        def __init__(self, name: str):
+            super().__init__()
+            self.set_name(name)  # Ray Train's dictConfig names its handlers
+            self.shown: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.shown.append(record.getMessage())
+
+    console, log_file = Collect("console"), Collect("file_train_sys_worker")
+    monkeypatch.setattr(logging.getLogger("ray.train"), "handlers", [console, log_file])
+    keep_user_faults_off_console()
+    keep_user_faults_off_console()  # once per segment in the same worker: one filter
+    assert len(console.filters) == 1 and not log_file.filters
+    log = logging.getLogger("ray.train.v2._internal.util")
+    for fault in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("a bug")):
+        try:
+            raise fault
+        except Exception:
+            log.error("Error in training function: %s", fault)
+    log.warning("a warning")
+    assert console.shown == ["Error in training function: a bug", "a warning"]
+    assert log_file.shown == ["Error in training function: [Errno 28] No space left on device",
+                              "Error in training function: a bug", "a warning"]

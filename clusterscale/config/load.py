@@ -13,7 +13,7 @@ import yaml
 from clusterscale.config.root import SECTIONS, Config, _key_text, from_dict
 from clusterscale.config.sections import DataConfig
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import ConfigError, output_keys
+from clusterscale.knobs import ConfigError, check_text, output_keys, refuse_control_characters
 from clusterscale.redact import redact_values
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "default.yaml"
@@ -68,12 +68,17 @@ def parse_yaml(data: bytes | str, source: str) -> Any:
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """'section.key=value' -> (section, key, YAML-parsed value)."""
+    """'section.key=value' -> (section, key, YAML-parsed value). A string value is checked here (check_text), so
+    that a command can refuse a wrong --set before it opens the run directory."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"--set expects section.key=value, got {bounded_repr(text)} (e.g. --set cluster.k=16).")
     lhs, rhs = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
-    value = parse_yaml(rhs, f"--set {_key_text(lhs)}") if rhs.strip() else ""
+    source = f"--set {_key_text(lhs)}"
+    refuse_control_characters(source, rhs.strip())  # before YAML, which folds a newline into a space
+    value = parse_yaml(rhs, source) if rhs.strip() else ""
+    if isinstance(value, str):
+        check_text(source, value)
     return section, key, value
 
 

@@ -27,7 +27,8 @@ from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS, builtin_docstrings_
 from clusterscale.config import DataConfig
 from clusterscale.errors import UserError
 from clusterscale.io.filesystems import resolve_filesystem
-from clusterscale.io.input_walk import InputWalk, walk_files
+from clusterscale.io.input_walk import InputWalk, file_stamp, walk_files
+from clusterscale.io.json_input import brackets_balance, is_encodable, json_array_records, jsonl_records
 from clusterscale.redact import redact_uri
 
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
@@ -35,6 +36,8 @@ BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
                   ".json": "jsonl", ".csv": "csv", ".jsonl.gz": "jsonl", ".csv.gz": "csv", ".arrow": "arrow"}
+UTF8_BOM = b"\xef\xbb\xbf"
+FIRST_LINE_BYTES = 1 << 24  # a JSON file starting with `[` whose first line runs longer is taken for one array
 # Hugging Face `save_to_disk` writes these next to its .arrow shards; they describe the data, they are not data.
 HF_STATE, HF_SIDECARS, HF_DATASET_DICT = "state.json", ("dataset_info.json", "state.json"), "dataset_dict.json"
 # What reading a damaged or mislabelled file raises (pyarrow, decompression, strict UTF-8, the JSON array parser).
@@ -82,7 +85,7 @@ def find_input_files(data: DataConfig) -> InputListing:
         if info.type == pafs.FileType.NotFound:
             raise IngestError(f"data.path {path!r} does not exist.")
         if info.type == pafs.FileType.File:
-            walk = InputWalk(files=[root])
+            walk = InputWalk(files=[root], stamps={root: file_stamp(info)})
         else:
             _refuse_dataset_dict(fs, root, path)
             walk = walk_files(fs, root)
@@ -193,7 +196,7 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
         yield from _csv_records(fs, path, columns, data)
     else:
         _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
-        if _starts_with(fs, path, "["):
+        if _is_json_array(fs, path):
             yield from _json_array_records(fs, path, columns, data)
         else:
             yield from _jsonl_records(fs, path, columns, data)
@@ -292,70 +295,45 @@ class NotTextError(pa.ArrowInvalid):
     """A text-format file holds binary data (a mislabelled Parquet file, a compressed file without its suffix)."""
 
 
-def _starts_with(fs: pafs.FileSystem, path: str, char: str) -> bool:
-    """Whether the first non-blank character of a (possibly compressed) text file is `char`."""
+def _is_json_array(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether a (possibly compressed) JSON file is one array, not JSON lines: its first character (after a
+    byte-order mark and blanks) is `[`, and its first line is not a whole value with more lines after it (a JSON
+    line holding an array, however deep, is that row's fault). A file of one line starting with `[` is an array."""
     with fs.open_input_stream(path, compression="detect") as stream:
-        while chunk := stream.read(1 << 16):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1] == char.encode()
-    return False
+        chunks, size, head = [], 0, b""
+        while size < FIRST_LINE_BYTES and (chunk := stream.read(1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if b"\n" in chunk:  # the first line ends here unless the file starts with blank lines
+                head = b"".join(chunks).removeprefix(UTF8_BOM).lstrip()
+                if b"\n" in head:
+                    break
+        head = head if b"\n" in head else b"".join(chunks).removeprefix(UTF8_BOM).lstrip()
+        if head[:1] != b"[":
+            return False
+        first, newline, rest = head.partition(b"\n")
+        if not newline or not brackets_balance(first.decode("utf-8", "replace")):
+            return True
+        while not rest.strip():
+            if not (rest := stream.read(1 << 16)):
+                return True  # nothing after the first line
+        return False
 
 
 def _jsonl_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
-    """JSON lines, parsed line by line so one bad line is quarantined, not fatal."""
+    """JSON lines, parsed line by line so one bad line is quarantined, not fatal. Lines end at "\\n" only (a raw
+    carriage return inside a string is text, as in CSV); a UTF-8 byte-order mark before the first line is skipped."""
     stream = fs.open_input_stream(path, compression="detect")
     # surrogateescape keeps undecodable bytes recoverable, so such a line is quarantined with its bytes.
-    text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape")
-    return _checked_batches((_jsonl_record(line.strip(), columns) for line in text), path, data)
-
-
-def _jsonl_record(line: str, columns: list[str]) -> dict:
-    if not line:
-        return {"__reason__": "blank_line"}
-    if not is_encodable(line):  # the undecodable bytes kept as \xNN escapes
-        return {"__reason__": "invalid_utf8",
-                "__raw__": line.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")}
-    try:
-        return _json_record(_JSON.decode(line), line, columns)
-    except json.JSONDecodeError:
-        return {"__reason__": "invalid_json", "__raw__": line}
-
-
-class _KeysRepeated(dict):
-    """A JSON object that named some key twice (json keeps the last value silently); `keys_in_order` lists all."""
-
-    keys_in_order: list[str]
-
-
-def _json_object(pairs: list[tuple[str, object]]) -> dict:
-    value = dict(pairs)
-    if len(value) < len(pairs):
-        value = _KeysRepeated(value)
-        value.keys_in_order = [key for key, _ in pairs]
-    return value
-
-
-_JSON = json.JSONDecoder(object_pairs_hook=_json_object)
-
-
-def _json_record(value: object, raw: str, columns: list[str]) -> dict:
-    """The row dict of one parsed JSON value, or the reason it is not one (with its raw text kept)."""
-    if not isinstance(value, dict):
-        return {"__reason__": "not_an_object", "__raw__": raw}
-    if isinstance(value, _KeysRepeated):
-        twice = [c for c in columns if value.keys_in_order.count(c) > 1]
-        if twice:  # which value is the text is a guess: the row is quarantined (the file's first object: an error)
-            return {"__reason__": "repeated_key:" + ",".join(twice), "__raw__": raw, "__keys__": value.keys_in_order}
-    return value
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="\n")
+    return _checked_batches(jsonl_records(text, columns), path, data)
 
 
 def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig
                         ) -> Iterator[list[dict]]:
     """A file holding one JSON array of objects, read element by element (memory: one element)."""
     stream = fs.open_input_stream(path, compression="detect")
-    items = _json_array_items(io.TextIOWrapper(stream, encoding="utf-8"))
-    return _checked_batches((_json_record(value, raw, columns) for value, raw in items), path, data)
+    return _checked_batches(json_array_records(io.TextIOWrapper(stream, encoding="utf-8-sig"), columns), path, data)
 
 
 def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
@@ -373,51 +351,6 @@ def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> It
             rows = []
     if rows:
         yield rows
-
-
-def _json_array_items(text: io.TextIOBase, chunk_chars: int = 1 << 20) -> Iterator[tuple[object, str]]:
-    """(value, its JSON text) per element of the top-level array; raises JSONDecodeError where it is invalid."""
-    decoder, buf, pos = _JSON, "", 0
-
-    def next_char() -> str:  # the next non-blank character, reading on as needed; "" at the end of the file
-        nonlocal buf, pos
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos < len(buf):
-                return buf[pos]
-            buf, pos = text.read(chunk_chars), 0
-            if not buf:
-                return ""
-
-    if next_char() != "[":
-        raise json.JSONDecodeError("expected '['", buf, pos)
-    pos += 1
-    if next_char() == "]":
-        pos += 1
-    else:
-        while True:
-            next_char()
-            while True:  # an element may span chunks; a number at the chunk's end may go on in the next
-                more = ""
-                try:
-                    value, end = decoder.raw_decode(buf, pos)
-                    if end < len(buf) or not (more := text.read(chunk_chars)):
-                        break
-                except json.JSONDecodeError:
-                    if not (more := text.read(chunk_chars)):
-                        raise
-                buf, pos = buf[pos:] + more, 0
-            yield value, buf[pos:end]
-            pos = end
-            sep = next_char()
-            pos += 1
-            if sep == "]":
-                break
-            if sep != ",":
-                raise json.JSONDecodeError("expected ',' or ']' after an array element", buf, pos - 1)
-    if next_char():
-        raise json.JSONDecodeError("extra data after the JSON array", buf, pos)
 
 
 def check_columns(found: list[str], path: str, data: DataConfig) -> None:
@@ -445,16 +378,6 @@ def bounded_names(names: list[str], most: int = 20) -> str:
     """The column names for a message: the first `most`, each cut to 60 characters."""
     shown = ", ".join(repr(n if len(n) <= 60 else n[:60] + "...") for n in names[:most])
     return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
-
-
-def is_encodable(text: str) -> bool:
-    """False when `text` holds lone surrogates (undecodable bytes kept by surrogateescape, or a JSON
-    "\\ud800" escape): such text cannot be written as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def escaped(text: str) -> str:

@@ -25,6 +25,9 @@ class InputWalk:
     """What walking an input folder found."""
 
     files: list[str] = field(default_factory=list)  # not hidden, not inside a run directory; sorted
+    stamps: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    """(size in bytes, modification time in ns) of each file listed, as the listing gave them (no extra request):
+    what ingest records so that a rerun can tell an input file changed."""
     links_skipped: int = 0  # folders and files reached a second time (a symlink loop or two names of one thing)
     run_dirs_skipped: list[str] = field(default_factory=list)
 
@@ -58,6 +61,7 @@ def _walk_local(root: str) -> InputWalk:
         seen.add((info.st_dev, info.st_ino))
         if stat.S_ISREG(info.st_mode):
             walk.files.append(path)
+            walk.stamps[path] = (info.st_size, info.st_mtime_ns)
         elif stat.S_ISDIR(info.st_mode):
             with os.scandir(path) as it:
                 entries = [e for e in it if not e.name.startswith((".", "_"))]
@@ -78,15 +82,21 @@ def _is_local_run_dir(path: str, entries: list[os.DirEntry]) -> bool:
     return RUN_LOCKS in names or any(e.is_dir() and os.path.exists(os.path.join(e.path, RUN_DONE)) for e in entries)
 
 
+def file_stamp(info: pafs.FileInfo) -> tuple[int | None, int | None]:
+    """(size, mtime in ns) of a listed file; None where the store does not say."""
+    return info.size, info.mtime_ns
+
+
 def _walk_listing(fs: pafs.FileSystem, root: str) -> InputWalk:
     """pyarrow's recursive listing (object stores: no links), without hidden files and run directories."""
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-    paths = [i.path for i in infos if i.type == pafs.FileType.File]
+    files = [i for i in infos if i.type == pafs.FileType.File]
+    paths = [i.path for i in files]
     configs = {posixpath.dirname(p) for p in paths if posixpath.basename(p) == RUN_CONFIG}
     marked = {posixpath.dirname(posixpath.dirname(p)) for p in paths
               if posixpath.basename(p) == RUN_DONE or posixpath.basename(posixpath.dirname(p)) == RUN_LOCKS}
     run_dirs = sorted(d for d in configs & marked if d != root and not is_hidden(d, root))
-    walk = InputWalk(run_dirs_skipped=run_dirs)
+    walk = InputWalk(run_dirs_skipped=run_dirs, stamps={i.path: file_stamp(i) for i in files})
     walk.files = sorted(p for p in paths if not is_hidden(p, root)
                         and not any(p.startswith(d + "/") for d in run_dirs))
     return walk

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 
 from clusterscale.errors import UserError
 from clusterscale.io.records import ShardManifest
-from clusterscale.io.rundir import RunDir, StageMissingError
+from clusterscale.io.rundir import RunDir, StageMissingError, UnreadableFileError
 
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
@@ -153,7 +154,17 @@ class TrainDataError(UserError, ValueError):
 
 
 def read_manifest(run: RunDir, path: str) -> ShardManifest:
-    return ShardManifest.from_json(run.read_json(path))
+    """The manifest at `path`; one that does not parse (cut short, overwritten) is an UnreadableFileError naming it
+    and what writes it again: `clusterscale shard --replace` for the clustered shards, train for a sampler's set."""
+    folder = posixpath.dirname(path)
+    advice = run.rebuild_advice(folder, "shard") if re.fullmatch(r"shards/k=\d+", folder) else (
+        f"delete {folder}/ and rerun `clusterscale train` (it writes that shard set again from the clustered shards)")
+    data = run.read_json(path, advice)
+    try:
+        return ShardManifest.from_json(data)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise UnreadableFileError.of(run, path, f"not a shard manifest ({type(err).__name__}: {err})",
+                                     advice) from None
 
 
 def load_manifest(run: RunDir, k: int) -> ShardManifest:

@@ -28,16 +28,21 @@ class DoneMarker:
     """The values the fingerprint hashes, by section, so a refused rerun can name what changed; None in markers
     that predate it."""
     version: int = DONE_MARKER_VERSION
+    files: dict[str, int] | None = None
+    """What the folder held when it was marked done: {path inside the folder: bytes}, from one listing (RunDir.
+    listed_files); a stage reading the folder checks it before it starts (RunDir.check_complete). The row count is
+    the stats' `rows`. Not in the fingerprint; None in markers that predate it (their folders are not checked)."""
 
     def to_json(self) -> dict:
         return {"version": self.version, "fingerprint": self.fingerprint, "finished_at": self.finished_at,
-                "stats": self.stats, "config": self.config, "covers": self.covers}
+                "stats": self.stats, "config": self.config, "covers": self.covers} | (
+            {} if self.files is None else {"files": self.files})
 
     @classmethod
     def from_json(cls, data: dict) -> DoneMarker:
         return cls(fingerprint=data.get("fingerprint", ""), finished_at=data.get("finished_at"),
                    stats=data.get("stats") or {}, config=data.get("config") or {}, covers=data.get("covers"),
-                   version=int(data.get("version", 0)))
+                   version=int(data.get("version", 0)), files=data.get("files"))
 
 
 @dataclass(frozen=True)

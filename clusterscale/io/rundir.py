@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import posixpath
+import shlex
 import shutil
 import socket
 import tempfile
@@ -35,6 +36,8 @@ from clusterscale.redact import redact_uri, redact_values
 
 DONE = "_DONE.json"
 FOOTER_THREADS = 32  # Parquet footers read at once (I/O-bound: round trips to the store)
+COSTS = "report/costs.json"
+SYNTHETIC_DATA = "synth://"  # data.path of a run written by `clusterscale synth` (its generator's parameters follow)
 
 
 @dataclass
@@ -54,6 +57,34 @@ class StageResult:
 
 class StageMissingError(UserError, RuntimeError):
     """An input of a stage is missing; the message names the verb to run first."""
+
+
+class StageInputChangedError(StageMissingError):
+    """A file that an input folder's done marker lists is gone or has another size (lost, cut short or overwritten
+    after its stage finished), or a stray Parquet file was added that a reader would read with the others; the
+    message names the file and the command that rebuilds the folder."""
+
+
+class UnreadableFileError(UserError, ValueError):
+    """A file of the run directory that does not parse (JSON cut short, a Parquet file without its footer): the
+    message names it and what makes it again. `rel`: its path in the run; `generic`: the advice is the default one
+    of its kind of file, which the executor replaces with the verb that rebuilds the folder holding it (`advised`)."""
+
+    def __init__(self, message: str, rel: str = "", shown: str = "", problem: str = "", generic: bool = False):
+        super().__init__(message)
+        self.rel, self.shown, self.problem, self.generic = rel, shown, problem, generic
+
+    @classmethod
+    def of(cls, run: RunDir, rel: str, problem: str, advice: str = "") -> UnreadableFileError:
+        """`advice`: what makes the file again; default: by what the file is (_default_advice)."""
+        error = cls("", rel, redact_uri(run.child_uri(rel)), problem)
+        return error.advised(advice or _default_advice(rel), generic=not advice)
+
+    def advised(self, advice: str, generic: bool = False) -> UnreadableFileError:
+        """The same error, ending with `advice` (what makes the file again)."""
+        return UnreadableFileError(f"{self.shown}: {self.problem}; it was cut short or overwritten after it was "
+                                   f"written. {advice[:1].upper()}{advice[1:]}.", self.rel, self.shown, self.problem,
+                                   generic)
 
 
 class ConfigMismatchError(UserError, RuntimeError):
@@ -172,7 +203,11 @@ class RunDir:
         are thread-safe)."""
         def read(path: str) -> pq.FileMetaData:
             with self.fs.open_input_file(path) as f:
-                return pq.ParquetFile(f).metadata
+                try:
+                    return pq.ParquetFile(f).metadata
+                except pa.ArrowInvalid as err:  # no footer: cut short, or not Parquet
+                    raise UnreadableFileError.of(self, posixpath.relpath(path, self.root),
+                                                 f"not a readable Parquet file ({err})") from None
 
         if len(paths) < 2:
             return [read(p) for p in paths]
@@ -221,8 +256,13 @@ class RunDir:
         self.write_bytes(rel, json.dumps(redact_values(obj), indent=2, sort_keys=False,
                                          default=_json_default).encode())
 
-    def read_json(self, rel: str) -> Any:
-        return json.loads(self.read_bytes(rel))
+    def read_json(self, rel: str, advice: str = "") -> Any:
+        """The JSON at `rel`; one that does not parse is an UnreadableFileError naming it, with `advice` (what makes
+        it again; default: by what the file is)."""
+        try:
+            return json.loads(self.read_bytes(rel))
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise UnreadableFileError.of(self, rel, f"not valid JSON ({err})", advice) from None
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, redact_uri(text).encode())
@@ -249,11 +289,64 @@ class RunDir:
             self.remove(stage_dir)
         self.makedirs(stage_dir)
 
-    def mark_done(self, stage_dir: str, fingerprint: str, stats: dict, config_subset: dict | None = None) -> None:
-        """`covers`: the config values the fingerprint hashes, so a refused rerun can name what changed."""
+    def mark_done(self, stage_dir: str, fingerprint: str, stats: dict, config_subset: dict | None = None,
+                  unlisted: tuple[str, ...] = ()) -> None:
+        """`covers`: the config values the fingerprint hashes, so a refused rerun can name what changed; `files`:
+        what the folder holds now (listed_files, less `unlisted`), checked by the stages that read it."""
         self.write_json(posixpath.join(stage_dir, DONE), DoneMarker(
             fingerprint, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), stats, config_subset or {},
-            getattr(fingerprint, "values", None)).to_json())
+            getattr(fingerprint, "values", None), files=self.listed_files(stage_dir, unlisted)).to_json())
+
+    def listed_files(self, stage_dir: str, unlisted: tuple[str, ...] = ()) -> dict[str, int]:
+        """{path inside `stage_dir`: bytes} of the files it holds, from ONE recursive listing (an object store
+        lists ~1,000 files per request; never a request per file). Leaves out temp files (a name starting with
+        '.'), done markers, the folders inside that hold their own done marker (other outputs: shards/k=<k>/random/,
+        dedup/kept/) and `unlisted` (paths inside the folder; a folder ends with '/')."""
+        root = self.path(stage_dir)
+        infos = self.fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        files = {posixpath.relpath(i.path, root): i.size for i in infos if i.type == pafs.FileType.File}
+        skipped = (*unlisted, *(posixpath.dirname(p) + "/" for p in files if posixpath.basename(p) == DONE
+                                and "/" in p))
+        return {p: files[p] for p in sorted(files) if posixpath.basename(p) != DONE and not p.startswith(skipped)
+                and not any(part.startswith(".") for part in p.split("/"))}
+
+    def check_complete(self, stage_dir: str, what: str, verb: str, strays: bool = True) -> None:
+        """Refuse `stage_dir` when a file its done marker lists is gone or has another size (lost, cut short or
+        overwritten after `verb` finished it) or, with `strays` (its reader reads every Parquet file in it), when a
+        Parquet file was added that the reader would read with them. One listing of the folder; a marker that
+        predates the file list is not checked. Other added files are not an error."""
+        marker = self.done_marker(stage_dir, advice=self.rebuild_advice(stage_dir, verb))
+        if marker.files is None:
+            return
+        found = self.listed_files(stage_dir)
+        problems = [(name, "is missing" if name not in found else
+                     f"holds {found[name]:,} bytes, not the {size:,} it was written with")
+                    for name, size in marker.files.items() if found.get(name) != size]
+        added = [(name, f"is not one of the files `{verb}` wrote, and would be read with them")
+                 for name in found if strays and name not in marker.files and name.endswith(".parquet")
+                 and not posixpath.basename(name).startswith("_")]
+        if not problems + added:
+            return
+        name, problem = (problems + added)[0]
+        more = len(problems) + len(added) - 1
+        rows = marker.stats.get("rows")
+        held = f"{len(marker.files):,} files" + (f", {rows:,} rows" if isinstance(rows, int) else "")
+        advice = self.rebuild_advice(stage_dir, verb, marker) if problems else \
+            f"move it out of {stage_dir}/ (or rebuild the folder: {self.rebuild_advice(stage_dir, verb, marker)})"
+        raise StageInputChangedError(
+            f"{redact_uri(self.child_uri(stage_dir, name))} {problem}"
+            f"{f' (and {more} more file(s) of {stage_dir}/ missing, changed or added)' if more else ''}: "
+            f"{what} in {redact_uri(self.child_uri(stage_dir))} changed after `{verb}` finished ({held} then). "
+            f"{advice[:1].upper()}{advice[1:]}.")
+
+    def rebuild_advice(self, stage_dir: str, verb: str, marker: DoneMarker | None = None) -> str:
+        """What makes `stage_dir` again: `verb` with --replace (which removes it and what was made from it, and
+        reruns it), or, for a folder written by `clusterscale synth`, a new synthetic run."""
+        data_path = str((((marker.covers if marker else None) or {}).get("data") or {}).get("path", ""))
+        if data_path.startswith(SYNTHETIC_DATA):
+            return f"{stage_dir}/ was written by `clusterscale synth`: write the synthetic run again in a new --run-dir"
+        return (f"rebuild {stage_dir}/ with `clusterscale {verb} --run-dir {shlex.quote(redact_uri(self.uri))} "
+                f"--replace` (plus any --set keys the run was made with; --replace also removes what was made from it)")
 
     def replace(self, stage_dir: str) -> list[str]:
         """Remove `stage_dir` and every output made from it; the removed folders, dependents first.
@@ -261,22 +354,35 @@ class RunDir:
         An output was made from `stage_dir` when its marker covers the same values for every config
         section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8)."""
         removed = []
-        covers = self.done_marker(stage_dir).covers if self.exists(stage_dir, DONE) else None
+        covers = self._covers(stage_dir) if self.exists(stage_dir, DONE) else None
         if covers:
             for other in self.files(suffix=DONE, include_private=True):
                 rel = posixpath.relpath(other, self.root)
                 other_dir = posixpath.dirname(rel)
                 if other_dir == stage_dir or other_dir.startswith(stage_dir + "/") or not self.exists(rel):
                     continue  # inside the folder removed below, or inside a dependent removed already
-                if _made_from(DoneMarker.from_json(self.read_json(rel)).covers, covers):
+                if _made_from(self._covers(other_dir), covers):
                     self.remove(other_dir)
                     removed.append(other_dir)
         self.remove(stage_dir)
         return removed + [stage_dir]
 
-    def done_marker(self, stage_dir: str) -> DoneMarker:
-        """The done marker of `stage_dir` (which must exist)."""
-        return DoneMarker.from_json(self.read_json(posixpath.join(stage_dir, DONE)))
+    def _covers(self, stage_dir: str) -> dict | None:
+        """The covered values of `stage_dir`'s marker; None for one that does not parse (replace removes what it
+        is asked to; what was made from an unreadable marker cannot be told)."""
+        try:
+            return self.done_marker(stage_dir).covers
+        except UnreadableFileError:
+            return None
+
+    def done_marker(self, stage_dir: str, advice: str = "") -> DoneMarker:
+        """The done marker of `stage_dir` (which must exist); one that does not parse is an UnreadableFileError
+        ending with `advice` (default: delete the folder and rerun what made it)."""
+        rel = posixpath.join(stage_dir, DONE)
+        data = self.read_json(rel, advice)
+        if not isinstance(data, dict):
+            raise UnreadableFileError.of(self, rel, "not a done marker (a JSON object)", advice)
+        return DoneMarker.from_json(data)
 
     def done_stats(self, stage_dir: str) -> dict:
         return self.done_marker(stage_dir).stats
@@ -366,7 +472,7 @@ class RunDir:
     def _read_lock(self, rel: str) -> dict | None:
         try:
             return self.read_json(rel)
-        except (OSError, json.JSONDecodeError):  # gone (released or taken over)
+        except (OSError, ValueError):  # gone (released or taken over), or torn
             return None
 
     def _drop_stale_lock(self, rel: str) -> None:
@@ -390,10 +496,9 @@ class RunDir:
     # costs -------------------------------------------------------------------------------------
     def record_cost(self, key: str, record: dict) -> None:
         """Merge one stage's cost record into RUN/report/costs.json (driver-only, so no races)."""
-        rel = "report/costs.json"
-        costs = self.read_json(rel) if self.exists(rel) else {}
+        costs = self.read_json(COSTS) if self.exists(COSTS) else {}
         costs[key] = record
-        self.write_json(rel, costs)
+        self.write_json(COSTS, costs)
 
 
 # The locks this process holds now ({lock id: (run, lock file)}), for a process that ends without unwinding.
@@ -419,6 +524,16 @@ def _refuse_file_in_the_way(root: str) -> None:
         where = "" if path == root else f" (inside {path})"
         raise UserError(f"--run-dir {root}{where}: {path} exists and is not a folder (a file?), so it cannot hold "
                         f"a run. Pass a --run-dir that is a folder: an existing run, or a new path (it is created).")
+
+
+def _default_advice(rel: str) -> str:
+    """What makes a run file again when its reader does not know the verb."""
+    if posixpath.basename(rel) == DONE:
+        return f"delete {posixpath.dirname(rel)}/ and rerun the command that made it (its stage then makes it again)"
+    if rel == COSTS:
+        return (f"move it aside: the stages run from now on record their costs in a new {COSTS} (the report then "
+                f"lacks the costs of the stages done before)")
+    return "delete it and rerun the command that wrote it"
 
 
 def _lock_is_stale(held: dict) -> bool:

@@ -11,10 +11,11 @@ import pyarrow.parquet as pq
 
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
+from clusterscale.errors import bounded_repr
 from clusterscale.io.input_files import infer_format, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
-from clusterscale.plan.cluster import load_cluster, this_machine
+from clusterscale.plan.cluster import MAX_GPUS, MAX_NODES, load_cluster, this_machine
 from clusterscale.plan.estimate import Models, Planner, preprocess_over_train, uncalibrated
 from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_calibration,
                                      load_gpu_calibration, merge_run_costs, rates_from_calibration)
@@ -23,6 +24,12 @@ from clusterscale.plan.shape import run_shape, shard_sizes, stage_work, train_sh
 BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
 BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
 SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in the first MiB of each file, scaled by the file size
+MAX_ROWS = 10 ** 15
+"""The most pairs a plan takes (a million times the largest run in benchmarks/): its integer figures stay exact
+through the table's 4 x N (< 2^53), and its memory and time do not grow with N or k (plan/sizes)."""
+MAX_K_VALUES = 64  # --k values in one plan (each adds three rows to the table)
+MAX_IMBALANCE = 1000.0  # faiss's imbalance factor: 1 = equal clusters, text embeddings ~1.1-2
+MAX_PRICE_PER_GPU_HOUR = 1e6
 
 
 @dataclass(frozen=True)
@@ -166,9 +173,45 @@ def models_of(cfg: Config, tokens: dict | None = None) -> Models:
                   "; ".join(notes))
 
 
+def _shown(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return bounded_repr(value)
+    if isinstance(value, int) and abs(value) < 10 ** 30:
+        return f"{value:,}"
+    if isinstance(value, int):
+        return bounded_repr(value)
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e18:
+        return f"{int(value):,}"
+    return f"{value:,.6g}"
+
+
+def check_number(what: str, value, low: float, high: float, unit: str = "") -> None:
+    """A number inside [low, high] (None: not given), or a ConfigError naming it, the value and the range."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                              and low <= value <= high):
+        raise ConfigError(f"{what} must be {unit}from {_shown(low)} to {_shown(high)}; got {_shown(value)}.")
+
+
+def check_request(request: PlanRequest) -> None:
+    """Every numeric flag inside its range, before anything is read or computed."""
+    check_number("--rows", request.rows, 1, MAX_ROWS, "a number of pairs ")
+    if request.k_values is not None and len(request.k_values) > MAX_K_VALUES:
+        raise ConfigError(f"--k lists {len(request.k_values):,} cluster counts; a plan takes at most {MAX_K_VALUES}: "
+                          f"split them over several plans.")
+    for k in request.k_values or []:
+        check_number("--k", k, 1, MAX_ROWS, "a number of clusters ")
+    check_number("--gpus", request.gpus, 1, MAX_GPUS, "a whole number of GPUs ")
+    check_number("--nodes", request.nodes, 1, MAX_NODES, "a whole number of nodes ")
+    check_number("--price-per-gpu-hour", request.price_per_gpu_hour, 0, MAX_PRICE_PER_GPU_HOUR)
+    check_number("--imbalance", request.imbalance, 1.0, MAX_IMBALANCE, "an imbalance factor ")
+
+
 def make_plan(request: PlanRequest) -> dict:
     """The plan as a JSON-ready dict: stages of the first k at N, the training shape, warnings, the ratio, and a
     table over every k and N/4, N, 4N."""
+    check_request(request)
     cfg, run, run_cfg = load_config(request)
     data, path = load_calibration(request.calibration)
     rates = rates_from_calibration(data, path) if data else Rates()
@@ -180,11 +223,12 @@ def make_plan(request: PlanRequest) -> dict:
         rows, rows_from = count_input_rows(cfg)
     else:
         rows, rows_from = measured["rows"], "the run's ingest"
-    if rows <= 0:
-        raise ConfigError(f"--rows must be a positive number of pairs; got {rows}.")
+    check_number(f"The row count of {rows_from}", rows, 1, MAX_ROWS, "a number of pairs ")
     k_values = request.k_values or [cfg.cluster.k]
-    if any(k <= 0 for k in k_values):
-        raise ConfigError(f"--k values must be positive cluster counts; got {k_values}.")
+    for k in k_values:
+        if k > rows:
+            raise ConfigError(f"{'--k' if request.k_values else 'cluster.k'} {k:,} is more clusters than the "
+                              f"{rows:,} pairs planned ({rows_from}): k must be from 1 to the number of pairs.")
     cluster = load_cluster(request.cluster, request.gpus, request.gpu_type, request.nodes)
     if cfg.train.compute.use_gpu and not cluster.gpus:
         rates.notes.append("train.use_gpu is true but the cluster has no GPUs: training is planned on its CPUs")
@@ -197,6 +241,7 @@ def make_plan(request: PlanRequest) -> dict:
 
     models = models_of(cfg, mean_tokens(run, cfg) if run else None)
     imbalance = request.imbalance or rates.imbalance_factor
+    check_number("The imbalance_factor of the calibration file or the run", imbalance, 0.0, MAX_IMBALANCE)
 
     def planner(n: int, k: int) -> Planner:
         sizes = measured["sizes"] if run_cfg and k == run_cfg.cluster.k else None
@@ -214,7 +259,7 @@ def make_plan(request: PlanRequest) -> dict:
            "train_shape": {"steps_per_epoch": t.steps_per_epoch, "unused_pairs_per_epoch": t.unused_pairs_per_epoch,
                            "global_batches_per_cluster": dict(zip(("min", "median", "max"), t.batches_per_cluster)),
                            "mean_global_batches_per_cluster": t.mean_batches_per_cluster,
-                           "shards": len(main.shards), "cluster_sizes_from": main.shape.sizes_from},
+                           "shards": main.shards.items, "cluster_sizes_from": main.shape.sizes_from},
            "warnings": main.warnings(stages), "notes": [models.note, *rates.notes] + (
                [f"no rate for {', '.join(uncalibrated(stages))}: left out of the sums and the ratio"]
                if uncalibrated(stages) else []),

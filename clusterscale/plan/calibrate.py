@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from clusterscale.config import ConfigError
 from clusterscale.io.rundir import RunDir
 from clusterscale.pipeline import open_run
 from clusterscale.plan.cluster import this_machine
@@ -36,6 +37,8 @@ STAGE_KEYS = {"dedup": ["dedup.exact=true", f"dedup.semantic_threshold={SEMANTIC
 CALIBRATION_DIM = 384
 CALIBRATION_K = 64
 SAMPLE_INTERVAL_S = 0.2
+CALIBRATION_ROWS = (1_000, 10_000_000)  # the synth sizes --calibrate-rows may name: minutes at most on a laptop
+MAX_CALIBRATION_SIZES = 8
 
 
 class PeakSampler:
@@ -277,7 +280,14 @@ def dedup_shuffle_worker(planner: Planner, peak_mb: float) -> dict[str, float]:
 
 def calibrate(sizes: list[int], path: str | None, overrides: list[str]) -> str:
     """Run the calibration at each size in `sizes` and write the calibration file; its path."""
+    from clusterscale.plan.build import check_number
     from clusterscale.train.metrics import cpu_matmul_flops
+
+    if len(sizes) > MAX_CALIBRATION_SIZES:
+        raise ConfigError(f"--calibrate-rows lists {len(sizes)} sizes; the calibration takes at most "
+                          f"{MAX_CALIBRATION_SIZES} (three, the default, fit a line well).")
+    for rows in sizes:
+        check_number("--calibrate-rows", rows, *CALIBRATION_ROWS, "a number of pairs ")
 
     path = os.path.abspath(os.path.expanduser(path or DEFAULT_CALIBRATION))
     points: dict[str, list] = {s: [] for s in ("ingest", *CALIBRATED_STAGES)}

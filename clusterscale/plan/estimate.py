@@ -7,18 +7,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
-from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, shard_files,
-                                     search_work, semantic_work, shard_sizes, shuffle_work, stage_work,
+from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, group_sizes,
+                                     search_work, semantic_work, shard_files, shard_sizes, shuffle_work, stage_work,
                                      train_shape)
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
-from clusterscale.stages.shards import GroupSizes, groups_per_shard, writer_sizing
+from clusterscale.stages.shards import writer_sizing
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
 
 STAGES = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")
@@ -159,18 +157,15 @@ class Planner:
             sample = fit_sample_rows(cfg, shape) / actors * d * 4
             return max(2 * sample, sample + FP16_CHECK_BLOCK_VALUES * 10.0) + 2 * centroids, 2 * k * d * 8.0
         if stage == "assign":  # one work unit (<= ASSIGN_UNIT_ROWS rows of one embeddings file) in, and out again
-            unit = min(ASSIGN_UNIT_ROWS, max(embed_files(cfg, shape, self.embed_actors()), default=0))
+            unit = min(ASSIGN_UNIT_ROWS, embed_files(cfg, shape, self.embed_actors()).largest)
             return unit * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
         if stage == "shard":
-            groups = groups_per_shard(self.shards.astype(np.int64), cfg.shard.max_group_rows)
-            largest = int((self.shards / np.maximum(groups, 1)).max())
-            sizes = GroupSizes(int(self.shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
-            return float(writer_sizing(sizes, self.text_bytes)[1]), k * d * 8.0 * 2
+            return float(writer_sizing(group_sizes(cfg, self.shards), self.text_bytes)[1]), k * d * 8.0 * 2
         if stage == "dedup":  # two blocks of a cluster (edges task; a whole cluster up to dedup.max_group_rows)
             row = self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES
             limit = (DEDUP_TASK_MEMORY_FRACTION * self.cluster.node_memory_bytes / max(1, self.cluster.cpus_per_node)
                      / row if cfg.dedup.max_group_rows == "auto" else float(cfg.dedup.max_group_rows))
-            block = min(float(self.shards.max(initial=0)), limit)
+            block = min(float(self.shards.largest), limit)
             return 2 * block * row + cfg.dedup.block_rows ** 2 * 8.0, k * 8.0
         if stage == "mine":
             if cfg.mine.max_group_rows == "auto":  # mine_search.auto_group_bounds: a quarter + a half of a task's memory
@@ -204,7 +199,7 @@ class Planner:
                     "heldout": shape.heldout_rows * bpr.get("heldout", self.text_bytes)}, 2 * parts
         if stage == "embed":
             files = embed_files(cfg, shape, self.embed_actors())
-            return {"embeddings": shape.train_rows * self.embedding_row_bytes}, len(files)
+            return {"embeddings": shape.train_rows * self.embedding_row_bytes}, files.items
         if stage == "fit":
             return {f"kmeans/k={k}": k * shape.dim * 4.0}, 2
         if stage == "assign":
@@ -215,10 +210,10 @@ class Planner:
             return {f"shards/k={k}": shape.train_rows * row}, shard_files(cfg, self.shards)
         if stage == "dedup":
             return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, \
-                len(embed_files(cfg, shape, self.embed_actors()))
+                embed_files(cfg, shape, self.embed_actors()).items
         if stage == "mine":
             n_neg = cfg.train.objective.negatives_per_query
-            return {"negatives": shape.train_rows * n_neg * 8.0}, len(embed_files(cfg, shape, self.embed_actors()))
+            return {"negatives": shape.train_rows * n_neg * 8.0}, embed_files(cfg, shape, self.embed_actors()).items
         if stage == "train":
             export = 4.0 * self.models.student_params  # safetensors fp32 model
             ckpt = 12.0 * self.models.student_params if cfg.train.checkpoint.keep_checkpoint else 0.0
@@ -351,7 +346,7 @@ class Planner:
         if self.shape.train_rows and t.unused_pairs_per_epoch > 0.1 * self.shape.train_rows:
             out.append(f"{t.unused_pairs_per_epoch:,} pairs per epoch ({t.unused_pairs_per_epoch / self.shape.train_rows:.0%})"
                        f" are in no global batch (cluster remainders): lower k or the batch size")
-        if cfg.shard.small_cluster_policy == "merge" and (self.shape.cluster_sizes < batch).all():
+        if cfg.shard.small_cluster_policy == "merge" and self.shape.cluster_sizes.largest < batch:
             out.append("every cluster is smaller than one global batch: the shard stage refuses shard."
                        "small_cluster_policy=merge")
         per_task = self.cluster.node_memory_bytes / MB / max(1, self.cluster.cpus_per_node)

@@ -1,16 +1,17 @@
 """What a run of N pairs at k clusters looks like, before it runs: cluster sizes, training steps and leftover
 pairs (the train code's own schedule functions), files per folder (the stages' own file rules), and the work
-each stage does (the quantity its time is proportional to). Pure functions: no Ray, no timing."""
+each stage does (the quantity its time is proportional to). Pure functions: no Ray, no timing. Sizes are
+plan/sizes.SizeCounts (bounded whatever N and k), so a plan's memory and time do not grow with either."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import numpy as np
 
 from clusterscale.config import Config
 from clusterscale.io.layout import row_group_rows_for
+from clusterscale.plan.sizes import EXACT_ITEMS, SizeCounts, expected_uniform_unused, lognormal_sizes, scaled_sizes
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
 from clusterscale.stages.embed import auto_rows_per_unit
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
@@ -20,6 +21,9 @@ from clusterscale.train import schedule
 DEFAULT_IMBALANCE = 1.5
 """faiss's imbalance factor k x sum(n_c^2) / N^2 assumed when neither the run nor the calibration measured one
 (1 = equal clusters); spherical k-means on text embeddings lands at ~1.1-2 (an assumption, printed as one)."""
+EXACT_SCHEDULE_STEPS = 100_000
+"""Up to this many steps an epoch (and EXACT_ITEMS shards) the leftover pairs of uniform cluster weighting are
+the train schedule's own seeded draw; beyond, their mean over seeds (sizes.expected_uniform_unused)."""
 
 
 @dataclass(frozen=True)
@@ -31,24 +35,15 @@ class RunShape:
     heldout_rows: int
     k: int
     dim: int
-    cluster_sizes: np.ndarray  # rows per cluster before the small-cluster policy (sums to train_rows)
+    cluster_sizes: SizeCounts  # rows per cluster before the small-cluster policy (sums to train_rows; or a list)
     sizes_from: str          # where the sizes come from (the run's manifest, or a lognormal at an imbalance)
 
-
-def lognormal_sizes(rows: int, k: int, imbalance: float) -> np.ndarray:
-    """k cluster sizes summing to `rows` whose imbalance factor k sum(n^2)/N^2 is `imbalance`: lognormal
-    quantiles, since exp(sigma^2) is a lognormal's E[n^2]/E[n]^2."""
-    sigma = math.sqrt(math.log(max(1.0, imbalance)))
-    z = np.array([NormalDist().inv_cdf((i + 0.5) / k) for i in range(k)])
-    weights = np.exp(sigma * z)
-    sizes = np.floor(rows * weights / weights.sum()).astype(np.int64)
-    sizes[np.argsort(-weights)[:rows - int(sizes.sum())]] += 1  # hand the rounding rest to the largest
-    return sizes
+    def __post_init__(self):
+        object.__setattr__(self, "cluster_sizes", SizeCounts.of(self.cluster_sizes))
 
 
-def imbalance_factor(sizes: np.ndarray) -> float:
-    n = float(sizes.sum())
-    return float(len(sizes) * (sizes.astype(np.float64) ** 2).sum() / (n * n)) if n else 1.0
+def imbalance_factor(sizes) -> float:
+    return SizeCounts.of(sizes).imbalance_factor()
 
 
 def run_shape(cfg: Config, rows_in: int, k: int, dim: int, measured_sizes: list[int] | None = None,
@@ -58,32 +53,38 @@ def run_shape(cfg: Config, rows_in: int, k: int, dim: int, measured_sizes: list[
     heldout = int(round(rows_in * cfg.data.heldout_fraction))
     train = rows_in - heldout
     if measured_sizes is not None and len(measured_sizes) == k and sum(measured_sizes):
-        base = np.asarray(measured_sizes, dtype=np.float64)
-        sizes = np.floor(base * train / base.sum()).astype(np.int64)
-        sizes[np.argmax(base)] += train - int(sizes.sum())
+        sizes = scaled_sizes(SizeCounts.of(measured_sizes), train)
         source = f"the run's {k} cluster sizes, scaled to {train:,} rows"
     else:
         factor = imbalance or DEFAULT_IMBALANCE
         sizes = lognormal_sizes(train, k, factor)
         source = (f"lognormal sizes at imbalance factor {factor:.2f}"
-                  + ("" if imbalance else " (assumed: no run measured one)"))
+                  + ("" if imbalance else " (assumed: no run measured one)")
+                  + ("" if k <= EXACT_ITEMS else f", in quantile bins beyond {EXACT_ITEMS:,} clusters"))
     return RunShape(rows_in, train, heldout, k, dim, sizes, source)
 
 
-def shard_sizes(cfg: Config, shape: RunShape) -> np.ndarray:
+def shard_sizes(cfg: Config, shape: RunShape) -> SizeCounts:
     """Rows per shard after shard.small_cluster_policy: clusters under one global batch go to a pool shard
     ('pool') or join a large cluster ('merge'; the stage picks the nearest centroid, which the planner does not
     know, so they join the largest: the count of steps is the same either way, the largest shard an upper bound)."""
     batch = cfg.train.schedule.global_batch_size
-    counts = shape.cluster_sizes[shape.cluster_sizes > 0]
-    small = counts < batch
+    counts = shape.cluster_sizes.where(shape.cluster_sizes.sizes > 0)
+    small = counts.sizes < batch
     if not small.any() or small.all() and cfg.shard.small_cluster_policy == "merge":
         return counts  # all small with merge: the shard stage refuses it, and warnings() says so
-    big = counts[~small].copy()
+    big, small_rows = counts.where(~small), counts.where(small).total
     if cfg.shard.small_cluster_policy == "pool":
-        return np.append(big, counts[small].sum())
-    big[np.argmax(big)] += counts[small].sum()
-    return big
+        return big.with_item(small_rows)
+    return big.largest_grown(small_rows)
+
+
+def group_sizes(cfg: Config, shards) -> GroupSizes:
+    """How the shard stage groups its write: (shard, sub-group) keys of at most shard.max_group_rows rows."""
+    shards = SizeCounts.of(shards)
+    groups = groups_per_shard(shards.sizes, cfg.shard.max_group_rows)
+    largest = int((shards.sizes / np.maximum(groups, 1)).max(initial=0))
+    return GroupSizes(shards.total, shards.sum_of(groups), largest, cfg.shard.max_group_rows)
 
 
 @dataclass(frozen=True)
@@ -95,42 +96,56 @@ class TrainShape:
     row_group_rows: int
 
 
-def train_shape(cfg: Config, shards: np.ndarray) -> TrainShape:
-    """Steps and leftover pairs of one epoch: the train schedule's functions on the shard sizes."""
+def train_shape(cfg: Config, shards) -> TrainShape:
+    """Steps and leftover pairs of one epoch: the train schedule's rules on the shard sizes (its own seeded draw
+    for uniform cluster weighting up to EXACT_SCHEDULE_STEPS steps, the draw's mean beyond)."""
+    shards = SizeCounts.of(shards)
     sc = cfg.train.schedule
     batch = sc.global_batch_size
-    sizes = [int(s) for s in shards] if sc.sampler != "random" else [int(shards.sum())]
-    steps = schedule.batches_per_epoch(sizes, batch)
-    unused = schedule.unused_pairs(sizes, batch, sc.sampler, sc.seed, 0, sc.cluster_weighting,
-                                   row_group_rows_for(batch)) if steps else int(sum(sizes))
-    per = np.asarray(shards) // batch
-    return TrainShape(steps, unused, (int(per.min()), float(np.median(per)), int(per.max())),
-                      float(np.mean(shards) / batch), row_group_rows_for(batch))
+    strata = shards if sc.sampler != "random" else SizeCounts.of([shards.total])
+    steps = strata.sum_of(strata.sizes // batch)  # schedule.batches_per_epoch
+    if not steps or sc.cluster_weighting != "uniform" or sc.sampler == "random":
+        unused = strata.sum_of(strata.sizes % batch)  # no full batch: every row; else each stratum's remainder
+    elif strata.items <= EXACT_ITEMS and steps <= EXACT_SCHEDULE_STEPS:
+        unused = schedule.unused_pairs(strata.tolist(), batch, sc.sampler, sc.seed, 0, sc.cluster_weighting,
+                                       row_group_rows_for(batch))
+    else:
+        unused = expected_uniform_unused(strata, batch, row_group_rows_for(batch))
+    per = shards.map(shards.sizes // batch)
+    return TrainShape(steps, unused, (per.smallest, per.median(), per.largest),
+                      shards.total / max(1, shards.items) / batch, row_group_rows_for(batch))
 
 
 # --- files: the stages' file rules -------------------------------------------------------------------------
-def embed_files(cfg: Config, shape: RunShape, embed_actors: int) -> list[int]:
-    """Rows of each embeddings/ file: one per embed work unit (a row range of one pairs/ part)."""
+def embed_files(cfg: Config, shape: RunShape, embed_actors: int) -> SizeCounts:
+    """Rows of the embeddings/ files: one per embed work unit (a row range of one pairs/ part)."""
     per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(shape.train_rows, embed_actors, cfg.data.rows_per_part)
-    parts = [cfg.data.rows_per_part] * (shape.train_rows // cfg.data.rows_per_part)
-    if shape.train_rows % cfg.data.rows_per_part:
-        parts.append(shape.train_rows % cfg.data.rows_per_part)
-    return [min(per_unit, part - start) for part in parts for start in range(0, part, per_unit)]
+    whole_parts, last_part = divmod(shape.train_rows, cfg.data.rows_per_part)
+    sizes, counts = [], []
+    for part_rows, parts in ((cfg.data.rows_per_part, whole_parts), (last_part, 1)):
+        units, rest = divmod(part_rows, per_unit)
+        sizes += [per_unit, rest]
+        counts += [units * parts, parts if rest else 0]
+    return SizeCounts.from_pairs(sizes, counts)
 
 
-def assign_files(embedding_file_rows: list[int]) -> int:
+def assign_files(embedding_file_rows) -> int:
     """assign/k=<k>/ holds one file per assign work unit: runs of whole embeddings row groups, at most
     ASSIGN_UNIT_ROWS rows, never across files (stages/kmeans.assign_units)."""
+    files = SizeCounts.of(embedding_file_rows)
     per_unit = max(1, ASSIGN_UNIT_ROWS // EMBEDDINGS_ROW_GROUP_ROWS)
-    return sum(math.ceil(math.ceil(rows / EMBEDDINGS_ROW_GROUP_ROWS) / per_unit) for rows in embedding_file_rows)
+    row_groups = -(-files.sizes // EMBEDDINGS_ROW_GROUP_ROWS)
+    return files.sum_of(-(-row_groups // per_unit))
 
 
-def shard_files(cfg: Config, shards: np.ndarray) -> int:
+def shard_files(cfg: Config, shards) -> int:
     """Files of shards/k=<k>/: each shard split into sub-groups of at most shard.max_group_rows, each sub-group in
     files of rows_per_file (stages/shards.file_sizes); sub-groups taken as equal (a seeded hash split)."""
+    shards = SizeCounts.of(shards)
     rows_per_file, _ = file_sizes(cfg)
-    groups = groups_per_shard(np.asarray(shards, dtype=np.int64), cfg.shard.max_group_rows)
-    return int(sum(g * math.ceil(math.ceil(rows / g) / rows_per_file) for rows, g in zip(shards, groups) if g))
+    groups = groups_per_shard(shards.sizes, cfg.shard.max_group_rows)
+    rows_per_group = -(-shards.sizes // np.maximum(groups, 1))
+    return shards.sum_of(groups * -(-rows_per_group // rows_per_file))
 
 
 def fit_sample_rows(cfg: Config, shape: RunShape) -> int:
@@ -175,11 +190,7 @@ def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> ShuffleWork:
         return ShuffleWork(float(shape.k + 1), blocks) if cfg.dedup.semantic_threshold else ShuffleWork()
     if stage != "shard":
         return ShuffleWork()
-    shards = shard_sizes(cfg, shape).astype(np.int64)
-    groups = groups_per_shard(shards, cfg.shard.max_group_rows)
-    largest = int((shards / np.maximum(groups, 1)).max(initial=0))
-    sizes = GroupSizes(int(shards.sum()), int(groups.sum()), largest, cfg.shard.max_group_rows)
-    return ShuffleWork(float(writer_sizing(sizes, 1.0)[0]), blocks)
+    return ShuffleWork(float(writer_sizing(group_sizes(cfg, shard_sizes(cfg, shape)), 1.0)[0]), blocks)
 
 
 def semantic_work(stage: str, cfg: Config, shape: RunShape) -> float:

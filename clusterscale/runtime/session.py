@@ -50,6 +50,35 @@ def _loopback_node_ip() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+@contextlib.contextmanager
+def _own_address_for_ray_processes() -> Iterator[None]:
+    """While a local Ray starts, fix its GCS port and give its processes RAY_ADDRESS=127.0.0.1:<that port>.
+
+    Ray's State API client, called without an address (Ray Train's PlacementGroupCleaner, a detached actor, asks it
+    every second whether the run's controller lives), looks for a cluster by itself: RAY_ADDRESS, else the last
+    `ray start` head of this machine, else the only gcs_server running here. Beside another local Ray (a second
+    clusterscale command) it fails with "Found multiple active Ray instances" and a traceback; beside a `ray start`
+    head it asks that other cluster, where the controller is unknown. A local Ray's workers inherit the environment
+    of ray.init; this process's own is restored after it (a later init_ray must not join a stopped Ray). A port the
+    user exported in RAY_GCS_SERVER_PORT is kept."""
+    from ray._private.ray_constants import GCS_PORT_ENVIRONMENT_VARIABLE as GCS_PORT
+
+    saved = {name: os.environ.get(name) for name in (GCS_PORT, "RAY_ADDRESS")}
+    if not saved[GCS_PORT]:
+        with socket.socket() as probe:  # a free port; the gcs_server binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            os.environ[GCS_PORT] = str(probe.getsockname()[1])
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{os.environ[GCS_PORT]}"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # Lines of Ray's own library loggers that workers send to the driver over and over: Ray Train's placement-group
 # cleaner warns every few seconds that the State API is unavailable when the dashboard is off (a local run), and
 # every rank logs "Reporting training result ..." at each ray.train.report; the gcs_server logs "Failed to kill
@@ -175,7 +204,8 @@ def init_ray(cfg: RayConfig) -> None:
             kwargs["object_store_memory"] = cfg.object_store_mib * 1024 * 1024
     for attempt in range(3 if address is None else 1):
         try:
-            with _loopback_node_ip() if loopback else contextlib.nullcontext():
+            with _loopback_node_ip() if loopback else contextlib.nullcontext(), \
+                    _own_address_for_ray_processes() if address is None else contextlib.nullcontext():
                 ray.init(**kwargs)
             break
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
@@ -189,12 +219,31 @@ def init_ray(cfg: RayConfig) -> None:
                   f"({attempt + 2}/3)", flush=True)
             ray.shutdown()
     interrupt.reclaim_sigterm()  # ray.init set sys.exit on SIGTERM for this driver
+    if address is None:
+        _watch_local_ray()
     _drop_worker_log_noise()
     global _local_workers_inherit_env, _workers_have_omp_policy
     _local_workers_inherit_env = _workers_have_omp_policy = address is None
     if address is not None:  # set by this job's runtime_env, or by the job it was submitted in
         _workers_have_omp_policy = True
     ray_data_progress(sys.stdout.isatty())
+
+
+_reapers: list = []  # the watchers of this process's local Rays (runtime/reaper.py); their pipes close with it
+
+
+def _watch_local_ray() -> None:
+    """Start the watcher that ends the local Ray's agents at once if this driver is killed (runtime/reaper.py)."""
+    from ray._private.ray_constants import PROCESS_TYPE_RAYLET
+
+    from clusterscale.runtime import reaper
+
+    try:  # Ray's own record of the processes it started; without it, nothing to watch
+        raylet_pid = ray._private.worker._global_node.all_processes[PROCESS_TYPE_RAYLET][0].process.pid
+    except (AttributeError, KeyError, IndexError):
+        return
+    if (watcher := reaper.start(raylet_pid)) is not None:
+        _reapers.append(watcher)
 
 
 def ray_data_progress(on_terminal: bool) -> None:

@@ -55,11 +55,11 @@ def output_columns(side: str) -> list[tuple[str, str]]:
 def plan_units(run: RunDir, rows_per_unit: int) -> list[dict]:
     """Row ranges of every pairs/ part file, at most rows_per_unit rows each, in file order."""
     units = []
-    for path in run.files("pairs"):
+    files = run.files("pairs")
+    for path, footer in zip(files, run.footers(files)):  # in parallel; one that does not parse is named
         rel = posixpath.relpath(path, run.root)
         stem = posixpath.basename(rel)[:-len(".parquet")]
-        with run.fs.open_input_file(path) as f:
-            rows = pq.ParquetFile(f).metadata.num_rows
+        rows = footer.num_rows
         for i, start in enumerate(range(0, rows, rows_per_unit)):
             units.append({"input": rel, "start": start, "stop": min(rows, start + rows_per_unit),
                           "output": f"embeddings/{stem}-{i:05d}.parquet"})

@@ -32,6 +32,7 @@ from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
                                          infer_format, is_encodable, iter_records, list_input_files,
                                          refuse_run_dir_in_data)
+from clusterscale.io.input_identity import record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
@@ -44,7 +45,8 @@ QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()),
                                ("input_row", pa.int64())])
 BAD_FILES = "quarantine/bad_files.json"
 FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
-# C0/C1 control characters except tab and newline; they break tokenizers and terminals.
+# C0/C1 control characters (NUL included) except tab, line feed and carriage return: they break tokenizers and
+# terminals. Spaces in every format, raw or escaped (a JSON "\u0000" too: json_input reads raw ones alike).
 _CONTROL = {c: " " for c in list(range(0, 9)) + [11, 12] + list(range(14, 32)) + list(range(127, 160))}
 
 
@@ -62,7 +64,8 @@ def is_heldout(query: str, fraction: float) -> bool:
 
 
 def normalise_text(value) -> tuple[str | None, str | None]:
-    """(clean text, None) or (None, reason). NFC, control characters to spaces, stripped."""
+    """(clean text, None) or (None, reason). NFC, control characters (_CONTROL) to spaces, stripped: the one rule of
+    every format (README "Using your own pairs")."""
     if value is None:
         return None, "null"
     if isinstance(value, bytes):
@@ -267,6 +270,8 @@ def run_ingest(ctx: StageContext) -> StageResult:
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
     stats["run_dirs_skipped"] = [redact_uri(d) for d in listing.walk.run_dirs_skipped]
+    if data.path != BUILTIN_DOCSTRINGS:  # the bundled dataset is named by its package versions
+        stats["inputs"] = record_inputs(run, "pairs", listing.walk)
     if stats["bad_files"]:
         run.write_json(BAD_FILES, stats["bad_files"])
     if stats["pairs"] == 0:
@@ -282,6 +287,11 @@ def run_ingest(ctx: StageContext) -> StageResult:
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
+    """The executor's check before `out` is reused: refused when an input file changed since (io/input_identity)."""
+    refuse_changed_input_files(ctx.run, out, effective_data_config(ctx.cfg))
 
 
 def _print_skipped(walk) -> None:

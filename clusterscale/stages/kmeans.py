@@ -26,7 +26,7 @@ from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_d
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.io.rundir import RunDir, StageInputChangedError, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
@@ -122,12 +122,27 @@ def check_sample(descriptions: list[dict], k: int) -> int:
     return rows
 
 
+def embedded_units(run: RunDir) -> list[RowGroupUnit]:
+    """The row groups of embeddings/ (row_group_units), after checking their rows add up to the count in its done
+    marker: a file lost or cut short since embed (a marker without a file list is not checked by the executor) is
+    refused here, for the price of the footers the stage reads anyway."""
+    units = row_group_units(run)
+    marker = run.done_marker("embeddings")
+    counted, found = marker.stats.get("rows"), sum(u.rows for u in units)
+    if isinstance(counted, int) and found != counted:
+        advice = run.rebuild_advice("embeddings", "embed", marker)
+        raise StageInputChangedError(
+            f"The files of embeddings/ in {run.path()} hold {found} rows, but its done marker counts {counted}: files "
+            f"were lost or changed after embed finished. {advice[:1].upper()}{advice[1:]}.")
+    return units
+
+
 def run_fit(ctx: StageContext) -> StageResult:
     """Fit spherical k-means on a seeded sample of embeddings/ into kmeans/k=<k>/ (centroids, fit_stats)."""
     cfg, run = ctx.cfg, ctx.run
     k = cfg.cluster.k
     n_rows = int(run.done_stats("embeddings").get("rows", 0))
-    units = row_group_units(run)
+    units = embedded_units(run)
     n_files_rows = sum(u.rows for u in units)
     if n_rows == 0 or n_files_rows == 0:
         raise ClusteringError(f"embeddings/ in {run.path()} holds no rows: ingest kept no pairs or embed wrote "
@@ -212,7 +227,7 @@ def assign_units(run: RunDir) -> list[dict]:
     """Work units over embeddings/ from the Parquet footers: runs of whole row groups of one file, at most
     ASSIGN_UNIT_ROWS rows each (or one larger row group), numbered in file order."""
     units: list[dict] = []
-    for unit in row_group_units(run):
+    for unit in embedded_units(run):
         last = units[-1] if units else None
         if last and last["path"] == unit.path and last["rows"] + unit.rows <= ASSIGN_UNIT_ROWS:
             last["row_groups"].append(unit.group)

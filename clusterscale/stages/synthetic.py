@@ -20,31 +20,34 @@ import ray
 
 from clusterscale.config import ConfigError
 from clusterscale.stages.ingest import PAIR_SCHEMA, is_heldout
-from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.io.rundir import SYNTHETIC_DATA, RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
-SYNTH_SCHEME = "synth://"  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
+SYNTH_SCHEME = SYNTHETIC_DATA  # data.path of a synthetic run; it carries the generator's parameters into the fingerprint
 BLOCK_ROWS = 1024  # rows drawn from one seeded generator: the unit that makes output independent of the split
 QUERY_SPREAD = 0.3  # noise norm of a query's vector around its passage's (cosine ~0.96): closer than topic mates
+BOILERPLATE_SPREAD = 0.07  # noise norm of a boilerplate row around the one vector: cosine ~0.995 to one another
 WORDS_PER_TOPIC = 48
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 
 
 @dataclass(frozen=True)
 class SynthSpec:
-    """What `clusterscale synth` generates: rows (held-out ones included), vector dimension, topics, seed, and
-    the noise norm around each topic's direction."""
+    """What `clusterscale synth` generates: rows (held-out ones included), vector dimension, topics, seed, the
+    noise norm around each topic's direction, and the fraction of rows that are boilerplate (near-duplicates of one
+    vector, within cosine ~0.99 of one another: they fall in one cluster)."""
     rows: int
     dim: int = 384
     topics: int = 100
     seed: int = 0
     spread: float = 0.6
+    boilerplate: float = 0.0
 
     def data_path(self) -> str:
         return f"{SYNTH_SCHEME}rows={self.rows},dim={self.dim},topics={self.topics},seed={self.seed}," \
-               f"spread={self.spread}"
+               f"spread={self.spread}" + (f",boilerplate={self.boilerplate}" if self.boilerplate else "")
 
     @classmethod
     def from_data_path(cls, data_path: str) -> SynthSpec:
@@ -54,7 +57,8 @@ class SynthSpec:
                               f"runs with `clusterscale synth`.")
         fields = dict(item.split("=", 1) for item in data_path.removeprefix(SYNTH_SCHEME).split(","))
         return cls(rows=int(fields["rows"]), dim=int(fields["dim"]), topics=int(fields["topics"]),
-                   seed=int(fields["seed"]), spread=float(fields["spread"]))
+                   seed=int(fields["seed"]), spread=float(fields["spread"]),
+                   boilerplate=float(fields.get("boilerplate", 0.0)))
 
     def check(self) -> None:
         for name in ("rows", "dim", "topics"):
@@ -62,6 +66,8 @@ class SynthSpec:
                 raise ConfigError(f"synth --{name} must be a positive integer, got {getattr(self, name)}.")
         if self.seed < 0:
             raise ConfigError(f"synth --seed must be >= 0, got {self.seed}.")
+        if not 0 <= self.boilerplate < 1:
+            raise ConfigError(f"synth --boilerplate must be a fraction in [0, 1), got {self.boilerplate}.")
 
 
 def topic_centers(d: int, n_topics: int, seed: int) -> np.ndarray:
@@ -150,6 +156,12 @@ def synth_block(spec: SynthSpec, block: int, query_vectors: bool = False) -> pa.
         passages.append(f"{' '.join(passage_words)} {ids[i]}")
         queries.append(f"{' '.join(passage_words[picks[i, :query_len[i]]])} {codes[i]:08x}")
     x = vectors_around(topic_centers(spec.dim, spec.topics, spec.seed), topic, noise, spec.spread)
+    if spec.boilerplate:  # generators of their own: the other rows' vectors are those of a run without boilerplate
+        boilerplate = np.random.default_rng([spec.seed, 3, block]).random(n) < spec.boilerplate
+        anchor = np.random.default_rng([spec.seed, 4]).standard_normal((1, spec.dim))
+        anchor /= np.linalg.norm(anchor)
+        near = np.random.default_rng([spec.seed, 5, block]).standard_normal((int(boilerplate.sum()), spec.dim))
+        x[boilerplate] = vectors_around(anchor, np.zeros(len(near), np.int64), near, BOILERPLATE_SPREAD)
     table = pa.table({"pair_id": pa.array(ids), "query": pa.array(queries), "passage": pa.array(passages),
                       "source": pa.array([f"topic-{t}" for t in topic]), "emb": emb_array(x)})
     if query_vectors:

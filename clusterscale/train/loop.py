@@ -244,7 +244,7 @@ def _check_negatives(cfg: Config, run: RunDir) -> None:
 
 def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str, resume: bool):
     """One Ray Train run over the steps of one segment (all steps when re-clustering is off)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from clusterscale.train.trainer import train_loop_per_worker  # imports ray.train.torch: ~0.8 s of CLI start
@@ -261,7 +261,10 @@ def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, 
         run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(train_dir(name), "ray"),
                              storage_filesystem=None if run.is_local else run.fs,
                              failure_config=FailureConfig(max_failures=cfg.train.checkpoint.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             # Ray Train's INFO lines (worker group start, its failure policy's verdict with the
+                             # failed ranks' tracebacks) stay in its log files: the driver and rank 0 speak.
+                             logging_config=LoggingConfig(log_level="WARNING")))
     interrupt.keep_sigint(trainer, "_register_sigint_handler")  # Ctrl-C stays clusterscale's (runtime.interrupt)
     result = trainer.fit()
     if result.error:

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import POSITIVE, ConfigError, Section, knob, zero_means
+from clusterscale.knobs import POSITIVE, Bounds, ConfigError, Section, knob, zero_means
+
+MAX_GLOBAL_BATCH = 1 << 20  # 1,048,576 pairs: far past any contrastive recipe (CLIP: 32k), and plan's loops stay short
 
 
 @dataclass
@@ -26,7 +28,8 @@ class ScheduleConfig(Section):
                                                   "full batch once per epoch; 'uniform' = clusters drawn equally "
                                                   "often (small ones repeat, large ones are subsampled).",
                                   ("proportional", "uniform"))
-    global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).", bounds=POSITIVE)
+    global_batch_size: int = knob(64, "Pairs per optimizer step across all workers (paper: 4096).",
+                                  bounds=Bounds(low=1, high=MAX_GLOBAL_BATCH + 1, note="at most 2^20 pairs"))
     steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.", bounds=POSITIVE)
     epochs: int = knob(1, "Epochs over the shards (paper: 3).", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")

@@ -7,7 +7,9 @@ all-reduce and logs train/metrics.py, the checkpoint state train/checkpoint.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ import ray.train.torch as rt_torch
 import torch
 
 from clusterscale.config import Config
+from clusterscale.errors import storage_error, user_error
 from clusterscale.io.rundir import RunDir
-from clusterscale.io.layout import shard_set_manifest, training_sets
+from clusterscale.io.layout import shard_set_manifest, train_dir, training_sets
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 from clusterscale.train import schedule
@@ -36,8 +39,27 @@ from clusterscale.train.step import contrastive_backward, step_seed
 def train_loop_per_worker(config: dict) -> None:
     """Ray Train's per-worker entry: this rank's share of one segment, from the plain dict the driver sent."""
     torch.set_num_threads(max(1, int(config.get("threads_per_worker", 1))))
+    keep_user_faults_off_console()
     context = ray.train.get_context()
     Trainer(SegmentJob.from_loop_config(config), context.get_world_rank(), context.get_world_size()).fit()
+
+
+class _UserFaultsOffConsole(logging.Filter):
+    """Drops a record logged while a user fault (clusterscale.errors.user_error) is being handled: Ray Train's
+    "Error in training function" and its traceback, once per rank, for an error the driver prints as one paragraph."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]  # Ray Train logs inside its `except`
+        return exc is None or user_error(exc) is None
+
+
+def keep_user_faults_off_console() -> None:
+    """Keep this worker's console quiet about user faults (a full disk, bad data): Ray Train logs a worker's error
+    with its traceback before the driver hears of it. Its log files (ray-train-*-worker-*.log) keep the record; a
+    bug's traceback is printed as before."""
+    for handler in logging.getLogger("ray.train").handlers:  # Ray Train's dictConfig names its console handler
+        if handler.get_name() == "console" and not any(isinstance(f, _UserFaultsOffConsole) for f in handler.filters):
+            handler.addFilter(_UserFaultsOffConsole())
 
 
 @dataclass(frozen=True)
@@ -143,8 +165,9 @@ class TrainData:
                           schedule_block_rows(shuffled))
 
     def rank_rows(self, start_step: int, rank: int, world: int) -> Iterator[RankRows]:
-        """This rank's contiguous slice of each global batch (pair_id, query, passage), read ahead in a thread."""
-        return self.reader.prefetch(self.batches(start_step), rank, world)
+        """This rank's contiguous slice of each global batch (pair_id, query, passage), read train.prefetch_steps
+        steps ahead."""
+        return self.reader.prefetch(self.batches(start_step), rank, world, depth=self.tc.compute.prefetch_steps)
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
@@ -228,7 +251,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss, stats = self._backward(table, gb.step)
         stats |= {"bytes_read": float(item.bytes_read), "bytes_used": float(item.bytes_used),
-                  "footer_bytes_read": float(item.footer_bytes)}
+                  "footer_bytes_read": float(item.footer_bytes), "data_wait_s": item.wait_s}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.optimizer.max_grad_norm)
         self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
@@ -274,5 +297,7 @@ class Trainer:
                 self.checkpointer.write(directory, step, epoch, final)
                 attached = ray.train.Checkpoint.from_directory(directory)
             ray.train.report({**self.metrics.report(step), "nodes": self.nodes, **(note or {})}, checkpoint=attached)
+        except OSError as exc:  # Ray Train's copy into the run directory; pyarrow's error does not name it
+            raise storage_error(exc, self.job.run.path(train_dir(self.job.name), "ray")) or exc
         finally:
             shutil.rmtree(directory, ignore_errors=True)

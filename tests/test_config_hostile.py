@@ -1,0 +1,66 @@
+"""Control characters in a config value or a command-line path (issue 55): refused at config load, naming the key
+and showing the value escaped, before anything is written."""
+from __future__ import annotations
+
+import pytest
+
+from clusterscale import cli, config
+from clusterscale.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """Every refusal here comes before Ray starts: a value let through fails fast instead of running ingest."""
+    from clusterscale.runtime import session
+
+    def started(ray_cfg):
+        raise AssertionError("Ray was started: the value was not refused")
+
+    monkeypatch.setattr(session, "init_ray", started)
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """cli.main(argv) exits 2 with one `error:` paragraph and no traceback; returns that paragraph."""
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("value, name, shown", [
+    ("/data/pairs\nb.parquet", "a newline", r"'/data/pairs\nb.parquet'"),  # YAML would make it 'pairs b.parquet'
+    ("/data/pairs\r\nb.parquet", "a carriage return", r"'/data/pairs\r\nb.parquet'"),  # a Windows line end
+    ("/data/\x1bpairs", "the control character '\\x1b'", r"'/data/\x1bpairs'"),
+])
+def test_cli_refuses_a_control_character_in_a_set_path(tmp_path, capsys, value, name, shown):
+    err = _refused(capsys, ["ingest", "--run-dir", str(tmp_path / "run"), "--set", f"data.path={value}"])
+    assert err.startswith(f"error: --set data.path holds {name}: {shown}. ") and "on one line" in err
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_cli_refuses_a_control_character_in_a_config_file_and_in_run_dir(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text('data:\n  path: "/data/pairs\\0.parquet"\nembed:\n  model: "bge\\tsmall"\n')
+    err = _refused(capsys, ["ingest", str(path), "--run-dir", str(tmp_path / "run")])
+    assert r"data.path holds a NUL character: '/data/pairs\x00.parquet'." in err
+    err = _refused(capsys, ["ingest", "--run-dir", str(tmp_path / "run\n")])
+    assert err.startswith("error: --run-dir holds a newline: ") and "run\\n'" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
+
+
+def test_a_control_character_in_a_uri_never_shows_its_secret(tmp_path, capsys):
+    """The value is escaped before it is redacted: a newline inside the secret cannot stop the redaction."""
+    uri = "s3://AKIAQX:S3KRETQ\nTAILQ@bucket/x.parquet?session_token=T0KENQ\nMOREQ"
+    err = _refused(capsys, ["ingest", "--run-dir", str(tmp_path / "run"), "--set", f"data.path={uri}"])
+    assert "--set data.path holds a newline: 's3://***@bucket/x.parquet?session_token=***" in err
+    assert not any(s in err for s in ("AKIAQX", "S3KRETQ", "TAILQ", "T0KENQ", "MOREQ")), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_load_names_the_key_of_any_string_value():
+    with pytest.raises(ConfigError, match=r"--set data.query_column holds a tab: 'qu\\tery'"):
+        config.load(None, ["data.query_column=qu\tery"])
+    with pytest.raises(ConfigError, match=r"^train.name holds a newline: 'a\\nb'"):
+        config.from_dict({"train": {"name": "a\nb"}})
+    # a trailing newline YAML drops anyway (a value from `$(cat file)`-like pastes) is no mistake
+    assert config.load(None, ["data.path=/data/x.parquet\n"]).data.path == "/data/x.parquet"

@@ -1,0 +1,243 @@
+"""`clusterscale plan` on hostile input (issue 55): numbers out of range and malformed cluster files are user faults
+(exit 2, one `error:` line naming the flag or the file's key path, no traceback), and a plan's memory does not grow
+with N or k (cluster sizes are a bounded multiset, plan/sizes.py). No Ray."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from clusterscale import cli, config
+from clusterscale.io.layout import row_group_rows_for
+from clusterscale.plan import sizes
+from clusterscale.plan.shape import RunShape, group_sizes, shard_files, shard_sizes, train_shape
+from clusterscale.train import schedule
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_fault(code: int, err: str) -> None:
+    """Exit 2 with one `error:` paragraph and no traceback."""
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def _plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--rows", "1000", "--k", "99999999999"], "--k 99,999,999,999 is more clusters than the 1,000 pairs planned"),
+    (["--rows", "1000", "--set", "cluster.k=5000"], "cluster.k 5,000 is more clusters than the 1,000 pairs"),
+    (["--rows", "1000000000000000000"], "--rows must be a number of pairs from 1 to 1,000,000,000,000,000; got "
+                                        "1,000,000,000,000,000,000."),
+    (["--rows", "-5"], "--rows must be a number of pairs from 1 to"),
+    (["--rows", "1000", "--k", "0"], "--k must be a number of clusters from 1 to"),
+    (["--rows", "1000", "--k", ",".join(str(k) for k in range(1, 70))], "--k lists 69 cluster counts; a plan takes "
+                                                                        "at most 64"),
+    (["--rows", "1000", "--gpus", "-4", "--gpu-type", "H100"], "--gpus must be a whole number of GPUs from 1 to "
+                                                               "1,000,000; got -4."),
+    (["--rows", "1000", "--gpus", "0", "--gpu-type", "H100"], "--gpus must be a whole number of GPUs from 1"),
+    (["--rows", "1000", "--nodes", "0"], "--nodes must be a whole number of nodes from 1 to 100,000; got 0."),
+    (["--rows", "1000", "--imbalance", "nan"], "--imbalance must be an imbalance factor from 1 to 1,000; got nan."),
+    (["--rows", "1000", "--imbalance", "0.5"], "--imbalance must be an imbalance factor from 1 to 1,000; got 0.5."),
+    (["--rows", "1000", "--price-per-gpu-hour", "-1"], "--price-per-gpu-hour must be from 0 to 1,000,000; got -1."),
+    (["--rows", "1000", "--price-per-gpu-hour", "inf"], "--price-per-gpu-hour must be from 0 to 1,000,000; got inf."),
+])
+def test_numbers_out_of_range_are_user_faults(argv, said, capsys):
+    code, out, err = _plan(capsys, *argv)
+    _user_fault(code, err)
+    assert said in err and not out
+
+
+def test_calibrate_rows_out_of_range_is_a_user_fault_before_any_timing(capsys):
+    code, _, err = _plan(capsys, "--calibrate", "--calibrate-rows", "25000,0")
+    _user_fault(code, err)
+    assert "--calibrate-rows must be a number of pairs from 1,000 to 10,000,000; got 0." in err
+
+
+LAUNCHER = """\
+available_node_types:
+  head:
+    resources: {"CPU": 0}
+    node_config: {InstanceType: m6i.4xlarge}
+  gpu_worker:
+    max_workers: 4
+    node_config:
+      InstanceType: p5.48xlarge
+      BlockDeviceMappings:
+        - {DeviceName: /dev/sda1, Ebs: {VolumeSize: 500}}
+head_node_type: head
+"""
+KUBERAY = """\
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: runs}
+---
+apiVersion: ray.io/v1
+kind: RayCluster
+spec:
+  workerGroupSpecs:
+    - groupName: gpu
+      maxReplicas: 4
+      template:
+        spec:
+          containers:
+            - name: ray-worker
+              resources:
+                requests: {cpu: "64", memory: 512Gi, nvidia.com/gpu: 8}
+"""
+
+
+@pytest.mark.parametrize("content, said", [
+    # the issue's file: a list where the launcher has a mapping of node types
+    ("available_node_types:\n  - name: head\n  - name: worker\nhead_node_type: head\n",
+     ": available_node_types is [{'name': 'head'}, {'name': 'worker'}], expected a mapping"),
+    (LAUNCHER.replace("    node_config:\n      InstanceType: p5.48xlarge\n",
+                      "    node_config: p5.48xlarge\n    other:\n"),
+     ": available_node_types.gpu_worker.node_config is 'p5.48xlarge', expected a mapping"),
+    (LAUNCHER.replace("max_workers: 4", "max_workers: four"),
+     ": available_node_types.gpu_worker.max_workers is 'four', expected a whole number from 0 to 100,000"),
+    (LAUNCHER.replace("max_workers: 4", "max_workers: -1"), "gpu_worker.max_workers is -1, expected a whole number"),
+    (LAUNCHER.replace("max_workers: 4", "max_workers: 0"), "its worker node type has max_workers 0"),
+    (LAUNCHER.replace("VolumeSize: 500", "VolumeSize: big"),
+     ": available_node_types.gpu_worker.node_config.BlockDeviceMappings[0].Ebs.VolumeSize is 'big', expected a number"),
+    (LAUNCHER.replace("        - {DeviceName: /dev/sda1, Ebs: {VolumeSize: 500}}", "          DeviceName: sda1"),
+     "gpu_worker.node_config.BlockDeviceMappings is {'DeviceName': 'sda1'}, expected a list"),
+    (LAUNCHER.replace('resources: {"CPU": 0}', 'resources: {"CPU": zero}'),
+     "available_node_types.head.resources.CPU is 'zero', expected a number"),
+    (LAUNCHER.replace("InstanceType: p5.48xlarge", "InstanceType: [p5]"),
+     "gpu_worker.node_config.InstanceType is ['p5'], expected an instance type name"),
+    (LAUNCHER.replace("gpu_worker:\n", "gpu_worker: 3\n  unused:\n"), "available_node_types.gpu_worker is 3, "
+                                                                       "expected a mapping"),
+    (KUBERAY.replace("512Gi", "lots"), ": spec.workerGroupSpecs[0].template.spec.containers[0].resources.requests."
+                                       "memory is 'lots', expected a Kubernetes quantity"),
+    (KUBERAY.replace('cpu: "64"', 'cpu: "nan"'), "resources.requests.cpu is 'nan', expected a Kubernetes quantity"),
+    (KUBERAY.replace('cpu: "64"', 'cpu: "1e400"'), "resources.requests.cpu is '1e400', expected"),
+    (KUBERAY.replace("maxReplicas: 4", "maxReplicas: 1.5"), ": spec.workerGroupSpecs[0].maxReplicas is 1.5, expected "
+                                                            "a whole number"),
+    (KUBERAY.replace("  workerGroupSpecs:\n", "  workerGroupSpecs: {groupName: gpu}\n  other:\n"),
+     ": spec.workerGroupSpecs is {'groupName': 'gpu'}, expected a list"),
+    (KUBERAY.replace("kind: RayCluster\nspec:\n", "kind: RayJob\nspec:\n  rayClusterSpec: [1, 2]\n"),
+     ": spec.rayClusterSpec is [1, 2], expected a mapping"),
+    ("", "is empty"),
+    ("# only a comment\n---\n", "is empty"),
+    ("available_node_types: [\n", "is not valid YAML"),
+    (KUBERAY.replace("maxReplicas: 4", "maxReplicas: [4"), "(its YAML document 2, from line 5) is not valid YAML"),
+    ("just some text\n", "is neither a Ray launcher config"),
+    ("a: &x [1]\nb: *x\navailable_node_types: {}\n", "aliases and anchors are not allowed"),
+    ("available_node_types: {}\navailable_node_types: {}\n", "duplicate key"),
+    ("---\n" * 70, "holds more than 64 YAML documents"),
+])
+def test_malformed_cluster_files_are_user_faults(tmp_path, capsys, content, said):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(content)
+    code, _, err = _plan(capsys, "--rows", "1000", "--cluster", str(path), "--gpu-type", "H100")
+    _user_fault(code, err)
+    assert said in err and str(path) in err
+
+
+def test_unreadable_cluster_files_are_user_faults(tmp_path, capsys):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"available_node_types: {}\n\xff\xfe\x00")
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("#" * (1 << 20) + "\n")
+    for path, said in ((tmp_path / "missing.yaml", "does not exist"), (tmp_path, "is not a file"),
+                       (binary, "is not UTF-8 text (byte 25"), (huge, "is larger than 1,048,576 bytes")):
+        code, _, err = _plan(capsys, "--rows", "1000", "--cluster", str(path))
+        _user_fault(code, err)
+        assert said in err and str(path) in err
+
+
+def test_wellformed_cluster_files_still_plan(tmp_path):
+    """The test files above, unbroken, and the shipped ones, give the clusters they describe."""
+    from clusterscale.plan.cluster import load_cluster
+
+    (tmp_path / "launcher.yaml").write_text(LAUNCHER)
+    (tmp_path / "kuberay.yaml").write_text(KUBERAY)
+    launcher = load_cluster(str(tmp_path / "launcher.yaml"), None, None, None)
+    assert (launcher.nodes, launcher.gpus, launcher.gpu_type, launcher.node_disk_bytes) == (4, 32, "H100", 500e9)
+    kuberay = load_cluster(str(tmp_path / "kuberay.yaml"), None, "A100", None)
+    assert (kuberay.nodes, kuberay.cpus_per_node, kuberay.gpus, kuberay.node_memory_bytes) == (4, 64, 32, 512 * 2**30)
+    for name in ("aws-gpu-cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml"):
+        assert load_cluster(os.path.join(REPO, "cluster_configs", name), None, "H100", None).gpus >= 8
+
+
+MEMORY_CHILD = textwrap.dedent("""
+    import resource, sys
+    from clusterscale import cli
+
+    assert cli.main(["plan", "--rows", "1000", "--k", "8"]) == 0  # imports and the model's files: the footprint
+    vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, vm + 2**30))
+    sys.exit(cli.main(["plan", "--rows", str(10**15), "--k", "99999999999", "--set",
+                       "train.cluster_weighting=uniform", "dedup.exact=true", "dedup.semantic_threshold=0.9",
+                       "train.negatives_per_query=1"]))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize from /proc")
+def test_a_plan_at_k_1e11_and_1e15_rows_fits_in_1_gib_more_than_a_small_one(tmp_path):
+    """k = 99,999,999,999 clusters over 10^15 pairs (every stage on, uniform cluster weighting) plans with at most
+    1 GiB of address space beyond a plan of 1,000 pairs: one float per cluster alone would be 800 GB."""
+    done = subprocess.run([sys.executable, "-c", MEMORY_CHILD], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Plan: 1,000,000,000,000,000 pairs (--rows) at k = 99,999,999,999" in done.stdout
+    assert "in quantile bins beyond 65,536 clusters" in done.stdout and "Traceback" not in done.stderr
+
+
+def _forced_exact(monkeypatch, rows: int, k: int, imbalance: float) -> sizes.SizeCounts:
+    monkeypatch.setattr(sizes, "EXACT_ITEMS", 10 ** 7)
+    exact = sizes.lognormal_sizes(rows, k, imbalance)
+    monkeypatch.undo()
+    return exact
+
+
+@pytest.mark.parametrize("rows, k, imbalance", [(10 ** 9, 100_000, 1.5), (10 ** 8, 70_000, 3.0)])
+def test_quantile_bins_give_the_plan_of_one_size_per_cluster(monkeypatch, rows, k, imbalance):
+    """Beyond EXACT_ITEMS clusters the sizes are bins: the count, the total and the extremes are exact, and steps,
+    leftover pairs and files within 0.5% of the plan made of one size per cluster."""
+    binned, exact = sizes.lognormal_sizes(rows, k, imbalance), _forced_exact(monkeypatch, rows, k, imbalance)
+    assert len(binned.sizes) < 20_000 < len(exact.sizes) or len(exact.sizes) < 20_000
+    assert (binned.items, binned.total, binned.largest, binned.smallest) == (k, rows, exact.largest, exact.smallest)
+    assert binned.imbalance_factor() == pytest.approx(exact.imbalance_factor(), rel=1e-3)
+    for keys in (["train.global_batch_size=1024"], ["train.global_batch_size=4096", "shard.small_cluster_policy=pool"]):
+        cfg = config.load(None, keys)
+        plans = []
+        for cluster_sizes in (binned, exact):
+            shards = shard_sizes(cfg, RunShape(rows, rows, 0, k, 8, cluster_sizes, "test"))
+            t = train_shape(cfg, shards)
+            plans.append([t.steps_per_epoch, t.unused_pairs_per_epoch, shard_files(cfg, shards),
+                          group_sizes(cfg, shards).groups, shards.items])
+        assert plans[0] == pytest.approx(plans[1], rel=5e-3)
+
+
+def test_uniform_weighting_leftovers_are_the_schedules_mean():
+    """Beyond EXACT_SCHEDULE_STEPS the leftover pairs of uniform cluster weighting are a closed form: the mean of
+    the train schedule's own seeded draws (over 30 seeds here)."""
+    for rows, k, batch in ((60_000, 300, 64), (100_000, 50, 1024)):
+        strata = sizes.lognormal_sizes(rows, k, 1.5)
+        draws = [schedule.unused_pairs(strata.tolist(), batch, "clustered", seed, 0, "uniform",
+                                       row_group_rows_for(batch)) for seed in range(30)]
+        expected = sizes.expected_uniform_unused(strata, batch, row_group_rows_for(batch))
+        assert expected == pytest.approx(np.mean(draws), rel=0.03)
+
+
+def test_size_counts_median_and_extremes_are_numpys():
+    values = [5, 1, 9, 9, 3, 0, 7, 7, 7, 2]
+    counts = sizes.SizeCounts.of(values)
+    assert (counts.items, counts.total, counts.smallest, counts.largest) == (10, 50, 0, 9)
+    assert counts.median() == np.median(values) and sizes.SizeCounts.of(values[:-1]).median() == np.median(values[:-1])
+    assert counts.largest_grown(4).tolist() == sorted([5, 1, 9, 13, 3, 0, 7, 7, 7, 2])
+    assert sizes.equal_split(np.array([10, 7]), np.array([3, 7])).tolist() == [1] * 7 + [3, 3, 4]
+    # a run's sizes scaled to N: each floor(n x N / total), the rest to its largest cluster (as before the multiset)
+    base = np.array(values, dtype=np.float64)
+    scaled = np.floor(base * 1003 / base.sum()).astype(np.int64)
+    scaled[np.argmax(base)] += 1003 - scaled.sum()
+    assert sizes.scaled_sizes(counts, 1003).tolist() == sorted(scaled.tolist())
