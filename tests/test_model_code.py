@@ -29,7 +29,9 @@ def test_custom_code_is_refused_per_key_and_allowed_only_for_the_encoders(tmp_pa
                      ("train.tokenizer", training)):
         found = f"{key}={custom}: its config.json names the model's own Python code (auto_map: {AUTO_MAP!r})"
         with pytest.raises(ConfigError, match=f"{re.escape(found)}.*{fix}"):
-            check_model_code(config_mod.load(None, [f"{key}={custom}"]))
+            scratch = ["train.init=scratch"] if key == "train.tokenizer" else []  # the key only scratch reads
+            check_model_code(config_mod.load(None, [f"{key}={custom}", *scratch]))
+    check_model_code(config_mod.load(None, [f"train.tokenizer={custom}", "train.init=bundled"]))  # unused: not read
     allowed = ["embed.trust_remote_code=true"]
     check_model_code(config_mod.load(None, [f"embed.model={custom}", f"mine.encoder={custom}", *allowed]))
     with pytest.raises(ConfigError, match="train.init="):  # no knob lets training run it

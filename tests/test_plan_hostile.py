@@ -3,6 +3,7 @@
 with N or k (cluster sizes are a bounded multiset, plan/sizes.py). No Ray."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -130,7 +131,9 @@ spec:
     ("available_node_types: [\n", "is not valid YAML"),
     (KUBERAY.replace("maxReplicas: 4", "maxReplicas: [4"), "(its YAML document 2, from line 5) is not valid YAML"),
     ("just some text\n", "is neither a Ray launcher config"),
-    ("a: &x [1]\nb: *x\navailable_node_types: {}\n", "aliases and anchors are not allowed"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n"
+                                                      for p, n in zip("abcdefg", "bcdefgh")),
+     "stand for more than 10,000 values"),  # nested aliases (a billion laughs) are refused, not expanded
     ("available_node_types: {}\navailable_node_types: {}\n", "duplicate key"),
     ("---\n" * 70, "holds more than 64 YAML documents"),
 ])
@@ -164,6 +167,10 @@ def test_wellformed_cluster_files_still_plan(tmp_path):
     assert (launcher.nodes, launcher.gpus, launcher.gpu_type, launcher.node_disk_bytes) == (4, 32, "H100", 500e9)
     kuberay = load_cluster(str(tmp_path / "kuberay.yaml"), None, "A100", None)
     assert (kuberay.nodes, kuberay.cpus_per_node, kuberay.gpus, kuberay.node_memory_bytes) == (4, 64, 32, 512 * 2**30)
+    shared = KUBERAY.replace("requests: {", "requests: &worker {") + "                limits: *worker\n"
+    (tmp_path / "shared.yaml").write_text(shared)  # kubectl's habit: limits that alias the requests
+    assert dataclasses.replace(load_cluster(str(tmp_path / "shared.yaml"), None, "A100", None), source="") == \
+        dataclasses.replace(kuberay, source="")
     for name in ("aws-gpu-cluster.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml"):
         assert load_cluster(os.path.join(REPO, "cluster_configs", name), None, "H100", None).gpus >= 8
 

@@ -44,11 +44,45 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config is a few KiB; PyYAML parses ~0.3 MiB/s, so 1 MiB is ~3 s
+MAX_ALIASED_NODES = 10_000  # what a cluster file's aliases may stand for in all: a KubeRay manifest shares a few maps
 
 
-def parse_yaml(data: bytes | str, source: str) -> Any:
+class _SharingLoader(_StrictLoader):
+    """_StrictLoader that allows aliases (KubeRay manifests share `requests: &r` as `limits: *r`), as long as
+    all of them stand for at most MAX_ALIASED_NODES nodes, counted as expanded (so nested aliases, the billion-laughs
+    bomb, are refused without being expanded)."""
+
+    def compose_document(self):
+        self.aliased_nodes = 0
+        return super().compose_document()
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            self.aliased_nodes += _expanded_size(self.anchors.get(event.anchor), {})
+            if self.aliased_nodes > MAX_ALIASED_NODES:
+                raise yaml.composer.ComposerError(None, None, f"the aliases (*{event.anchor[:60]} and those before it) "
+                                                  f"stand for more than {MAX_ALIASED_NODES:,} values: write the "
+                                                  f"values out", event.start_mark)
+            return yaml.composer.Composer.compose_node(self, parent, index)
+        return super().compose_node(parent, index)
+
+
+def _expanded_size(node, sizes: dict) -> int:
+    """How many nodes `node` stands for with every alias inside it expanded (each distinct node visited once)."""
+    if node is None:
+        return 0
+    if id(node) not in sizes:
+        sizes[id(node)] = 1  # a cycle (an alias inside its own anchor) counts once, and cannot be expanded anyway
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        sizes[id(node)] = 1 + sum(_expanded_size(child, sizes) for child in children)
+    return sizes[id(node)]
+
+
+def parse_yaml(data: bytes | str, source: str, aliases: bool = False) -> Any:
     """YAML of a config file or a --set value (`source` names it in errors): UTF-8, at most MAX_CONFIG_BYTES,
-    no aliases, no duplicate keys."""
+    no aliases (aliases=True: bounded ones, for cluster files), no duplicate keys."""
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source} is larger than {MAX_CONFIG_BYTES:,} bytes (1 MiB), the most a config may hold: "
                           f"a config is a few keys, and parsing this would take minutes and copy it into "
@@ -60,7 +94,7 @@ def parse_yaml(data: bytes | str, source: str) -> Any:
             raise ConfigError(f"{source} is not UTF-8 text (byte {exc.start} is {data[exc.start:exc.start + 1]!r}): "
                               f"save it as UTF-8.") from None
     try:
-        return yaml.load(data, Loader=_StrictLoader)
+        return yaml.load(data, Loader=_SharingLoader if aliases else _StrictLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML: {exc}") from None
     except (RecursionError, ValueError) as exc:  # nesting too deep; an integer beyond Python's 4300 digits

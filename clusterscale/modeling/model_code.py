@@ -37,6 +37,8 @@ def check_model_code(cfg: Config) -> None:
         folder = os.path.expanduser(value)
         if value in KEYWORDS or "://" in value or not os.path.isdir(folder):
             continue
+        if (section, key) == ("train", "tokenizer") and cfg.train.get_key("init") != "scratch":
+            continue  # the tokenizer key serves a student trained from scratch only
         allowed_by = EMBED_CODE_KEY if section in ("embed", "mine") else None
         if allowed_by and cfg.embed.trust_remote_code:
             continue

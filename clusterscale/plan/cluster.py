@@ -221,7 +221,8 @@ MAX_CLUSTER_DOCUMENTS = 64
 
 
 def _cluster_document(path: str) -> dict:
-    """The document of a cluster file that describes the cluster, read by the config's hardened YAML loader."""
+    """The document of a cluster file that describes the cluster, read by the config's hardened YAML loader (with
+    bounded aliases: manifests share resource maps)."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
@@ -245,7 +246,7 @@ def _cluster_document(path: str) -> dict:
         source = f"--cluster {path}" if not ends else \
             f"--cluster {path} (its YAML document {number}, from line {text.count(chr(10), 0, start) + 1})"
         try:
-            documents.append(parse_yaml(text[start:end.start() if end else len(text)], source))
+            documents.append(parse_yaml(text[start:end.start() if end else len(text)], source, aliases=True))
         except ConfigError as exc:  # PyYAML's message spans lines (a snippet and a caret): one line of it
             raise ConfigError(" ".join(str(exc).split())) from None
         start = end.end() if end else start

@@ -8,6 +8,7 @@ unit tests) the same per-unit functions run in this process, one after another.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Callable, Iterator
 
 import numpy as np
@@ -48,8 +49,12 @@ def _map_units(function: Callable, run: RunDir, work: list[Unit], *args) -> Iter
     if work and ray.is_initialized():
         task = ray.remote(num_cpus=1, max_retries=2)(function)
         shared = [ray.put(a) for a in args]
-        pending = [task.remote(run.uri, u, *shared) for u in work]
-        while pending:
+        window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))  # the driver holds O(CPUs) refs, not O(units)
+        queued, pending = iter(work), []
+        while True:
+            pending += [task.remote(run.uri, u, *shared) for u in itertools.islice(queued, window - len(pending))]
+            if not pending:
+                return
             done, pending = ray.wait(pending, num_returns=1)
             yield ray.get(done[0])
     else:
@@ -63,8 +68,8 @@ def group_ids(queries: list[str]) -> list[bytes]:
     return [hashlib.blake2b(heldout_key(q).encode(), digest_size=16, person=b"evalgroup").digest() for q in queries]
 
 
-def unit_groups(run_uri: str, unit: Unit, threshold: float) -> tuple[int, list[bytes]]:
-    """(query groups in the row group, the groups whose first row IN this row group has a key <= threshold).
+def unit_groups(run_uri: str, unit: Unit, threshold: float) -> list[bytes]:
+    """The query groups whose first row IN this row group has a key <= threshold.
 
     A group's first row in the whole split is its first row in some row group, so every group whose key (the
     hash of its first pair's id) is <= threshold is among the candidates of one unit or another."""
@@ -77,7 +82,7 @@ def unit_groups(run_uri: str, unit: Unit, threshold: float) -> tuple[int, list[b
     first: dict[bytes, float] = {}
     for gid, key in zip(gids, keys):
         first.setdefault(gid, float(key))
-    return len(first), [gid for gid, key in first.items() if key <= threshold]
+    return [gid for gid, key in first.items() if key <= threshold]
 
 
 def unit_members(run_uri: str, unit: Unit, wanted: frozenset[bytes] | None) -> pa.Table:
@@ -127,7 +132,7 @@ def heldout_queries(run: RunDir, max_queries: int) -> tuple[pa.Table, list[list[
     threshold = min(1.0, SAFETY * max_queries / total)
     while True:
         wanted = None if threshold >= 1.0 else frozenset(
-            gid for _, found in _map_units(unit_groups, run, work, threshold) for gid in found)
+            gid for found in _map_units(unit_groups, run, work, threshold) for gid in found)
         members = _members(run, work, wanted)
         gids, firsts, keys = _choose(members, max_queries)
         under = int((keys <= threshold).sum())
