@@ -314,3 +314,70 @@ def test_block_plan_splits_only_the_clusters_over_the_limit():
     assert plan.block_of(int(plan.row_keys(np.array([0]), np.array([5]))[0])) == (0, 0)
     without = BlockPlan.of(np.array([100, 1000]), 100, semantic=False)  # no held-out partition without semantic
     assert without.partitions == 11 and (without.heldout == -1).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [16, 50])
+def test_split_cluster_write_task_reads_only_its_own_blocks_decisions(tmp_path, monkeypatch, chunk_rows):
+    """A boilerplate cluster in 4 blocks, decided in chunks by the block tasks (bounds, split, decide chain, in this
+    process): each block's write step (decided_block) reads decisions only for its own rows (a per-(chunk, block)
+    file each), so the rows of decisions read in all are the cluster's rows, not blocks x cluster; and the
+    decisions are the unsplit greedy's."""
+    from clusterscale.config import DedupConfig
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.dedup import blocks as bl
+
+    x = boilerplate_cluster(240, dense=True)
+    rng = np.random.default_rng(5)
+    n = len(x)
+    pair_ids, cos = rng.permutation(n).astype(np.int64) * 3 + 1, rng.random(n).astype(np.float32)
+    rank = core.keep_rank(pair_ids, cos, "hard", 7)
+    reason = np.full(n, core.KEPT, np.int8)
+    reason[:5] = core.EXACT  # a few rows the exact step removed: no decisions for them
+    run, cluster, dc = RunDir(str(tmp_path / "run")), 3, DedupConfig(semantic_threshold=THRESHOLD, block_rows=7,
+                                                                     max_group_rows=chunk_rows)
+    block_of, blocks = pair_ids % 4, [0, 1, 2, 3]
+    for b in blocks:
+        rows = block_of == b
+        bl.write_block(pa.table({"pair_id": pair_ids[rows], "rank": rank[rows], "reason": reason[rows],
+                                 "duplicate_of": np.full(rows.sum(), -1, np.int64),
+                                 "similarity": np.zeros(rows.sum(), np.float32),
+                                 "best": np.full(rows.sum(), -np.inf), "emb": emb_array(x[rows])}),
+                       run, cluster, b)
+    bounds = bl.chunk_bounds(run.uri, cluster, blocks, chunk_rows)
+    splits = [bl.split_block(run.uri, cluster, b, dc, bounds) for b in blocks]
+    state = {"kept": [], "last_rows": 0}
+    for chunk in range(len(bounds[1])):
+        state = bl.decide_chunk(run.uri, cluster, chunk, blocks, dc, state, *splits)
+    assert len(bounds[1]) >= 4  # several chunks, each with rows of several blocks
+
+    read_rows, plain_read = {}, bl._read
+
+    def counting_read(run_, rel):
+        table = plain_read(run_, rel)
+        if rel.endswith("-decisions.parquet"):
+            read_rows[rel] = read_rows.get(rel, 0) + table.num_rows
+        return table
+
+    monkeypatch.setattr(bl, "_read", counting_read)
+    got = {}
+    for b, split in zip(blocks, splits):
+        before = sum(read_rows.values())
+        decided = bl.decided_block(run, cluster, b, split)
+        alive = int((reason[block_of == b] == core.KEPT).sum())
+        assert sum(read_rows.values()) - before == alive  # its own rows' decisions, each once
+        got.update({pid: (r, d, s) for pid, r, d, s in zip(*(decided.column(c).to_pylist() for c in (
+            "pair_id", "reason", "duplicate_of", "similarity")))})
+    assert len(read_rows) == sum(len(set(s)) for s in splits)  # one file per (chunk, block) of the block's rows
+    assert sum(read_rows.values()) == int((reason == core.KEPT).sum())  # the cluster's rows once, not 4x
+
+    alive = np.flatnonzero(reason == core.KEPT)
+    order = alive[core.keep_order(pair_ids[alive], rank[alive])]
+    kept, dup, best = core.semantic_greedy(x[order], THRESHOLD, 64)
+    assert (~kept).sum() >= n // 4
+    for i, row in enumerate(order):
+        r, d, s = got[int(pair_ids[row])]
+        if kept[i]:
+            assert r == core.KEPT
+        else:
+            assert (r, d) == (core.SEMANTIC, int(pair_ids[order[dup[i]]])) and s == pytest.approx(best[i], abs=1e-6)
+    assert all(got[int(p)][0] == core.EXACT for p in pair_ids[:5])

@@ -10,9 +10,11 @@ keep order (core.split_greedy, as Ray tasks):
            and its other rows in keep order, one Parquet row group per chunk they fall in (its chunks file);
   decide   one per chunk, in keep order (each waits for the one before): the chunk's rows (a row group of each
            block) against the rows kept by the chunks before it, one kept file at a time (core.raise_best), then
-           within itself (core.semantic_greedy); writes its decisions and adds its kept rows to the kept files
-           (each up to max_group_rows rows);
-  write    one per block: its kept and removed rows to dedup/kept/ and dedup/removed/, and its counts.
+           within itself (core.semantic_greedy); writes its decisions, one file per block it holds rows of, and
+           adds its kept rows to the kept files (each up to max_group_rows rows);
+  write    one per block: its kept and removed rows to dedup/kept/ and dedup/removed/, and its counts; it reads
+           only its own block's decisions files (those of the chunks its split task put rows in), so the stage
+           reads each decision once, whatever the number of blocks.
 The removals are those of comparing the cluster whole (semantic.semantic_pass), whatever the blocking. Only kept
 rows are compared with later rows, so no structure grows with the number of near-duplicate pairs: a task holds at
 most a chunk, one kept file (or the last one topped up: two) and one dedup.block_rows^2 product, whatever the
@@ -61,8 +63,9 @@ def leaks_file(cluster: int, block: int) -> str:
     return f"{BLOCKS}/_c{cluster:06d}-b{block:05d}-leaks.parquet"
 
 
-def decisions_file(cluster: int, chunk: int) -> str:
-    return f"{BLOCKS}/_c{cluster:06d}-k{chunk:05d}-decisions.parquet"
+def decisions_file(cluster: int, chunk: int, block: int) -> str:
+    """Chunk `chunk`'s decisions on the rows of block `block` (written by the chunk's decide task)."""
+    return f"{BLOCKS}/_c{cluster:06d}-k{chunk:05d}-b{block:05d}-decisions.parquet"
 
 
 def kept_file(cluster: int, chunk: int, part: int) -> str:
@@ -191,22 +194,25 @@ def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: 
                  *splits: list[int]) -> dict:
     """Ray task (decide): chunk `chunk` of a split cluster's keep order (a row group of each block's chunks file:
     `splits`, split_block's results) against the rows kept before it (the kept files of `state`, one at a time),
-    then within itself; writes its decisions (every row: best; a removed one: reason, duplicate_of, similarity) and
-    returns the kept files' state with its kept rows added."""
+    then within itself; writes its decisions (every row: best; a removed one: reason, duplicate_of, similarity), one
+    file per block it holds rows of (the block's write task reads only its own), and returns the kept files' state
+    with its kept rows added."""
     release_freed_memory()
     run = RunDir(run_uri)
-    parts = []
+    parts, part_blocks = [], []
     for block, chunks in zip(blocks, splits):
         groups = [g for g, c in enumerate(chunks) if c == chunk]
         if groups:
             parts.append(pq.ParquetFile(run.fs.open_input_file(run.path(chunks_file(cluster, block))))
                          .read_row_groups(groups))
-    if not parts:  # every row of the chunk a held-out leak
-        run.write_parquet(decisions_file(cluster, chunk), DECISION_SCHEMA.empty_table())
+            part_blocks.append(block)
+    if not parts:  # every row of the chunk a held-out leak: no block reads this chunk's decisions
         return state
+    block_of = np.repeat(np.asarray(part_blocks, np.int64), [part.num_rows for part in parts])
     rows = pa.concat_tables(parts)
     del parts
-    rows = rows.take(pa.array(core.keep_order(rows.column("pair_id").to_numpy(), rows.column("rank").to_numpy())))
+    order = core.keep_order(rows.column("pair_id").to_numpy(), rows.column("rank").to_numpy())
+    rows, block_of = rows.take(pa.array(order)), block_of[order]
     pair_ids, x = rows.column("pair_id").to_numpy(), emb_matrix(rows.column("emb"))
     best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
     for rel in state["kept"]:
@@ -216,25 +222,26 @@ def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: 
         del earlier
     kept, duplicate_of, best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows, keys=pair_ids,
                                                     prior=(best, best_of))
-    run.write_parquet(decisions_file(cluster, chunk), pa.table({
+    decisions = pa.table({
         "pair_id": pair_ids, "reason": np.where(kept, core.KEPT, core.SEMANTIC).astype(np.int8),
         "duplicate_of": duplicate_of, "similarity": np.where(kept, 0.0, best).astype(np.float32), "best": best},
-        schema=DECISION_SCHEMA))
+        schema=DECISION_SCHEMA)
+    for block in part_blocks:  # deterministic names: a retried task rewrites the same files
+        run.write_parquet(decisions_file(cluster, chunk, block), decisions.filter(pa.array(block_of == block)))
+    del decisions
     return _append_kept(run, cluster, chunk, rows.filter(pa.array(kept)).select(["pair_id", "emb"]), state,
                         dc.max_group_rows)
 
 
-def decided_block(run: RunDir, cluster: int, block: int, chunks: int) -> pa.Table:
-    """A split cluster's block (sorted by pair_id) with its leaks and its cluster's decisions applied (the decisions
-    read one chunk at a time)."""
+def decided_block(run: RunDir, cluster: int, block: int, chunks: list[int]) -> pa.Table:
+    """A split cluster's block (sorted by pair_id) with its leaks and its decisions applied: those of `chunks` (the
+    chunks its split task put rows in), read one chunk at a time, each file holding only this block's rows."""
     group = _read(run, block_file(cluster, block))
     pair_ids = group.column("pair_id").to_numpy()
     columns = {name: group.column(name).to_numpy().copy() for name in ("reason", "duplicate_of", "similarity",
                                                                        "best")}
-    for rel in [leaks_file(cluster, block), *(decisions_file(cluster, c) for c in range(chunks))]:
+    for rel in [leaks_file(cluster, block), *(decisions_file(cluster, c, block) for c in sorted(set(chunks)))]:
         decisions = _read(run, rel)
-        decisions = decisions.filter(pc.is_in(decisions.column("pair_id"), value_set=group.column("pair_id")
-                                              .combine_chunks()))
         at = np.searchsorted(pair_ids, decisions.column("pair_id").to_numpy())
         removed = decisions.column("reason").to_numpy() != core.KEPT
         columns["best"][at] = decisions.column("best").to_numpy()
@@ -243,15 +250,16 @@ def decided_block(run: RunDir, cluster: int, block: int, chunks: int) -> pa.Tabl
     return replace_columns(group, **columns)
 
 
-def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[str], dc: DedupConfig, chunks: int,
-                        _decided: dict, _split: list[int]) -> dict:
-    """Ray task (write): a split cluster's block, its cluster's decisions applied, to dedup/kept/ and
-    dedup/removed/; its counts row (semantic.write_outputs) as a dict. _decided, _split: the last decide task's and
-    the block's split task's results, so that this task runs after them."""
+def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[str], dc: DedupConfig,
+                        _decided: dict, split: list[int]) -> dict:
+    """Ray task (write): a split cluster's block, its decisions applied, to dedup/kept/ and dedup/removed/; its
+    counts row (semantic.write_outputs) as a dict. _decided: the last decide task's result, so that this task runs
+    after every decide task; split: the block's split task's result (the chunk of each of its row groups: the
+    decisions files it reads)."""
     release_freed_memory()
     unit_delay_for_tests("dedup")
     run = RunDir(run_uri)
-    return write_outputs(decided_block(run, cluster, block, chunks), run, cluster, block, columns, dc
+    return write_outputs(decided_block(run, cluster, block, split), run, cluster, block, columns, dc
                          ).to_pylist()[0]
 
 
@@ -277,6 +285,6 @@ def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: lis
         for chunk in range(chunks):
             state = decide_task.remote(run.uri, cluster, chunk, blocks, dc, state, *splits)
             decided.append(state)
-        writes += [write_task.remote(run.uri, cluster, b, columns, dc, chunks, state, split)
+        writes += [write_task.remote(run.uri, cluster, b, columns, dc, state, split)
                    for b, split in zip(blocks, splits)]
     return decided, writes
