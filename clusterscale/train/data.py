@@ -120,18 +120,22 @@ class ShardReader:
     def _open(self, rel: str) -> _CountingFile:
         return _CountingFile(self.run.fs.open_input_file(self.run.path(rel)))
 
-    def _footer(self, rel: str) -> tuple[_Footer, int]:
-        """(footer of a shard file, bytes read to get it: 0 when cached). Read outside the lock, so two threads
-        may both read a footer not yet cached; the cache keeps one."""
+    def _footer(self, rel: str, handle: _CountingFile | None = None) -> tuple[_Footer, int]:
+        """(footer of a shard file, bytes read to get it: 0 when cached), through `handle` when the caller has the
+        file open (one open request less on an object store). Read outside the lock, so two threads may both read
+        a footer not yet cached; the cache keeps one."""
         with self._lock:
             if rel in self.footers:
                 self.footers.move_to_end(rel)
                 return self.footers[rel], 0
-        handle = self._open(rel)
+        own = handle is None
+        handle = self._open(rel) if own else handle
+        before = handle.bytes_read
         try:
             md = _read_footer(handle)
         finally:
-            handle.close()
+            if own:
+                handle.close()
         counts = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
         footer = _Footer(md, np.cumsum([0] + counts))
         with self._lock:
@@ -140,7 +144,7 @@ class ShardReader:
                 self._footer_bytes += md.serialized_size
             while self._footer_bytes > self.footer_cache_bytes and len(self.footers) > 1:
                 self._footer_bytes -= self.footers.popitem(last=False)[1].metadata.serialized_size
-        return footer, handle.bytes_read
+        return footer, handle.bytes_read - before
 
     def _file_starts(self, shard: int) -> tuple[np.ndarray, int]:
         """(first row of each file of a shard, plus its row count; bytes read to learn them)."""
@@ -163,13 +167,13 @@ class ShardReader:
         pieces, offset, where, used = [], 0, np.empty(len(rows), dtype=np.int64), 0.0
         for index in np.unique(files).tolist():
             rel = self.clusters[shard].files[index]
-            footer, footer_read = self._footer(rel)
-            mine = np.flatnonzero(files == index)
-            local = rows[mine] - file_starts[index]
-            groups_of_rows = np.searchsorted(footer.group_starts, local, side="right") - 1
-            groups = np.unique(groups_of_rows)
             handle = self._open(rel)
             try:
+                footer, footer_read = self._footer(rel, handle)
+                mine = np.flatnonzero(files == index)
+                local = rows[mine] - file_starts[index]
+                groups_of_rows = np.searchsorted(footer.group_starts, local, side="right") - 1
+                groups = np.unique(groups_of_rows)
                 pieces.append(pq.ParquetFile(handle, metadata=footer.metadata).read_row_groups(
                     groups.tolist(), columns=READ_COLUMNS, use_threads=False))
                 if self.sidecars is not None:
@@ -184,7 +188,7 @@ class ShardReader:
                 used += _chunk_bytes(footer.metadata, [group]) * n_rows / footer.metadata.row_group(group).num_rows
             offset += int(sizes.sum())
             footers_read += footer_read
-            data_read += handle.bytes_read
+            data_read += handle.bytes_read - footer_read
         table = pa.concat_tables(pieces).take(pa.array(where))
         return table, data_read + footers_read, int(round(used)), footers_read
 
