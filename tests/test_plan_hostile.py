@@ -4,6 +4,7 @@ with N or k (cluster sizes are a bounded multiset, plan/sizes.py). No Ray."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -248,3 +249,17 @@ def test_size_counts_median_and_extremes_are_numpys():
     scaled = np.floor(base * 1003 / base.sum()).astype(np.int64)
     scaled[np.argmax(base)] += 1003 - scaled.sum()
     assert sizes.scaled_sizes(counts, 1003).tolist() == sorted(scaled.tolist())
+
+
+def test_evaluate_is_planned_from_the_eval_set_not_the_held_out_split(tmp_path, capsys):
+    """evaluate picks its queries in tasks (stages/eval_set.py): its encoder's work and memory, and the driver's, are
+    the eval set's whatever data.heldout_fraction is (the plan once counted every held-out pair: a 44 GB encoder at 30% of 100M pairs)."""
+    found = []
+    for fraction in ("0.05", "0.5"):
+        path = tmp_path / f"plan-{fraction}.json"
+        code, _, err = _plan(capsys, "--rows", str(10**8), "--k", "1000", "--json", str(path),
+                             "--set", f"data.heldout_fraction={fraction}")
+        assert code == 0, err
+        stage = json.loads(path.read_text())["stages"]["evaluate"]
+        found.append((stage["wall_s"], stage["peak_task_mb"], stage["peak_driver_mb"]))
+    assert found[0] == found[1] and found[0][1] < 100

@@ -117,6 +117,13 @@ class Planner:
         fixed = self.rates.stages[fixed_stage].fixed_s if fixed_stage in self.rates.stages else 0.0
         return fixed + flops / (per_item * max(1, gpus)), source
 
+    def eval_texts(self) -> float:
+        """The texts evaluate embeds per model: the held-out queries it picks (eval.max_queries, chosen in tasks),
+        their passages (one each, as most held-out queries have) and the distractors; never the whole held-out split,
+        whatever data.heldout_fraction is."""
+        picked = min(self.cfg.eval.max_queries, self.shape.heldout_rows)
+        return 2.0 * picked + self.cfg.eval.num_distractors
+
     def cpu_flops_time(self, name: str) -> tuple[float, str]:
         """An encoder stage on CPUs without a measured rate: its FLOPs at the calibrated matmul FLOP/s per CPU."""
         models, shape = self.models, self.shape
@@ -125,8 +132,8 @@ class Planner:
         elif name == "train":
             flops = self.train_flops_per_pair() * self.train.steps_per_epoch * self.cfg.train.schedule.global_batch_size
         else:
-            items = self.cfg.eval.max_queries + self.cfg.eval.num_distractors + shape.heldout_rows
-            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * \
+                self.eval_texts()
         mfu = self.rates.cpu_encoder_mfu
         rate = self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * (mfu or DATASHEET_MFU)
         if mfu:
@@ -173,8 +180,8 @@ class Planner:
             return 2 * cfg.mine.max_group_rows * (d * 4.0 + self.text_bytes), centroids
         if stage == "train":
             return self.rank_bytes(), 0.0
-        if stage == "evaluate":
-            return (cfg.eval.max_queries + cfg.eval.num_distractors + shape.heldout_rows) * d * 4.0, 0.0
+        if stage == "evaluate":  # the encoder's vectors; the driver: the eval set's texts (stages/eval_set.py)
+            return self.eval_texts() * d * 4.0, self.eval_texts() * self.text_bytes
         return 0.0, 0.0
 
     def rank_bytes(self) -> float:
@@ -282,8 +289,8 @@ class Planner:
             wall, source = self.gpu_time(flops, gpus_used, "train", "train")
         elif name == "evaluate" and cluster.gpus:
             gpus_used = 1
-            items = cfg.eval.max_queries + cfg.eval.num_distractors + shape.heldout_rows
-            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * items
+            flops = 2.0 * (models.embed_flop_params + models.student_flop_params) * models.embed_tokens * \
+                self.eval_texts()
             wall, source = self.gpu_time(flops, 1, "encoder", "evaluate")
         else:
             work = stage_work(name, cfg, shape)
