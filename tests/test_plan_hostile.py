@@ -263,3 +263,17 @@ def test_evaluate_is_planned_from_the_eval_set_not_the_held_out_split(tmp_path, 
         stage = json.loads(path.read_text())["stages"]["evaluate"]
         found.append((stage["wall_s"], stage["peak_task_mb"], stage["peak_driver_mb"]))
     assert found[0] == found[1] and found[0][1] < 100
+
+
+def test_dedup_is_planned_no_faster_than_its_largest_cluster_on_one_cpu(tmp_path, capsys):
+    """A cluster is decided by one chain of tasks (stages/dedup/blocks.py, in keep order): 64 times the CPUs cannot
+    take the semantic pass below the largest cluster's own time (the plan once divided it by the CPUs)."""
+    walls = []
+    for nodes in (1, 64):
+        path = tmp_path / f"plan-{nodes}.json"
+        code, _, err = _plan(capsys, "--rows", str(10**8), "--k", "1000", "--gpus", str(8 * nodes), "--nodes",
+                             str(nodes), "--gpu-type", "H100", "--json", str(path),
+                             "--set", "dedup.semantic_threshold=0.9")
+        assert code == 0, err
+        walls.append(json.loads(path.read_text())["stages"]["dedup"]["wall_s"])
+    assert walls[1] > 0.9 * walls[0]

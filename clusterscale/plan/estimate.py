@@ -259,10 +259,18 @@ class Planner:
         return "local files" if self.through_files(self.shuffle_input(stage)[1]) else "object store"
 
     def k_terms(self, stage: str, cpus: int | None = None) -> float:
-        """Seconds of the stage's terms that grow with k (rates.k_terms_s), its shuffle at the rate of its path."""
+        """Seconds of the stage's terms that grow with k (rates.k_terms_s), its shuffle at the rate of its path, and
+        dedup's critical path: the largest cluster is decided by one chain of tasks (stages/dedup/blocks.py, in keep
+        order), so the semantic pass takes at least that cluster's m x m x d on one CPU, however many there are."""
         cfg, shape = self.cfg, self.shape
-        return k_terms_s(self.rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape),
-                         cpus or self.cluster.cpus, semantic_work(stage, cfg, shape), self.shuffle_path(stage))
+        cpus = cpus or self.cluster.cpus
+        seconds = k_terms_s(self.rates, search_work(stage, cfg, shape), shuffle_work(stage, cfg, shape), cpus,
+                            semantic_work(stage, cfg, shape), self.shuffle_path(stage))
+        rate = self.rates.semantic_cpu_s_per_row_row_d
+        if stage == "dedup" and rate and semantic_work(stage, cfg, shape):
+            spread = rate * semantic_work(stage, cfg, shape) / max(1, cpus)
+            seconds += max(0.0, rate * float(self.shards.largest) ** 2 * shape.dim - spread)
+        return seconds
 
     def shuffle(self, stage: str) -> tuple[float, float]:
         """(bytes a stage shuffles, bytes spilled beyond the object stores: none through local files)."""
