@@ -21,12 +21,13 @@ from clusterscale.io.layout import manifest_path, read_manifest, shards_dir
 from clusterscale.io.rundir import RunDir, StageInputChangedError, UnreadableFileError
 from conftest import make_pairs, tiny_overrides
 
-VERBS = ("ingest", "embed", "fit", "assign", "shard")
+VERBS = ("ingest", "embed")
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, tiny_model, ray_local) -> Path:
-    """A tiny run up to its shards (k=4; pairs/ in several parts, and so embeddings/): copied by each test."""
+    """A tiny run up to its embeddings (pairs/ in several parts, and so embeddings/): copied by each test. The
+    shards' test copies the session's finished run (conftest.shared_run) instead."""
     base = tmp_path_factory.mktemp("lost")
     pq.write_table(make_pairs(180), base / "pairs.parquet")
     cfg, run = pipeline.open_run(str(base / "run"), None, tiny_overrides(tiny_model, str(base / "pairs.parquet"))
@@ -64,7 +65,7 @@ def _parts(run: Path, folder: str) -> list[Path]:
 
 
 def test_fit_refuses_embeddings_that_lost_a_part(sharded, tmp_path, capsys):
-    run = _copy(sharded, tmp_path, "kmeans", "assign", "shards")
+    run = _copy(sharded, tmp_path)
     parts = _parts(run, "embeddings")
     assert len(parts) > 2
     parts[1].unlink()
@@ -82,7 +83,7 @@ def test_fit_refuses_embeddings_that_lost_a_part(sharded, tmp_path, capsys):
 
 
 def test_fit_refuses_a_truncated_embeddings_part(sharded, tmp_path, capsys):
-    run = _copy(sharded, tmp_path, "kmeans", "assign", "shards")
+    run = _copy(sharded, tmp_path)
     part = _parts(run, "embeddings")[0]
     size = part.stat().st_size
     part.write_bytes(part.read_bytes()[:100])
@@ -96,8 +97,11 @@ def test_fit_refuses_a_truncated_embeddings_part(sharded, tmp_path, capsys):
     assert f"{part}: not a readable Parquet file" in err and f"`clusterscale embed --run-dir {run} --replace`" in err
 
 
-def test_train_refuses_a_truncated_manifest(sharded, tmp_path, capsys):
-    run = _copy(sharded, tmp_path)
+def test_train_refuses_a_truncated_manifest(shared_run, tmp_path, capsys):
+    run = tmp_path / "run"  # what training reads of the finished run, without its models (nothing is reused)
+    shutil.copytree(shared_run.run.path(""), run, ignore=lambda folder, names: [
+        n for n in names if Path(folder) == Path(shared_run.run.path("")) and n not in
+        ("config.yaml", "pairs", "heldout", "embeddings", "kmeans", "assign", "shards")])
     manifest = run / manifest_path(4)
     size = manifest.stat().st_size
     manifest.write_bytes(manifest.read_bytes()[:size // 2])
@@ -112,7 +116,7 @@ def test_train_refuses_a_truncated_manifest(sharded, tmp_path, capsys):
 
 
 def test_embed_refuses_pairs_that_lost_a_part_and_the_advice_rebuilds_them(sharded, tmp_path, capsys):
-    run = _copy(sharded, tmp_path, "embeddings", "kmeans", "assign", "shards")
+    run = _copy(sharded, tmp_path, "embeddings")
     parts = _parts(run, "pairs")
     assert len(parts) > 1
     parts[-1].unlink()
