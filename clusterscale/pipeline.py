@@ -139,7 +139,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           in_run=None),
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
           run_mine, NEGATIVES, inputs=(_EMBEDDINGS, _ASSIGNED, _SHARDED), sections=MINE_SECTIONS, extra=mine_extra,
-          keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining),
+          keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining,
+          changes_after_done=("rows/",)),  # each training writes the sidecars of its draw and shard sets
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
           inputs=(_SHARDED,), sections=(*_SHARDS, "train"), extra=_train_extra, resources=_ON_GPU,
           cost_key=_train_cost_key, after_done=after_training, changes_after_done=("ray/", "model/README.md"),

@@ -25,6 +25,10 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # The idle workers a raylet keeps (runtime/session.init_ray sets it for the CLI's local Ray): the same for the Ray
 # nodes the tests start themselves (test_multinode's cluster, test_jobs' head), whose raylets inherit it.
 os.environ.setdefault("RAY_num_workers_soft_limit", "8")
+# runtime.nodes.TEST_UNIT_DELAY_ENV for the session's Ray: a test that writes this file ({stage: seconds}) slows that
+# stage's units in the workers (which inherit the variable) until it removes the file; absent, a unit pays one open.
+os.environ.setdefault("CLUSTERSCALE_TEST_UNIT_DELAY", str(Path(__file__).resolve().parent.parent / ".pytest_cache"
+                                                          / f"unit-delay-{os.getpid()}.json"))
 RAY_SETTINGS = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",
                 "RAY_num_workers_soft_limit")
 

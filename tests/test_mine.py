@@ -230,6 +230,15 @@ def clp_recluster_run(sharded_mined_run):
     return RunDir(str(run_dir))
 
 
+def _draw(run: RunDir, prefix: str):
+    """The draw whose sidecars training wrote into the run (negatives/rows/<draw key>/)."""
+    from clusterscale.train.negatives import SIDECAR_DIR, Draw
+
+    keys = [k for k in run.listdir(SIDECAR_DIR) if k.startswith(prefix)]
+    assert len(keys) == 1, keys
+    return Draw(**run.read_json(f"{SIDECAR_DIR}/{keys[0]}/shards/k=4/_SHARDS.json")["draw"])
+
+
 def test_train_with_mined_negatives_and_clp(clp_recluster_run):
     from clusterscale.train.data import ShardReader
     from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
@@ -241,17 +250,18 @@ def test_train_with_mined_negatives_and_clp(clp_recluster_run):
         assert m["mined_negatives"] == 16 * 2
         assert 0.0 <= m["clp_penalty"] <= 2.0 and np.isfinite(m["loss"])
     assert run.exists("train/recl/model/model.safetensors")
-    # Every shard row carries its candidates from negatives/ (best first) with their texts, in the sidecars.
     manifest = read_manifest(run, "shards/k=4/manifest.json")
     pair_ids, candidates = load_negatives(run)
     expected = dict(zip(pair_ids.tolist(), (c.tolist() for c in candidates)))
-    reader = ShardReader(run, manifest, sidecars=NegativeSidecars(run, manifest))
+    # Every shard row carries its draw of 2 of them (best first, 1 draw: 4 steps are under one epoch).
+    reader = ShardReader(run, manifest, sidecars=NegativeSidecars(run, manifest, _draw(run, "m2-"), ids=True))
     rows = pa.concat_tables([reader.rows(s, np.arange(c.rows)) for s, c in enumerate(manifest.clusters)])
     texts = dict(zip(rows.column("pair_id").to_pylist(), rows.column("passage").to_pylist()))
     assert sorted(texts) == sorted(expected)
     for pid, cands, passages in zip(*(rows.column(c).to_pylist() for c in ("pair_id", "neg_pair_ids", "neg_passages"))):
-        assert cands == expected[pid] and passages == [texts[c] for c in cands]
-    # The draw is a pure function of (seed, step, pair_id) and never the pair itself.
+        assert len(cands) == min(2, len(expected[pid])) and passages == [texts[c] for c in cands]
+        assert cands == [c for c in expected[pid] if c in cands]  # the row's candidates, best first
+    # The negatives are a pure function of (seed, step, pair_id) and never the pair itself.
     negatives = MinedNegatives(run, 2, seed=0)
     first, again = negatives.for_rows(rows.slice(0, 8), 5), negatives.for_rows(rows.slice(0, 8), 5)
     assert first == again and len(first[0]) == len(first[1]) == 16
@@ -272,7 +282,8 @@ def test_mined_negatives_ride_the_shard_sets_of_the_curriculum_after_the_easy_fi
     metrics = _jsonl(run, "train/curr/metrics.jsonl")
     assert [m["mined_negatives"] for m in metrics] == [0, 0, 16, 16]
     assert {m["cluster"] is None for m in metrics} == {True, False}  # batches from both sets
-    assert run.exists(sidecar_marker("shards/k=4")) and run.exists(sidecar_marker("shards/k=4/random"))
+    draw = _draw(run, "m1-")
+    assert run.exists(sidecar_marker("shards/k=4", draw)) and run.exists(sidecar_marker("shards/k=4/random", draw))
 
 
 def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
@@ -302,7 +313,8 @@ def test_recluster_during_training(clp_recluster_run):
         if b0["step"] >= 2:  # segment 1 batches come from one cluster of the re-clustered shards
             assert len({cluster_of[p] for p in b0["pair_ids"] + b1["pair_ids"]}) == 1
     assert sorted(cluster_of) == sorted(load_negatives(run)[0].tolist())  # every training pair re-sharded
-    assert all(child.exists(sidecar_path(f, 0)) for c in manifest.clusters for f in c.files)  # negatives too
+    draw = _draw(run, "m2-")
+    assert all(child.exists(sidecar_path(f, 0, draw)) for c in manifest.clusters for f in c.files)  # negatives too
     costs = run.read_json("report/costs.json")
     assert {"recluster:recl:seg-1:embed", "recluster:recl:seg-1:shard"} <= set(costs)
     assert run.done_stats("train/recl")["segments"] == 2

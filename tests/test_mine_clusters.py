@@ -126,11 +126,22 @@ def test_split_search_groups_give_the_same_negatives(pairs):
     assert mine_in_one_process(table, centroids, mc, groups=groups) == mine_in_one_process(table, centroids, mc)
 
 
-def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local, monkeypatch):
+def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local, monkeypatch, capsys):
     """The Ray stage (row-group reads, counting pass, split groups, shuffles) writes what the single-process
     steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 passages.
-    The sidecar writer groups its candidate rows by piece into partitions sized by the rows (here ~1,000 each)."""
+    The sidecar writer groups its drawn rows by piece into partitions sized by the rows (here ~1,000 each). Killed
+    (SIGKILL of the driver) in the midst of its search, `mine` keeps the groups it searched: the rerun searches the
+    rest and writes the same negatives."""
+    import json
     import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from clusterscale.runtime.nodes import TEST_UNIT_DELAY_ENV
+    from clusterscale.stages import mine as mine_stage
 
     import pyarrow.parquet as pq
     import ray
@@ -152,7 +163,8 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
 
     run_dir, k = str(tmp_path / "run"), 5
     keys = [f"cluster.k={k}", "embed.side=both", "data.rows_per_part=600", f"mine.nprobe={k}", "mine.range_max=8",
-            "mine.max_group_rows=150", "ray.disk_shuffle_min_mib=0"]  # the shuffles through local files
+            "mine.max_group_rows=150", "ray.disk_shuffle_min_mib=0",  # the shuffles through local files
+            "train.negatives_per_query=1"]
     assert cli.main(["synth", "--run-dir", run_dir, "--rows", "1500", "--dim", "16", "--topics", "4",
                      "--set", *keys]) == 0
     for verb in ("fit", "assign", "shard", "mine"):
@@ -161,12 +173,16 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     assigned = pa.concat_tables([pq.read_table(f) for f in run.files(assign_dir(k))])
     mc = MineConfig(nprobe=k, range_max=8)
     expected = mine_in_one_process(assigned, load_centroids(run, k), mc)
-    parts = [pq.read_table(f) for f in run.files("negatives") if os.path.basename(f).startswith("part-")]
-    got = {row["pair_id"]: row for row in pa.concat_tables(parts).to_pylist()}
-    assert sorted(got) == sorted(expected) and len(got) == assigned.num_rows
-    assert all(got[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
-    assert np.allclose([s for i in expected for s in got[i]["neg_scores"]],
-                       [s for i in expected for s in expected[i]["neg_scores"]], atol=1e-6)
+
+    def check_negatives() -> None:
+        parts = [pq.read_table(f) for f in run.files("negatives") if os.path.basename(f).startswith("part-")]
+        got = {row["pair_id"]: row for row in pa.concat_tables(parts).to_pylist()}
+        assert sorted(got) == sorted(expected) and len(got) == assigned.num_rows
+        assert all(got[i]["neg_pair_ids"] == expected[i]["neg_pair_ids"] for i in expected)
+        assert np.allclose([s for i in expected for s in got[i]["neg_scores"]],
+                           [s for i in expected for s in expected[i]["neg_scores"]], atol=1e-6)
+    check_negatives()
+    assert not run.exists(mine_stage.SEARCH_DIR)  # the search groups' results go once the buckets are written
     # Every negatives file there, the marker lost: the rerun counts them from their footers, or, for a file
     # written before the footers held counts, in Ray tasks.
     stats = run.done_stats("negatives")
@@ -179,4 +195,31 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
         {k: stats[k] for k in ("rows", "negatives", "without_negatives")}
     manifest = training_manifest(config_mod.load(None, keys), run)[1]
     pieces, shard_rows = len(mine_rows.piece_units(manifest)), sum(n for _, n in shard_files(manifest))
-    assert ("unit", min(pieces, -(-shard_rows * 8 // 1000))) in groupings and pieces > 1
+    assert ("unit", min(pieces, -(-shard_rows * 1 // 1000))) in groupings and pieces > 1  # 1 negative, 1 draw
+
+    delay = Path(os.environ[TEST_UNIT_DELAY_ENV])  # the session's Ray workers read it (tests/conftest.py)
+    delay.parent.mkdir(parents=True, exist_ok=True)
+    delay.write_text(json.dumps({"mine": 0.3}))  # per search group (and bucket): the kill lands mid-search
+    searched = run.path(mine_stage.SEARCH_DIR)
+    try:
+        env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+        proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", "mine", "--run-dir", run_dir, "--replace",
+                                 "--set", *keys], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and \
+                len([f for f in (os.listdir(searched) if os.path.isdir(searched) else []) if f.startswith("group-")]) < 3:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        delay.unlink()
+    before = [f for f in os.listdir(searched) if f.startswith("group-")]
+    plan = run.read_json("negatives/_plan.json")["groups"]
+    groups = mine_stage.SearchGroups(np.asarray(plan["passage_parts"]), np.asarray(plan["query_parts"])).num_groups
+    assert 3 <= len(before) < groups and not run.exists("negatives/_DONE.json")
+    capsys.readouterr()
+    assert cli.main(["mine", "--run-dir", run_dir, "--set", *keys]) == 0
+    said = capsys.readouterr().out
+    assert f"resuming: {len(before)} of {groups} search groups" in said, said
+    check_negatives()

@@ -22,13 +22,15 @@ queries' emb_query, or the queries embedded by an actor pool when embed.side=pas
 re-embeds every training pair into the child run mine_encoder/, joined to assign/ by pair_id, and a query
 then probes the clusters nearest to its own pair's centroid (the centroids live in the frozen space).
 The stage reruns as a whole to the same output. Output columns: pair_id, neg_pair_ids list<int64>,
-neg_scores list<float32> (best first), pos_score. Then (stages/mine_rows.py) each row's candidate texts go to
-sidecar pieces aligned to the shard files training reads, and a padding pool to negatives/padding.parquet.
+neg_scores list<float32> (best first), pos_score. Then (stages/mine_rows.py) a padding pool goes to
+negatives/padding.parquet and, when the config trains with mined negatives, the texts of the candidates its
+training draws (not every candidate's) to sidecar pieces aligned to the shard files it reads.
 """
 from __future__ import annotations
 
 import json
 import math
+import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,11 +58,18 @@ from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tes
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
+SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every bucket is merged
+SEARCH_COLUMNS = ["bucket", "pair_id", "query_key", "passage_key", "pos_score", "cand_scores", "cand_ids",
+                  "cand_query_keys", "cand_passage_keys"]
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
 DEFAULT_TASK_MEMORY_BYTES = 2 * 1024**3  # a search task's memory where Ray reports none
 COUNTS_KEY = "clusterscale.mine.counts"  # a negatives/ file's counts, in its Parquet footer
 FOOTER_THREADS = 16  # parallel footer reads of the resume path (object stores: one request each)
+# The bucket files' encoding: zstd, no dictionary, the scores' bytes split by significance (40% less than snappy
+# with dictionaries on synth candidates: 219 -> 130 bytes per query of 29 candidates).
+PARTS_WRITE = {"compression": "zstd", "use_dictionary": False,
+               "column_encoding": {"neg_scores.list.element": "BYTE_STREAM_SPLIT", "pos_score": "BYTE_STREAM_SPLIT"}}
 
 
 # --- which vectors ----------------------------------------------------------------------------------------
@@ -209,23 +218,36 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
 # The shuffles group by a stand-in of the group / bucket id that lands in a partition of its own
 # (bounded_data.one_key_per_partition): a reduce task then holds one search group or one bucket, whatever N.
+# Each search group's results go to negatives/_search/group-<g>.parquet and each bucket to its file, both written
+# whole: a rerun (or Ray's retry) searches only the groups not yet written and merges only the buckets not yet
+# written, and the result is the same files (SEARCH_DIR goes once every bucket is written).
 def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups,
            group_keys: np.ndarray) -> pa.Table:
+    """Route a block's rows to the search groups still to do (group_keys: the group's shuffle key, -1 when done)."""
     routed = route_rows(batch, centroids, nprobe, by_query, groups)
-    return routed.set_column(routed.schema.get_field_index("group"), "group",
-                             pa.array(group_keys[routed.column("group").to_numpy()]))
+    keys = group_keys[routed.column("group").to_numpy()]
+    routed = routed.set_column(routed.schema.get_field_index("group"), "group", pa.array(keys))
+    return routed.filter(pa.array(keys >= 0))
 
 
-def _search(group: pa.Table, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
+def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray) -> pa.Table:
+    """Search one group and write its results (one row per routed query: its bucket and top candidates)."""
     import faiss
 
     unit_delay_for_tests("mine")
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
-    out = search_cluster(group, mine, len(bucket_keys))
-    out = out.set_column(out.schema.get_field_index("bucket"), "bucket",
-                         pa.array(bucket_keys[out.column("bucket").to_numpy()]))
+    index = int(np.flatnonzero(group_keys == group.column("group")[0].as_py())[0])
+    out = search_cluster(group, mine, buckets)
+    RunDir(run_uri).write_parquet(search_file(index), out, compression="zstd")
     release_freed_memory()
-    return out
+    return pa.table({"queries": [out.num_rows]})
+
+
+def _to_merge(batch: pa.Table, bucket_keys: np.ndarray) -> pa.Table:
+    """Search results of the buckets still to write, keyed for the merge's shuffle (bucket_keys: -1 when done)."""
+    keys = bucket_keys[batch.column("bucket").to_numpy()]
+    batch = batch.set_column(batch.schema.get_field_index("bucket"), "bucket", pa.array(keys))
+    return batch.filter(pa.array(keys >= 0))
 
 
 def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_keys: np.ndarray) -> pa.Table:
@@ -237,9 +259,20 @@ def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_key
     lengths = pc_list_lengths(out.column("neg_pair_ids"))
     counts = {"rows": out.num_rows, "negatives": int(lengths.sum()), "without_negatives": int((lengths == 0).sum()),
               **{f"dropped_{k}": int(v) for k, v in drops.items()}}
-    RunDir(run_uri).write_parquet(bucket_file(bucket), with_counts(out, counts))
+    RunDir(run_uri).write_parquet(bucket_file(bucket), with_counts(out, counts), **PARTS_WRITE)
     release_freed_memory()
     return pa.table({**{k: [v] for k, v in counts.items()}, "node": [this_node()]})
+
+
+def search_file(group: int) -> str:
+    return f"{SEARCH_DIR}/group-{group:05d}.parquet"
+
+
+def keys_for(todo: list[int], total: int) -> np.ndarray:
+    """(total,) shuffle keys: unit todo[i] gets the stand-in of partition i, a unit not in todo -1."""
+    keys = np.full(total, -1, np.int64)
+    keys[todo] = one_key_per_partition(len(todo))
+    return keys
 
 
 def with_counts(table: pa.Table, counts: dict) -> pa.Table:
@@ -274,40 +307,61 @@ def bucket_file(bucket: int) -> str:
     return f"{NEGATIVES}/part-{bucket:05d}.parquet"
 
 
-def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need: Resources, buckets: int, n_rows: int
-             ) -> tuple[list[dict], int]:
-    """Run route -> search by group -> merge by bucket; (per-bucket counts, queries embedded here)."""
-    centroids = load_centroids(run, cfg.cluster.k)
-    ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder, need)
-    bounds = group_bounds(cfg, run, source, encoder, len(centroids))
-    groups = plan_search_groups(cfg, run, centroids, encoder is None and not embeds_queries, bounds)
+def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need: Resources, plan: dict,
+             todo: list[dict], n_rows: int) -> tuple[list[dict], int]:
+    """Search the groups not yet searched, then merge the buckets of `todo`; (their counts, queries embedded)."""
+    mine, embedded = cfg.mine, 0
+    groups = SearchGroups(np.asarray(plan["groups"]["passage_parts"], np.int64),
+                          np.asarray(plan["groups"]["query_parts"], np.int64))
     env = {"runtime_env": faiss_runtime_env()} if faiss_runtime_env() else {}
-    mine = cfg.mine
-    bucket_keys = one_key_per_partition(buckets)
-    ds = ds.map_batches(_route, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe,
-                                           "by_query": encoder is None, "groups": groups,
-                                           "group_keys": one_key_per_partition(groups.num_groups)},
-                        batch_format="pyarrow", **env)
-    # One shuffle partition per group / bucket: a partition's size then follows the bound, not N.
-    ds = ds.groupby("group", num_partitions=groups.num_groups).map_groups(
-        _search, fn_kwargs={"mine": mine, "bucket_keys": bucket_keys}, batch_format="pyarrow", **env)
-    ds = ds.groupby("bucket", num_partitions=buckets).map_groups(
-        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine, "bucket_keys": bucket_keys},
-        batch_format="pyarrow")
-    progress, results = ProgressLine("mine", n_rows), []
+    searched = f"{SEARCH_DIR}/_SEARCHED.json"
+    if not run.exists(searched):
+        listed = set(run.listdir(SEARCH_DIR)) if run.exists(SEARCH_DIR) else set()
+        left = [g for g in range(groups.num_groups) if posixpath.basename(search_file(g)) not in listed]
+        if len(left) < groups.num_groups:
+            print(f"[mine] resuming: {groups.num_groups - len(left)} of {groups.num_groups} search groups were "
+                  f"searched by an earlier attempt", flush=True)
+        ds, embeds_queries = pairs_with_vectors(cfg, run, source, encoder, need)
+        ds = ds.map_batches(_route, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k),
+                                               "nprobe": mine.nprobe, "by_query": encoder is None, "groups": groups,
+                                               "group_keys": keys_for(left, groups.num_groups)},
+                            batch_format="pyarrow", **env)
+        # One shuffle partition per group: a partition's size then follows the bound, not N.
+        ds = ds.groupby("group", num_partitions=max(1, len(left))).map_groups(
+            _search, fn_kwargs={"run_uri": run.uri, "mine": mine, "buckets": len(plan["units"]),
+                                "group_keys": keys_for(left, groups.num_groups)}, batch_format="pyarrow", **env)
+        progress = ProgressLine("mine", len(left), unit="search groups")
+        for _ in ds.iter_rows():
+            progress.advance(1)
+        run.write_json(searched, {"groups": groups.num_groups})
+        embedded = n_rows if embeds_queries else 0
+    indices = [int(posixpath.basename(u["output"])[5:10]) for u in todo]  # part-<bucket>.parquet
+    files = [run.path(search_file(g)) for g in range(groups.num_groups)]
+    present = set(run.listdir(SEARCH_DIR))
+    files = [f for f in files if posixpath.basename(f) in present]  # a group no row reached wrote none
+    if not files:
+        return [], embedded
+    ds = read_row_groups(run, files, SEARCH_COLUMNS) \
+        .map_batches(_to_merge, fn_kwargs={"bucket_keys": keys_for(indices, len(plan["units"]))},
+                     batch_format="pyarrow")
+    ds = ds.groupby("bucket", num_partitions=max(1, len(indices))).map_groups(
+        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine,
+                                     "bucket_keys": keys_for(indices, len(plan["units"]))}, batch_format="pyarrow")
+    progress, results = ProgressLine("mine", n_rows, unit="queries merged"), []
     for result in ds.iter_rows():
         results.append(result)
         progress.advance(result["rows"])
-    print(f"[mine] {groups.num_groups} search groups over {cfg.cluster.k} clusters (at most {bounds[0]} passages "
-          f"and {bounds[1]} queries each; mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
-    return results, n_rows if embeds_queries else 0
+    return results, embedded
 
 
 # --- the stage ---------------------------------------------------------------------------------------------
-def plan_units(n_rows: int, cfg: Config) -> dict:
-    """One unit per negatives/ file (a hash bucket of pair_ids); work_units.load_or_make_plan stores it."""
+def plan_units(n_rows: int, cfg: Config, groups: SearchGroups, bounds: tuple[int, int]) -> dict:
+    """One unit per negatives/ file (a hash bucket of pair_ids), and the search groups (fixed with the plan, so a
+    rerun finds the groups an earlier attempt wrote); work_units.load_or_make_plan stores it."""
     buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE))
-    return {"mine": cfg.mine.to_dict(), "units": [{"output": bucket_file(b)} for b in range(buckets)]}
+    return {"mine": cfg.mine.to_dict(), "units": [{"output": bucket_file(b)} for b in range(buckets)],
+            "groups": {"passage_parts": groups.passage_parts.tolist(), "query_parts": groups.query_parts.tolist()},
+            "bounds": list(bounds)}
 
 
 def write_empty_buckets(run: RunDir, plan: dict) -> None:
@@ -317,12 +371,21 @@ def write_empty_buckets(run: RunDir, plan: dict) -> None:
                         ("neg_scores", pa.list_(pa.float32())), ("pos_score", pa.float32())])
     zeros = {"rows": 0, "negatives": 0, "without_negatives": 0, **{f"dropped_{d}": 0 for d in DROP_REASONS}}
     for unit in missing:
-        run.write_parquet(unit["output"], with_counts(schema.empty_table(), zeros))
+        run.write_parquet(unit["output"], with_counts(schema.empty_table(), zeros), **PARTS_WRITE)
+
+
+def _search_plan(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, n_rows: int) -> dict:
+    """A fresh plan: the search groups from a counting pass over assign/ (one k-vector per block on the driver)."""
+    centroids = load_centroids(run, cfg.cluster.k)
+    bounds = group_bounds(cfg, run, source, encoder, len(centroids))
+    count_queries = encoder is None and "emb_query" in _schema(run, assign_dir(cfg.cluster.k))
+    return plan_units(n_rows, cfg, plan_search_groups(cfg, run, centroids, count_queries, bounds), bounds)
 
 
 def run_mine(ctx: StageContext) -> StageResult:
-    """Mine negatives for every training query (an interrupted attempt with this fingerprint reruns whole, into
-    the same files); a non-frozen mine.encoder first re-embeds the pairs (vectors_run)."""
+    """Mine negatives for every training query; an interrupted attempt with this fingerprint is finished: the
+    search groups and buckets it wrote are kept (the same files as an uninterrupted run). A non-frozen
+    mine.encoder first re-embeds the pairs (vectors_run)."""
     cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     started = time.time()
     k = cfg.cluster.k
@@ -330,8 +393,6 @@ def run_mine(ctx: StageContext) -> StageResult:
     encoder = resolve_encoder(cfg, run)
     source, embed_cost = vectors_run(ctx, encoder)
     n_rows = int(run.done_stats(assign_dir(k))["rows"])
-    plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", lambda: plan_units(n_rows, cfg))
-    _, todo = split_done(run, NEGATIVES, plan["units"])
     if n_rows <= cfg.mine.range_min:
         raise ConfigError(f"mine.range_min={cfg.mine.range_min} is not below the number of training passages "
                           f"({n_rows}): lower it.")
@@ -340,11 +401,29 @@ def run_mine(ctx: StageContext) -> StageResult:
     # Each passage travels once per search group of its cluster, each query once per probed cluster.
     shuffle = shuffle_for(cfg.ray, run, run.files(assign_dir(k)), n_rows * (1 + cfg.mine.nprobe))
     with bounded_shuffle_maps(shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
-        if todo:  # the grouping needs every pair, so an interrupted attempt reruns whole (to the same files)
-            results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, len(plan["units"]), n_rows)
+        def make() -> dict:
+            return _search_plan(cfg, run, source, encoder, n_rows)
+
+        plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", make)
+        if "groups" not in plan:  # an interrupted attempt of an older version (no search groups recorded): afresh
+            run.remove(PLAN)
+            plan = load_or_make_plan(run, NEGATIVES, PLAN, fingerprint, "mining", make)
+        done, todo = split_done(run, NEGATIVES, plan["units"])
+        if todo:
+            if len(todo) < len(plan["units"]):
+                print(f"[mine] resuming: {len(plan['units']) - len(todo)} of {len(plan['units'])} negatives files "
+                      f"were written by an earlier attempt", flush=True)
+            results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, plan, todo, n_rows)
             write_empty_buckets(run, plan)
+            groups = SearchGroups(np.asarray(plan["groups"]["passage_parts"]), np.asarray(plan["groups"]["query_parts"]))
+            print(f"[mine] {groups.num_groups} search groups over {k} clusters (at most {plan['bounds'][0]} passages "
+                  f"and {plan['bounds'][1]} queries each; mine.max_group_rows={cfg.mine.max_group_rows})", flush=True)
+        if run.exists(SEARCH_DIR):
+            run.remove(SEARCH_DIR)
         sidecars = sidecars_for_training(cfg, run, run)
     worker_s = (time.time() - t0) * ClusterResources.current().cpus
+    if todo and done:  # a resumed attempt: the counts of the files written before, from their footers
+        results += bucket_counts(run, [run.path(u["output"]) for u in done])
     stats = _stage_stats(run, plan, results, n_rows, time.time() - started, worker_s, embed_cost, encoder, embedded)
     stats |= sidecars | node_stats(r.get("node") for r in results)  # none from a resumed attempt's footers
     print(f"[mine] {stats['rows']} queries in {stats['wall_s']:.1f}s: {stats['negatives_per_query']:.1f} negatives "

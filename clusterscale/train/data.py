@@ -158,9 +158,9 @@ class ShardReader:
         counts = [int(f.group_starts[-1]) for f, _ in footers]
         return np.cumsum([0] + counts), sum(n for _, n in footers)
 
-    def _read_shard_rows(self, shard: int, rows: np.ndarray) -> tuple[pa.Table, int, int, int]:
+    def _read_shard_rows(self, shard: int, rows: np.ndarray, epoch: int = 0) -> tuple[pa.Table, int, int, int]:
         """(rows of a shard in the order asked, bytes read, bytes used, footer bytes read): only the row groups
-        holding them, and the footers of their files unless cached."""
+        holding them, and the footers of their files unless cached; with sidecars, their negatives of `epoch`."""
         file_starts, footers_read = self._file_starts(shard)
         data_read = 0
         files = np.searchsorted(file_starts, rows, side="right") - 1
@@ -177,7 +177,7 @@ class ShardReader:
                 pieces.append(pq.ParquetFile(handle, metadata=footer.metadata).read_row_groups(
                     groups.tolist(), columns=READ_COLUMNS, use_threads=False))
                 if self.sidecars is not None:
-                    pieces[-1] = self.sidecars.attach(pieces[-1], rel, groups.tolist())
+                    pieces[-1] = self.sidecars.attach(pieces[-1], rel, groups.tolist(), epoch)
             finally:
                 handle.close()
             sizes = footer.group_starts[groups + 1] - footer.group_starts[groups]
@@ -195,7 +195,7 @@ class ShardReader:
     def _read(self, batch: GlobalBatch | None, shard: int, rows: np.ndarray) -> RankRows:
         """A shard's `rows` and what reading them cost, added to the reader's counters."""
         rows = np.asarray(rows, dtype=np.int64)
-        table, read, used, footers = self._read_shard_rows(shard, rows)
+        table, read, used, footers = self._read_shard_rows(shard, rows, batch.epoch if batch is not None else 0)
         with self._lock:
             self.bytes_read += read
             self.bytes_used += used

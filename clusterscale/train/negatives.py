@@ -1,21 +1,28 @@
-"""Mined negatives at training time: each row's candidate texts travel with the row, in sidecar files aligned
-to the shard files; and the fingerprint of negatives/ that the mine stage writes and training checks.
+"""Mined negatives at training time: the negatives each row is trained with travel with the row, in sidecar files
+aligned to the shard files; and the fingerprint of negatives/ that the mine stage writes and training checks.
 
-The mine stage writes, for every shard file of the set training reads, sidecar pieces under
-negatives/rows/<shard file>/piece-<p>.parquet: the same rows in the same order, cut into the same row groups,
-each piece covering `groups_per_piece` consecutive row groups (so one writer task holds one piece, never a
-whole large file). A rank reads row group g of the sidecar when it reads row group g of the shard
-(NegativeSidecars.attach, called by train/data.py's ShardReader), so it holds only its rows' negatives.
+negatives/part-*.parquet holds every kept candidate of every query (ids and scores: the mine config and the
+shards decide them, so train.negatives_per_query, train.seed and the number of epochs can change without
+re-mining). The sidecars hold only the texts training draws: for a shard set, a draw (Draw: M =
+train.negatives_per_query, train.seed and D epochs' worth) picks for every row and every d < D min(M, its
+candidates) of them, a uniform choice keyed by (seed, d, pair_id, candidate) (stages/mine_rows.draw_candidates),
+best first. Epoch e trains with draw e % D. D is the epochs the run trains (at most the candidates / M: past that
+every candidate has had its turn), so a sidecar holds M x D texts per row, not every candidate's (~30x the shard's
+bytes before), and training reads the one draw of its epoch: its own column.
 
-Each row carries every kept candidate (best first), not M draws per epoch: the output then depends on the
-mine config and the shards only, so train.negatives_per_query, train.seed and the number of epochs can change
-without re-mining, and a resumed run draws the same negatives. The choice of M among a row's candidates is a
-pure function of (seed, step, pair_id). Rows with fewer than M candidates are topped up from a fixed-size pool
-of random training passages (negatives/padding.parquet, counted as `negatives_padded`), because every rank
-must embed the same number of negatives for the cross-rank gather.
+Layout: negatives/rows/<draw key>/<shard file>/piece-<p>.parquet, the same rows in the same order as the shard
+file, cut into the same row groups, each piece covering `groups_per_piece` consecutive row groups (so one writer
+task holds one piece, never a whole large file); a marker per shard set records the shards' fingerprint. A rank
+reads row group g of the sidecar when it reads row group g of the shard (NegativeSidecars.attach, called by
+train/data.py's ShardReader), so it holds only its rows' negatives. Rows with fewer than M candidates are topped
+up from a fixed-size pool of random training passages (negatives/padding.parquet, counted as `negatives_padded`),
+a pure function of (seed, step, pair_id), because every rank must embed the same number of negatives for the
+cross-rank gather.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -28,6 +35,7 @@ from clusterscale.errors import UserError
 from clusterscale.io.layout import NEGATIVES, read_manifest, shard_set_dir, shard_set_manifest_path, train_dir
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import DONE, RunDir
+from clusterscale.train import schedule
 
 
 MINE_SECTIONS = ("data", "embed", "cluster", "mine")  # the config sections negatives/ depends on (mining is
@@ -36,7 +44,7 @@ SIDECAR_DIR = f"{NEGATIVES}/rows"
 PADDING_PATH = f"{NEGATIVES}/padding.parquet"
 PADDING_POOL_ROWS = 4096  # random training passages every rank holds for topping up short candidate lists
 SIDECAR_PIECE_ROWS = 8192  # rows per sidecar piece (rounded to whole row groups): bounds one writer task
-SIDECAR_COLUMNS = ["neg_pair_ids", "neg_passages", "neg_queries"]
+SIDECAR_COLUMNS = ("neg_pair_ids", "neg_passages", "neg_queries")  # per draw d: <name>_<d>; attach renames them
 
 
 class NegativesError(UserError, ValueError):
@@ -96,59 +104,95 @@ def load_negatives(run: RunDir) -> tuple[np.ndarray, list[np.ndarray]]:
     return table.column("pair_id").to_numpy(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]
 
 
-# --- sidecar layout ----------------------------------------------------------------------------------------
+# --- the draw and the sidecar layout ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """Which candidates of each row training uses: per_query (M) of them per epoch, chosen with `seed`, for
+    `draws` epochs (epoch e trains with draw e % draws)."""
+    per_query: int
+    seed: int
+    draws: int
+
+    @property
+    def key(self) -> str:
+        """The sidecars' folder under negatives/rows/: another draw writes its own."""
+        return f"m{self.per_query}-seed{self.seed}-draws{self.draws}"
+
+
+def training_draw(cfg: Config, manifest: ShardManifest) -> Draw:
+    """The draw training with cfg reads from the shard set of `manifest`: train.negatives_per_query per epoch, one
+    draw per epoch the run trains, at most ceil(candidates / M) of them (mine.range_max - mine.range_min)."""
+    tc = cfg.train
+    per_query = max(1, tc.objective.negatives_per_query)
+    sizes, batch = manifest.strata_sizes, tc.schedule.global_batch_size
+    per_epoch = max(1, schedule.batches_per_epoch(sizes, batch))
+    epochs = math.ceil(schedule.total_steps(sizes, batch, tc.schedule.epochs, tc.schedule.steps) / per_epoch)
+    candidates = max(1, cfg.mine.range_max - cfg.mine.range_min)
+    return Draw(per_query, tc.schedule.seed, max(1, min(epochs, math.ceil(candidates / per_query))))
+
+
 def groups_per_piece(manifest: ShardManifest) -> int:
     """Row groups per sidecar piece for shards written with the manifest's row-group size."""
     return max(1, SIDECAR_PIECE_ROWS // int(manifest.row_group_rows))
 
 
-def sidecar_marker(set_dir: str) -> str:
+def sidecar_marker(set_dir: str, draw: Draw) -> str:
     """Records the manifest fingerprint of the shard set under set_dir that its sidecars were written for."""
-    return f"{SIDECAR_DIR}/{set_dir}/_SHARDS.json"
+    return f"{SIDECAR_DIR}/{draw.key}/{set_dir}/_SHARDS.json"
 
 
-def sidecar_path(shard_file: str, piece: int) -> str:
-    """negatives/rows/<shard file without .parquet>/piece-<p>.parquet (relative to the run holding the shards)."""
-    return f"{SIDECAR_DIR}/{shard_file.removesuffix('.parquet')}/piece-{piece:05d}.parquet"
+def sidecar_path(shard_file: str, piece: int, draw: Draw) -> str:
+    """negatives/rows/<draw>/<shard file without .parquet>/piece-<p>.parquet (relative to the run holding the
+    shards)."""
+    return f"{SIDECAR_DIR}/{draw.key}/{shard_file.removesuffix('.parquet')}/piece-{piece:05d}.parquet"
 
 
-def sidecar_table(pair_ids: np.ndarray, found: pa.Table) -> pa.Table:
+def sidecar_table(pair_ids: np.ndarray, found: pa.Table, draws: int) -> pa.Table:
     """The sidecar rows of `pair_ids` (a piece of a shard file, in its order) from `found`: one row per
-    (anchor, slot) with the candidate's pair_id `cand` and texts `neg_passage`, `neg_query`. Lists keep the
-    slots' order (best first); a row without candidates gets empty lists."""
-    found = found.sort_by([("anchor", "ascending"), ("slot", "ascending")])
-    unique, starts, counts = np.unique(found.column("anchor").to_numpy(), return_index=True, return_counts=True)
-    at = np.searchsorted(unique, pair_ids)
-    hit = at < len(unique)
-    hit[hit] = unique[at[hit]] == pair_ids[hit]
-    lengths = np.zeros(len(pair_ids), dtype=np.int64)
-    lengths[hit] = counts[at[hit]]
-    first = np.zeros(len(pair_ids), dtype=np.int64)
-    first[hit] = starts[at[hit]]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    # value j of row r sits at found row first[r] + j
-    values = np.repeat(first - offsets[:-1], lengths) + np.arange(int(offsets[-1]))
-    take = pa.array(values, type=pa.int64())
-    lists = {name: pa.ListArray.from_arrays(pa.array(offsets), found.column(source).take(take).combine_chunks())
-             for name, source in (("neg_pair_ids", "cand"), ("neg_passages", "neg_passage"),
-                                  ("neg_queries", "neg_query"))}
-    return pa.table({"pair_id": pa.array(pair_ids, type=pa.int64()), **lists})
+    (anchor, draw, slot) with the candidate's pair_id `cand` and texts `neg_passage`, `neg_query`. Per draw d the
+    columns neg_pair_ids_<d>, neg_passages_<d>, neg_queries_<d>: lists in slot order (best first); a row without
+    candidates gets empty lists."""
+    columns = {"pair_id": pa.array(pair_ids, type=pa.int64())}
+    which = found.column("draw").to_numpy() if found.num_rows else np.zeros(0, np.int32)
+    for d in range(draws):
+        part = found.filter(pa.array(which == d)).sort_by([("anchor", "ascending"), ("slot", "ascending")])
+        unique, starts, counts = np.unique(part.column("anchor").to_numpy(), return_index=True, return_counts=True)
+        at = np.searchsorted(unique, pair_ids)
+        hit = at < len(unique)
+        hit[hit] = unique[at[hit]] == pair_ids[hit]
+        lengths = np.zeros(len(pair_ids), dtype=np.int64)
+        lengths[hit] = counts[at[hit]]
+        first = np.zeros(len(pair_ids), dtype=np.int64)
+        first[hit] = starts[at[hit]]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        # value j of row r sits at part row first[r] + j
+        take = pa.array(np.repeat(first - offsets[:-1], lengths) + np.arange(int(offsets[-1])), type=pa.int64())
+        for name, source in zip(SIDECAR_COLUMNS, ("cand", "neg_passage", "neg_query")):
+            columns[f"{name}_{d}"] = pa.ListArray.from_arrays(pa.array(offsets),
+                                                               part.column(source).take(take).combine_chunks())
+    return pa.table(columns)
 
 
 class NegativeSidecars:
-    """Reads the sidecar rows of shard row groups (ShardReader calls `attach` after reading the groups)."""
+    """Reads the sidecar rows of shard row groups (ShardReader calls `attach` after reading the groups): the
+    columns of one draw only. bytes_read / bytes_stored count the column chunks read (footers not counted),
+    compressed and as stored uncompressed (bench_negatives compares the latter with the texts used)."""
 
-    def __init__(self, run: RunDir, manifest: dict):
-        self.run, self.per_piece = run, groups_per_piece(manifest)
-        self.bytes_read = 0  # on-disk bytes of the sidecar row groups read (footers not counted)
+    def __init__(self, run: RunDir, manifest: ShardManifest, draw: Draw, ids: bool = False):
+        self.run, self.per_piece, self.draw = run, groups_per_piece(manifest), draw
+        self.names = SIDECAR_COLUMNS if ids else SIDECAR_COLUMNS[1:]  # training needs the texts, not the ids
+        self.bytes_read = self.bytes_stored = 0
         self._lock = threading.Lock()  # prefetch attaches in several threads
 
-    def attach(self, rows: pa.Table, shard_file: str, groups: list[int]) -> pa.Table:
-        """`rows` (row groups `groups` of shard_file, ascending, concatenated) with their negatives' columns."""
+    def attach(self, rows: pa.Table, shard_file: str, groups: list[int], epoch: int = 0) -> pa.Table:
+        """`rows` (row groups `groups` of shard_file, ascending, concatenated) with their negatives of epoch
+        `epoch`'s draw as neg_passages and neg_queries (and neg_pair_ids when made with ids=True)."""
+        d = epoch % self.draw.draws
+        wanted = ["pair_id", *(f"{name}_{d}" for name in self.names)]
         pieces = []
         for piece in sorted({g // self.per_piece for g in groups}):
             local = [g - piece * self.per_piece for g in groups if g // self.per_piece == piece]
-            rel = sidecar_path(shard_file, piece)
+            rel = sidecar_path(shard_file, piece, self.draw)
             try:
                 handle = self.run.fs.open_input_file(self.run.path(rel))
             except FileNotFoundError as error:
@@ -156,26 +200,29 @@ class NegativeSidecars:
                                      f"training reads; rerun `clusterscale mine --replace`.") from error
             with handle:
                 parquet = pq.ParquetFile(handle)
-                pieces.append(parquet.read_row_groups(local, columns=["pair_id", *SIDECAR_COLUMNS], use_threads=False))
-            read = sum(parquet.metadata.row_group(g).column(c).total_compressed_size
-                       for g in local for c in range(parquet.metadata.num_columns))
+                pieces.append(parquet.read_row_groups(local, columns=wanted, use_threads=False))
+            names = parquet.schema_arrow.names
+            chunks = [parquet.metadata.row_group(g).column(c) for g in local for c in range(len(names))
+                      if parquet.metadata.schema.column(c).path.split(".")[0] in wanted]
             with self._lock:
-                self.bytes_read += read
+                self.bytes_read += sum(c.total_compressed_size for c in chunks)
+                self.bytes_stored += sum(c.total_uncompressed_size for c in chunks)
         side = pa.concat_tables(pieces)
         if not side.column("pair_id").equals(rows.column("pair_id")):
             raise NegativesError(f"The negatives of {shard_file} are not aligned to it (the shards were rewritten "
                                  f"after mining): rerun `clusterscale mine --replace`.")
-        for name in SIDECAR_COLUMNS:
-            rows = rows.append_column(name, side.column(name))
+        for name in self.names:
+            rows = rows.append_column(name, side.column(f"{name}_{d}"))
         return rows
 
 
 # --- the draw ----------------------------------------------------------------------------------------------
 class MinedNegatives:
-    """Draws M negatives per row from the candidates its sidecar carries; tops up from the padding pool."""
+    """M negatives per row: its epoch's draw from the sidecar, topped up from the padding pool."""
 
     def __init__(self, run: RunDir, per_query: int, seed: int):
         self.per_query, self.seed = per_query, seed
+        self.texts_used = 0  # UTF-8 bytes of the mined texts handed to training (bench_negatives)
         run.require(NEGATIVES, "mine", "Mined negatives")
         pool = pq.read_table(run.fs.open_input_file(run.path(PADDING_PATH)), columns=["pair_id", "query", "passage"])
         if pool.num_rows < 2:
@@ -186,23 +233,24 @@ class MinedNegatives:
 
     def for_rows(self, rows: pa.Table, step: int) -> tuple[list[str], list[str], int]:
         """(negative passages, their pairs' queries), M per row grouped by row; and how many were padded.
-        `rows`: pair_id and the sidecar columns (NegativeSidecars.attach)."""
-        chosen, padded = [], 0  # >= 0: a candidate (index into the flattened lists); < 0: pool row -1 - value
+        `rows`: pair_id and the draw's columns (NegativeSidecars.attach): each row's drawn candidates (at most M,
+        best first), then pool passages chosen by (seed, step, pair_id) up to M."""
         lengths = pc.list_value_length(rows.column("neg_passages")).to_numpy(zero_copy_only=False)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])  # into the flattened lists (same lengths in both)
-        for i, pid in enumerate(rows.column("pair_id").to_numpy().tolist()):
-            rng = np.random.default_rng([self.seed, step, pid >> 32, pid & 0xFFFF_FFFF])
-            count = int(offsets[i + 1] - offsets[i])
-            take = rng.choice(count, size=min(self.per_query, count), replace=False) if count else []
-            chosen += (int(offsets[i]) + np.sort(np.asarray(take, dtype=np.int64))).tolist()  # best first kept
-            while len(chosen) < (i + 1) * self.per_query:
-                other = int(rng.integers(len(self.pool_ids)))
-                if self.pool_ids[other] != pid:  # a random training passage; masking handles any collision
-                    chosen.append(-1 - other)
-                    padded += 1
-        mined = pa.array([c for c in chosen if c >= 0], type=pa.int64())
-        texts = {name: iter(rows.column(name).combine_chunks().flatten().take(mined).to_pylist())
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        drawn = {name: rows.column(name).combine_chunks().flatten().to_pylist()
                  for name in ("neg_passages", "neg_queries")}
-        passages = [next(texts["neg_passages"]) if c >= 0 else self.pool_passages[-1 - c] for c in chosen]
-        queries = [next(texts["neg_queries"]) if c >= 0 else self.pool_queries[-1 - c] for c in chosen]
+        self.texts_used += sum(len(t.encode()) for name in drawn for t in drawn[name] if t is not None)
+        passages, queries, padded = [], [], 0
+        for i, pid in enumerate(rows.column("pair_id").to_numpy().tolist()):
+            mined = range(int(offsets[i]), int(offsets[i]) + min(self.per_query, int(lengths[i])))
+            passages += [drawn["neg_passages"][j] for j in mined]
+            queries += [drawn["neg_queries"][j] for j in mined]
+            if len(mined) < self.per_query:
+                rng = np.random.default_rng([self.seed, step, pid >> 32, pid & 0xFFFF_FFFF])
+                while len(passages) < (i + 1) * self.per_query:
+                    other = int(rng.integers(len(self.pool_ids)))
+                    if self.pool_ids[other] != pid:  # a random training passage; masking handles any collision
+                        passages.append(self.pool_passages[other])
+                        queries.append(self.pool_queries[other])
+                        padded += 1
         return passages, queries, padded

@@ -22,6 +22,7 @@ import torch
 
 from clusterscale.config import Config
 from clusterscale.errors import storage_error, user_error
+from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir
 from clusterscale.io.layout import shard_set_manifest, train_dir, training_sets
 from clusterscale.modeling.student import build_student, matmul_params
@@ -31,7 +32,7 @@ from clusterscale.train.checkpoint import Checkpointer, ModelExport
 from clusterscale.train.curriculum import CURRICULUM, Curriculum
 from clusterscale.train.data import RankRows, ShardReader, StackedReader, schedule_block_rows
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
-from clusterscale.train.negatives import MinedNegatives, NegativeSidecars
+from clusterscale.train.negatives import MinedNegatives, NegativeSidecars, training_draw
 from clusterscale.train.optim import build_optimizer
 from clusterscale.train.step import contrastive_backward, step_seed
 
@@ -135,9 +136,14 @@ class TrainData:
         self.negatives = None
         if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
             self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
-        readers = [ShardReader(job.shards_run, m, sidecars=NegativeSidecars(job.shards_run, m)
-                               if self.negatives else None) for m in self.manifests]
+        readers = [ShardReader(job.shards_run, m, sidecars=self._sidecars(m)) for m in self.manifests]
         self.reader = readers[0] if len(readers) == 1 else StackedReader(readers)
+
+    def _sidecars(self, manifest: ShardManifest) -> NegativeSidecars | None:
+        """The reader of the set's mined negatives (this run's draw), None without them."""
+        if self.negatives is None:
+            return None
+        return NegativeSidecars(self.job.shards_run, manifest, training_draw(self.job.cfg, manifest))
 
     def epoch_at(self, step: int) -> int:
         """The epoch (counted within the segment) that `step` falls in."""
