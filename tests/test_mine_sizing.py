@@ -20,9 +20,9 @@ def test_auto_group_bounds_on_known_numbers():
     # 4 GB per task, 768-d fp16 vectors, nprobe 4, query blocks of 4,096, top 30. A routed row is 2 x 768 + 40
     # = 1,576 B. Passages: a quarter (1e9 B) less the block (4,096 x (1,576 + 4 x 768 + 30 x 12)), over a
     # passage (two routed rows + 4 x 768 in the index): 157,372. Queries: 4 x that, under what half the memory
-    # holds at 1,576 + 30 x 28 B each (827,814).
+    # holds at 1,576 + 30 x 13 B each (1,017,293).
     assert auto_group_bounds(4e9, 768, 2, 4, 4096, 30) == (157_372, 629_488)
-    assert auto_group_bounds(4e9, 768, 2, 8, 4096, 30) == (157_372, 827_814)  # nprobe 8: half the memory binds
+    assert auto_group_bounds(4e9, 768, 2, 8, 4096, 30) == (157_372, 1_017_293)  # nprobe 8: half the memory binds
     assert auto_group_bounds(8e9, 768, 2, 4, 4096, 30)[0] == 318_041          # twice the memory: > twice the rows
     assert auto_group_bounds(4e9, 384, 2, 4, 4096, 30)[0] > 157_372            # smaller vectors: more rows
     assert auto_group_bounds(1e6, 768, 2, 4, 4096, 30)[0] == 1                 # no room: 1 passage, never 0

@@ -59,10 +59,10 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
 SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every bucket is merged
-SEARCH_COLUMNS = ["bucket", "pair_id", "query_key", "passage_key", "pos_score", "cand_scores", "cand_ids",
-                  "cand_query_keys", "cand_passage_keys"]
+SEARCH_COLUMNS = ["bucket", "pair_id", "pos_score", "cand_scores", "cand_ids", "cand_flags"]
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
+MIN_BUCKETS, MIN_BUCKET_QUERIES = 16, 1_000  # at least 16 files (of >= 1,000 queries): what a killed merge loses
 DEFAULT_TASK_MEMORY_BYTES = 2 * 1024**3  # a search task's memory where Ray reports none
 COUNTS_KEY = "clusterscale.mine.counts"  # a negatives/ file's counts, in its Parquet footer
 FOOTER_THREADS = 16  # parallel footer reads of the resume path (object stores: one request each)
@@ -224,10 +224,9 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups,
            group_keys: np.ndarray) -> pa.Table:
     """Route a block's rows to the search groups still to do (group_keys: the group's shuffle key, -1 when done)."""
-    routed = route_rows(batch, centroids, nprobe, by_query, groups)
-    keys = group_keys[routed.column("group").to_numpy()]
-    routed = routed.set_column(routed.schema.get_field_index("group"), "group", pa.array(keys))
-    return routed.filter(pa.array(keys >= 0))
+    routed = route_rows(batch, centroids, nprobe, by_query, groups, todo=group_keys >= 0)
+    return routed.set_column(routed.schema.get_field_index("group"), "group",
+                             pa.array(group_keys[routed.column("group").to_numpy()]))
 
 
 def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray) -> pa.Table:
@@ -358,7 +357,7 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
 def plan_units(n_rows: int, cfg: Config, groups: SearchGroups, bounds: tuple[int, int]) -> dict:
     """One unit per negatives/ file (a hash bucket of pair_ids), and the search groups (fixed with the plan, so a
     rerun finds the groups an earlier attempt wrote); work_units.load_or_make_plan stores it."""
-    buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE))
+    buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE), min(MIN_BUCKETS, n_rows // MIN_BUCKET_QUERIES))
     return {"mine": cfg.mine.to_dict(), "units": [{"output": bucket_file(b)} for b in range(buckets)],
             "groups": {"passage_parts": groups.passage_parts.tolist(), "query_parts": groups.query_parts.tolist()},
             "bounds": list(bounds)}

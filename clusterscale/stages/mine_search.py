@@ -24,6 +24,7 @@ from clusterscale.runtime.vectors import emb_matrix
 
 PASSAGE, QUERY = 0, 1  # the `kind` of a routed row
 DROP_REASONS = ("positive", "duplicate", "margin")
+POSITIVE, DUPLICATE = 1, 2  # a candidate's flag (candidate_flags): why the rule drops it whatever its rank
 PASSAGE_PART_SALT, QUERY_PART_SALT = 0x7061727470, 0x7175657279  # which part of a cluster a pair falls in
 
 
@@ -34,11 +35,29 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
 
     scores, rows: (b, K) search results, best first (row -1 = no hit); own_rows: (b,) each query's own pair
     row; the key arrays are indexed by row."""
+    safe = np.where(rows >= 0, rows, 0)
+    flags = candidate_flags(query_key[safe], passage_key[safe], query_key[own_rows][:, None],
+                            passage_key[own_rows][:, None])
+    return apply_rule(scores, rows, flags, pos_scores, mc)
+
+
+def candidate_flags(cand_query_key: np.ndarray, cand_passage_key: np.ndarray, own_query_key: np.ndarray,
+                    own_passage_key: np.ndarray) -> np.ndarray:
+    """POSITIVE where a candidate's pair has the query's text (incl. the pair itself), else DUPLICATE where its
+    passage has the text of the query's positive, else 0 (arrays broadcast)."""
+    positive = cand_query_key == own_query_key
+    return np.where(positive, POSITIVE, np.where(cand_passage_key == own_passage_key, DUPLICATE, 0)).astype(np.int8)
+
+
+def apply_rule(scores: np.ndarray, rows: np.ndarray, flags: np.ndarray, pos_scores: np.ndarray,
+               mc: MineConfig) -> tuple[np.ndarray, dict]:
+    """(b, K) mask of the candidates kept (ranks [range_min, range_max) that are no positive, no duplicate of the
+    positive and, with mine.margin, score <= margin x the positive's), and drop counts per reason. flags: (b, K)
+    candidate_flags of each hit."""
     depth = rows.shape[1]
     valid = (rows >= 0) & (np.arange(depth)[None, :] >= mc.range_min)
-    safe = np.where(rows >= 0, rows, 0)
-    positive = valid & (query_key[safe] == query_key[own_rows][:, None])          # incl. the pair itself
-    duplicate = valid & ~positive & (passage_key[safe] == passage_key[own_rows][:, None])
+    positive = valid & (flags == POSITIVE)
+    duplicate = valid & (flags == DUPLICATE)
     margin = np.zeros_like(valid)
     if mc.margin is not None:
         margin = valid & ~positive & ~duplicate & (scores > mc.margin * pos_scores[:, None])
@@ -49,7 +68,7 @@ def filter_candidates(scores: np.ndarray, rows: np.ndarray, own_rows: np.ndarray
 
 # --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
 ROUTED_ROW_BYTES = 40   # a routed row besides its vector: kind, group, pair_id, two text keys, pos_score
-CANDIDATE_BYTES = 28   # one candidate of a result row: score (4), pair_id and two text keys (8 each)
+CANDIDATE_BYTES = 13   # one candidate of a result row: score (4), pair_id (8) and its flag (1)
 TOPK_BYTES = 12        # one faiss hit of a query block: score (float32) and row (int64)
 
 
@@ -181,9 +200,10 @@ def _vector_dtype(*columns: pa.ChunkedArray) -> type:
 
 
 def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool,
-               groups: SearchGroups | None = None) -> pa.Table:
+               groups: SearchGroups | None = None, todo: np.ndarray | None = None) -> pa.Table:
     """Rows keyed by search `group`: each passage in the groups of its own cluster's passage part, each query
-    in the groups of its part of every probed cluster (groups: SearchGroups; None = one group per cluster).
+    in the groups of its part of every probed cluster (groups: SearchGroups; None = one group per cluster);
+    todo: (groups,) bool, only the copies bound for those groups (a resumed mine: the groups not yet searched).
 
     batch: pair_id, query, passage, emb (the passage vector), emb_query, cluster. Every row carries the text
     keys of its pair; a query row also carries the score of its own positive."""
@@ -192,14 +212,20 @@ def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bo
     own = batch.column("cluster").to_numpy().astype(np.int64)
     dtype = _vector_dtype(batch.column("emb"), batch.column("emb_query"))
     p, q = emb_matrix(batch.column("emb"), dtype), emb_matrix(batch.column("emb_query"), dtype)
-    qk, pk = text_hashes(batch.column("query").to_pylist()), text_hashes(batch.column("passage").to_pylist())
     probes = probed_clusters(q, own, centroids, nprobe, by_query)
     pos = np.einsum("ij,ij->i", q.astype(np.float32), p.astype(np.float32)).astype(np.float32)
     p_rows, p_groups = groups.passage_copies(own, pair_ids)
     probe_rows = np.repeat(np.arange(len(own)), probes.shape[1])  # one (query, probed cluster) per entry
     q_entries, q_groups = groups.query_copies(probes.reshape(-1), pair_ids[probe_rows])
     q_rows = probe_rows[q_entries]
+    if todo is not None:
+        p_rows, p_groups = p_rows[todo[p_groups]], p_groups[todo[p_groups]]
+        q_rows, q_groups = q_rows[todo[q_groups]], q_groups[todo[q_groups]]
     rows = np.r_[p_rows, q_rows]
+    qk, pk = np.zeros(len(own), np.int64), np.zeros(len(own), np.int64)
+    needed = np.unique(rows)  # the text keys of the rows routed anywhere
+    qk[needed] = text_hashes(batch.column("query").take(pa.array(needed)).to_pylist())
+    pk[needed] = text_hashes(batch.column("passage").take(pa.array(needed)).to_pylist())
     vectors = np.concatenate([p[p_rows], q[q_rows]])
     return pa.table({
         "kind": pa.array(np.r_[np.full(len(p_rows), PASSAGE), np.full(len(q_rows), QUERY)].astype(np.int8)),
@@ -223,7 +249,8 @@ def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
 
 def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     """The top mine.range_max passages of this search group for each query routed here, best first (equal scores:
-    lower pair_id first), with their pairs' text keys; one output row per routed query, lists maybe empty."""
+    lower pair_id first), each with its candidate_flags against the query's pair; one output row per routed query,
+    lists maybe empty."""
     kind, pair_ids = group.column("kind").to_numpy(), group.column("pair_id").to_numpy()
     # Passages by pair_id: the index order is independent of arrival. Queries too: BLAS may round a row's
     # scores differently by its position in the batch, so a fixed order makes reruns equal. The queries stay in
@@ -248,15 +275,14 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     keep = np.arange(depth)[None, :] < found[:, None]
     safe = np.maximum(rows, 0)
     qk, pk = passages.column("query_key").to_numpy(), passages.column("passage_key").to_numpy()
-    offsets = pa.array(np.r_[0, np.cumsum(found)].astype(np.int32))
-    lists = {name: pa.ListArray.from_arrays(offsets, pa.array(values[safe][keep], type_))
-             for name, values, type_ in (("cand_ids", ids, pa.int64()), ("cand_query_keys", qk, pa.int64()),
-                                         ("cand_passage_keys", pk, pa.int64()))}
     own = {name: group.column(name).to_numpy()[q_rows] for name in ("query_key", "passage_key", "pos_score")}
+    flags = candidate_flags(qk[safe], pk[safe], own["query_key"][:, None], own["passage_key"][:, None])
+    offsets = pa.array(np.r_[0, np.cumsum(found)].astype(np.int32))
     return pa.table({"bucket": pa.array(bucket_of(pair_ids[q_rows], buckets)),
-                     "pair_id": pa.array(pair_ids[q_rows], pa.int64()), **own,
+                     "pair_id": pa.array(pair_ids[q_rows], pa.int64()), "pos_score": own["pos_score"],
                      "cand_scores": pa.ListArray.from_arrays(offsets, pa.array(scores[keep], pa.float32())),
-                     **lists})
+                     "cand_ids": pa.ListArray.from_arrays(offsets, pa.array(ids[safe][keep], pa.int64())),
+                     "cand_flags": pa.ListArray.from_arrays(offsets, pa.array(flags[keep], pa.int8()))})
 
 
 # --- step 3: merge each query's candidates over its probed clusters and apply the rule ----------------------
@@ -265,30 +291,27 @@ def merge_candidates(group: pa.Table, mc: MineConfig) -> tuple[pa.Table, dict]:
 
     group: search_cluster rows of some queries (one per search group they were routed to). A query's candidates
     from all its groups are ranked together (score, then pair_id), cut at mine.range_max and filtered by
-    filter_candidates, so with every cluster probed the result is exact search."""
+    apply_rule (with the flags search_cluster set), so with every cluster probed the result is exact search."""
     pair_ids = group.column("pair_id").to_numpy()
     queries, first_row = np.unique(pair_ids, return_index=True)
     of_query = np.searchsorted(queries, pair_ids)
     lists = group.column("cand_ids").combine_chunks()
     parent = of_query[np.asarray(pc.list_parent_indices(lists))]
     flat = {name: np.asarray(pc.list_flatten(group.column(name).combine_chunks()))
-            for name in ("cand_ids", "cand_scores", "cand_query_keys", "cand_passage_keys")}
+            for name in ("cand_ids", "cand_scores", "cand_flags")}
     order = np.lexsort((flat["cand_ids"], -flat["cand_scores"], parent))
     parent, flat = parent[order], {name: v[order] for name, v in flat.items()}
     rank = np.arange(len(parent)) - np.searchsorted(parent, parent)  # position within the query's run
     cut = rank < mc.range_max
     b, m = len(queries), len(parent)
-    # filter_candidates indexes key arrays by row: candidates first, then each query's own pair.
     table_rows = np.full((b, mc.range_max), -1, np.int64)
     table_scores = np.zeros((b, mc.range_max), np.float32)
+    table_flags = np.zeros((b, mc.range_max), np.int8)
     table_rows[parent[cut], rank[cut]] = np.arange(m)[cut]
     table_scores[parent[cut], rank[cut]] = flat["cand_scores"][cut]
-    own_qk = group.column("query_key").to_numpy()[first_row]
-    own_pk = group.column("passage_key").to_numpy()[first_row]
+    table_flags[parent[cut], rank[cut]] = flat["cand_flags"][cut]
     pos = group.column("pos_score").to_numpy()[first_row]
-    keep, drops = filter_candidates(
-        table_scores, table_rows, m + np.arange(b), pos, np.r_[flat["cand_passage_keys"], own_pk],
-        np.r_[flat["cand_query_keys"], own_qk], mc)
+    keep, drops = apply_rule(table_scores, table_rows, table_flags, pos, mc)
     offsets = pa.array(np.r_[0, np.cumsum(keep.sum(1))].astype(np.int32))  # row-major: each query's best first
     out = pa.table({"pair_id": pa.array(queries, pa.int64()),
                     "neg_pair_ids": pa.ListArray.from_arrays(offsets, pa.array(flat["cand_ids"][table_rows[keep]],
