@@ -121,7 +121,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(_EMBEDDINGS,), sections=_CLUSTERING, resources=_ON_GPU, shared=True),
     Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).", run_assign,
           PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"), _EMBEDDINGS), sections=_CLUSTERING,
-          resources=Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), shared=True),
+          resources=Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), shared=True, keeps_units=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
           run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=_DEDUP,
           extra_outputs=(ExtraOutput(DEDUP_KEPT, _DEDUP),), shared=True, one_clustering=True, in_run=_deduplicating),

@@ -1,6 +1,8 @@
 """Spherical k-means: the compute core against naive numpy and faiss.Kmeans, the Ray fit against the core."""
 from __future__ import annotations
 
+import os
+
 import faiss
 import numpy as np
 import pytest
@@ -204,3 +206,14 @@ def test_ray_assign_streams_every_row(synthetic_run, fits):
     assert table.num_rows == 3000
     np.testing.assert_array_equal(table.column("cluster").to_numpy(), labels)
     np.testing.assert_allclose(table.column("cos").to_numpy(), sims, rtol=1e-5)
+    # An attempt that stopped midway (files of some units written, no done marker): the rerun writes the rest only,
+    # into the same names, and the output is byte for byte the uninterrupted one.
+    files = sorted(run.files(assign_dir(10)))
+    whole = {f: open(f, "rb").read() for f in files}
+    kept = {f: os.stat(f).st_mtime_ns for f in files[::2]}
+    for f in files[1::2]:
+        os.remove(f)
+    run.remove(assign_dir(10), "_DONE.json")
+    assert len(files) > 1 and run_stage("assign", cfg, run).stats["rows"] == 3000
+    assert sorted(run.files(assign_dir(10))) == files and {f: os.stat(f).st_mtime_ns for f in kept} == kept
+    assert {f: open(f, "rb").read() for f in files} == whole

@@ -30,6 +30,7 @@ from clusterscale.io.rundir import RunDir, StageInputChangedError, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
+from clusterscale.runtime.work_units import load_or_make_plan, split_done
 
 __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
            "load_centroids", "AssignBatches", "assign_units"]
@@ -220,6 +221,7 @@ class AssignBatches:
 
 # Rows per assign work unit (and output file): consecutive row groups of one embeddings/ file. One actor call
 # holds one unit (its table, the assigned table and the written file), so the memory is O(this), not O(N).
+PLAN_FILE = "_plan.json"  # assign/k=<k>/'s units, fixed at the first attempt
 ASSIGN_UNIT_ROWS = 32_768
 
 
@@ -265,7 +267,8 @@ class AssignUnits(AssignBatches):
 
 
 def run_assign(ctx: StageContext) -> StageResult:
-    """Assign every embedded pair to its nearest centroid of kmeans/k=<k>/, into assign/k=<k>/."""
+    """Assign every embedded pair to its nearest centroid of kmeans/k=<k>/, into assign/k=<k>/ (one file per unit; an
+    interrupted attempt with this fingerprint is finished, its files kept)."""
     cfg, run = ctx.cfg, ctx.run
     k = cfg.cluster.k
     out = assign_dir(k)
@@ -278,6 +281,16 @@ def run_assign(ctx: StageContext) -> StageResult:
                        use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
     units = assign_units(run)
+    # The units are fixed with the plan (embeddings/ is fixed for this fingerprint): a rerun after a kill or a lost
+    # node writes only the files not yet written, into the same names.
+    work = load_or_make_plan(run, out, f"{out}/{PLAN_FILE}", ctx.fingerprint, "assignment", lambda: {
+        "units": [{"output": f"{out}/part-{u['unit']:05d}.parquet", "rows": u["rows"]} for u in units]})
+    done, todo = split_done(run, out, work["units"])
+    left = {u["output"] for u in todo}
+    units = [u for u, planned in zip(units, work["units"]) if planned["output"] in left]
+    if done:
+        print(f"[assign] resuming: {len(done)} of {len(work['units'])} units were written by an earlier attempt",
+              flush=True)
     ds = ray.data.from_items(units, override_num_blocks=max(1, len(units)))
     # At least one actor per node from the start, spread: every node takes a share of the units, and a node's loss
     # costs only the units in flight there. Autoscaling from one actor would leave small runs on one node.
@@ -285,8 +298,9 @@ def run_assign(ctx: StageContext) -> StageResult:
     ds = map_spread(ds.map_batches, AssignUnits, first_actors=first, on_gpu=plan.on_gpu,
                     fn_constructor_args=(index, run.uri, out), batch_size=1, batch_format="pyarrow",
                     compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **remote_args)
-    progress, written, nodes = ProgressLine("assign", n_rows), 0, set()
-    for result in ds.iter_rows():  # the driver sees counts only, so it can report progress and check the total
+    progress, written, nodes = ProgressLine("assign", n_rows), sum(u["rows"] for u in done), set()
+    progress.advance(written)
+    for result in (ds.iter_rows() if units else ()):  # the driver sees counts only: progress, and the total checked
         written += result["rows"]
         nodes.add(result["node"])
         progress.advance(result["rows"])
