@@ -16,8 +16,10 @@ from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_f
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
+from clusterscale.stages.mine import QUERIES_PER_FILE
 from clusterscale.stages.shards import writer_sizing
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
+from clusterscale.train.negatives import candidates_per_query, draws_for, mine_disk_bytes
 
 STAGES = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")
 PREPROCESS = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine")
@@ -218,9 +220,13 @@ class Planner:
         if stage == "dedup":
             return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, \
                 embed_files(cfg, shape, self.embed_actors()).items
-        if stage == "mine":
-            n_neg = cfg.train.objective.negatives_per_query
-            return {"negatives": shape.train_rows * n_neg * 8.0}, embed_files(cfg, shape, self.embed_actors()).items
+        if stage == "mine":  # train/negatives.mine_disk_bytes: the draws of train.epochs; files: buckets and pieces
+            per_query, candidates = cfg.train.objective.negatives_per_query, candidates_per_query(cfg)
+            draws = draws_for(per_query, cfg.train.schedule.epochs, candidates)
+            disk = mine_disk_bytes(shape.train_rows, candidates, per_query, draws, self.text_bytes,
+                                   min(cfg.mine.nprobe, k))
+            pieces = shard_files(cfg, self.shards) if per_query else 0
+            return disk, max(1, math.ceil(shape.train_rows / QUERIES_PER_FILE)) + pieces
         if stage == "train":
             export = 4.0 * self.models.student_params  # safetensors fp32 model
             ckpt = 12.0 * self.models.student_params if cfg.train.checkpoint.keep_checkpoint else 0.0

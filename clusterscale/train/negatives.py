@@ -123,12 +123,41 @@ def training_draw(cfg: Config, manifest: ShardManifest) -> Draw:
     """The draw training with cfg reads from the shard set of `manifest`: train.negatives_per_query per epoch, one
     draw per epoch the run trains, at most ceil(candidates / M) of them (mine.range_max - mine.range_min)."""
     tc = cfg.train
-    per_query = max(1, tc.objective.negatives_per_query)
     sizes, batch = manifest.strata_sizes, tc.schedule.global_batch_size
     per_epoch = max(1, schedule.batches_per_epoch(sizes, batch))
     epochs = math.ceil(schedule.total_steps(sizes, batch, tc.schedule.epochs, tc.schedule.steps) / per_epoch)
-    candidates = max(1, cfg.mine.range_max - cfg.mine.range_min)
-    return Draw(per_query, tc.schedule.seed, max(1, min(epochs, math.ceil(candidates / per_query))))
+    per_query = max(1, tc.objective.negatives_per_query)
+    return Draw(per_query, tc.schedule.seed, draws_for(per_query, epochs, candidates_per_query(cfg)))
+
+
+def candidates_per_query(cfg: Config) -> int:
+    """At most how many candidates negatives/ keeps per query (ranks [mine.range_min, mine.range_max))."""
+    return max(1, cfg.mine.range_max - cfg.mine.range_min)
+
+
+def draws_for(per_query: int, epochs: int, candidates: int) -> int:
+    """The draws a sidecar holds: one per epoch trained, at most ceil(candidates / M)."""
+    return max(1, min(epochs, math.ceil(candidates / max(1, per_query))))
+
+
+# Bytes a query costs in negatives/ before compression (mine.PARTS_WRITE's zstd stores synth candidates at ~40% of
+# them), the sidecars' bytes beyond the texts, and the search results a mine attempt keeps until its merge is done.
+PART_ROW_BYTES, PART_CANDIDATE_BYTES = 12, 12  # pair_id + pos_score; a candidate's pair_id + score
+SIDECAR_ROW_BYTES, SIDECAR_NEGATIVE_BYTES = 8, 16  # pair_id; a drawn negative's pair_id and two list offsets
+SEARCH_CANDIDATE_BYTES = 13  # a search result's candidate: pair_id, score, flag (mine.SEARCH_DIR)
+
+
+def mine_disk_bytes(rows: int, candidates: int, per_query: int, draws: int, text_bytes: float,
+                    nprobe: int) -> dict[str, float]:
+    """What `clusterscale mine` (and the training that draws from it) writes, uncompressed: negatives/ (every
+    query's candidates and the padding pool), its sidecars (per row M x D drawn negatives, each its pair's query and
+    passage texts, about a pair's text bytes; none without train.negatives_per_query) and the search results a mine
+    attempt holds until every bucket is merged (each query's top candidates in each probed cluster)."""
+    sidecars = rows * (SIDECAR_ROW_BYTES + per_query * draws * (text_bytes + SIDECAR_NEGATIVE_BYTES)) \
+        if per_query else 0.0
+    return {"negatives": rows * (PART_ROW_BYTES + candidates * PART_CANDIDATE_BYTES) + PADDING_POOL_ROWS * text_bytes,
+            "negatives/rows": float(sidecars),
+            "negatives/_search": float(rows * nprobe * candidates * SEARCH_CANDIDATE_BYTES)}
 
 
 def groups_per_piece(manifest: ShardManifest) -> int:
