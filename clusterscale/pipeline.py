@@ -128,7 +128,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.", run_shard, PerK(shards_dir),
           inputs=(_ASSIGNED, Input(PerConfigFolder(shard_input, f"{DEDUP_KEPT}/ (dedup on)"), "dedup",
                                    "Deduplicated pairs (dedup is on)", made_with=_dedup_sections_when_applied)),
-          sections=_SHARDS, extra=_shard_extra, resources=_HALF_CPU, shared=True),
+          sections=_SHARDS, extra=_shard_extra, resources=_HALF_CPU, shared=True, keeps_units=True),
     Stage("shard_set", "Write the shards of train.sampler random, random_clusters or source from the clustered ones.",
           run_shard_set, PerConfigFolder(_shard_set_dir, f"{shard_set_dir('<k>', '<sampler>')}/"),
           inputs=(_SHARDED,), sections=_SHARDS, extra=_shard_set_extra,

@@ -142,6 +142,7 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
 
     from clusterscale.runtime.nodes import TEST_UNIT_DELAY_ENV
     from clusterscale.stages import mine as mine_stage
+    from clusterscale.stages import shards as shard_stage
 
     import pyarrow.parquet as pq
     import ray
@@ -223,3 +224,29 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     said = capsys.readouterr().out
     assert f"resuming: {len(before)} of {groups} search groups" in said, said
     check_negatives()
+
+    # shard the same way: killed with some (shard, sub) groups written, the rerun writes the others; same shards.
+    shards = run.path("shards/k=5")
+    clusters = run.read_json("shards/k=5/manifest.json")["clusters"]
+    files = {f: open(run.path(f), "rb").read() for c in clusters for f in c["files"]}
+    records = os.path.join(shards, shard_stage.GROUPS_DIR)
+    delay.write_text(json.dumps({"shard": 0.5}))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", "shard", "--run-dir", run_dir, "--replace",
+                                 "--set", *keys], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and \
+                len([f for f in (os.listdir(records) if os.path.isdir(records) else []) if f.endswith(".json")]) < 2:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        delay.unlink()
+    written = len([f for f in os.listdir(records) if f.endswith(".json")])
+    assert written >= 2 and not run.exists("shards/k=5/_DONE.json")
+    assert cli.main(["shard", "--run-dir", run_dir, "--set", *keys]) == 0
+    said = capsys.readouterr().out
+    assert f"resuming: {written} of {len(clusters)} groups" in said, said
+    assert run.read_json("shards/k=5/manifest.json")["clusters"] == clusters and not os.path.exists(records)
+    assert {f: open(run.path(f), "rb").read() for f in files} == files

@@ -26,7 +26,8 @@ from clusterscale.config import Config
 from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_dir, shard_set_manifest_path, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
-from clusterscale.stages.shards import SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups, write_groups
+from clusterscale.stages.shards import (GROUPS_DIR, SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups,
+                                        write_groups)
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, shuffle_for
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.hashing import SeededPermutation
@@ -171,6 +172,7 @@ def run_shard_set(ctx: StageContext) -> StageResult:
         k=k, fingerprint=fingerprint, global_batch_size=cfg.train.schedule.global_batch_size, clusters=strata, stats=stats,
         row_group_rows=row_group_rows, rows_per_file=rows_per_file, seed=cfg.cluster.seed, sampler=sampler,
         clustered_fingerprint=base.fingerprint).to_json())
+    run.remove(shard_set_dir(k, sampler), GROUPS_DIR)
     print(f"[shard] train.sampler={sampler}: {keys.total} rows into {len(strata)} shards ({stats['files']} files) "
           f"under {shard_set_dir(k, sampler)}/", flush=True)
     return StageResult(stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -30,6 +31,7 @@ from clusterscale.runtime.resources import ClusterResources, Resources, plan_act
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.runtime.work_units import load_or_make_plan
 
 # What the shard files carry: training reads pair_id, query and passage; the source sampler's set is built from
 # `source`. Each column costs every row group ~60 B of footer that a training rank reads (train/data.py), so
@@ -234,10 +236,34 @@ class WriteClusterShard:
                                    write_statistics=False, use_dictionary=False)
             files.append(rel)
             file_rows.append(min(lay.rows_per_file, group.num_rows - start))
-        return pa.table({"shard": [shard_id], "sub": [sub], "name": [name], "rows": [group.num_rows],
-                         "files": [files], "file_rows": [file_rows],
-                         "samples": [group.column("query").slice(0, lay.num_samples).to_pylist()],
-                         "node": [this_node()]})
+        record = {"shard": shard_id, "sub": sub, "name": name, "rows": group.num_rows, "files": files,
+                  "file_rows": file_rows, "samples": group.column("query").slice(0, lay.num_samples).to_pylist(),
+                  "node": this_node()}
+        self.run.write_json(group_record(lay.folder, shard_id, sub), record)  # after its files: the group is done
+        return pa.table({key: [value] for key, value in record.items()})
+
+
+PLAN_FILE = "_plan.json"  # the clustered set's attempt: its fingerprint (runtime/work_units)
+GROUPS_DIR = "_groups"  # a set folder's records of the (shard, sub) groups written, until its manifest is
+
+
+def group_record(folder: str, shard: int, sub: int) -> str:
+    return f"{folder}/{GROUPS_DIR}/{shard}-{sub}.json"
+
+
+def written_groups(run: RunDir, folder: str) -> list[dict]:
+    """The records of the groups an interrupted attempt wrote whole (one listing, then a read per record)."""
+    if not run.exists(folder, GROUPS_DIR):
+        return []
+    names = [n for n in run.listdir(folder, GROUPS_DIR) if n.endswith(".json") and not n.startswith(".")]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(lambda n: run.read_json(f"{folder}/{GROUPS_DIR}/{n}"), names))
+
+
+def _drop_written(batch: pa.Table, done: np.ndarray) -> pa.Table:
+    """The rows of groups not yet written (done: shard << 32 | sub of the groups written)."""
+    keys = (batch.column("shard").to_numpy().astype(np.int64) << 32) | batch.column("sub").to_numpy().astype(np.int64)
+    return batch.filter(pa.array(~np.isin(keys, done)))
 
 
 @dataclass(frozen=True)
@@ -272,14 +298,24 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     # tasks beside its writer: on 1-CPU nodes writers on every node would leave no task a CPU (a deadlock).
     room = cluster.cpus_per_node - (plan.num_cpus or 1) >= 1
     first = min(plan.actors, cluster.nodes) if room else 1
-    written = map_spread(
-        ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups, WriteClusterShard, first_actors=first,
-        fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **plan.options)
+    before = written_groups(run, layout.folder)  # an interrupted attempt's (the folder's plan has this fingerprint)
     progress, groups = ProgressLine(what, sizes.rows), {}
-    for r in written.iter_rows():
+    for r in before:
         groups.setdefault(r["shard"], []).append(r)
         progress.advance(r["rows"])
+    if before:
+        print(f"[{what}] resuming: {len(before)} of {sizes.groups} groups were written by an earlier attempt",
+              flush=True)
+        done = np.array([(r["shard"] << 32) | r["sub"] for r in before], np.int64)
+        ds = ds.map_batches(_drop_written, fn_kwargs={"done": done}, batch_format="pyarrow")
+    if len(before) < sizes.groups:
+        written = map_spread(
+            ds.groupby(["shard", "sub"], num_partitions=partitions).map_groups, WriteClusterShard,
+            first_actors=first, fn_constructor_args=(run.uri, k, layout, columns), batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=first, max_size=max(first, plan.actors)), **plan.options)
+        for r in written.iter_rows():
+            groups.setdefault(r["shard"], []).append(r)
+            progress.advance(r["rows"])
     return {shard: sorted(rows, key=lambda r: r["sub"]) for shard, rows in groups.items()}
 
 
@@ -345,6 +381,9 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
     cfg, run, fingerprint = ctx.cfg, ctx.run, ctx.fingerprint
     k = cfg.cluster.k
     started = time.time()
+    # An attempt with this fingerprint that stopped midway left the groups it wrote whole (write_groups keeps them);
+    # another config's attempt is refused, a fresh plan clears the folder.
+    load_or_make_plan(run, folder, f"{folder}/{PLAN_FILE}", fingerprint, "sharding", lambda: {"units": []})
     n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
     sums = cluster_stats(run, k, n_assigned or 0, source)
     counts = sums.rows
@@ -377,6 +416,7 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
                              empty_clusters=np.flatnonzero(counts == 0).tolist(),
                              max_group_rows=cfg.shard.max_group_rows, keep_emb=cfg.shard.keep_emb)
     run.write_json(f"{folder}/manifest.json", manifest.to_json())
+    run.remove(folder, GROUPS_DIR)
     moved = f", {len(plan['moved'])} small cluster(s) -> {cfg.shard.small_cluster_policy}" if plan["moved"] else ""
     print(f"[shard] {n_total} rows into {len(clusters)} shards ({stats['files']} files), sizes "
           f"{stats['min_rows']}..{stats['max_rows']}{moved}", flush=True)
