@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import time
 from typing import Callable, Iterator
@@ -173,6 +174,27 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
     report/costs.json ("" = none; default: the stage's); costs_run: the run whose report/costs.json gets it
     (default: run). A result whose stats say `reused` (a stage without a marker that found every output cached,
     e.g. evaluate) keeps the cost record of the invocation that did the work."""
+    with _releasing_abandoned_work():
+        return _execute(stage, cfg, run, run_stage=run_stage, source=source, resume=resume, fail_at_step=fail_at_step,
+                        max_tasks_in_flight=max_tasks_in_flight, replace=replace, command=command, cost_key=cost_key,
+                        costs_run=costs_run)
+
+
+@contextlib.contextmanager
+def _releasing_abandoned_work() -> Iterator[None]:
+    """A stage that fails leaves its Ray Data iterators to the garbage collector, and their executors hold their
+    actor pools' CPUs until it runs: collect them at once, so the next stage of this process (a notebook, a test, a
+    sweep) finds its resources (a Ray Train worker group waited forever for a CPU an abandoned encoder held)."""
+    try:
+        yield
+    except BaseException:
+        gc.collect()
+        raise
+
+
+def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | None, source: RunDir | None,
+             resume: bool, fail_at_step: int | None, max_tasks_in_flight: int | None, replace: str, command: str,
+             cost_key: str | None, costs_run: RunDir | None) -> StageResult:
     started, alive = time.time(), nodes.alive_nodes()
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
                        fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)

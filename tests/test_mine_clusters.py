@@ -126,12 +126,9 @@ def test_split_search_groups_give_the_same_negatives(pairs):
     assert mine_in_one_process(table, centroids, mc, groups=groups) == mine_in_one_process(table, centroids, mc)
 
 
-def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local, monkeypatch, capsys):
-    """The Ray stage (row-group reads, counting pass, split groups, shuffles) writes what the single-process
-    steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 passages.
-    The sidecar writer groups its drawn rows by piece into partitions sized by the rows (here ~1,000 each). Killed
-    (SIGKILL of the driver) in the midst of its search, `mine` keeps the groups it searched: the rerun searches the
-    rest and writes the same negatives."""
+def _kill_midway(argv: list[str], address: str, delays: dict, folder: str, prefix: str, files: int) -> None:
+    """`clusterscale <argv>` on the session's Ray with its units slowed by `delays` (tests/conftest.py's hook), killed
+    (SIGKILL) once `folder` holds `files` files named `prefix`*."""
     import json
     import os
     import signal
@@ -141,6 +138,35 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     from pathlib import Path
 
     from clusterscale.runtime.nodes import TEST_UNIT_DELAY_ENV
+
+    def count() -> int:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        return len([f for f in names if f.startswith(prefix) and not f.startswith(".")])
+
+    delay = Path(os.environ[TEST_UNIT_DELAY_ENV])  # the session's Ray workers read it
+    delay.parent.mkdir(parents=True, exist_ok=True)
+    delay.write_text(json.dumps(delays))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", *argv], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, env={**os.environ, "RAY_ADDRESS": address})
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and count() < files:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        delay.unlink()
+
+
+def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray_local, monkeypatch, capsys):
+    """The Ray stage (row-group reads, counting pass, split groups, shuffles) writes what the single-process
+    steps give on the same assign/ rows: exact search (nprobe = k, flat index) over groups of <= 150 passages.
+    The sidecar writer groups its drawn rows by piece into partitions sized by the rows (here ~1,000 each). Killed
+    (SIGKILL of the driver) in the midst of its search, `mine` keeps the groups it searched: the rerun searches the
+    rest and writes the same negatives."""
+    import os
+
     from clusterscale.stages import mine as mine_stage
     from clusterscale.stages import shards as shard_stage
 
@@ -198,23 +224,10 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     pieces, shard_rows = len(mine_rows.piece_units(manifest)), sum(n for _, n in shard_files(manifest))
     assert ("unit", min(pieces, -(-shard_rows * 1 // 1000))) in groupings and pieces > 1  # 1 negative, 1 draw
 
-    delay = Path(os.environ[TEST_UNIT_DELAY_ENV])  # the session's Ray workers read it (tests/conftest.py)
-    delay.parent.mkdir(parents=True, exist_ok=True)
-    delay.write_text(json.dumps({"mine": 0.3}))  # per search group (and bucket): the kill lands mid-search
     searched = run.path(mine_stage.SEARCH_DIR)
-    try:
-        env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
-        proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", "mine", "--run-dir", run_dir, "--replace",
-                                 "--set", *keys], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None and \
-                len([f for f in (os.listdir(searched) if os.path.isdir(searched) else []) if f.startswith("group-")]) < 3:
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        delay.unlink()
+    address = ray_local.get_runtime_context().gcs_address
+    _kill_midway(["mine", "--run-dir", run_dir, "--replace", "--set", *keys], address, {"mine": 0.3}, searched,
+                 "group-", 3)  # per search group (and bucket): the kill lands mid-search
     before = [f for f in os.listdir(searched) if f.startswith("group-")]
     plan = run.read_json("negatives/_plan.json")["groups"]
     groups = mine_stage.SearchGroups(np.asarray(plan["passage_parts"]), np.asarray(plan["query_parts"])).num_groups
@@ -230,20 +243,9 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     clusters = run.read_json("shards/k=5/manifest.json")["clusters"]
     files = {f: open(run.path(f), "rb").read() for c in clusters for f in c["files"]}
     records = os.path.join(shards, shard_stage.GROUPS_DIR)
-    delay.write_text(json.dumps({"shard": 0.5}))
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "clusterscale.cli", "shard", "--run-dir", run_dir, "--replace",
-                                 "--set", *keys], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None and \
-                len([f for f in (os.listdir(records) if os.path.isdir(records) else []) if f.endswith(".json")]) < 2:
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        delay.unlink()
-    written = len([f for f in os.listdir(records) if f.endswith(".json")])
+    _kill_midway(["shard", "--run-dir", run_dir, "--replace", "--set", *keys], address, {"shard": 0.5}, records,
+                 "", 2)
+    written = len([f for f in os.listdir(records) if f.endswith(".json") and not f.startswith(".")])
     assert written >= 2 and not run.exists("shards/k=5/_DONE.json")
     assert cli.main(["shard", "--run-dir", run_dir, "--set", *keys]) == 0
     said = capsys.readouterr().out
