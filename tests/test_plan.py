@@ -114,6 +114,34 @@ def test_the_planner_takes_the_shuffle_rate_of_the_path_its_shuffle_goes(tmp_pat
     assert old.shuffle == {p: ShuffleRate(0.0, 2e-7 * 8192) for p in ("object store", "local files")}
 
 
+def test_mines_disk_is_the_sidecar_layouts_formula():
+    """plan's disk for mine is train/negatives.mine_disk_bytes: candidates per query, the draw's texts per row (M x
+    the epochs, at most candidates / M draws) and the search results until merged; without mined negatives, no
+    sidecars."""
+    from clusterscale.plan.cluster import this_machine
+    from clusterscale.plan.estimate import Models, Planner
+    from clusterscale.plan.rates import Rates
+    from clusterscale.plan.shape import run_shape
+    from clusterscale.train.negatives import mine_disk_bytes
+
+    def disk(*keys: str) -> dict:
+        cfg = config.load(None, ["mine.range_max=30", "mine.nprobe=4", *keys])
+        shape = run_shape(cfg, 1_000_000, 100, 384, None)
+        planner = Planner(cfg, shape, this_machine(), Rates(bytes_per_row={"pairs": 400.0}),
+                          Models(0, 0, 0, 0, 0, 0, ""), None)
+        return planner.outputs("mine")[0], shape.train_rows, planner.text_bytes
+
+    one, rows, text = disk("train.negatives_per_query=1")
+    assert one == mine_disk_bytes(rows, 30, 1, 1, text, 4)
+    assert one["negatives/rows"] == pytest.approx(rows * (8 + text + 16))
+    assert one["negatives/_search"] == rows * 4 * 30 * 13
+    three, _, _ = disk("train.negatives_per_query=2", "train.epochs=3")
+    assert three["negatives/rows"] == pytest.approx(rows * (8 + 2 * 3 * (text + 16)))
+    capped, _, _ = disk("train.negatives_per_query=10", "train.epochs=50")
+    assert capped["negatives/rows"] == pytest.approx(rows * (8 + 10 * 3 * (text + 16)))  # ceil(30 / 10) draws
+    assert disk("train.negatives_per_query=0")[0]["negatives/rows"] == 0
+
+
 def test_dedup_time_is_a_line_in_rows_plus_its_semantic_and_shuffle_terms(tmp_path):
     """dedup: a line in rows (mark, exact, writes), plus rows x cluster rows x d of the semantic pass at its own
     measured rate and rows x (k + 1) partitions of its cluster shuffle; a calibration file without the semantic
