@@ -114,6 +114,25 @@ def test_the_planner_takes_the_shuffle_rate_of_the_path_its_shuffle_goes(tmp_pat
     assert old.shuffle == {p: ShuffleRate(0.0, 2e-7 * 8192) for p in ("object store", "local files")}
 
 
+def test_fits_driver_holds_every_actors_sums():
+    """fit's driver gathers each k-means actor's float64 (k, d) sums of a Lloyd step at once (stages/kmeans.py): the
+    plan counts actors + 1 of them (one actor per GPU, else per node)."""
+    from clusterscale.plan.cluster import ClusterSpec
+    from clusterscale.plan.estimate import Models, Planner
+    from clusterscale.plan.rates import Rates
+    from clusterscale.plan.shape import run_shape
+
+    cfg = config.load(None, [])
+    shape = run_shape(cfg, 1_000_000, 1000, 768, None)
+    for gpus, nodes, actors in ((0, 1, 1), (0, 4, 4), (64, 8, 64)):
+        cluster = ClusterSpec(nodes=nodes, cpus_per_node=16, gpus_per_node=gpus // nodes,
+                              gpu_type="H100" if gpus else None, node_memory_bytes=64 * 2**30, node_disk_bytes=None,
+                              source="test")
+        planner = Planner(cfg, shape, cluster, Rates(bytes_per_row={"pairs": 400.0}), Models(0, 0, 0, 0, 0, 0, ""),
+                          None)
+        assert planner.task_bytes("fit")[1] == (actors + 1) * 1000 * 768 * 8
+
+
 def test_mines_disk_is_the_sidecar_layouts_formula():
     """plan's disk for mine is train/negatives.mine_disk_bytes: candidates per query, the draw's texts per row (M x
     the epochs, at most candidates / M draws) and the search results until merged; without mined negatives, no

@@ -164,7 +164,8 @@ class Planner:
             # stages/kmeans.SampleShard: the sample's chunks and their concatenation while it starts, then one copy
             # and the blocked fp16 check (abs, fp16 and float32 round trip of FP16_CHECK_BLOCK_VALUES values)
             sample = fit_sample_rows(cfg, shape) / actors * d * 4
-            return max(2 * sample, sample + FP16_CHECK_BLOCK_VALUES * 10.0) + 2 * centroids, 2 * k * d * 8.0
+            # The driver: every actor's float64 (k, d) sums of a Lloyd step at once (one ray.get), and their total.
+            return max(2 * sample, sample + FP16_CHECK_BLOCK_VALUES * 10.0) + 2 * centroids, (actors + 1) * k * d * 8.0
         if stage == "assign":  # one work unit (<= ASSIGN_UNIT_ROWS rows of one embeddings file) in, and out again
             unit = min(ASSIGN_UNIT_ROWS, embed_files(cfg, shape, self.embed_actors()).largest)
             return unit * (2 * self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES) + centroids, centroids
