@@ -165,6 +165,8 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     The sidecar writer groups its drawn rows by piece into partitions sized by the rows (here ~1,000 each). Killed
     (SIGKILL of the driver) in the midst of its search, `mine` keeps the groups it searched: the rerun searches the
     rest and writes the same negatives."""
+    import errno
+    import json
     import os
 
     from clusterscale.stages import mine as mine_stage
@@ -238,17 +240,32 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     assert f"resuming: {len(before)} of {groups} search groups" in said, said
     check_negatives()
 
-    # shard the same way: killed with some (shard, sub) groups written, the rerun writes the others; same shards.
-    shards = run.path("shards/k=5")
+    # shard: an attempt that stopped before its manifest (here a failure writing it, in this process) keeps the
+    # (shard, sub) groups it recorded; with two of them lost as a kill mid-write would, the rerun writes those only.
     clusters = run.read_json("shards/k=5/manifest.json")["clusters"]
     files = {f: open(run.path(f), "rb").read() for c in clusters for f in c["files"]}
-    records = os.path.join(shards, shard_stage.GROUPS_DIR)
-    _kill_midway(["shard", "--run-dir", run_dir, "--replace", "--set", *keys], address, {"shard": 0.5}, records,
-                 "", 2)
-    written = len([f for f in os.listdir(records) if f.endswith(".json") and not f.startswith(".")])
-    assert written >= 2 and not run.exists("shards/k=5/_DONE.json")
+    records = run.path("shards/k=5", shard_stage.GROUPS_DIR)
+    write_json = RunDir.write_json
+
+    def no_manifest(self, rel, obj):
+        if rel.endswith("k=5/manifest.json"):
+            raise OSError(errno.EIO, "stopped before the manifest", rel)
+        return write_json(self, rel, obj)
+    monkeypatch.setattr(RunDir, "write_json", no_manifest)
+    with pytest.raises(OSError, match="stopped before the manifest"):
+        cli.main(["shard", "--run-dir", run_dir, "--replace", "--set", *keys])
+    monkeypatch.setattr(RunDir, "write_json", write_json)
+    lost = sorted(os.listdir(records))[:2]
+    for name in lost:
+        for f in json.loads(open(os.path.join(records, name)).read())["files"]:
+            os.remove(run.path(f))
+        os.remove(os.path.join(records, name))
+    kept = {f: os.stat(run.path(f)).st_mtime_ns for f in files if os.path.exists(run.path(f))}
+    assert len(lost) == 2 and kept and len(kept) < len(files) and not run.exists("shards/k=5/_DONE.json")
+    capsys.readouterr()
     assert cli.main(["shard", "--run-dir", run_dir, "--set", *keys]) == 0
     said = capsys.readouterr().out
-    assert f"resuming: {written} of {len(clusters)} groups" in said, said
+    assert f"resuming: {len(clusters) - 2} of {len(clusters)} groups" in said, said
     assert run.read_json("shards/k=5/manifest.json")["clusters"] == clusters and not os.path.exists(records)
+    assert {f: os.stat(run.path(f)).st_mtime_ns for f in kept} == kept  # the kept groups' files untouched
     assert {f: open(run.path(f), "rb").read() for f in files} == files
