@@ -30,6 +30,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scale import machine, write_result  # noqa: E402  (the sibling module: how a benchmark records its run)
 KEYS = ["embed.side=both", "mine.index=ivf", "train.global_batch_size=64", "train.name=bench"]
 
 
@@ -113,8 +115,8 @@ def main() -> None:
         print(json.dumps(rank_memory(args.measure, args.steps, args.world)))
         return
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="bench-negatives-")
-    result = {"steps": args.steps, "world": args.world, "per_query": args.per_query, "load": os.getloadavg()[0],
-              "scales": []}
+    before = machine()
+    result = {"steps": args.steps, "world": args.world, "per_query": args.per_query, "scales": []}
     for rows in (args.rows, 4 * args.rows):
         run_dir = os.path.join(out_dir, f"n{rows}")
         if not os.path.exists(os.path.join(run_dir, "negatives", "_DONE.json")):
@@ -124,10 +126,7 @@ def main() -> None:
                                   env={**os.environ, "PYTHONPATH": REPO})
         result["scales"].append(json.loads(measured.stdout.strip().splitlines()[-1]))
     result["growth"] = round(result["scales"][1]["peak_rss_mb"] / result["scales"][0]["peak_rss_mb"], 3)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_result(result, before, out_dir, args.json)
 
 
 if __name__ == "__main__":

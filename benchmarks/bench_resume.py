@@ -7,12 +7,12 @@ R must hold the stage's inputs (e.g. a synth run after fit, assign and shard for
 killed with SIGKILL at full_s / 2 (the command's process only, as a lost driver or node would be); then the plain
 command again, which finishes the killed attempt (`rerun_s`). `ratio` = rerun_s / full_s (issue 51's goal: <= 0.6
 for the benchmark, <= 0.7 for the check on synth runs). The rerun's "resuming" lines say what it kept. Run it on a
-quiet machine: the load average is recorded.
+quiet machine: the machine and its load before and after are recorded (bench_scale.write_result), with the command
+and the logs folder (R-<stage>-resume/).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +20,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scale import machine, write_result  # noqa: E402  (the sibling module: how a benchmark records its run)
 
 
 def command(stage: str, run_dir: str, keys: list[str], *extra: str) -> list[str]:
@@ -43,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     logs = f"{args.run_dir.rstrip('/')}-{args.stage}-resume"
     os.makedirs(logs, exist_ok=True)
-    load = os.getloadavg()[0]
+    before = machine()
     full = timed(command(args.stage, args.run_dir, args.keys, "--replace"), f"{logs}/full.log")
     with open(f"{logs}/killed.log", "w") as out:
         proc = subprocess.Popen(command(args.stage, args.run_dir, args.keys, "--replace"), stdout=out,
@@ -57,13 +59,8 @@ def main() -> None:
         resumed = [line.strip() for line in f if "resuming" in line]
     result = {"stage": args.stage, "run_dir": args.run_dir, "keys": args.keys, "full_s": round(full, 1),
               "killed_at_s": round(full / 2, 1), "rerun_s": round(rerun, 1), "ratio": round(rerun / full, 3),
-              "resumed": resumed, "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-
+              "resumed": resumed, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    write_result(result, before, logs, args.json)
 
 if __name__ == "__main__":
     main()

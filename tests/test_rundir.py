@@ -214,3 +214,20 @@ def test_job_with_relative_run_dir_refuses_then_replaces(existing_run, no_ray, m
     assert "cluster.niter 10 -> 3" in err and "jobs/train.py --run-dir run --set cluster.niter=3 --replace" in err
     assert run_job(monkeypatch, "train", "--run-dir", "run", "--set", "cluster.niter=3", "--replace") == 0
     assert existing_run.read_json("train/clustered-seed0/_DONE.json")["covers"]["cluster"]["niter"] == 3
+
+
+def test_replace_removes_what_was_made_from_the_folder_not_its_inputs(tmp_path):
+    """fit's and assign's markers cover the same config values; assign --replace removes the shards made from
+    assign/ (finished after it) and keeps kmeans/, its input (finished before it)."""
+    from clusterscale import config as config_mod
+
+    run = RunDir(str(tmp_path / "run"))
+    cfg = config_mod.load(None, ["cluster.k=4"])
+    for folder, sections, at in (("kmeans/k=4", ("data", "embed", "cluster"), "2026-12-05T10:00:00Z"),
+                                 ("assign/k=4", ("data", "embed", "cluster"), "2026-12-05T10:00:05Z"),
+                                 ("shards/k=4", ("data", "embed", "cluster", "shard"), "2026-12-05T10:00:09Z")):
+        run.write_json(f"{folder}/part.json", {})
+        run.mark_done(folder, cfg.fingerprint(sections), {})
+        run.write_json(f"{folder}/_DONE.json", run.read_json(f"{folder}/_DONE.json") | {"finished_at": at})
+    assert run.replace("assign/k=4") == ["shards/k=4", "assign/k=4"]
+    assert run.exists("kmeans/k=4", "_DONE.json") and not run.exists("shards/k=4")

@@ -352,16 +352,20 @@ class RunDir:
         """Remove `stage_dir` and every output made from it; the removed folders, dependents first.
 
         An output was made from `stage_dir` when its marker covers the same values for every config
-        section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8)."""
+        section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8) and was
+        finished no earlier than it: kmeans/k=4 covers what assign/k=4 covers, but is assign's input, not made from
+        it (`assign --replace` removed the fit it reads)."""
         removed = []
         covers = self._covers(stage_dir) if self.exists(stage_dir, DONE) else None
         if covers:
+            since = self.done_marker(stage_dir).finished_at or ""
             for other in self.files(suffix=DONE, include_private=True):
                 rel = posixpath.relpath(other, self.root)
                 other_dir = posixpath.dirname(rel)
                 if other_dir == stage_dir or other_dir.startswith(stage_dir + "/") or not self.exists(rel):
                     continue  # inside the folder removed below, or inside a dependent removed already
-                if _made_from(self._covers(other_dir), covers):
+                if _made_from(self._covers(other_dir), covers) and \
+                        (self.done_marker(other_dir).finished_at or since) >= since:
                     self.remove(other_dir)
                     removed.append(other_dir)
         self.remove(stage_dir)
