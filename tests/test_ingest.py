@@ -178,3 +178,58 @@ def test_limit_rules_rerun_units_read_too_far_or_cut_short():
     accepted.add(units[1], 12, {"rows_in": 5, "written": ["b"]}, rerun)
     accepted.add(IngestUnit(3, "d.jsonl"), 12, {"rows_in": 12, "written": ["d"]}, rerun)  # 7 allowed
     assert reruns[-1] == (3, 7) and Run.removed[-1] == "d" and accepted.rows_in == 12
+
+
+def test_an_interrupted_ingest_keeps_its_finished_units(tmp_path, ray_local, capsys):
+    """A rerun after an attempt that finished some units (their markers written after their parts) runs only the
+    others, into the same names: the same files as one uninterrupted ingest, the kept ones untouched. Changed input
+    files start the attempt over."""
+    import os
+
+    from clusterscale.stages.ingest import UNITS_DIR
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    queries = [f"query {i}" if i % 41 else "" for i in range(600)]  # a few quarantined rows
+    pq.write_table(pa.table({"q": queries, "p": [f"passage {i}" for i in range(600)]}), folder / "a.parquet",
+                   row_group_size=100)
+    (folder / "b.jsonl").write_text("".join(json.dumps({"q": f"b {i}", "p": f"bp {i}"}) + "\n" for i in range(50)))
+    extra = ["data.rows_per_part=200"]
+    reference, stats = _ingest(tmp_path / "reference", folder, *extra)
+    run, _ = _ingest(tmp_path, folder, *extra)
+
+    def data_files(r):
+        return {f: open(r.path(f), "rb").read() for kind in ("pairs", "heldout", "quarantine")
+                for f in r.listdir(kind) if f.endswith(".parquet") and not f.startswith("_")
+                for f in [f"{kind}/{f}"]}
+
+    expected = data_files(reference)
+    assert data_files(run) == expected and stats["rows_in"] == 650
+    # As a kill leaves it: no done markers; two units lost their markers (one of them its parts too), a temp file.
+    for kind in ("pairs", "heldout", "quarantine"):
+        os.remove(run.path(f"{kind}/_DONE.json"))
+    markers = sorted(run.listdir(UNITS_DIR))
+    assert len(markers) == 4  # three row-group units of a.parquet, one of b.jsonl
+    for name in markers[1:3]:
+        written = json.loads(open(run.path(f"{UNITS_DIR}/{name}")).read())["written"]
+        os.remove(run.path(f"{UNITS_DIR}/{name}"))
+        if name == markers[1]:
+            for f in written[:-1]:
+                os.remove(run.path(f))
+    open(run.path("pairs/.tmp-cut-short"), "wb").write(b"half a part")
+    kept = {f: os.stat(run.path(f)).st_mtime_ns for f in expected if os.path.exists(run.path(f))}
+    capsys.readouterr()
+    _, again = _ingest(tmp_path, folder, *extra)
+    assert "resuming: 2 of 4 work units" in capsys.readouterr().out
+    assert data_files(run) == expected and not os.path.exists(run.path("pairs/.tmp-cut-short"))
+    assert {k: again[k] for k in ("rows_in", "pairs", "heldout", "quarantine", "reasons")} == \
+        {k: stats[k] for k in ("rows_in", "pairs", "heldout", "quarantine", "reasons")}
+    unit_a0 = markers[0].replace(".json", "")
+    assert all(os.stat(run.path(f)).st_mtime_ns == t for f, t in kept.items() if unit_a0 in f)
+
+    # Interrupted again, then the input changes: nothing of the attempt is kept.
+    os.remove(run.path("pairs/_DONE.json"))
+    (folder / "b.jsonl").write_text("".join(json.dumps({"q": f"b {i}", "p": f"bp {i}"}) + "\n" for i in range(60)))
+    _, changed = _ingest(tmp_path, folder, *extra)
+    assert "input files changed since the interrupted attempt" in capsys.readouterr().out
+    assert changed["rows_in"] == 660

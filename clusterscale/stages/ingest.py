@@ -10,12 +10,15 @@ file: stable, unique and independent of how the work is split.
 data.limit: Parquet units get their exact row budget from the footers and all run at once. A unit of
 unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
 the most rows it could be allowed; units that turn out to lie past the limit are discarded, and the one
-that crosses it is re-read with its exact budget. Run with `clusterscale ingest [CONFIG] --run-dir R`.
+that crosses it is re-read with its exact budget. Each unit writes a marker (pairs/_units/) after its parts: a
+rerun of an interrupted attempt (same config, same input files) keeps the units with a marker and runs the rest
+into the same names, so the result is the same files. Run with `clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import time
 import unicodedata
 from concurrent.futures import ThreadPoolExecutor
@@ -32,11 +35,12 @@ from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
                                          infer_format, is_encodable, iter_records, list_input_files,
                                          refuse_run_dir_in_data)
-from clusterscale.io.input_identity import record_inputs, refuse_changed_input_files
+from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.work_units import load_or_make_plan, split_done
 
 PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("passage", pa.string()),
                          ("source", pa.string())])
@@ -44,6 +48,9 @@ QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()),
                                ("passage", pa.string()), ("source", pa.string()), ("input_file", pa.string()),
                                ("input_row", pa.int64())])
 BAD_FILES = "quarantine/bad_files.json"
+PLAN = "pairs/_plan.json"  # the attempt's input listing digest and config fingerprint (a rerun finishes it)
+UNITS_DIR = "pairs/_units"  # one marker per finished work unit: its counts and the parts it wrote
+OUTPUTS = ("pairs", "heldout", "quarantine")
 FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
 # C0/C1 control characters (NUL included) except tab, line feed and carriage return: they break tokenizers and
 # terminals. Spaces in every format, raw or escaped (a JSON "\u0000" too: json_input reads raw ones alike).
@@ -178,9 +185,15 @@ def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data: DataC
                               f"{BAD_FILES}).") from None
         writer.discard()
         counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}, "bad_file": found}
-    marker = f"pairs/_units/{unit.file_index:05d}-{unit.unit_index:05d}.json"
-    run.write_json(marker, {"path": unit.path, "row_start": unit.row_start, **counts})
-    return counts | {"written": writer.written() + [marker]}
+    marker = unit_marker(unit)
+    result = counts | {"written": writer.written() + [marker]}
+    # Written last, after every part: a unit with its marker is complete, and a rerun takes its result from it.
+    run.write_json(marker, {"path": unit.path, "row_start": unit.row_start, "budget": row_budget, **result})
+    return result
+
+
+def unit_marker(unit: IngestUnit) -> str:
+    return f"{UNITS_DIR}/{unit.file_index:05d}-{unit.unit_index:05d}.json"
 
 
 def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfig, writer: _PartWriter,
@@ -252,8 +265,9 @@ def effective_data_config(cfg: Config) -> DataConfig:
 
 
 def run_ingest(ctx: StageContext) -> StageResult:
-    """Ingest every input file (one Ray task each) into pairs/, heldout/ and quarantine/ (cleared by the
-    executor, which marks all three done)."""
+    """Ingest every input file (one Ray task per work unit) into pairs/, heldout/ and quarantine/ (the executor
+    marks all three done). An interrupted attempt with this config and these input files is finished: the units
+    it finished are kept (resume_plan), the others run again into the same names."""
     cfg, run = ctx.cfg, ctx.run
     data = effective_data_config(cfg)
     refuse_run_dir_in_data(data, run.uri)
@@ -266,7 +280,8 @@ def run_ingest(ctx: StageContext) -> StageResult:
     units = plan_units(fs, files, data)
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
     _print_skipped(listing.walk)
-    results = run_units(run, fs, units, data)
+    finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
+    results = run_units(run, fs, units, data, finished)
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
     stats["run_dirs_skipped"] = [redact_uri(d) for d in listing.walk.run_dirs_skipped]
@@ -304,12 +319,40 @@ def _print_skipped(walk) -> None:
               f"{', '.join(redact_uri(d) for d in walk.run_dirs_skipped)}", flush=True)
 
 
-def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig
-              ) -> list[tuple[IngestUnit, dict]]:
+def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict[str, dict]:
+    """The markers of the units an interrupted attempt finished ({marker path: its JSON}), read after ONE listing
+    of UNITS_DIR; {} for a fresh attempt, which clears pairs/, heldout/ and quarantine/ first. An attempt made from
+    input files that have changed since (another listing digest) is started over; one made with another config is
+    refused by load_or_make_plan (--replace replaces it)."""
+    run = ctx.run
+    if run.exists(PLAN) and run.read_json(PLAN).get("inputs") != digest:
+        print("[ingest] the input files changed since the interrupted attempt: it is started over", flush=True)
+        run.remove(PLAN)
+    fresh = not run.exists(PLAN)
+    load_or_make_plan(run, "pairs", PLAN, ctx.fingerprint, "ingest", lambda: {"inputs": digest, "units": len(units)})
+    if fresh:
+        for folder in OUTPUTS[1:]:
+            run.begin(folder)
+        return {}
+    for folder in OUTPUTS:  # the temp files of writes a kill cut short
+        split_done(run, folder, [])
+    names = set(run.listdir(UNITS_DIR)) if run.exists(UNITS_DIR) else set()
+    wanted = [unit_marker(u) for u in units if posixpath.basename(unit_marker(u)) in names]
+    with ThreadPoolExecutor(FOOTER_READ_THREADS) as pool:
+        finished = dict(zip(wanted, pool.map(run.read_json, wanted)))
+    if finished:
+        print(f"[ingest] resuming: {len(finished)} of {len(units)} work units were finished by an earlier attempt",
+              flush=True)
+    return finished
+
+
+def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig,
+              finished: dict[str, dict] | None = None) -> list[tuple[IngestUnit, dict]]:
     """Every unit through a Ray task, in rounds under data.limit (see the module docstring); the accepted
-    (unit, counts) in unit order."""
+    (unit, counts) in unit order. finished: the markers of units an interrupted attempt finished (resume_plan):
+    their results are taken as recorded, with the budget they ran with, and no task runs for them."""
     task = ray.remote(num_cpus=1, max_retries=2)(ingest_unit)
-    width = ClusterResources.current().cpus
+    width, finished = ClusterResources.current().cpus, finished or {}
 
     def rerun(unit: IngestUnit, budget: int) -> dict:
         return ray.get(task.remote(run.uri, fs, unit, data, budget))
@@ -317,15 +360,25 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
     accepted, start = _Accepted(run, data.limit), 0
     while start < len(units) and not accepted.full():
         batch = speculative_batch(units[start:], accepted.remaining(), width)
-        refs = [task.remote(run.uri, fs, unit, data, budget) for unit, budget in batch]
-        pending = list(refs)
+        recorded = [finished.get(unit_marker(unit)) for unit, _ in batch]
+        refs = {i: task.remote(run.uri, fs, unit, data, budget)
+                for i, ((unit, budget), found) in enumerate(zip(batch, recorded)) if found is None}
+        pending = list(refs.values())
         while pending:
             _, pending = ray.wait(pending, num_returns=1)
-            print(f"[ingest] units done: {start + len(refs) - len(pending)}/{len(units)}", flush=True)
-        for (unit, budget), result in zip(batch, ray.get(refs)):
-            accepted.add(unit, budget, result, rerun)
+            print(f"[ingest] units done: {start + len(batch) - len(pending)}/{len(units)}", flush=True)
+        results = dict(zip(refs, ray.get(list(refs.values()))))
+        for i, ((unit, budget), found) in enumerate(zip(batch, recorded)):
+            if found is None:
+                accepted.add(unit, budget, results[i], rerun)
+            else:
+                accepted.add(unit, found["budget"], {k: v for k, v in found.items() if k not in _MARKER_ONLY},
+                             rerun)
         start += len(batch)
     return accepted.results
+
+
+_MARKER_ONLY = ("path", "row_start", "budget")  # what a unit's marker holds beside its result
 
 
 def speculative_batch(units: list[IngestUnit], remaining: int | None, width: int
