@@ -133,7 +133,8 @@ class Stage:
     does not list them for its readers' check (train: the checkpoints after_done drops, the model card evaluate
     rewrites)."""
     keeps_units: bool = False
-    """The stage resumes an interrupted attempt from its own unit plan (ingest, embed, assign, shard, mine), so the
+    """The stage resumes an interrupted attempt from its own unit plan (ingest, embed, assign, dedup, shard,
+    mine), so the
     executor does not clear its outputs before running it."""
     shared: bool = False
     """Preprocessing: made once and shared by compare's arms and sweep's values (its cost counts as preprocessing

@@ -237,3 +237,46 @@ def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model):
     assert set(vectors) == {"emb", "emb_query"}
     np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)
     np.testing.assert_allclose(vectors["emb_query"], encoder.encode(["star orbit", "bake bread"]), atol=1e-5)
+
+
+def test_an_interrupted_dedup_keeps_the_clusters_it_finished(planted_run, capsys):
+    """Split clusters (dedup.max_group_rows=64, a semantic threshold): after an attempt that recorded some clusters,
+    the rerun redoes only the others (their files half written, a temp file left) and writes the same files as the
+    uninterrupted run; the recorded clusters' files are untouched and the counts are the same."""
+    import json
+    import os
+
+    from clusterscale.stages.dedup.stage import UNITS
+
+    run, _, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep="hard",
+                                                                 semantic_threshold=THRESHOLD, max_group_rows=64)])
+    run_stage("dedup", cfg, run, replace="always")
+    stats = run.done_stats(DEDUP)
+
+    def outputs() -> dict[str, bytes]:
+        return {f: open(f, "rb").read() for folder in (DEDUP_KEPT, DEDUP_REMOVED) for f in run.files(folder)}
+
+    expected = outputs()
+    records = sorted(os.listdir(run.path(UNITS)))
+    assert len(records) == K and len(json.loads(open(run.path(UNITS, records[0])).read())["results"]) >= 5
+    # As a kill leaves it: no done markers, two clusters unrecorded, one of them with only some of its files.
+    for folder in (DEDUP, DEDUP_KEPT):
+        os.remove(run.path(folder, "_DONE.json"))
+    for name in records[:2]:
+        os.remove(run.path(UNITS, name))
+    lost = sorted(f for f in expected if f"-{records[0][:-5]}-" in f.rsplit("/", 1)[1])
+    for f in lost[::2]:
+        os.remove(f)
+    open(run.path(DEDUP_KEPT, ".tmp-cut-short"), "wb").write(b"half a file")
+    kept = {f: os.stat(f).st_mtime_ns for f in expected if f"-{records[3][:-5]}-" in f.rsplit("/", 1)[1]}
+    assert lost and kept
+    capsys.readouterr()
+    run_stage("dedup", cfg, run)
+    assert "resuming: 2 cluster(s) were deduplicated by an earlier attempt" in capsys.readouterr().out
+    assert outputs() == expected and not os.path.exists(run.path(DEDUP_KEPT, ".tmp-cut-short"))
+    assert all(os.stat(f).st_mtime_ns == t for f, t in kept.items())
+    again = run.done_stats(DEDUP)
+    for key in ("rows", "removed", "exact", "semantic", "heldout_leak", "removed_per_cluster", "similarity_histogram",
+                "examples"):
+        assert again[key] == stats[key], key

@@ -1,5 +1,11 @@
 """The dedup stage: mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by
-cluster, as Ray Data steps over assign/k=<k>/; its stats and the removed rows it leaves."""
+cluster, as Ray Data steps over assign/k=<k>/; its stats and the removed rows it leaves.
+
+A cluster is the unit of resume: once every file of a cluster (each block of a split one) is written, the driver
+records its counts in dedup/_units/c<cluster>.json. A rerun of an interrupted attempt (same config: dedup/_plan.json
+holds the fingerprint and the block plan) runs the exact step over every row (a kept row of a finished cluster can
+be the first copy of a row elsewhere) and sends only the rows of the clusters not recorded on to the semantic step,
+which writes the same files as an uninterrupted run."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,17 +15,19 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.io.layout import DEDUP_KEPT, DEDUP_REMOVED, assign_dir
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
                                                read_row_groups)
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
 from clusterscale.stages.dedup.partitions import BlockPlan
@@ -29,6 +37,8 @@ from clusterscale.stages.dedup.semantic import REMOVED_SCHEMA, group_rows_limit
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.runtime.nodes import node_stats
 
+PLAN = f"{DEDUP}/_plan.json"  # the fingerprint and the block plan's inputs, fixed at the first attempt
+UNITS = f"{DEDUP}/_units"  # one record per finished cluster: its counts rows
 ROWS_PER_BUCKET = 25_000  # rows of one exact-dedup reduce task (all columns of its rows are in memory)
 MARK_BATCH_ROWS = 4096  # rows per map batch (mark, and routing held-out vectors)
 NUM_EXAMPLES = 3  # example groups in the stats (the report shows them)
@@ -58,30 +68,72 @@ def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, plan: BlockPlan)
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
 
-def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict]:
+def _block_plan(cfg: Config, run: RunDir, files: list[str], footer: pq.FileMetaData, n_rows: int) -> dict:
+    """A fresh attempt's plan: dedup.max_group_rows resolved (auto: by a row's bytes in memory, Parquet's
+    uncompressed size, and its float32 vector) and, when some cluster may be larger, the rows of each cluster id (a
+    pass over assign/'s cluster column): a cluster with more rows is split into blocks (stages/dedup/blocks.py)."""
+    d = footer.schema.to_arrow_schema().field("emb").type.list_size
+    row_bytes = (footer.row_group(0).total_byte_size / max(footer.row_group(0).num_rows, 1)
+                 if footer.num_row_groups else 0.0) + 4 * d
+    limit = group_rows_limit(cfg.dedup, row_bytes)
+    clusters = cfg.cluster.k + 1  # + 1: a pooled small-cluster id may be k
+    sizes = cluster_sizes(run, files, clusters).tolist() if n_rows > limit else None
+    return {"max_group_rows": limit, "sizes": sizes}
+
+
+def _recorded(run: RunDir) -> dict[int, list[dict]]:
+    """{cluster: its counts rows} of the clusters an earlier attempt finished (one listing, one read each)."""
+    names = [n for n in (run.listdir(UNITS) if run.exists(UNITS) else []) if n.endswith(".json")]
+    return {int(n[1:-5]): run.read_json(f"{UNITS}/{n}")["results"] for n in sorted(names)}
+
+
+def _record(run: RunDir, cluster: int, results: list[dict]) -> None:
+    run.write_json(f"{UNITS}/c{cluster:06d}.json", {"results": [_plain(r) for r in results]})
+
+
+def _plain(result) -> dict:
+    """A counts row as JSON values (Ray Data hands lists as numpy arrays)."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v.item() if isinstance(v, np.generic) else v)
+            for k, v in dict(result).items()}
+
+
+def _drop_parts(batch: pa.Table, done_keys: np.ndarray) -> pa.Table:
+    """The rows (and routed held-out vectors) bound for the clusters not finished yet."""
+    return batch.filter(pc.invert(pc.is_in(batch.column("part"), pa.array(done_keys, pa.int64()))))
+
+
+def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint: str) -> list[dict]:
     """Run mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by cluster; the
-    per-cluster results."""
+    per-cluster results (those an interrupted attempt with this fingerprint recorded, and the rest)."""
     files = run.files(assign_dir(cfg.cluster.k))
     with run.fs.open_input_file(files[0]) as f:
         footer = pq.read_metadata(f)
     schema = footer.schema.to_arrow_schema().remove_metadata()
     columns = schema.names
-    # dedup.max_group_rows=auto sized once here, by a row's bytes in memory (Parquet's uncompressed size) and
-    # its float32 vector; a cluster with more rows is split into blocks of about that many (stages/dedup/blocks.py)
-    d = schema.field("emb").type.list_size
-    row_bytes = (footer.row_group(0).total_byte_size / max(footer.row_group(0).num_rows, 1)
-                 if footer.num_row_groups else 0.0) + 4 * d
-    limit = group_rows_limit(cfg.dedup, row_bytes)
+    stored = load_or_make_plan(run, DEDUP, PLAN, fingerprint, "dedup",
+                               lambda: _block_plan(cfg, run, files, footer, n_rows))
+    limit = int(stored["max_group_rows"])
     dedup_cfg = dataclasses.replace(cfg.dedup, max_group_rows=limit)
-    clusters = cfg.cluster.k + 1  # + 1: a pooled small-cluster id may be k
-    plan = BlockPlan.of(cluster_sizes(run, files, clusters), limit, cfg.dedup.semantic_threshold > 0) \
-        if n_rows > limit else BlockPlan.whole(clusters)
+    clusters = cfg.cluster.k + 1
+    plan = BlockPlan.of(np.asarray(stored["sizes"], np.int64), limit, cfg.dedup.semantic_threshold > 0) \
+        if stored["sizes"] is not None else BlockPlan.whole(clusters)
     # One partition per exact bucket and per cluster or block, each grouped by the stand-in that lands in its own
     # partition: a reduce holds one of them, whatever N.
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
     bucket_keys = one_key_per_partition(buckets)
     progress, results, pending = ProgressLine("dedup", n_rows), [], []
-    run.remove(BLOCKS)  # a whole rerun: the blocks of an interrupted one are written again
+    done = _recorded(run)
+    for folder in (DEDUP_KEPT, DEDUP_REMOVED):  # the temp files of writes a kill cut short
+        if run.exists(folder):
+            split_done(run, folder, [])
+    if done:
+        print(f"[dedup] resuming: {len(done)} cluster(s) were deduplicated by an earlier attempt", flush=True)
+        for found in done.values():
+            results += found
+            progress.advance(sum(r["rows"] for r in found))
+    done_keys = np.concatenate([plan.keys[plan.first[c]:plan.first[c] + plan.blocks[c] + (plan.heldout[c] >= 0)]
+                                for c in done]) if done else None
+    run.remove(BLOCKS)  # the blocks of an interrupted attempt: a split cluster not finished is redone whole
     with bounded_shuffle_maps(shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
@@ -92,9 +144,12 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
         held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), plan)
         if held is not None:
             ds = ds.union(held)
+        if done_keys is not None:
+            ds = ds.map_batches(_drop_parts, fn_kwargs={"done_keys": done_keys}, batch_format="pyarrow")
         ds = ds.groupby("part", num_partitions=plan.partitions).map_groups(
             cluster_group, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns, "plan": plan},
             batch_format="pyarrow")
+        blocks_done: dict[int, list[dict]] = {}  # the blocks of clusters split without a semantic step
         for result in ds.iter_rows():
             if result["pending"]:
                 if result["block"] >= 0:  # a split cluster's block, not its held-out vectors
@@ -102,22 +157,43 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int) -> list[dict
                 continue
             results.append(result)
             progress.advance(result["rows"])
+            if result["block"] < 0:  # a whole cluster, written
+                _record(run, result["cluster"], [result])
+            else:
+                blocks_done.setdefault(result["cluster"], []).append(result)
+        for cluster, found in blocks_done.items():  # every block of theirs is written once the shuffle is done
+            _record(run, cluster, found)
     if pending:  # the split clusters' tasks: a line for the chunks decided, then the rows as they are written
-        decided, writes = run_split_clusters(run, pending, columns, dedup_cfg)
-        print(f"[dedup] {len({c for c, _ in pending})} cluster(s) over dedup.max_group_rows={limit:,} rows: "
-              f"{len(decided):,} chunks, each decided in keep order against the rows kept before it", flush=True)
-        chunks, decided_ids = ProgressLine("dedup", len(decided), unit="chunks"), {r.hex() for r in decided}
-        waiting = decided + writes
-        del decided
-        while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1)
-            if done[0].hex() in decided_ids:
-                chunks.advance(1)
-                continue
-            result = ray.get(done[0])
-            results.append(result)
-            progress.advance(result["rows"])
+        results += _split_clusters(run, pending, columns, dedup_cfg, progress)
     run.remove(BLOCKS)
+    return results
+
+
+def _split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc, progress: ProgressLine
+                    ) -> list[dict]:
+    """Run the split clusters' chains (blocks.run_split_clusters); their blocks' counts rows, each cluster recorded
+    once all its blocks are written."""
+    decided, writes = run_split_clusters(run, pending, columns, dc)
+    print(f"[dedup] {len({c for c, _ in pending})} cluster(s) over dedup.max_group_rows={dc.max_group_rows:,} rows: "
+          f"{len(decided):,} chunks, each decided in keep order against the rows kept before it", flush=True)
+    chunks, decided_ids = ProgressLine("dedup", len(decided), unit="chunks"), {r.hex() for r in decided}
+    left = {c: sum(1 for cluster, _ in pending if cluster == c) for c, _ in pending}
+    by_cluster: dict[int, list[dict]] = {}
+    results, waiting = [], decided + writes
+    del decided
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1)
+        if ready[0].hex() in decided_ids:
+            chunks.advance(1)
+            continue
+        result = ray.get(ready[0])
+        results.append(result)
+        progress.advance(result["rows"])
+        cluster = result["cluster"]
+        by_cluster.setdefault(cluster, []).append(result)
+        left[cluster] -= 1
+        if not left[cluster]:
+            _record(run, cluster, sorted(by_cluster.pop(cluster), key=lambda r: r["block"]))
     return results
 
 
@@ -129,7 +205,7 @@ def run_dedup(ctx: StageContext) -> StageResult:
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
     heldout = load_heldout_keys(run)
-    results = dedup_all(cfg, run, heldout, n_rows)
+    results = dedup_all(cfg, run, heldout, n_rows, ctx.fingerprint)
     stats = stage_stats(cfg, results, n_rows, heldout["pairs"], time.time() - started)
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
