@@ -380,3 +380,36 @@ def test_dedup_shuffle_worker_from_the_calibration_when_it_measured_one(tmp_path
 
     assert dedup(150_000)["peak_task_mb"] == 500.0 and dedup(600_000)["peak_task_mb"] == 900.0
     assert "measured by --calibrate" in dedup(600_000)["memory_from"]
+
+
+def test_train_has_an_io_term_that_sets_the_pace_when_reads_are_slower_than_steps():
+    """A rank's reads from an object store per epoch: REQUESTS_PER_FILE requests per step (twice with mined
+    negatives' sidecars) and its bytes, READ_THREADS at once; train's wall is the slower of compute and reads."""
+    from clusterscale.plan import estimate
+    from clusterscale.plan.cluster import ClusterSpec
+    from clusterscale.plan.estimate import Models, Planner
+    from clusterscale.plan.rates import Rates
+    from clusterscale.plan.shape import run_shape
+    from clusterscale.train.data import READ_THREADS
+
+    def planner(*keys: str, flop_params: float = 1e8) -> Planner:
+        cfg = config.load(None, ["train.num_workers=8", "train.global_batch_size=4096", "train.use_gpu=true", *keys])
+        cluster = ClusterSpec(nodes=1, cpus_per_node=96, gpus_per_node=8, gpu_type="H100",
+                              node_memory_bytes=1024 * 2**30, node_disk_bytes=None, source="test")
+        return Planner(cfg, run_shape(cfg, 10_000_000, 100, 768, None), cluster,
+                       Rates(bytes_per_row={"pairs": 400.0}), Models(flop_params, flop_params, flop_params, flop_params, 64, 128, ""),
+                       None)
+
+    plain, mined = planner(), planner("train.negatives_per_query=1")
+    steps = plain.train.steps_per_epoch
+    step = (estimate.REQUESTS_PER_FILE * estimate.STORE_REQUEST_S
+            + 512 * (400 + 8) / estimate.STORE_STREAM_BYTES_S) / READ_THREADS
+    assert plain.train_read_s() == pytest.approx(steps * step)
+    assert mined.train_read_s() > 2 * plain.train_read_s()  # the sidecar's requests and the drawn texts
+    big = plain.stage("train")
+    assert big.read_s == pytest.approx(plain.train_read_s()) and big.wall_s > big.read_s  # compute-bound
+    assert "bound by its reads" not in big.time_from
+    tiny = planner(flop_params=1e3)  # a step's compute shorter than its reads: the reads set the pace
+    small = tiny.stage("train")
+    assert small.wall_s == pytest.approx(small.read_s) and "bound by its reads" in small.time_from
+    assert any("a rank's reads" in w for w in tiny.warnings(tiny.plan()))

@@ -18,6 +18,7 @@ from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.mine import QUERIES_PER_FILE
 from clusterscale.stages.shards import writer_sizing
+from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
 from clusterscale.train.negatives import candidates_per_query, draws_for, mine_disk_bytes
 
@@ -36,6 +37,12 @@ OBJECT_STORE_FRACTION = 0.3  # Ray's default object store: 30% of a node's memor
 # files, bench_scale at 600k rows (session 8): the read + mark task and the disk shuffle's reduce, 772 / 784 MB.
 # Ray 2.60 on the 2-core CPU box; a plan says so where it uses them.
 DEDUP_SHUFFLE_WORKER_MB = {"object store": 585.0, "local files": 784.0}
+# A training rank's reads from a run directory on an object store (train/data.py): each step opens the shard file of
+# its slice (a new one every step: a file holds a few global batches) and reads its footer and row groups, plus the
+# sidecar piece of the same rows with mined negatives; READ_THREADS requests are in flight, train.prefetch_steps ahead.
+STORE_REQUEST_S = 0.030  # an object store's time to first byte (S3: ~10-100 ms); RESULTS.md's bench at +30 ms
+STORE_STREAM_BYTES_S = 80e6  # one request stream's throughput
+REQUESTS_PER_FILE = 4  # open, footer, a row group's columns (benchmarks/bench_train_reads.py counts them)
 
 
 @dataclass
@@ -54,13 +61,15 @@ class StagePlan:
     spill_bytes: float = 0.0
     time_from: str = ""        # where the rate comes from
     memory_from: str = ""
+    read_s: float = 0.0        # train: a rank's reads of an epoch from an object store, overlapped (train_read_s)
 
     def to_json(self) -> dict:
         return {"wall_s": self.wall_s, "gpu_hours": self.gpu_hours, "cpu_hours": self.cpu_hours, "cost": self.cost,
                 "peak_task_mb": self.peak_task_mb, "peak_driver_mb": self.peak_driver_mb,
                 "disk_bytes": float(sum(self.disk_bytes.values())), "disk_bytes_by_folder": self.disk_bytes,
                 "files": self.files, "shuffle_bytes": self.shuffle_bytes, "spill_bytes": self.spill_bytes,
-                "runs_on": self.runs_on, "time_from": self.time_from, "memory_from": self.memory_from}
+                "runs_on": self.runs_on, "time_from": self.time_from, "memory_from": self.memory_from,
+                "read_s": self.read_s}
 
 
 @dataclass(frozen=True)
@@ -316,6 +325,9 @@ class Planner:
             wall += self.k_terms(name)
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
+        read_s = self.train_read_s() if name == "train" else 0.0
+        if read_s > wall:  # the prefetch overlaps reads with compute: the slower of the two sets the pace
+            wall, source = read_s, f"{source}; bound by its reads from an object store ({self.read_source()})"
         task, driver = self.task_bytes(name)
         task_base, driver_base, mem_source = self.base(name)
         task_mb = task / MB + task_base
@@ -327,7 +339,27 @@ class Planner:
         return StagePlan(name, "gpu" if gpus_used else "cpu", wall, gpus_used * hours,
                          (cluster.cpus if not gpus_used else gpus_used) * hours,
                          None if self.price is None else self.price * cluster.gpus * hours,
-                         task_mb, driver / MB + driver_base, disk, files, shuffled, spilled, source, mem_source)
+                         task_mb, driver / MB + driver_base, disk, files, shuffled, spilled, source, mem_source,
+                         read_s)
+
+    def train_read_s(self) -> float:
+        """Seconds a training rank spends reading its rows in an epoch (train's wall is per epoch), if its run
+        directory is on an object store:
+        per step REQUESTS_PER_FILE requests for its slice's shard file (and as many for its sidecar piece with mined
+        negatives) at STORE_REQUEST_S each, plus its bytes at STORE_STREAM_BYTES_S, READ_THREADS at once. The
+        prefetch overlaps them with the steps: they set the pace only when longer (a local disk: ~0)."""
+        cfg = self.cfg
+        rows = cfg.train.schedule.global_batch_size / max(1, cfg.train.compute.num_workers)
+        per_query = cfg.train.objective.negatives_per_query
+        requests = REQUESTS_PER_FILE * (2 if per_query else 1)
+        row_bytes = self.text_bytes + 8 + per_query * (self.text_bytes + 16)  # texts, pair_id; drawn texts and ids
+        step = (requests * STORE_REQUEST_S + rows * row_bytes / STORE_STREAM_BYTES_S) / READ_THREADS
+        return self.train.steps_per_epoch * step
+
+    @staticmethod
+    def read_source() -> str:
+        return (f"{REQUESTS_PER_FILE} requests per file at {STORE_REQUEST_S * 1e3:.0f} ms and "
+                f"{STORE_STREAM_BYTES_S / 1e6:.0f} MB/s per stream, {READ_THREADS} in flight")
 
     def dedup_shuffle_worker(self, block_task_mb: float, mem_source: str) -> tuple[float, str]:
         """dedup's largest process: its per-cluster task (block_task_mb) or a worker of its hash shuffle, at the
@@ -380,6 +412,11 @@ class Planner:
         if self.cluster.gpu_type and cfg.train.compute.use_gpu and rank_gb > GPU_MEMORY_GB[self.cluster.gpu_type]:
             out.append(f"train: a rank needs ~{rank_gb:,.0f} GB, more than a {self.cluster.gpu_type}'s "
                        f"{GPU_MEMORY_GB[self.cluster.gpu_type]} GB: set train.grad_cache_chunk or add ranks")
+        reads = stages["train"].read_s
+        if reads and "bound by its reads" in stages["train"].time_from:
+            out.append(f"train: from a run directory on an object store a rank's reads (~{reads:,.0f} s an epoch: "
+                       f"{self.read_source()}) take longer than its steps: raise train.global_batch_size per rank, "
+                       f"or keep the shards on a disk nearer the GPUs")
         disk = sum(sum(s.disk_bytes.values()) for s in stages.values())
         if self.cluster.node_disk_bytes:
             shuffle_per_node = max(s.shuffle_bytes for s in stages.values()) / self.cluster.nodes
