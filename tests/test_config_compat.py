@@ -60,7 +60,7 @@ def test_describe_prints_the_same_keys_docs_and_defaults():
     assert "\n".join(printed) + "\n" == (BEFORE / "describe.txt").read_text()
     assert added == {"train.curriculum_start", "train.curriculum_end", "train.curriculum_steps",
                      "train.negatives_curriculum_steps", "dedup.max_group_rows", "ray.disk_shuffle_min_mib",
-                     "ray.object_store_mib", "train.prefetch_steps"}
+                     "ray.object_store_mib", "train.prefetch_steps", "ray.vector_backend"}
 
 
 YAMLS = json.loads((BEFORE / "yamls.json").read_text())

@@ -260,6 +260,13 @@ class RayConfig(Section):
                                           "the object store instead: it holds them with room to spare, and no "
                                           "file servers start (~5-10 s a shuffle). 0 = every shuffle on disk.",
                                      affects_output=False, bounds=NON_NEGATIVE, added=True)
+    vector_backend: str = knob("auto", "The vector math of fit, assign, mine and evaluate (nearest centroids, nearest "
+                                       "passages): 'faiss' (its GPU index where faiss-gpu is installed and the task "
+                                       "has a GPU, else its CPU one), 'torch' (matmul + top-k on the task's GPU, "
+                                       "else its CPU; exact search, the IVF keys aside), or 'auto' = faiss-gpu, "
+                                       "else torch on a GPU, else faiss on the CPU. Every backend gives the same "
+                                       "rows and scores: top-k is rescored in float64 (runtime/vector_search).",
+                               ("auto", "faiss", "torch"), affects_output=False, added=True)
     object_store_mib: int | None = knob(None, "Object store of a local Ray, MiB (at least 75); null = Ray's default "
                                               "(30% of the machine's memory). When it is full Ray spills objects to "
                                               "local disk, and the stages go on (README: how much per 1M pairs). "

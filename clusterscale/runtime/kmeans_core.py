@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from clusterscale.errors import UserError
-from clusterscale.runtime.faiss_index import build_ip_index
+from clusterscale.runtime.vector_search import build_index, top_k
 from clusterscale.runtime.hashing import hash_unit
 
 # Perturbation (relative to the mean's norm) when an empty cluster takes half of the largest one (as FAISS).
@@ -52,10 +52,11 @@ def check_vectors(x: np.ndarray, where: str, dim: int | None = None) -> None:
                               f"`clusterscale embed` with a working encoder (delete embeddings/ first).")
 
 
-def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(cosine, label) of every row's nearest centroid by inner product."""
-    index = build_ip_index(centroids, use_gpu=use_gpu)
-    sims, labels = index.search(np.ascontiguousarray(x, dtype=np.float32), 1)
+def nearest_centroid(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False, backend: str = "faiss"
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(cosine, label) of every row's nearest centroid by inner product, on `backend` (ray.vector_backend; use_gpu:
+    the task has a GPU): the same labels and cosines on every backend (vector_search.top_k)."""
+    sims, labels = top_k(build_index(centroids, backend, use_gpu), centroids, x, 1)
     return sims[:, 0], labels[:, 0]
 
 
@@ -96,9 +97,9 @@ class LloydWorker:
     step recomputes the sums in full.
     """
 
-    def __init__(self, x: np.ndarray, use_gpu: bool = False):
+    def __init__(self, x: np.ndarray, use_gpu: bool = False, backend: str = "faiss"):
         self.x = np.ascontiguousarray(x, dtype=np.float32)
-        self.use_gpu = use_gpu
+        self.use_gpu, self.backend = use_gpu, backend
         self.incremental = fp16_exact(self.x)
         self.labels: np.ndarray | None = None
         self.sums: np.ndarray | None = None
@@ -106,7 +107,7 @@ class LloydWorker:
     def step(self, centroids: np.ndarray) -> Partials:
         """Assignment half of one Lloyd step: per-centroid sums, counts and objective of this worker's rows."""
         k, d = centroids.shape[0], self.x.shape[1]
-        sims, labels = nearest_centroid(self.x, centroids, self.use_gpu)
+        sims, labels = nearest_centroid(self.x, centroids, self.use_gpu, self.backend)
         # Sparse (+1/-1) one-hot products sum rows per centroid in float64, ~5x faster than np.add.at, in
         # row blocks so the float64 copy stays in cache (2-3x faster than one pass, same sums).
         block = max(1024, SUM_BLOCK_VALUES // max(1, d))
@@ -129,9 +130,9 @@ class LloydWorker:
         return Partials(self.sums.copy(), counts, float(sims.astype(np.float64).sum()))
 
 
-def lloyd_partials(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False) -> Partials:
+def lloyd_partials(x: np.ndarray, centroids: np.ndarray, use_gpu: bool = False, backend: str = "faiss") -> Partials:
     """One stateless Lloyd assignment step on x (rows L2-normalised): per-centroid sums, counts, objective."""
-    return LloydWorker(x, use_gpu).step(centroids)
+    return LloydWorker(x, use_gpu, backend).step(centroids)
 
 
 def reduce_partials(parts: list[Partials]) -> Partials:
@@ -214,7 +215,7 @@ def lloyd(step: Callable[[np.ndarray], list[Partials]], centroids: np.ndarray, n
 
 
 def fit_spherical_kmeans(x: np.ndarray, k: int, niter: int, seed: int, ids: np.ndarray | None = None,
-                         use_gpu: bool = False) -> tuple[np.ndarray, dict]:
+                         use_gpu: bool = False, backend: str = "faiss") -> tuple[np.ndarray, dict]:
     """Single-process spherical k-means on x (rows L2-normalised): the reference for the Ray fit.
 
     `ids` (default: row numbers) seed the initial sample, so the Ray fit on the same rows with their
@@ -227,5 +228,5 @@ def fit_spherical_kmeans(x: np.ndarray, k: int, niter: int, seed: int, ids: np.n
                               f"or embed more pairs.")
     ids = np.arange(len(x), dtype=np.int64) if ids is None else ids
     initial = pick_initial([init_candidates(ids, x, k, seed)], k)
-    worker = LloydWorker(x, use_gpu)
+    worker = LloydWorker(x, use_gpu, backend)
     return lloyd(lambda c: [worker.step(c)], initial, niter)

@@ -21,7 +21,7 @@ from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
                                     model_dir)
 from clusterscale.modeling.model_card import write_model_card
-from clusterscale.runtime.faiss_index import build_ip_index
+from clusterscale.runtime.vector_search import build_index, top_k
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageResult
@@ -188,14 +188,23 @@ def _eval_set_and_encoders(ctx: StageContext) -> tuple[dict, contextlib.Abstract
     return together.eval_sets[key], contextlib.nullcontext(together.encoders)
 
 
-def search(queries: np.ndarray, pool: np.ndarray, depth: int) -> list[list[int]]:
-    """Top-`depth` pool indices per query by inner product.
+def _has_gpu() -> bool:
+    """Whether this process (evaluate's driver) sees a CUDA GPU through torch."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def search(queries: np.ndarray, pool: np.ndarray, depth: int, backend: str = "faiss") -> list[list[int]]:
+    """Top-`depth` pool indices per query by inner product, on ray.vector_backend (vector_search.top_k: the same
+    rows and scores on every backend).
 
     Equal scores are ordered by a fixed pseudo-random key of the pool index, not by the index itself:
     the held-out (relevant) passages come first in the pool, so index order would break every tie in
     their favour."""
-    index = build_ip_index(pool)
-    scores, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(depth, pool.shape[0]))
+    pool = np.ascontiguousarray(pool, dtype=np.float32)
+    index = build_index(pool, backend, gpu=_has_gpu())
+    scores, ids = top_k(index, pool, queries, min(depth, pool.shape[0]))
     tie_key = hash_unit(np.arange(pool.shape[0]), salt=EVAL_SALT)
     out = []
     for row_scores, row_ids in zip(scores, ids):
@@ -218,7 +227,7 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
     q, p = encoders.encode(model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
                            eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
     depth = max(max(cfg.eval.k_values), 10)
-    rankings = search(q, p, depth)
+    rankings = search(q, p, depth, ctx.cfg.ray.vector_backend)
     metrics = retrieval_metrics(rankings, eval_set["qrels"], cfg.eval.k_values)
     by_source: dict[str, list[int]] = {}
     for i, s in enumerate(eval_set["sources"]):

@@ -6,6 +6,7 @@ The math lives in clusterscale/runtime/kmeans_core.py; this module only distribu
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -20,7 +21,6 @@ import ray
 from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
-from clusterscale.runtime.faiss_index import build_ip_index, gpu_available, to_gpu
 from clusterscale.runtime.fit_sample import RowGroupUnit, choose_sample_units, read_sample_rows, row_group_units
 from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
@@ -29,6 +29,7 @@ from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resource
 from clusterscale.io.rundir import RunDir, StageInputChangedError, StageResult
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.vector_search import build_index, top_k, wants_gpus
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 
@@ -59,14 +60,14 @@ def read_sample_slice(run_uri: str, units: list[RowGroupUnit], keep_fraction: fl
 class SampleShard:
     """One worker of the fit: holds its slice of the fit sample in memory for all iterations."""
 
-    def __init__(self, load, threads: int, use_gpu: bool = False):
+    def __init__(self, load, threads: int, use_gpu: bool = False, backend: str = "faiss"):
         faiss.omp_set_num_threads(threads)
         self.use_gpu = use_gpu
         self.ids, chunks = load()
         self.dims = sorted({c.shape[1] for c in chunks})
         self.x = np.concatenate(chunks) if len(self.dims) == 1 else np.zeros((0, 0), np.float32)
         del chunks  # the sample is held once from here on (twice only while it is concatenated)
-        self.worker = LloydWorker(self.x, use_gpu) if len(self.dims) == 1 else None
+        self.worker = LloydWorker(self.x, use_gpu, backend) if len(self.dims) == 1 else None
 
     def describe(self) -> dict:
         return {"rows": len(self.ids), "dims": self.dims, "node": this_node(),
@@ -81,11 +82,12 @@ class SampleShard:
         return self.worker.step(centroids)
 
 
-def fit_resources(need: Resources, num_workers: int, units: int) -> ActorPlan:
-    """The fit's actors: one per GPU (where faiss has GPU support), else one per node sharing its CPUs."""
+def fit_resources(need: Resources, num_workers: int, units: int, backend: str = "faiss") -> ActorPlan:
+    """The fit's actors: one per GPU (when the cluster has GPUs the backend can use: vector_search.wants_gpus), else
+    one per node sharing its CPUs."""
     cluster = ClusterResources.current()
     return plan_actors(need, max_actors=num_workers, work_units=units, cpu_actors=cluster.nodes,
-                       use_gpu=cluster.gpus > 0 and gpu_available(), cluster=cluster)
+                       use_gpu=wants_gpus(backend, cluster.gpus), cluster=cluster)
 
 
 def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tuple[np.ndarray, dict]:
@@ -100,10 +102,10 @@ def fit_on_actors(actors: list, k: int, niter: int, seed: int, log=None) -> tupl
     return lloyd(step, initial, niter, log)
 
 
-def start_sample_shards(loads: list, plan: ActorPlan) -> list:
+def start_sample_shards(loads: list, plan: ActorPlan, backend: str = "faiss") -> list:
     options = {"runtime_env": faiss_runtime_env(), "scheduling_strategy": "SPREAD"} | plan.options
     actor_cls = ray.remote(SampleShard).options(**options)
-    return [actor_cls.remote(load, plan.threads, plan.on_gpu) for load in loads]
+    return [actor_cls.remote(load, plan.threads, plan.on_gpu, backend) for load in loads]
 
 
 def check_sample(descriptions: list[dict], k: int) -> int:
@@ -154,10 +156,11 @@ def run_fit(ctx: StageContext) -> StageResult:
     started = time.time()
     wanted = n_files_rows if cfg.cluster.fit_sample == "all" else cfg.cluster.max_points_per_centroid * k
     sample_units, keep_fraction = choose_sample_units(units, wanted, cfg.cluster.seed)
-    plan = fit_resources(ctx.resources, cfg.cluster.num_workers, len(sample_units))
+    backend = cfg.ray.vector_backend
+    plan = fit_resources(ctx.resources, cfg.cluster.num_workers, len(sample_units), backend)
     slices = split_units(sample_units, plan.actors)
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
-    actors = start_sample_shards(loads, plan)
+    actors = start_sample_shards(loads, plan, backend)
     try:
         descriptions = ray.get([a.describe.remote() for a in actors])
         n_sample = check_sample(descriptions, k)
@@ -190,28 +193,37 @@ def load_centroids(run: RunDir, k: int) -> np.ndarray:
 
 
 # --- assign ---------------------------------------------------------------------------------------------
-def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int) -> bytes:
-    """Serialised faiss index over the centroids: exact (flat) or IVF (k >= 10k, faster, approximate)."""
+@dataclasses.dataclass(frozen=True)
+class AssignIndex:
+    """What an assign actor builds its centroid index from: exact (flat) or IVF (k >= 10k, faster, approximate; an
+    IVF index is trained with a fixed seed, so every actor builds the same one), on ray.vector_backend."""
+    centroids: np.ndarray
+    kind: str = "flat"
+    nprobe: int = 1
+    backend: str = "faiss"
+
+
+def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int, backend: str = "faiss") -> AssignIndex:
     k = centroids.shape[0]
     if kind == "auto":
         kind = "ivf" if k >= 10_000 else "flat"
-    index = build_ip_index(centroids, kind, nlist=max(1, int(math.sqrt(k))), nprobe=nprobe)
-    return faiss.serialize_index(index).tobytes()
+    return AssignIndex(np.ascontiguousarray(centroids, dtype=np.float32), kind, nprobe, backend)
 
 
 class AssignBatches:
-    """Ray Data callable class: nearest centroid by inner product (a faiss index) and its cosine."""
+    """Ray Data callable class: nearest centroid by inner product and its cosine (vector_search.top_k: the same on
+    every backend)."""
 
-    def __init__(self, index: bytes):
-        """index: build_assign_index's serialized faiss index."""
-        self.index = faiss.deserialize_index(np.frombuffer(index, dtype=np.uint8))
-        if gpu_available() and ray.get_gpu_ids():
-            self.index = to_gpu(self.index)
+    def __init__(self, spec: AssignIndex):
+        """spec: build_assign_index's."""
+        self.centroids = spec.centroids
+        self.index = build_index(spec.centroids, spec.backend, bool(ray.is_initialized() and ray.get_gpu_ids()),
+                                 spec.kind, nlist=max(1, int(math.sqrt(len(spec.centroids)))), nprobe=spec.nprobe)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         x = emb_matrix(batch.column("emb"))
-        check_vectors(x, "embeddings/", dim=self.index.d)
-        sims, labels = self.index.search(x, 1)
+        check_vectors(x, "embeddings/", dim=self.centroids.shape[1])
+        sims, labels = top_k(self.index, self.centroids, x, 1)
         if (labels < 0).any():  # IVF with too small nprobe can find no list for a row
             raise ClusteringError("The IVF assign index found no centroid for some rows: raise "
                                   "cluster.ivf_nprobe or use cluster.assign_index=flat.")
@@ -273,12 +285,13 @@ def run_assign(ctx: StageContext) -> StageResult:
     k = cfg.cluster.k
     out = assign_dir(k)
     started = time.time()
-    index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe)
+    index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe,
+                               cfg.ray.vector_backend)
     n_rows = run.done_stats("embeddings")["rows"]
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).
     plan = plan_actors(ctx.resources, cpu_actors=cluster.cpus,
-                       use_gpu=cluster.gpus > 0 and hasattr(faiss, "StandardGpuResources"), cluster=cluster)
+                       use_gpu=wants_gpus(cfg.ray.vector_backend, cluster.gpus), cluster=cluster)
     remote_args = plan.options | ({} if plan.on_gpu else {"runtime_env": faiss_runtime_env()})
     units = assign_units(run)
     # The units are fixed with the plan (embeddings/ is fixed for this fingerprint): a rerun after a kill or a lost

@@ -54,6 +54,7 @@ from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.vector_search import wants_gpus
 from clusterscale.runtime.nodes import node_stats, this_node, unit_delay_for_tests
 from clusterscale.stages.synthetic import synthetic_embeddings
 
@@ -229,14 +230,15 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
                              pa.array(group_keys[routed.column("group").to_numpy()]))
 
 
-def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray) -> pa.Table:
+def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray,
+            backend: str = "faiss") -> pa.Table:
     """Search one group and write its results (one row per routed query: its bucket and top candidates)."""
     import faiss
 
     unit_delay_for_tests("mine")
     faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
     index = int(np.flatnonzero(group_keys == group.column("group")[0].as_py())[0])
-    out = search_cluster(group, mine, buckets)
+    out = search_cluster(group, mine, buckets, backend, bool(ray.get_gpu_ids()))
     RunDir(run_uri).write_parquet(search_file(index), out, compression="zstd")
     release_freed_memory()
     return pa.table({"queries": [out.num_rows]})
@@ -326,9 +328,12 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
                                                "group_keys": keys_for(left, groups.num_groups)},
                             batch_format="pyarrow", **env)
         # One shuffle partition per group: a partition's size then follows the bound, not N.
+        # A GPU per search task when the cluster has GPUs the backend can use (vector_search.wants_gpus).
+        gpus = {"num_gpus": 1} if wants_gpus(cfg.ray.vector_backend, ClusterResources.current().gpus) else {}
         ds = ds.groupby("group", num_partitions=max(1, len(left))).map_groups(
             _search, fn_kwargs={"run_uri": run.uri, "mine": mine, "buckets": len(plan["units"]),
-                                "group_keys": keys_for(left, groups.num_groups)}, batch_format="pyarrow", **env)
+                                "group_keys": keys_for(left, groups.num_groups), "backend": cfg.ray.vector_backend},
+            batch_format="pyarrow", **env, **gpus)
         progress = ProgressLine("mine", len(left), unit="search groups")
         for _ in ds.iter_rows():
             progress.advance(1)

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from clusterscale.config import MineConfig
 from clusterscale.runtime.faiss_index import build_ip_index
+from clusterscale.runtime.vector_search import build_index as build_vector_index, top_k
 from clusterscale.runtime.hashing import splitmix64, text_hashes
 from clusterscale.runtime.vectors import emb_matrix
 
@@ -186,10 +187,11 @@ def probed_clusters(query_vectors: np.ndarray, own_cluster: np.ndarray, centroid
     or, when the query vectors live in another space than the centroids (a re-embedding), the centroids
     nearest to the centroid of the pair's own cluster."""
     nprobe = min(nprobe, len(centroids))
-    index = build_ip_index(centroids)
+    centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+    index = build_ip_index(centroids)  # k centroids: the CPU's faiss, rescored (vector_search.top_k) like any search
     if by_query:
-        return index.search(np.ascontiguousarray(query_vectors, dtype=np.float32), nprobe)[1]
-    neighbours = index.search(np.ascontiguousarray(centroids, dtype=np.float32), nprobe)[1]
+        return top_k(index, centroids, query_vectors, nprobe)[1]
+    neighbours = top_k(index, centroids, centroids, nprobe)[1]
     neighbours[:, 0] = np.arange(len(centroids))  # a centroid is its own nearest, whatever float ties say
     return neighbours[own_cluster]
 
@@ -239,18 +241,19 @@ def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bo
 
 
 # --- step 2: one group's passages against the queries routed to it -----------------------------------------
-def build_index(emb: np.ndarray, mc: MineConfig) -> faiss.Index:
-    """One search group's passage index: exact, or IVF with mine.ivf_nlist lists (default about 4 sqrt(n), >= 39
-    rows each)."""
+def build_index(emb: np.ndarray, mc: MineConfig, backend: str = "faiss", gpu: bool = False):
+    """One search group's passage index on ray.vector_backend (gpu: the task has one): exact, or IVF with
+    mine.ivf_nlist lists (default about 4 sqrt(n), >= 39 rows each; faiss only)."""
     n = emb.shape[0]
     nlist = mc.ivf_nlist or max(1, min(n // 39, int(4 * math.sqrt(n))))
-    return build_ip_index(emb, mc.index, nlist=nlist, nprobe=mc.ivf_nprobe)
+    return build_vector_index(emb, backend, gpu, mc.index, nlist=nlist, nprobe=mc.ivf_nprobe)
 
 
-def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
+def search_cluster(group: pa.Table, mc: MineConfig, buckets: int, backend: str = "faiss", gpu: bool = False
+                   ) -> pa.Table:
     """The top mine.range_max passages of this search group for each query routed here, best first (equal scores:
-    lower pair_id first), each with its candidate_flags against the query's pair; one output row per routed query,
-    lists maybe empty."""
+    lower pair_id first; vector_search.top_k, the same on every backend), each with its candidate_flags against the
+    query's pair; one output row per routed query, lists maybe empty."""
     kind, pair_ids = group.column("kind").to_numpy(), group.column("pair_id").to_numpy()
     # Passages by pair_id: the index order is independent of arrival. Queries too: BLAS may round a row's
     # scores differently by its position in the batch, so a fixed order makes reruns equal. The queries stay in
@@ -262,10 +265,12 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int) -> pa.Table:
     depth = min(mc.range_max, n)
     scores, rows = np.zeros((b, depth), np.float32), np.zeros((b, depth), np.int64)
     if b and depth:
-        index = build_index(emb_matrix(passages.column("vec")), mc)
+        base = emb_matrix(passages.column("vec"))
+        index = build_index(base, mc, backend, gpu)
         for start in range(0, b, mc.query_batch_size):  # one block of float32 query vectors at a time
             sl = slice(start, start + mc.query_batch_size)
-            scores[sl], rows[sl] = index.search(emb_matrix(group.column("vec").take(pa.array(q_rows[sl]))), depth)
+            scores[sl], rows[sl] = top_k(index, base, emb_matrix(group.column("vec").take(pa.array(q_rows[sl]))),
+                                         depth)
     ids = passages.column("pair_id").to_numpy()
     # An approximate (IVF) index may return fewer than `depth` hits (-1): they sort last and are cut below.
     hit_ids = np.where(rows >= 0, ids[np.maximum(rows, 0)], np.iinfo(np.int64).max)

@@ -1,0 +1,145 @@
+"""The vector math's backends (ray.vector_backend) and the exact top-k every stage's search goes through.
+
+fit, assign, mine and evaluate search inner products: faiss (its CPU index, or its GPU one where faiss-gpu is
+installed and the task has a GPU), or torch (a matmul and a top-k in blocks sized from the device's free memory, on
+the task's GPU, else on its CPU: every GPU node has torch, few images have faiss-gpu). `auto` picks faiss-gpu, else
+torch on a GPU, else faiss on the CPU; `faiss` and `torch` force one on whatever device the task has.
+
+Two backends (or two BLAS libraries, or two CPU kinds) round float32 products differently in the last bits, so a
+float32 search alone would flip near ties between them. `top_k` therefore searches k + RESCORE_MARGIN in float32 and
+rescores those candidates in float64, ordering by (score descending, row ascending): every backend then returns the
+same rows, scores and order, unless two candidates' float64 products differ by less than float32 rounding can move a
+row across the margin (never seen; the suite compares the backends on every change).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from clusterscale.errors import UserError
+
+BACKENDS = ("auto", "faiss", "torch")
+RESCORE_MARGIN = 4  # candidates searched beyond k in float32 and ordered again in float64
+GPU_MEMORY_FRACTION = 0.5  # of a GPU's free memory one search block's products may take
+CPU_BLOCK_VALUES = 1 << 24  # one block's products on a CPU: 64 MiB of float32
+RESCORE_BLOCK_VALUES = 1 << 22  # float64 values of the candidates' rows gathered at once (32 MiB)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve(backend: str, gpu: bool) -> tuple[str, str]:
+    """(library, device) for `backend` in a task that has a GPU (gpu: Ray gave it one) or not: ("faiss", "gpu"/"cpu")
+    or ("torch", "cuda"/"cpu")."""
+    from clusterscale.runtime.faiss_index import gpu_available
+
+    if backend not in BACKENDS:
+        raise UserError(f"ray.vector_backend={backend!r} is not one of {', '.join(BACKENDS)}.")
+    if backend == "torch":
+        return "torch", "cuda" if gpu and _torch_cuda() else "cpu"
+    if gpu and gpu_available():
+        return "faiss", "gpu"
+    if backend == "auto" and gpu and _torch_cuda():
+        return "torch", "cuda"
+    return "faiss", "cpu"
+
+
+def wants_gpus(backend: str, cluster_gpus: int) -> bool:
+    """Whether a stage's vector tasks should ask Ray for GPUs: the cluster has some and the backend can use them
+    (faiss only where this process's faiss has GPU support: the images install faiss-cpu; auto and torch always,
+    every GPU node having torch). Decided from the cluster's resources, not the driver's devices."""
+    from clusterscale.runtime.faiss_index import gpu_available
+
+    if cluster_gpus <= 0:
+        return False
+    return backend != "faiss" or gpu_available()
+
+
+class TorchIPIndex:
+    """An exact inner-product index on torch with faiss's search API: search(x, k) -> (scores, rows), float32,
+    rows -1 past the index's size. The vectors stay on the device; queries go in blocks whose (block x n) products
+    fit GPU_MEMORY_FRACTION of the free GPU memory (CPU_BLOCK_VALUES on a CPU)."""
+
+    def __init__(self, vectors: np.ndarray, device: str = "cpu"):
+        import torch
+
+        self.device = torch.device(device)
+        self.x = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)).to(self.device)
+        self.ntotal, self.d = self.x.shape
+
+    def _block_rows(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            values = int(free * GPU_MEMORY_FRACTION) // 4
+        else:
+            values = CPU_BLOCK_VALUES
+        return max(1, values // max(1, self.ntotal))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        n, found = len(q), min(k, self.ntotal)
+        scores = np.full((n, k), -np.inf, np.float32)
+        rows = np.full((n, k), -1, np.int64)
+        if not found:
+            return scores, rows
+        step = self._block_rows()
+        with torch.no_grad():
+            for start in range(0, n, step):
+                block = torch.from_numpy(q[start:start + step]).to(self.device)
+                top = torch.topk(block @ self.x.T, found, dim=1)
+                scores[start:start + len(block), :found] = top.values.cpu().numpy()
+                rows[start:start + len(block), :found] = top.indices.cpu().numpy()
+        return scores, rows
+
+
+def build_index(vectors: np.ndarray, backend: str = "faiss", gpu: bool = False, kind: str = "flat", nlist: int = 1,
+                nprobe: int = 1):
+    """An inner-product index over `vectors` on `backend` in a task with or without a GPU (resolve): faiss's (flat or
+    IVF; build_ip_index), or torch's, which searches exactly whatever `kind` (IVF is faiss's way to be fast on a
+    CPU)."""
+    from clusterscale.runtime.faiss_index import build_ip_index
+
+    library, device = resolve(backend, gpu)
+    if library == "torch":
+        return TorchIPIndex(vectors, device)
+    return build_ip_index(vectors, kind, nlist=nlist, nprobe=nprobe, use_gpu=device == "gpu")
+
+
+def top_k(index, base: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows) of each query's k best rows of `base` (which `index` holds, in order): k + RESCORE_MARGIN
+    from the index in float32, rescored in float64 and ordered by (score descending, row ascending); scores are the
+    float64 products rounded to float32. Rows -1 (score -inf) where the index returned fewer (IVF, a small base)."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    wide = min(k + RESCORE_MARGIN, max(1, len(base)))
+    _, rows = index.search(q, wide)
+    scores, found = np.empty((len(q), min(k, wide)), np.float32), np.empty((len(q), min(k, wide)), np.int64)
+    step = max(1, RESCORE_BLOCK_VALUES // max(1, wide * q.shape[1]))  # the gathered float64 rows of a block
+    for start in range(0, len(q), step):
+        sl = slice(start, start + step)
+        scores[sl], found[sl] = _rescore(q[sl], base, rows[sl], k)
+    if found.shape[1] < k:  # a base smaller than k
+        pad = k - found.shape[1]
+        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+        found = np.pad(found, ((0, 0), (0, pad)), constant_values=-1)
+    return scores, found
+
+
+def _rescore(q: np.ndarray, base: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of `rows` (per query) by float64 product with q, ties to the lower row; -1 rows last."""
+    valid = rows >= 0
+    exact = np.einsum("nd,nmd->nm", q.astype(np.float64), base[np.where(valid, rows, 0)].astype(np.float64))
+    exact = np.where(valid, exact, -np.inf)
+    order = np.lexsort((np.where(valid, rows, np.iinfo(np.int64).max), -exact), axis=1)[:, :k]
+    return (np.take_along_axis(exact, order, axis=1).astype(np.float32),
+            np.take_along_axis(np.where(valid, rows, -1), order, axis=1))

@@ -1,0 +1,107 @@
+"""ray.vector_backend: the torch path (on this CPU) gives what faiss gives for assign, fit, mine and evaluate: the
+same rows, the same scores, ties broken the same way (runtime/vector_search.top_k rescores in float64). No Ray, no
+model: the stages' own functions on small arrays."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from clusterscale import config
+from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
+from clusterscale.runtime.vector_search import TorchIPIndex, build_index, resolve, top_k, wants_gpus
+
+
+def unit_rows(n: int, d: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_top_k_is_the_same_on_both_backends_with_ties_to_the_lower_row():
+    base, queries = unit_rows(3000, 48, 0), unit_rows(700, 48, 1)
+    base[11] = base[5]  # an exact duplicate: a tie whatever the rounding
+    queries[0] = base[5]
+    faiss_scores, faiss_rows = top_k(build_index(base, "faiss"), base, queries, 12)
+    torch_scores, torch_rows = top_k(build_index(base, "torch"), base, queries, 12)
+    np.testing.assert_array_equal(torch_rows, faiss_rows)
+    np.testing.assert_array_equal(torch_scores, faiss_scores)
+    assert faiss_rows[0, :2].tolist() == [5, 11]
+    exact = queries.astype(np.float64) @ base.astype(np.float64).T  # the float64 truth, its order
+    np.testing.assert_allclose(faiss_scores, np.take_along_axis(exact, faiss_rows, 1), rtol=0, atol=1e-7)
+    assert (np.diff(faiss_scores, axis=1) <= 0).all()
+    # fewer rows than k: the rest -1 / -inf; an index that finds fewer (IVF with one list probed) the same
+    small_scores, small_rows = top_k(build_index(base[:3], "torch"), base[:3], queries[:2], 5)
+    assert (small_rows[:, 3:] == -1).all() and np.isinf(small_scores[:, 3:]).all()
+    assert sorted(small_rows[0, :3].tolist()) == [0, 1, 2]
+
+
+def test_torch_index_searches_in_blocks_like_one_product(monkeypatch):
+    from clusterscale.runtime import vector_search
+
+    base, queries = unit_rows(500, 16, 2), unit_rows(301, 16, 3)
+    whole = TorchIPIndex(base).search(queries, 7)
+    monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 500 * 13)  # blocks of 13 queries
+    blocks = TorchIPIndex(base).search(queries, 7)
+    np.testing.assert_array_equal(blocks[1], whole[1])
+    np.testing.assert_array_equal(blocks[0], whole[0])
+
+
+def test_backend_choice_follows_the_tasks_gpu_and_the_key():
+    assert resolve("torch", gpu=False) == ("torch", "cpu")
+    assert resolve("faiss", gpu=False) == ("faiss", "cpu")
+    assert resolve("auto", gpu=False) == ("faiss", "cpu")  # no GPU in this task: today's CPU path
+    assert not wants_gpus("auto", 0) and wants_gpus("auto", 8) and wants_gpus("torch", 8)
+    with pytest.raises(config.ConfigError, match="one of auto, faiss, torch"):
+        config.load(None, ["ray.vector_backend=cuda"])
+    assert config.load(None, []).ray.vector_backend == "auto"
+
+
+def test_assign_and_fit_are_the_same_on_torch():
+    """fit's Lloyd steps and assign's nearest centroid: the same labels, cosines, centroids and objective."""
+    from clusterscale.stages.kmeans import AssignBatches, build_assign_index
+
+    x = unit_rows(4000, 32, 4)
+    faiss_c, faiss_stats = fit_spherical_kmeans(x, 12, 6, 0, backend="faiss")
+    torch_c, torch_stats = fit_spherical_kmeans(x, 12, 6, 0, backend="torch")
+    np.testing.assert_array_equal(torch_c, faiss_c)
+    assert abs(torch_stats["objective"] - faiss_stats["objective"]) <= 1e-4 * abs(faiss_stats["objective"])
+    batch = pa.table({"emb": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 32)})
+    out = {b: AssignBatches(build_assign_index(faiss_c, "flat", 1, b))(batch) for b in ("faiss", "torch")}
+    for column in ("cluster", "cos"):
+        np.testing.assert_array_equal(out["torch"].column(column).to_numpy(), out["faiss"].column(column).to_numpy())
+    sims, labels = nearest_centroid(x, faiss_c, backend="torch")
+    np.testing.assert_array_equal(labels, out["faiss"].column("cluster").to_numpy())
+
+
+def test_mine_search_is_the_same_on_torch():
+    """A search group's candidates (ids, scores, flags) for its routed queries."""
+    from clusterscale.stages.mine_search import route_rows, search_cluster
+
+    n, d = 1200, 24
+    rng = np.random.default_rng(5)
+    centroids = unit_rows(4, d, 6)
+    cluster = rng.integers(0, 4, n)
+    emb = centroids[cluster] + 0.3 * unit_rows(n, d, 7)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    emb_query = emb + 0.2 * unit_rows(n, d, 8)
+    emb_query /= np.linalg.norm(emb_query, axis=1, keepdims=True)
+    batch = pa.table({"pair_id": np.arange(n, dtype=np.int64) * 7, "query": [f"q{i}" for i in range(n)],
+                      "passage": [f"p{i % 1100}" for i in range(n)],  # some duplicate passages
+                      "emb": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), d),
+                      "emb_query": pa.FixedSizeListArray.from_arrays(pa.array(emb_query.reshape(-1)), d),
+                      "cluster": cluster.astype(np.int32)})
+    routed = route_rows(batch, centroids, 2, True)
+    mc = config.load(None, ["mine.range_max=20"]).mine
+    for g in range(4):
+        group = routed.filter(pa.compute.equal(routed.column("group"), g))
+        found = {b: search_cluster(group, mc, 4, backend=b) for b in ("faiss", "torch")}
+        assert found["torch"].equals(found["faiss"]), g
+        assert found["faiss"].num_rows > 0
+
+
+def test_evaluate_search_is_the_same_on_torch():
+    from clusterscale.stages.evaluate import search
+
+    pool, queries = unit_rows(900, 32, 9), unit_rows(150, 32, 10)
+    pool[7] = pool[3]
+    assert search(queries, pool, 10, "torch") == search(queries, pool, 10, "faiss")
