@@ -149,6 +149,8 @@ class Stage:
     negatives, dedup only when on); None: no step of `run` and no verb: another stage runs it through ctx.stage
     when needed (the shard sets of training) or a command of its own does (synth). Its docstring says when, in
     the README's diagram."""
+    run_by: str = "train"
+    """With in_run None: the stage that runs it when needed (README's diagram: 'run by <run_by> when needed')."""
 
     @property
     def per_k(self) -> bool:

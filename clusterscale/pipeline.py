@@ -11,9 +11,9 @@ from clusterscale import config as config_mod
 from clusterscale import executor
 from clusterscale.config import Config
 from clusterscale.executor import ExtraOutput, Input, PerConfigFolder, PerK, Stage, shown
-from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, NEGATIVES, assign_dir, dedup_set_dir,
-                                    kmeans_dir, manifest_path, read_manifest, shard_set_dir, shards_dir,
-                                    train_dir)
+from clusterscale.io.layout import (DEDUP, DEDUP_KEPT, DEDUP_SET, EVAL, HELDOUT_EMBEDDINGS, NEGATIVES, assign_dir,
+                                    dedup_set_dir, kmeans_dir, manifest_path, read_manifest, shard_set_dir,
+                                    shards_dir, train_dir)
 from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.modeling.model_code import check_model_code
@@ -21,7 +21,7 @@ from clusterscale.knobs import check_text
 from clusterscale.runtime import session
 from clusterscale.runtime.resources import Resources
 from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, train_dedup_config
-from clusterscale.stages.embed import run_embed
+from clusterscale.stages.embed import run_embed, run_embed_heldout
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.io.input_files import refuse_run_dir_in_data
 from clusterscale.stages.ingest import refuse_changed_inputs, run_ingest
@@ -118,6 +118,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("embed", "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
           run_embed, "embeddings", inputs=(_PAIRS,), sections=("data", "embed"), keeps_units=True,
           resources=_ON_GPU, shared=True),
+    Stage("embed_heldout", "Embed the held-out pairs with the frozen encoder (the vectors of dedup's leak check).",
+          run_embed_heldout, HELDOUT_EMBEDDINGS, inputs=(_HELDOUT,), sections=("data", "embed"), keeps_units=True,
+          resources=_ON_GPU, shared=True, in_run=None, run_by="dedup"),
     Stage("fit", "Fit spherical k-means (faiss) on a seeded sample of the embeddings.", run_fit, PerK(kmeans_dir),
           inputs=(_EMBEDDINGS,), sections=_CLUSTERING, resources=_ON_GPU, shared=True),
     Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).", run_assign,
@@ -249,7 +252,7 @@ def architecture_diagram() -> str:
         reads = ", ".join(shown(need.folder) for need in stage.inputs) or (
             "data.path" if stage.sections == ("data",) else "the whole run")
         writes = ", ".join([shown(stage.output), *(shown(e.folder) for e in stage.extra_outputs)])
-        when = stage.in_run.__doc__ if stage.in_run else "run by train when needed" if stage.name != "synth" \
+        when = stage.in_run.__doc__ if stage.in_run else f"run by {stage.run_by} when needed" if stage.name != "synth" \
             else "its own command, instead of ingest + embed"
         rows.append((stage.name, f"{reads} -> {writes}", f"[{_resources_text(stage)}; {when}]"))
     width = max(len(name) for name, _, _ in rows)

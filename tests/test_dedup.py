@@ -225,18 +225,45 @@ def test_dedup_verb(planted_run, capsys):
     assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
 
 
-def test_heldout_vectors_of_a_real_run_come_from_the_frozen_encoder(tiny_model):
-    from clusterscale.modeling.encoder import Encoder
-    from clusterscale.stages.dedup import heldout_vectors
+def test_heldout_vectors_of_a_real_run_come_from_the_embed_heldout_stage(tiny_model, tmp_path, ray_local):
+    """On a run with a real (tiny) encoder, dedup's held-out leak check reads the vectors the embed_heldout stage
+    wrote with the frozen encoder (its actor pool, not a second encoder inside dedup's tasks): the held-out passages'
+    vectors as the encoder gives them, and a training pair whose passage is a held-out one with a mark past the
+    encoder's max_length (no text match, another query) is removed as a held-out leak by its vector. Another dedup
+    config reuses the vectors."""
+    import pyarrow.parquet as pq
 
-    cfg = load(None, ["data.path=unused.parquet", f"embed.model={tiny_model}", "embed.side=both",
-                      "embed.max_length=32"])
-    held = pa.table({"pair_id": [1, 2], "query": ["star orbit", "bake bread"], "passage": ["a comet", "an oven"]})
-    vectors = heldout_vectors(held, {"emb": "passage", "emb_query": "query"}, cfg.embed)
-    encoder = Encoder(tiny_model, max_length=32)
-    assert set(vectors) == {"emb", "emb_query"}
-    np.testing.assert_allclose(vectors["emb"], encoder.encode(["a comet", "an oven"]), atol=1e-5)
-    np.testing.assert_allclose(vectors["emb_query"], encoder.encode(["star orbit", "bake bread"]), atol=1e-5)
+    from clusterscale.io.layout import HELDOUT_EMBEDDINGS
+    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.stages.ingest import is_heldout
+    from tests.conftest import make_pairs, tiny_overrides
+
+    pairs = make_pairs(240).to_pylist()
+    held = next(p for p in pairs if is_heldout(p["q"], 0.1))
+    # Longer than embed.max_length=32 tokens: the " !" is cut before the encoder, not before the text match.
+    twin = {"q": "an unrelated question", "p": held["p"] + " !", "src": held["src"]}
+    assert not is_heldout(twin["q"], 0.1) and core.normalised(twin["p"]) != core.normalised(held["p"])
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(pairs + [twin]), data)
+
+    def config(threshold: float):
+        return load(None, [*tiny_overrides(tiny_model, str(data)), f"dedup.semantic_threshold={threshold}",
+                           "dedup.exact=false"])
+
+    run = RunDir(str(tmp_path / "run"))
+    for verb in ("ingest", "embed", "fit", "assign", "dedup"):
+        run_stage(verb, config(0.98), run)
+    vectors = pads.dataset(run.files(HELDOUT_EMBEDDINGS), filesystem=run.fs).to_table()
+    assert run.done_stats(HELDOUT_EMBEDDINGS)["rows"] == vectors.num_rows == run.done_stats("heldout")["rows"] > 0
+    np.testing.assert_allclose(emb_matrix(vectors.column("emb")),
+                               Encoder(tiny_model, max_length=32).encode(vectors.column("passage").to_pylist()),
+                               atol=2e-3)  # stored as float16, as embed stores them
+    twin_id = len(pairs)  # its row in the one input file
+    leaks = {r["pair_id"]: r for r in removed_table(run).to_pylist() if r["reason"] == "heldout_leak"}
+    assert twin_id in leaks and leaks[twin_id]["similarity"] >= 0.98
+    done_at = run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"]
+    run_stage("dedup", config(0.97), run, replace="changed")
+    assert run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"] == done_at
 
 
 def test_an_interrupted_dedup_keeps_the_clusters_it_finished(planted_run, capsys):

@@ -218,7 +218,7 @@ def _cluster_leaks(rows: pa.Table, held: pa.Table, centroids: np.ndarray, nprobe
     """Held-out leaks of every cluster's step (route_heldout, then dedup_cluster per cluster), one process."""
     marked = _mark(rows, dedup, NO_HELDOUT)
     schema = pa.schema([*rows.schema, *MARK_FIELDS])
-    routed = route_heldout(held, centroids, nprobe, None, None, schema, np.arange(K + 1, dtype=np.int64) * 3)
+    routed = route_heldout(held, centroids, nprobe, schema, np.arange(K + 1, dtype=np.int64) * 3)
     assert routed.column("part").to_pylist() == (routed.column("cluster").to_numpy() * 3).tolist()
     both = pa.concat_tables([marked, routed])
     k = len(centroids)

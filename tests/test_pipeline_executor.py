@@ -122,15 +122,17 @@ def test_missing_input_names_the_verb(tmp_path):
 def test_one_stage_list():
     """pipeline.STAGES is the only list of stage names: layout has none; the CLI and costs derive theirs."""
     assert not hasattr(layout, "STAGES") and not hasattr(layout, "PREPROCESS")
-    assert pipeline.PREPROCESS == ("ingest", "embed", "fit", "assign", "dedup", "shard")
+    assert pipeline.PREPROCESS == ("ingest", "embed", "embed_heldout", "fit", "assign", "dedup", "shard")
     assert pipeline.PER_K_STAGES == ("fit", "assign", "dedup", "shard")
     verbs = set(pipeline.STAGE_VERBS)
     assert verbs <= set(cli.VERBS) and verbs - set(cli.REPLACEABLE) == {"evaluate", "report"}
-    # Stages no `run` step and no verb of their own: training builds the shard sets, `synth` has its options.
-    assert set(pipeline.STAGES) - verbs == {"synth", "shard_set", "dedup_shards"} and "synth" in cli.VERBS
+    # Stages no `run` step and no verb of their own: training builds the shard sets, dedup embeds the held-out pairs,
+    # `synth` has its options.
+    assert set(pipeline.STAGES) - verbs == {"synth", "embed_heldout", "shard_set", "dedup_shards"}
+    assert "synth" in cli.VERBS
     cfg = config_mod.load(None, ["cluster.k=7", "train.name=x", "train.sampler=random"])
     assert [s.output_of(cfg) for s in pipeline.STAGES.values()] == [
-        "pairs", "pairs", "embeddings", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "shards/k=7/random",
+        "pairs", "pairs", "embeddings", "embeddings_heldout", "kmeans/k=7", "assign/k=7", "dedup", "shards/k=7", "shards/k=7/random",
         "shards/k=7/dedup", "negatives", "train/x", "eval", "report"]
 
 

@@ -14,6 +14,7 @@ from clusterscale.errors import UserError
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError, UnreadableFileError
 
+HELDOUT_EMBEDDINGS = "embeddings_heldout"  # the held-out pairs' frozen vectors (embed_heldout; dedup's leak check)
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
 EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/

@@ -35,10 +35,11 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
+from clusterscale.io.layout import HELDOUT_EMBEDDINGS
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_array
 
-PLAN = "embeddings/_units.json"
+PLAN = "_units.json"  # inside the output folder: embeddings/_units.json
 
 
 class EmbeddingError(UserError, RuntimeError):
@@ -52,17 +53,18 @@ def output_columns(side: str) -> list[tuple[str, str]]:
 
 
 # work units -------------------------------------------------------------------------------------
-def plan_units(run: RunDir, rows_per_unit: int) -> list[dict]:
-    """Row ranges of every pairs/ part file, at most rows_per_unit rows each, in file order."""
+def plan_units(run: RunDir, rows_per_unit: int, source: str = "pairs", out: str = "embeddings") -> list[dict]:
+    """Row ranges of every part file of `source` (pairs/, or heldout/ for embed_heldout), at most rows_per_unit rows
+    each, in file order; each unit's file in `out`."""
     units = []
-    files = run.files("pairs")
+    files = run.files(source)
     for path, footer in zip(files, run.footers(files)):  # in parallel; one that does not parse is named
         rel = posixpath.relpath(path, run.root)
         stem = posixpath.basename(rel)[:-len(".parquet")]
         rows = footer.num_rows
         for i, start in enumerate(range(0, rows, rows_per_unit)):
             units.append({"input": rel, "start": start, "stop": min(rows, start + rows_per_unit),
-                          "output": f"embeddings/{stem}-{i:05d}.parquet"})
+                          "output": f"{out}/{stem}-{i:05d}.parquet"})
     return units
 
 
@@ -77,12 +79,13 @@ def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
     return max(1, min(rows_per_part, math.ceil(n_rows / (UNITS_PER_ACTOR * actors))))
 
 
-def make_plan(cfg: Config, actors: int, pairs_run: RunDir) -> dict:
-    """The unit list of a fresh embedding (work_units.load_or_make_plan stores it with the fingerprint)."""
-    n_rows = pairs_run.done_stats("pairs")["pairs"]
+def make_plan(cfg: Config, actors: int, pairs_run: RunDir, n_rows: int, source: str = "pairs",
+              out: str = "embeddings") -> dict:
+    """The unit list of a fresh embedding of n_rows rows of `source` (work_units.load_or_make_plan stores it with the
+    fingerprint)."""
     rows_per_unit = cfg.embed.rows_per_unit or auto_rows_per_unit(n_rows, actors, cfg.data.rows_per_part)
     return {"rows_per_unit": rows_per_unit, "embed": cfg.embed.to_dict(),
-            "units": plan_units(pairs_run, rows_per_unit)}
+            "units": plan_units(pairs_run, rows_per_unit, source, out)}
 
 
 # the Ray Data pipeline: read + tokenise (CPU actors) -> encode (encoder actors) -> write (CPU actors) ----
@@ -280,23 +283,33 @@ def run_embed(ctx: StageContext) -> StageResult:
 
     ctx.source: the run directory pairs/ is read from (re-embedding the same pairs with another encoder into a
     child run directory: mining with a trained model, re-clustering)."""
+    return embed_folder(ctx, "pairs", "embeddings", ctx.source.done_stats("pairs")["pairs"])
+
+
+def run_embed_heldout(ctx: StageContext) -> StageResult:
+    """Embed the held-out pairs with the frozen encoder into embeddings_heldout/ (same units, actors and resume as
+    embed): the vectors dedup's held-out leak check routes, made on the cluster's GPUs like the training pairs'."""
+    return embed_folder(ctx, "heldout", HELDOUT_EMBEDDINGS, ctx.source.done_stats("heldout")["rows"])
+
+
+def embed_folder(ctx: StageContext, source: str, out: str, expected: int) -> StageResult:
+    """Embed the `expected` rows of ctx.source's `source` folder into ctx.run's `out` (embed and embed_heldout)."""
     from clusterscale.modeling.encoder import check_encoder  # torch: in the driver only
 
     cfg, run, pairs_run, fingerprint = ctx.cfg, ctx.run, ctx.source, ctx.fingerprint
     check_encoder(cfg.embed.model, cfg.embed.trust_remote_code)
     pool = actor_pool_size(cfg.embed, ctx.resources)
-    plan = load_or_make_plan(run, "embeddings", PLAN, fingerprint, "embedding",
-                             lambda: make_plan(cfg, pool.actors, pairs_run))
-    done, todo = split_done(run, "embeddings", plan["units"])
+    plan = load_or_make_plan(run, out, f"{out}/{PLAN}", fingerprint, "embedding",
+                             lambda: make_plan(cfg, pool.actors, pairs_run, expected, source, out))
+    done, todo = split_done(run, out, plan["units"])
     if done:
         print(f"[embed] resuming: {len(done)}/{len(plan['units'])} units already complete", flush=True)
     started = time.time()
     results, worker_s = run_units(run, cfg, todo, pool, pairs_run) if todo else ([], 0.0)
     rows_before, truncated_before = _count_done(run, done)
     rows = rows_before + sum(r["rows"] for r in results)
-    expected = pairs_run.done_stats("pairs")["pairs"]
     if rows != expected:
-        raise RuntimeError(f"embeddings/ holds {rows} rows but pairs/ has {expected}: delete embeddings/ and rerun.")
+        raise RuntimeError(f"{out}/ holds {rows} rows but {source}/ has {expected}: delete {out}/ and rerun.")
     wall = time.time() - started
     embedded = rows - rows_before
     device = pool.device

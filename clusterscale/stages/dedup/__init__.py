@@ -41,11 +41,11 @@ into blocks) and stage (the Ray Data steps, the stats). The report's dedup secti
 from __future__ import annotations
 
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
-from clusterscale.stages.dedup.heldout import heldout_keys, heldout_vectors, route_heldout
+from clusterscale.stages.dedup.heldout import heldout_keys, route_heldout
 from clusterscale.stages.dedup.policy import dedup_applied, shard_input, train_dedup_config
 from clusterscale.stages.dedup.semantic import dedup_cluster, semantic_pass
 from clusterscale.stages.dedup.stage import removed_table, run_dedup
 
-__all__ = ["MARK_FIELDS", "dedup_applied", "dedup_cluster", "heldout_keys", "heldout_vectors", "mark_rows",
+__all__ = ["MARK_FIELDS", "dedup_applied", "dedup_cluster", "heldout_keys", "mark_rows",
            "removed_table", "resolve_exact", "route_heldout", "run_dedup", "semantic_pass", "shard_input",
            "train_dedup_config"]

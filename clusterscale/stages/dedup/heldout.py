@@ -2,13 +2,11 @@
 nearest clusters, and the training rows of a cluster whose vector duplicates one of them."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clusterscale.config import Config, DedupConfig, EmbedConfig
+from clusterscale.config import Config, DedupConfig
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
@@ -67,7 +65,8 @@ def vector_columns(columns: list[str]) -> list[str]:
 
 def heldout_vector_source(cfg: Config, run: RunDir, vectors: list[str]) -> dict | None:
     """None when heldout/ stores the vectors (synthetic runs), else {vector column: the held-out text side the
-    frozen encoder embeds for it} (embed.side). Refuses a synthetic run whose heldout/ has no vectors."""
+    frozen encoder embeds for it} (embed.side; the embed_heldout stage writes them). Refuses a synthetic run whose
+    heldout/ has no vectors."""
     files = run.files("heldout")
     with run.fs.open_input_file(files[0]) as f:
         stored = pq.read_schema(f).names
@@ -81,32 +80,12 @@ def heldout_vector_source(cfg: Config, run: RunDir, vectors: list[str]) -> dict 
     return {c: sides[c] for c in vectors}
 
 
-@functools.lru_cache(maxsize=1)
-def _encoder(model: str, pooling: str, max_length: int, trust_remote_code: bool, max_tokens_per_batch: int):
-    """The frozen encoder, loaded once per worker process."""
-    from clusterscale.modeling.encoder import Encoder
-
-    return Encoder(model, pooling=pooling, max_length=max_length, trust_remote_code=trust_remote_code,
-                   max_tokens_per_batch=max_tokens_per_batch)
-
-
-def heldout_vectors(batch: pa.Table, source: dict | None, embed: EmbedConfig | None) -> dict[str, np.ndarray]:
-    """{vector column: (n, d) vectors} of a batch of held-out pairs: stored in it (source None), else embedded
-    with the frozen encoder embed.model from the text side source[column]."""
-    if source is None:
-        return {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
-    encoder = _encoder(embed.model, embed.pooling, embed.max_length, embed.trust_remote_code,
-                       embed.max_tokens_per_batch)
-    return {c: encoder.encode(batch.column(side).to_pylist(), embed.batch_size) for c, side in source.items()}
-
-
-def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, source: dict | None,
-                  embed: EmbedConfig | None, schema: pa.Schema, cluster_keys) -> pa.Table:
+def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, schema: pa.Schema, cluster_keys) -> pa.Table:
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
     'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
     cluster's shuffle key `part` (cluster_keys: see mark_rows; a split cluster's held-out partition with a
     BlockPlan; other columns null), so it travels through the cluster shuffle to exactly those clusters."""
-    vectors = heldout_vectors(batch, source, embed)
+    vectors = {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
     n, nprobe = batch.num_rows, min(nprobe, len(centroids))
     sims = vectors["emb"] @ np.asarray(centroids, np.float32).T
     probes = np.argpartition(-sims, nprobe - 1, axis=1)[:, :nprobe] if n else np.zeros((0, nprobe), np.int64)

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
-from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, assign_dir
+from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, HELDOUT_EMBEDDINGS, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
@@ -53,18 +53,31 @@ def removed_table(run: RunDir) -> pa.Table:
     return pa.concat_tables([pq.read_table(run.fs.open_input_file(f)) for f in files])
 
 
-def routed_heldout(cfg: Config, run: RunDir, schema: pa.Schema, plan: BlockPlan) -> ray.data.Dataset | None:
-    """The held-out vectors as rows of `schema`, one per (held-out pair, probed cluster) (route_heldout); None
-    without a semantic threshold or held-out pairs."""
-    files, vectors = run.files("heldout"), vector_columns(schema.names)
-    if cfg.dedup.semantic_threshold <= 0 or not files:
+def heldout_vectors_folder(ctx: StageContext) -> str | None:
+    """The folder of the held-out pairs' vectors for the semantic leak check: heldout/ where it stores them
+    (synthetic runs), else embeddings_heldout/, made by the embed_heldout stage (the frozen encoder on the
+    cluster's GPUs, like embed's; reused when done); None without a semantic threshold or held-out pairs."""
+    cfg, run = ctx.cfg, ctx.run
+    if cfg.dedup.semantic_threshold <= 0 or not run.files("heldout"):
         return None
-    source = heldout_vector_source(cfg, run, vectors)
-    columns = ["pair_id", *(vectors if source is None else sorted(set(source.values())))]
-    return read_row_groups(run, files, columns).map_batches(
+    with run.fs.open_input_file(run.files(assign_dir(cfg.cluster.k))[0]) as f:
+        vectors = vector_columns(pq.read_schema(f).names)
+    if heldout_vector_source(cfg, run, vectors) is None:
+        return "heldout"
+    ctx.stage("embed_heldout", cfg, run)
+    return HELDOUT_EMBEDDINGS
+
+
+def routed_heldout(cfg: Config, run: RunDir, folder: str | None, schema: pa.Schema, plan: BlockPlan
+                   ) -> ray.data.Dataset | None:
+    """The held-out vectors of `folder` (heldout_vectors_folder) as rows of `schema`, one per (held-out pair, probed
+    cluster) (route_heldout); None when there are none to check."""
+    if folder is None:
+        return None
+    columns = ["pair_id", *vector_columns(schema.names)]
+    return read_row_groups(run, run.files(folder), columns).map_batches(
         route_heldout, fn_kwargs={"centroids": load_centroids(run, cfg.cluster.k), "nprobe": cfg.dedup.heldout_nprobe,
-                                  "source": source, "embed": cfg.embed, "schema": schema,
-                                  "cluster_keys": plan},
+                                  "schema": schema, "cluster_keys": plan},
         batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
 
 
@@ -102,7 +115,8 @@ def _drop_parts(batch: pa.Table, done_keys: np.ndarray) -> pa.Table:
     return batch.filter(pc.invert(pc.is_in(batch.column("part"), pa.array(done_keys, pa.int64()))))
 
 
-def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint: str) -> list[dict]:
+def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint: str, held_folder: str | None
+              ) -> list[dict]:
     """Run mark -> exact by key bucket -> (with the routed held-out vectors) semantic and write by cluster; the
     per-cluster results (those an interrupted attempt with this fingerprint recorded, and the rest)."""
     files = run.files(assign_dir(cfg.cluster.k))
@@ -141,7 +155,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
             ds = ds.groupby("bucket", num_partitions=buckets).map_groups(resolve_exact, batch_format="pyarrow")
-        held = routed_heldout(cfg, run, pa.schema([*schema, *MARK_FIELDS]), plan)
+        held = routed_heldout(cfg, run, held_folder, pa.schema([*schema, *MARK_FIELDS]), plan)
         if held is not None:
             ds = ds.union(held)
         if done_keys is not None:
@@ -205,7 +219,8 @@ def run_dedup(ctx: StageContext) -> StageResult:
     started = time.time()
     n_rows = int(run.done_stats(assign_dir(cfg.cluster.k))["rows"])
     heldout = load_heldout_keys(run)
-    results = dedup_all(cfg, run, heldout, n_rows, ctx.fingerprint)
+    held_folder = heldout_vectors_folder(ctx)  # may run embed_heldout first (its own output and lock)
+    results = dedup_all(cfg, run, heldout, n_rows, ctx.fingerprint, held_folder)
     stats = stage_stats(cfg, results, n_rows, heldout["pairs"], time.time() - started)
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
