@@ -179,6 +179,49 @@ def test_clusters_split_into_blocks_equal_brute_force(planted_run, rule):
     assert sum(stats["removed_per_cluster"].values()) == stats["removed"] == len(got)
 
 
+def test_an_interrupted_dedup_keeps_the_clusters_it_finished(planted_run, capsys):
+    """Split clusters (dedup.max_group_rows=64, a semantic threshold): after an attempt that recorded some clusters,
+    the rerun redoes only the others (their files half written, a temp file left) and writes the same files as the
+    uninterrupted run; the recorded clusters' files are untouched and the counts are the same."""
+    import json
+    import os
+
+    from clusterscale.stages.dedup.stage import UNITS
+
+    run, _, spec = planted_run
+    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep="random",
+                                                                 semantic_threshold=THRESHOLD, max_group_rows=64)])
+    run_stage("dedup", cfg, run, replace="changed")  # reused when the split test's last rule left it
+    stats = run.done_stats(DEDUP)
+
+    def outputs() -> dict[str, bytes]:
+        return {f: open(f, "rb").read() for folder in (DEDUP_KEPT, DEDUP_REMOVED) for f in run.files(folder)}
+
+    expected = outputs()
+    records = sorted(os.listdir(run.path(UNITS)))
+    assert len(records) == K and len(json.loads(open(run.path(UNITS, records[0])).read())["results"]) >= 5
+    # As a kill leaves it: no done markers, two clusters unrecorded, one of them with only some of its files.
+    for folder in (DEDUP, DEDUP_KEPT):
+        os.remove(run.path(folder, "_DONE.json"))
+    for name in records[:2]:
+        os.remove(run.path(UNITS, name))
+    lost = sorted(f for f in expected if f"-{records[0][:-5]}-" in f.rsplit("/", 1)[1])
+    for f in lost[::2]:
+        os.remove(f)
+    open(run.path(DEDUP_KEPT, ".tmp-cut-short"), "wb").write(b"half a file")
+    kept = {f: os.stat(f).st_mtime_ns for f in expected if f"-{records[3][:-5]}-" in f.rsplit("/", 1)[1]}
+    assert lost and kept
+    capsys.readouterr()
+    run_stage("dedup", cfg, run)
+    assert "resuming: 2 cluster(s) were deduplicated by an earlier attempt" in capsys.readouterr().out
+    assert outputs() == expected and not os.path.exists(run.path(DEDUP_KEPT, ".tmp-cut-short"))
+    assert all(os.stat(f).st_mtime_ns == t for f, t in kept.items())
+    again = run.done_stats(DEDUP)
+    for key in ("rows", "removed", "exact", "semantic", "heldout_leak", "removed_per_cluster", "similarity_histogram",
+                "examples"):
+        assert again[key] == stats[key], key
+
+
 def test_dedup_off_is_refused_and_not_in_the_default_pipeline(planted_run):
     run, _, spec = planted_run
     cfg = load(None, [f"data.path={spec.data_path()}", *settings()])
@@ -225,85 +268,28 @@ def test_dedup_verb(planted_run, capsys):
     assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
 
 
-def test_heldout_vectors_of_a_real_run_come_from_the_embed_heldout_stage(tiny_model, tmp_path, ray_local):
-    """On a run with a real (tiny) encoder, dedup's held-out leak check reads the vectors the embed_heldout stage
-    wrote with the frozen encoder (its actor pool, not a second encoder inside dedup's tasks): the held-out passages'
-    vectors as the encoder gives them, and a training pair whose passage is a held-out one with a mark past the
-    encoder's max_length (no text match, another query) is removed as a held-out leak by its vector. Another dedup
-    config reuses the vectors."""
-    import pyarrow.parquet as pq
+def test_heldout_vectors_of_a_real_run_come_from_the_embed_heldout_stage(shared_run, tmp_path):
+    """On a copy of the shared run (a real tiny encoder), dedup's held-out leak check reads the vectors the
+    embed_heldout stage wrote with the frozen encoder (its actor pool, not a second encoder inside dedup's tasks):
+    one per held-out pair, as the encoder gives them. Another dedup config reuses them."""
+    import shutil
 
     from clusterscale.io.layout import HELDOUT_EMBEDDINGS
     from clusterscale.modeling.encoder import Encoder
-    from clusterscale.stages.ingest import is_heldout
-    from tests.conftest import make_pairs, tiny_overrides
 
-    pairs = make_pairs(240).to_pylist()
-    held = next(p for p in pairs if is_heldout(p["q"], 0.1))
-    # Longer than embed.max_length=32 tokens: the " !" is cut before the encoder, not before the text match.
-    twin = {"q": "an unrelated question", "p": held["p"] + " !", "src": held["src"]}
-    assert not is_heldout(twin["q"], 0.1) and core.normalised(twin["p"]) != core.normalised(held["p"])
-    data = tmp_path / "pairs.parquet"
-    pq.write_table(pa.Table.from_pylist(pairs + [twin]), data)
-
-    def config(threshold: float):
-        return load(None, [*tiny_overrides(tiny_model, str(data)), f"dedup.semantic_threshold={threshold}",
-                           "dedup.exact=false"])
-
-    run = RunDir(str(tmp_path / "run"))
-    for verb in ("ingest", "embed", "fit", "assign", "dedup"):
-        run_stage(verb, config(0.98), run)
+    path = tmp_path / "run"
+    shutil.copytree(shared_run.run.path(), path)
+    run = RunDir(str(path))
+    assert cli.main(["dedup", "--run-dir", str(path), "--set", "dedup.semantic_threshold=0.98"]) == 0
     vectors = pads.dataset(run.files(HELDOUT_EMBEDDINGS), filesystem=run.fs).to_table()
-    assert run.done_stats(HELDOUT_EMBEDDINGS)["rows"] == vectors.num_rows == run.done_stats("heldout")["rows"] > 0
+    held = run.done_stats("heldout")["rows"]
+    assert run.done_stats(HELDOUT_EMBEDDINGS)["rows"] == vectors.num_rows == held == run.done_stats(DEDUP)[
+        "heldout_pairs"] > 0
+    cfg = load(run.path("config.yaml"), [])
     np.testing.assert_allclose(emb_matrix(vectors.column("emb")),
-                               Encoder(tiny_model, max_length=32).encode(vectors.column("passage").to_pylist()),
+                               Encoder(cfg.embed.model, max_length=cfg.embed.max_length).encode(
+                                   vectors.column("passage").to_pylist()),
                                atol=2e-3)  # stored as float16, as embed stores them
-    twin_id = len(pairs)  # its row in the one input file
-    leaks = {r["pair_id"]: r for r in removed_table(run).to_pylist() if r["reason"] == "heldout_leak"}
-    assert twin_id in leaks and leaks[twin_id]["similarity"] >= 0.98
     done_at = run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"]
-    run_stage("dedup", config(0.97), run, replace="changed")
+    assert cli.main(["dedup", "--run-dir", str(path), "--set", "dedup.semantic_threshold=0.9", "--replace"]) == 0
     assert run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"] == done_at
-
-
-def test_an_interrupted_dedup_keeps_the_clusters_it_finished(planted_run, capsys):
-    """Split clusters (dedup.max_group_rows=64, a semantic threshold): after an attempt that recorded some clusters,
-    the rerun redoes only the others (their files half written, a temp file left) and writes the same files as the
-    uninterrupted run; the recorded clusters' files are untouched and the counts are the same."""
-    import json
-    import os
-
-    from clusterscale.stages.dedup.stage import UNITS
-
-    run, _, spec = planted_run
-    cfg = load(None, [f"data.path={spec.data_path()}", *settings(False, exact="true", key="passage", keep="hard",
-                                                                 semantic_threshold=THRESHOLD, max_group_rows=64)])
-    run_stage("dedup", cfg, run, replace="always")
-    stats = run.done_stats(DEDUP)
-
-    def outputs() -> dict[str, bytes]:
-        return {f: open(f, "rb").read() for folder in (DEDUP_KEPT, DEDUP_REMOVED) for f in run.files(folder)}
-
-    expected = outputs()
-    records = sorted(os.listdir(run.path(UNITS)))
-    assert len(records) == K and len(json.loads(open(run.path(UNITS, records[0])).read())["results"]) >= 5
-    # As a kill leaves it: no done markers, two clusters unrecorded, one of them with only some of its files.
-    for folder in (DEDUP, DEDUP_KEPT):
-        os.remove(run.path(folder, "_DONE.json"))
-    for name in records[:2]:
-        os.remove(run.path(UNITS, name))
-    lost = sorted(f for f in expected if f"-{records[0][:-5]}-" in f.rsplit("/", 1)[1])
-    for f in lost[::2]:
-        os.remove(f)
-    open(run.path(DEDUP_KEPT, ".tmp-cut-short"), "wb").write(b"half a file")
-    kept = {f: os.stat(f).st_mtime_ns for f in expected if f"-{records[3][:-5]}-" in f.rsplit("/", 1)[1]}
-    assert lost and kept
-    capsys.readouterr()
-    run_stage("dedup", cfg, run)
-    assert "resuming: 2 cluster(s) were deduplicated by an earlier attempt" in capsys.readouterr().out
-    assert outputs() == expected and not os.path.exists(run.path(DEDUP_KEPT, ".tmp-cut-short"))
-    assert all(os.stat(f).st_mtime_ns == t for f, t in kept.items())
-    again = run.done_stats(DEDUP)
-    for key in ("rows", "removed", "exact", "semantic", "heldout_leak", "removed_per_cluster", "similarity_histogram",
-                "examples"):
-        assert again[key] == stats[key], key

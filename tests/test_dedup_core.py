@@ -347,7 +347,7 @@ def test_split_cluster_write_task_reads_only_its_own_blocks_decisions(tmp_path, 
     splits = [bl.split_block(run.uri, cluster, b, dc, bounds) for b in blocks]
     state = {"kept": [], "last_rows": 0}
     for chunk in range(len(bounds[1])):
-        state = bl.decide_chunk(run.uri, cluster, chunk, blocks, dc, state, *splits)
+        state = bl.decide_chunk(run.uri, cluster, chunk, blocks, dc, "faiss", state, *splits)
     assert len(bounds[1]) >= 4  # several chunks, each with rows of several blocks
 
     read_rows, plain_read = {}, bl._read

@@ -105,3 +105,50 @@ def test_evaluate_search_is_the_same_on_torch():
     pool, queries = unit_rows(900, 32, 9), unit_rows(150, 32, 10)
     pool[7] = pool[3]
     assert search(queries, pool, 10, "torch") == search(queries, pool, 10, "faiss")
+
+
+@pytest.mark.parametrize("rule", ["easy", "hard", "random"])
+def test_dedup_is_the_same_on_torch(rule):
+    """dedup's semantic pass whole and in chunks (the split clusters' chain), and its held-out matches: the torch
+    products (float32 on torch, near-threshold entries in float64) keep and remove the same rows and name the same
+    duplicate with the same similarity (to an ulp of float64), whatever the keep rule's order."""
+    from clusterscale.runtime import dedup_core as core
+
+    rng = np.random.default_rng({"easy": 11, "hard": 12, "random": 13}[rule])
+    base = unit_rows(120, 32, 14)
+    x = base[rng.integers(0, 120, 900)] + 0.04 * unit_rows(900, 32, 15)  # many near duplicates
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    cos = rng.random(900)
+    x = x[core.keep_order(np.arange(900), core.keep_rank(np.arange(900), cos, rule, 0))].astype(np.float32)
+    threshold, torch_products = 0.97, core.Products(0.97, "cpu")
+    numpy_out = core.semantic_greedy(x, threshold, 64)
+    torch_out = core.semantic_greedy(x, threshold, 64, products=torch_products)
+    assert 50 < (~numpy_out[0]).sum() < 850
+    np.testing.assert_array_equal(torch_out[0], numpy_out[0])
+    np.testing.assert_array_equal(torch_out[1], numpy_out[1])
+    removed = ~numpy_out[0]
+    # the removed rows' similarity: float64 on both, summed in another order (einsum, BLAS): equal to an ulp
+    np.testing.assert_allclose(torch_out[2][removed], numpy_out[2][removed], rtol=1e-12, atol=0)
+    # the chunked chain (raise_best + semantic_greedy with a prior), as blocks.decide_chunk runs it
+    kept_before, chunked = [], np.zeros(900, bool)
+    for start in range(0, 900, 200):
+        rows = np.arange(start, min(900, start + 200))
+        prior = np.full(len(rows), -np.inf), np.full(len(rows), -1, np.int64)
+        for earlier in kept_before:
+            core.raise_best(x[rows], x[earlier], earlier, threshold, 64, *prior,
+                            products=core.Products(threshold, "cpu"))
+        chunked[rows] = core.semantic_greedy(x[rows], threshold, 64, keys=rows, prior=prior,
+                                             products=torch_products)[0]
+        kept_before.append(rows[chunked[rows]])
+    np.testing.assert_array_equal(chunked, numpy_out[0])
+    held = x[rng.integers(0, 900, 40)] + 0.01 * unit_rows(40, 32, 16)
+    held /= np.linalg.norm(held, axis=1, keepdims=True)
+    on_numpy = core.heldout_matches(x, held, 64, core.Products(threshold, "numpy32"))
+    on_torch = core.heldout_matches(x, held, 64, torch_products)
+    hit = on_numpy[1] >= threshold
+    assert hit.sum() > 10
+    np.testing.assert_array_equal(on_torch[1] >= threshold, hit)
+    np.testing.assert_array_equal(on_torch[0][hit], on_numpy[0][hit])
+    np.testing.assert_allclose(on_torch[1][hit], on_numpy[1][hit], rtol=1e-12, atol=0)
+    assert core.products_for("torch", False, threshold).device == "cpu"
+    assert core.products_for("auto", False, threshold).device is None  # no GPU in this task: float64 numpy

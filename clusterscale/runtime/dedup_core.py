@@ -85,16 +85,60 @@ def _take_better(best: np.ndarray, best_of: np.ndarray, sims: np.ndarray, column
     best_of[better] = columns[j[better]]
 
 
+class Products:
+    """a @ b.T of unit vectors for the semantic steps, as float64: on numpy in float64 (device None: the CPU path),
+    or in float32 (device 'numpy32', or a torch device: a task's GPU, a CPU when ray.vector_backend=torch) with every
+    entry within near_threshold_margin of the threshold or above recomputed in float64. Either way a decision
+    (>= threshold), a removed row's similarity and the earliest column among equal bests at or above the threshold
+    are float64's (to an ulp: the recomputed entries are summed in another order than BLAS's); an entry below the
+    threshold (a kept row's best: only the histogram reads it) may be float32's."""
+
+    def __init__(self, threshold: float, device: str | None = None):
+        self.threshold, self.device = threshold, device
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.device is None:
+            return np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+        if self.device == "numpy32":
+            sims = (np.asarray(a, np.float32) @ np.asarray(b, np.float32).T).astype(np.float64)
+        else:
+            import torch
+
+            with torch.no_grad():
+                left = torch.from_numpy(np.array(a, np.float32)).to(self.device)  # copies: Arrow's are read-only
+                right = torch.from_numpy(np.array(b, np.float32)).to(self.device)
+                sims = (left @ right.T).cpu().numpy().astype(np.float64)
+        near_r, near_c = np.nonzero(sims >= self.threshold - near_threshold_margin(a.shape[1]))
+        if len(near_r):
+            sims[near_r, near_c] = np.einsum("nd,nd->n", np.asarray(a[near_r], np.float64),
+                                             np.asarray(b[near_c], np.float64))
+        return sims
+
+
+def products_for(backend: str, gpu: bool, threshold: float, fallback: str | None = None) -> Products:
+    """dedup's products on ray.vector_backend in a task with or without a GPU: torch when forced (on the GPU if the
+    task has one), or with 'auto' on a task's GPU; else numpy (`fallback`: None = float64, 'numpy32')."""
+    from clusterscale.runtime.vector_search import torch_cuda
+
+    if backend == "torch":
+        return Products(threshold, "cuda" if gpu and torch_cuda() else "cpu")
+    if backend == "auto" and gpu and torch_cuda():
+        return Products(threshold, "cuda")
+    return Products(threshold, fallback)
+
+
 def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int, keys: np.ndarray | None = None,
-                    prior: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    prior: tuple[np.ndarray, np.ndarray] | None = None, products: Products | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Semantic groups (module docstring) of unit vectors x already in keep order, block_rows rows at a time.
 
     Returns (kept: bool (n,), duplicate_of: the key of a removed row's kept duplicate, -1 when kept, best: each
     row's highest cosine to a row kept before it, -inf when none). keys: what duplicate_of names a row of x by
     (default: its index). prior: (best, best_of) of each row over kept rows that precede all of x (best_of in the
     caller's keys; raise_best leaves them so), when x is one chunk of a longer keep order (split_greedy).
-    Cosines in float64, so the result does not depend on the blocking (nor on the BLAS). x stays in its own
-    dtype; only blocks are widened."""
+    Cosines in float64 (products: Products, default float64 numpy), so the result does not depend on the blocking
+    (nor on the BLAS, nor on the backend). x stays in its own dtype; only blocks are widened."""
+    products = products or Products(threshold)
     n = len(x)
     keys = np.arange(n) if keys is None else np.asarray(keys, np.int64)
     kept = np.zeros(n, bool)
@@ -102,13 +146,12 @@ def semantic_greedy(x: np.ndarray, threshold: float, block_rows: int, keys: np.n
         (np.array(prior[0], np.float64), np.array(prior[1], np.int64))
     for start in range(0, n, block_rows):
         stop = min(n, start + block_rows)
-        block, rows = np.asarray(x[start:stop], np.float64), np.arange(start, stop)
+        block, rows = x[start:stop], np.arange(start, stop)
         earlier = np.flatnonzero(kept[:start])
         for c in range(0, len(earlier), block_rows):
             columns = earlier[c:c + block_rows]
-            _take_better(best[start:stop], best_of[start:stop], block @ np.asarray(x[columns], np.float64).T,
-                         keys[columns])
-        within = block @ block.T
+            _take_better(best[start:stop], best_of[start:stop], products(block, x[columns]), keys[columns])
+        within = products(block, block)
         before = np.tri(len(rows), k=-1, dtype=bool).T  # before[i, j]: row i precedes row j
         alive = best[start:stop] < threshold
         hits = before & (within >= threshold) & alive[:, None] & alive[None, :]
@@ -131,20 +174,22 @@ def near_threshold_margin(d: int) -> float:
 
 
 def raise_best(x: np.ndarray, kept_x: np.ndarray, kept_keys: np.ndarray, threshold: float, block_rows: int,
-               best: np.ndarray, best_of: np.ndarray) -> None:
+               best: np.ndarray, best_of: np.ndarray, products: Products | None = None) -> None:
     """Raise each row of x's best (its highest cosine to a kept row before it) and best_of (that row's key) in place
     over kept rows `kept_x` (keys `kept_keys`) that are in keep order and all precede x's rows; called on earlier
     kept rows in keep order, it leaves what semantic_greedy's `prior` wants. Products in float32, block_rows x
     block_rows at a time; a row with a product within near_threshold_margin of the threshold or above gets its
     best over those few columns in float64, so a best at or above the threshold and the earliest kept row among
     equal ones are semantic_greedy's (exact float64); a best below it (a kept row's: only the histogram reads
-    it) may be float32's. Memory: the two blocks and one block_rows^2 product, whatever the duplicates."""
+    it) may be float32's. Memory: the two blocks and one block_rows^2 product, whatever the duplicates. products:
+    where the float32 products are made (Products; default numpy)."""
     margin = near_threshold_margin(x.shape[1])
+    products = products or Products(threshold, "numpy32")
     kept_keys = np.asarray(kept_keys, np.int64)
     for r in range(0, len(x), block_rows):
         rows = np.asarray(x[r:r + block_rows], np.float32)
         for c in range(0, len(kept_x), block_rows):
-            sims = rows @ np.asarray(kept_x[c:c + block_rows], np.float32).T
+            sims = products(rows, np.asarray(kept_x[c:c + block_rows], np.float32))
             j = np.argmax(sims, axis=1)  # the first maximum: the earliest column among equals
             top = sims[np.arange(len(j)), j].astype(np.float64)
             near_r, near_c = np.nonzero(sims >= threshold - margin)
@@ -181,15 +226,18 @@ def split_greedy(x: np.ndarray, threshold: float, block_rows: int, chunk_rows: i
     return kept, duplicate_of, best
 
 
-def heldout_matches(x: np.ndarray, heldout: np.ndarray, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def heldout_matches(x: np.ndarray, heldout: np.ndarray, block_rows: int, products: Products | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """(index of the most similar held-out vector, its cosine) for each row of x; (-1, -inf) with no held-out.
-    block_rows rows of x against block_rows held-out vectors at a time, so memory does not grow with the cluster."""
+    block_rows rows of x against block_rows held-out vectors at a time, so memory does not grow with the cluster.
+    products: Products (its threshold's near entries in float64; default float32 numpy, no threshold)."""
+    products = products or Products(np.inf, "numpy32")
     best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
     for row in range(0, len(x), block_rows):
         block = np.asarray(x[row:row + block_rows], np.float32)
         for start in range(0, len(heldout), block_rows):
             columns = np.arange(start, min(len(heldout), start + block_rows))
-            sims = (block @ np.asarray(heldout[columns], np.float32).T).astype(np.float64)
+            sims = products(block, np.asarray(heldout[columns], np.float32))
             _take_better(best[row:row + block_rows], best_of[row:row + block_rows], sims, columns)
     return best_of, best
 

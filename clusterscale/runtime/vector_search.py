@@ -27,7 +27,8 @@ RESCORE_BLOCK_VALUES = 1 << 22  # float64 values of the candidates' rows gathere
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_cuda() -> bool:
+def torch_cuda() -> bool:
+    """Whether torch is importable here and sees a CUDA GPU."""
     try:
         import torch
     except ImportError:
@@ -43,10 +44,10 @@ def resolve(backend: str, gpu: bool) -> tuple[str, str]:
     if backend not in BACKENDS:
         raise UserError(f"ray.vector_backend={backend!r} is not one of {', '.join(BACKENDS)}.")
     if backend == "torch":
-        return "torch", "cuda" if gpu and _torch_cuda() else "cpu"
+        return "torch", "cuda" if gpu and torch_cuda() else "cpu"
     if gpu and gpu_available():
         return "faiss", "gpu"
-    if backend == "auto" and gpu and _torch_cuda():
+    if backend == "auto" and gpu and torch_cuda():
         return "torch", "cuda"
     return "faiss", "cpu"
 
@@ -71,7 +72,7 @@ class TorchIPIndex:
         import torch
 
         self.device = torch.device(device)
-        self.x = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)).to(self.device)
+        self.x = torch.from_numpy(np.array(vectors, dtype=np.float32)).to(self.device)  # a copy: Arrow's are read-only
         self.ntotal, self.d = self.x.shape
 
     def _block_rows(self) -> int:
@@ -96,7 +97,7 @@ class TorchIPIndex:
         step = self._block_rows()
         with torch.no_grad():
             for start in range(0, n, step):
-                block = torch.from_numpy(q[start:start + step]).to(self.device)
+                block = torch.from_numpy(np.array(q[start:start + step])).to(self.device)
                 top = torch.topk(block @ self.x.T, found, dim=1)
                 scores[start:start + len(block), :found] = top.values.cpu().numpy()
                 rows[start:start + len(block), :found] = top.indices.cpu().numpy()

@@ -37,7 +37,7 @@ from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotT
                                          refuse_run_dir_in_data)
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
-from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.io.rundir import RunDir, StageResult, changed_keys
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
@@ -322,12 +322,19 @@ def _print_skipped(walk) -> None:
 def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict[str, dict]:
     """The markers of the units an interrupted attempt finished ({marker path: its JSON}), read after ONE listing
     of UNITS_DIR; {} for a fresh attempt, which clears pairs/, heldout/ and quarantine/ first. An attempt made from
-    input files that have changed since (another listing digest) is started over; one made with another config is
-    refused by load_or_make_plan (--replace replaces it)."""
+    input files that have changed since (another listing digest), or with another config (the usual fix after a
+    failed first attempt: a column name), is started over: its rows are no rows of this ingest."""
     run = ctx.run
-    if run.exists(PLAN) and run.read_json(PLAN).get("inputs") != digest:
-        print("[ingest] the input files changed since the interrupted attempt: it is started over", flush=True)
-        run.remove(PLAN)
+    if run.exists(PLAN):
+        before = run.read_json(PLAN)
+        if before.get("inputs") != digest:
+            print("[ingest] the input files changed since the interrupted attempt: it is started over", flush=True)
+            run.remove(PLAN)
+        elif before.get("fingerprint") != ctx.fingerprint:
+            print(f"[ingest] the interrupted attempt was made with another config (changed: "
+                  f"{changed_keys(before.get('covers'), getattr(ctx.fingerprint, 'values', None))}): it is started "
+                  f"over", flush=True)
+            run.remove(PLAN)
     fresh = not run.exists(PLAN)
     load_or_make_plan(run, "pairs", PLAN, ctx.fingerprint, "ingest", lambda: {"inputs": digest, "units": len(units)})
     if fresh:

@@ -39,7 +39,7 @@ from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
 from clusterscale.stages.dedup.exact import replace_columns
 from clusterscale.stages.dedup.heldout import heldout_vector_leaks, vector_columns
 from clusterscale.stages.dedup.partitions import BlockPlan
-from clusterscale.stages.dedup.semantic import counts_row, dedup_cluster, write_outputs
+from clusterscale.stages.dedup.semantic import counts_row, dedup_cluster, task_has_gpu, write_outputs
 
 BLOCKS = f"{DEDUP}/_blocks"  # the split clusters' rows and decisions while the stage runs (removed at its end)
 DECISION_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.int8()), ("duplicate_of", pa.int64()),
@@ -97,13 +97,14 @@ def write_block(group: pa.Table, run: RunDir, cluster: int, block: int) -> None:
                           row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
 
 
-def cluster_group(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str], plan: BlockPlan
-                  ) -> pa.Table:
+def cluster_group(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str], plan: BlockPlan,
+                  backend: str = "faiss") -> pa.Table:
     """Group step of the cluster shuffle: a whole cluster (semantic.dedup_cluster), or a block of a split one:
     finished here without a semantic threshold, else written for the block tasks (a pending counts row)."""
     cluster, block = plan.block_of(int(group.column("part")[0].as_py()))
     if plan.blocks[cluster] == 1 or dc.semantic_threshold <= 0:
-        return dedup_cluster(group, run_uri, dc, columns, block=-1 if plan.blocks[cluster] == 1 else block)
+        return dedup_cluster(group, run_uri, dc, columns, block=-1 if plan.blocks[cluster] == 1 else block,
+                             backend=backend)
     release_freed_memory()  # what the worker's previous group or task freed
     write_block(group, RunDir(run_uri), cluster, block)
     return counts_row(cluster, block, pending=True)
@@ -142,8 +143,8 @@ def chunk_of(pair_ids: np.ndarray, rank: np.ndarray, bounds: tuple[np.ndarray, n
     return chunk
 
 
-def split_block(run_uri: str, cluster: int, block: int, dc: DedupConfig, bounds: tuple[np.ndarray, np.ndarray]
-                ) -> list[int]:
+def split_block(run_uri: str, cluster: int, block: int, dc: DedupConfig, bounds: tuple[np.ndarray, np.ndarray],
+                backend: str = "faiss") -> list[int]:
     """Ray task (split): block `block`'s held-out vector leaks among the rows the exact step kept (its leaks file),
     and its other such rows (pair_id, rank, emb) in keep order, one row group per chunk (its chunks file); returns
     the chunk of each of its row groups, in order."""
@@ -153,7 +154,8 @@ def split_block(run_uri: str, cluster: int, block: int, dc: DedupConfig, bounds:
     rows = _alive_rows(run, cluster, block, ["pair_id", "rank", "reason", *vector_columns(names)])
     leak_of, similarity = np.full(rows.num_rows, -1, np.int64), np.zeros(rows.num_rows, np.float32)
     if run.exists(heldout_file(cluster)):
-        leak_of, similarity = heldout_vector_leaks(rows, _read(run, heldout_file(cluster)), dc)
+        leak_of, similarity = heldout_vector_leaks(rows, _read(run, heldout_file(cluster)), dc, core.products_for(
+            backend, task_has_gpu(), dc.semantic_threshold, "numpy32"))
     hit = leak_of >= 0
     run.write_parquet(leaks_file(cluster, block), pa.table({
         "pair_id": rows.column("pair_id").to_numpy()[hit], "reason": np.full(hit.sum(), core.HELDOUT_LEAK, np.int8),
@@ -190,8 +192,8 @@ def _append_kept(run: RunDir, cluster: int, chunk: int, kept: pa.Table, state: d
     return {"kept": files, "last_rows": kept.num_rows - chunk_rows * ((kept.num_rows - 1) // chunk_rows)}
 
 
-def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: DedupConfig, state: dict,
-                 *splits: list[int]) -> dict:
+def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: DedupConfig, backend: str,
+                 state: dict, *splits: list[int]) -> dict:
     """Ray task (decide): chunk `chunk` of a split cluster's keep order (a row group of each block's chunks file:
     `splits`, split_block's results) against the rows kept before it (the kept files of `state`, one at a time),
     then within itself; writes its decisions (every row: best; a removed one: reason, duplicate_of, similarity), one
@@ -215,13 +217,16 @@ def decide_chunk(run_uri: str, cluster: int, chunk: int, blocks: list[int], dc: 
     rows, block_of = rows.take(pa.array(order)), block_of[order]
     pair_ids, x = rows.column("pair_id").to_numpy(), emb_matrix(rows.column("emb"))
     best, best_of = np.full(len(x), -np.inf), np.full(len(x), -1, np.int64)
+    gpu = task_has_gpu()
     for rel in state["kept"]:
         earlier = _read(run, rel)
         core.raise_best(x, emb_matrix(earlier.column("emb")), earlier.column("pair_id").to_numpy(),
-                        dc.semantic_threshold, dc.block_rows, best, best_of)
+                        dc.semantic_threshold, dc.block_rows, best, best_of,
+                        core.products_for(backend, gpu, dc.semantic_threshold, "numpy32"))
         del earlier
     kept, duplicate_of, best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows, keys=pair_ids,
-                                                    prior=(best, best_of))
+                                                    prior=(best, best_of),
+                                                    products=core.products_for(backend, gpu, dc.semantic_threshold))
     decisions = pa.table({
         "pair_id": pair_ids, "reason": np.where(kept, core.KEPT, core.SEMANTIC).astype(np.int8),
         "duplicate_of": duplicate_of, "similarity": np.where(kept, 0.0, best).astype(np.float32), "best": best},
@@ -263,14 +268,14 @@ def write_block_outputs(run_uri: str, cluster: int, block: int, columns: list[st
                          ).to_pylist()[0]
 
 
-def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc: DedupConfig
-                       ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc: DedupConfig,
+                       backend: str = "faiss", gpus: float = 0) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
     """Start the bounds, split, decide and write tasks of the split clusters whose blocks (cluster, block) the
     cluster shuffle wrote (a block the hash left empty has no file and no task); waits for the bounds (a few keys
     per cluster); returns the decide tasks' refs (one per chunk) and the write tasks' (one per block)."""
     bounds_task = ray.remote(num_cpus=1)(chunk_bounds)
-    split_task = ray.remote(num_cpus=1)(split_block)
-    decide_task = ray.remote(num_cpus=1)(decide_chunk)
+    split_task = ray.remote(num_cpus=1, num_gpus=gpus)(split_block)  # gpus: vector_search.wants_gpus
+    decide_task = ray.remote(num_cpus=1, num_gpus=gpus)(decide_chunk)
     write_task = ray.remote(num_cpus=1)(write_block_outputs)
     by_cluster: dict[int, list[int]] = {}
     for cluster, block in pending:
@@ -279,11 +284,11 @@ def run_split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: lis
     bounds = ray.get([bounds_task.remote(run.uri, cluster, blocks, dc.max_group_rows) for cluster, blocks in clusters])
     decided, writes = [], []
     for (cluster, blocks), cluster_bounds in zip(clusters, bounds):
-        splits = [split_task.remote(run.uri, cluster, b, dc, cluster_bounds) for b in blocks]
+        splits = [split_task.remote(run.uri, cluster, b, dc, cluster_bounds, backend) for b in blocks]
         state = {"kept": [], "last_rows": 0}
         chunks = len(cluster_bounds[1])
         for chunk in range(chunks):
-            state = decide_task.remote(run.uri, cluster, chunk, blocks, dc, state, *splits)
+            state = decide_task.remote(run.uri, cluster, chunk, blocks, dc, backend, state, *splits)
             decided.append(state)
         writes += [write_task.remote(run.uri, cluster, b, columns, dc, state, split)
                    for b, split in zip(blocks, splits)]

@@ -100,17 +100,20 @@ def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, schema: p
                      for f in schema], schema=schema)
 
 
-def heldout_vector_leaks(rows: pa.Table, held: pa.Table, dc: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
+def heldout_vector_leaks(rows: pa.Table, held: pa.Table, dc: DedupConfig, products: core.Products | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """(duplicate_of: the held-out pair_id a training row's vector has cosine >= the threshold to, or -1;
     similarity) for one cluster's training `rows` and the held-out vectors routed to it (`held`): each vector
-    column in turn ('emb', then 'emb_query'); the first match counts. Blocked matmul (dedup.block_rows)."""
+    column in turn ('emb', then 'emb_query'); the first match counts. Blocked matmul (dedup.block_rows) in float32,
+    the products near the threshold in float64 (products: core.Products; default numpy)."""
+    products = products or core.Products(dc.semantic_threshold, "numpy32")
     dup_of, similarity = np.full(rows.num_rows, -1, np.int64), np.zeros(rows.num_rows, np.float32)
     if not held.num_rows or not rows.num_rows:
         return dup_of, similarity
     held_ids = held.column("pair_id").to_numpy()
     for column in vector_columns(held.column_names):
         best_of, best = core.heldout_matches(emb_matrix(rows.column(column)), emb_matrix(held.column(column)),
-                                             dc.block_rows)
+                                             dc.block_rows, products)
         hit = (best >= dc.semantic_threshold) & (dup_of < 0)
         dup_of[hit], similarity[hit] = held_ids[best_of[hit]], best[hit]
     return dup_of, similarity

@@ -31,13 +31,14 @@ REMOVED_SCHEMA = pa.schema([("pair_id", pa.int64()), ("duplicate_of", pa.int64()
                             ("reason", pa.string()), ("cluster", pa.int32())])
 
 
-def mark_vector_leaks(group: pa.Table, held: pa.Table, dc: DedupConfig) -> pa.Table:
+def mark_vector_leaks(group: pa.Table, held: pa.Table, dc: DedupConfig, products: core.Products | None = None
+                      ) -> pa.Table:
     """The cluster's training rows with held-out vector leaks marked among the rows not already removed (`held`:
-    the held-out vectors routed to this cluster)."""
+    the held-out vectors routed to this cluster; products: core.Products)."""
     if dc.semantic_threshold <= 0 or not held.num_rows:
         return group
     alive = np.flatnonzero(group.column("reason").to_numpy() == core.KEPT)
-    leak_of, leak_sim = heldout_vector_leaks(group.take(pa.array(alive)), held, dc)
+    leak_of, leak_sim = heldout_vector_leaks(group.take(pa.array(alive)), held, dc, products)
     leaked = alive[leak_of >= 0]
     reason = group.column("reason").to_numpy().copy()
     duplicate_of = group.column("duplicate_of").to_numpy().copy()
@@ -45,6 +46,13 @@ def mark_vector_leaks(group: pa.Table, held: pa.Table, dc: DedupConfig) -> pa.Ta
     reason[leaked], duplicate_of[leaked], similarity[leaked] = core.HELDOUT_LEAK, leak_of[leak_of >= 0], \
         leak_sim[leak_of >= 0]
     return replace_columns(group, reason=reason, duplicate_of=duplicate_of, similarity=similarity)
+
+
+def task_has_gpu() -> bool:
+    """Whether Ray gave this task a GPU."""
+    import ray
+
+    return ray.is_initialized() and bool(ray.get_gpu_ids())
 
 
 def task_memory_bytes() -> float:
@@ -68,9 +76,10 @@ def group_rows_limit(dc: DedupConfig, row_bytes: float) -> int:
     return max(dc.block_rows, int(task_memory_bytes() * TASK_MEMORY_FRACTION // max(row_bytes, 1.0)))
 
 
-def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
+def semantic_pass(group: pa.Table, dc: DedupConfig, products: core.Products | None = None) -> pa.Table:
     """The cluster's rows (sorted by pair_id) with semantic removals marked among the rows not already removed,
-    compared whole (a cluster larger than dedup.max_group_rows comes here in blocks: stages/dedup/blocks.py)."""
+    compared whole (a cluster larger than dedup.max_group_rows comes here in blocks: stages/dedup/blocks.py);
+    products: core.Products (default float64 numpy)."""
     reason = group.column("reason").to_numpy().copy()
     duplicate_of = group.column("duplicate_of").to_numpy().copy()
     similarity = group.column("similarity").to_numpy().copy()
@@ -80,7 +89,7 @@ def semantic_pass(group: pa.Table, dc: DedupConfig) -> pa.Table:
         pair_ids = group.column("pair_id").to_numpy()
         rows = alive[core.keep_order(pair_ids[alive], group.column("rank").to_numpy()[alive])]
         x = emb_matrix(group.column("emb").take(pa.array(rows)))
-        kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows)
+        kept, dup_index, row_best = core.semantic_greedy(x, dc.semantic_threshold, dc.block_rows, products=products)
         removed = rows[~kept]
         reason[removed] = core.SEMANTIC
         duplicate_of[removed] = pair_ids[rows[dup_index[~kept]]]
@@ -113,16 +122,20 @@ def example_group(group: pa.Table) -> dict | None:
                 "passage": texts["passage"][int(r)].as_py()[:200]} for r in members]}
 
 
-def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str], block: int = -1) -> pa.Table:
+def dedup_cluster(group: pa.Table, run_uri: str, dc: DedupConfig, columns: list[str], block: int = -1,
+                  backend: str = "faiss") -> pa.Table:
     """Group step: the semantic pass of one cluster (or, block >= 0, of one block of a cluster split without a
     semantic threshold), then its kept rows (all `columns` of assign/) and its removed rows are written; returns
-    the counts row of write_outputs. dc: the dedup section."""
+    the counts row of write_outputs. dc: the dedup section; backend: ray.vector_backend (core.products_for)."""
     release_freed_memory()  # what the worker's previous group or task freed
     unit_delay_for_tests("dedup")
     cluster = int(group.column("cluster")[0].as_py())
     probe = pa.array(group.column("reason").to_numpy() == core.HELDOUT_PROBE)
     held, group = group.filter(probe).sort_by("pair_id"), group.filter(pc.invert(probe)).sort_by("pair_id")
-    group = semantic_pass(mark_vector_leaks(group, held, dc), dc)
+    gpu = task_has_gpu()
+    group = semantic_pass(mark_vector_leaks(group, held, dc, core.products_for(backend, gpu, dc.semantic_threshold,
+                                                                               "numpy32")),
+                          dc, core.products_for(backend, gpu, dc.semantic_threshold))
     return write_outputs(group, RunDir(run_uri), cluster, block, columns, dc)
 
 

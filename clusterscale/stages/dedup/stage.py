@@ -26,7 +26,9 @@ from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
                                                read_row_groups)
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.runtime.vector_search import wants_gpus
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
@@ -148,6 +150,9 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
     done_keys = np.concatenate([plan.keys[plan.first[c]:plan.first[c] + plan.blocks[c] + (plan.heldout[c] >= 0)]
                                 for c in done]) if done else None
     run.remove(BLOCKS)  # the blocks of an interrupted attempt: a split cluster not finished is redone whole
+    # A GPU per semantic task when the cluster has GPUs the backend can use (vector_search.wants_gpus).
+    gpus = {"num_gpus": 1} if cfg.dedup.semantic_threshold > 0 and wants_gpus(
+        cfg.ray.vector_backend, ClusterResources.current().gpus) else {}
     with bounded_shuffle_maps(shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
@@ -161,8 +166,8 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
         if done_keys is not None:
             ds = ds.map_batches(_drop_parts, fn_kwargs={"done_keys": done_keys}, batch_format="pyarrow")
         ds = ds.groupby("part", num_partitions=plan.partitions).map_groups(
-            cluster_group, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns, "plan": plan},
-            batch_format="pyarrow")
+            cluster_group, fn_kwargs={"run_uri": run.uri, "dc": dedup_cfg, "columns": columns, "plan": plan,
+                                      "backend": cfg.ray.vector_backend}, batch_format="pyarrow", **gpus)
         blocks_done: dict[int, list[dict]] = {}  # the blocks of clusters split without a semantic step
         for result in ds.iter_rows():
             if result["pending"]:
@@ -178,16 +183,17 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
         for cluster, found in blocks_done.items():  # every block of theirs is written once the shuffle is done
             _record(run, cluster, found)
     if pending:  # the split clusters' tasks: a line for the chunks decided, then the rows as they are written
-        results += _split_clusters(run, pending, columns, dedup_cfg, progress)
+        results += _split_clusters(run, pending, columns, dedup_cfg, progress, cfg.ray.vector_backend,
+                                   gpus.get("num_gpus", 0))
     run.remove(BLOCKS)
     return results
 
 
-def _split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc, progress: ProgressLine
-                    ) -> list[dict]:
+def _split_clusters(run: RunDir, pending: list[tuple[int, int]], columns: list[str], dc, progress: ProgressLine,
+                    backend: str, gpus: float) -> list[dict]:
     """Run the split clusters' chains (blocks.run_split_clusters); their blocks' counts rows, each cluster recorded
     once all its blocks are written."""
-    decided, writes = run_split_clusters(run, pending, columns, dc)
+    decided, writes = run_split_clusters(run, pending, columns, dc, backend, gpus)
     print(f"[dedup] {len({c for c, _ in pending})} cluster(s) over dedup.max_group_rows={dc.max_group_rows:,} rows: "
           f"{len(decided):,} chunks, each decided in keep order against the rows kept before it", flush=True)
     chunks, decided_ids = ProgressLine("dedup", len(decided), unit="chunks"), {r.hex() for r in decided}
