@@ -40,7 +40,7 @@ def test_torch_index_searches_in_blocks_like_one_product(monkeypatch):
 
     base, queries = unit_rows(500, 16, 2), unit_rows(301, 16, 3)
     whole = TorchIPIndex(base).search(queries, 7)
-    monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 500 * 13)  # blocks of 13 queries
+    monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", (500 + 16) * 13)  # blocks of 13 queries
     blocks = TorchIPIndex(base).search(queries, 7)
     np.testing.assert_array_equal(blocks[1], whole[1])
     np.testing.assert_array_equal(blocks[0], whole[0])

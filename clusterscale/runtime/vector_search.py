@@ -65,8 +65,8 @@ def wants_gpus(backend: str, cluster_gpus: int) -> bool:
 
 class TorchIPIndex:
     """An exact inner-product index on torch with faiss's search API: search(x, k) -> (scores, rows), float32,
-    rows -1 past the index's size. The vectors stay on the device; queries go in blocks whose (block x n) products
-    fit GPU_MEMORY_FRACTION of the free GPU memory (CPU_BLOCK_VALUES on a CPU)."""
+    rows -1 past the index's size. The vectors stay on the device; queries go in blocks whose vectors and (block x n)
+    products fit GPU_MEMORY_FRACTION of the free GPU memory (CPU_BLOCK_VALUES on a CPU)."""
 
     def __init__(self, vectors: np.ndarray, device: str = "cpu"):
         import torch
@@ -83,7 +83,7 @@ class TorchIPIndex:
             values = int(free * GPU_MEMORY_FRACTION) // 4
         else:
             values = CPU_BLOCK_VALUES
-        return max(1, values // max(1, self.ntotal))
+        return max(1, values // (self.ntotal + self.d))  # a query row: its products and its own vector
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import torch
