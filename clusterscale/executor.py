@@ -225,6 +225,7 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
     if key and not result.stats.get("reused"):  # a reuse keeps the record of the work
         record = {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
         record["invocation_s"] = round(time.time() - started, 3)
+        record["started_unix"] = round(started, 3)  # when: per-stage GPU samples (benchmarks/gpu_pipeline.py)
         if stage.shared and key.split(":", 1)[0] == stage.name:  # not a re-clustering segment's (recluster:...)
             record["preprocess"] = True  # what costs and the report count as preprocessing
         (costs_run or run).record_cost(key, record)

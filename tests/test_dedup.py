@@ -266,6 +266,12 @@ def test_dedup_verb(planted_run, capsys):
     assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.exact=true", "dedup.key=passage", "--replace"]) == 0
     assert "[dedup]" in capsys.readouterr().out
     assert set(removed_table(run).column("reason").to_pylist()) == {"exact", "heldout_leak"}
+    # A threshold below the cosine of unrelated pairs (as with a random encoder) removes every pair as a held-out
+    # leak: one paragraph naming the key, not shard's "holds no rows" later.
+    assert cli.main(["dedup", "--run-dir", run.uri, "--set", "dedup.semantic_threshold=0.01", "--replace"]) == 2
+    err = capsys.readouterr().err
+    assert "dedup removed all" in err and "dedup.semantic_threshold=0.01 is below" in err, err
+    assert not run.exists(DEDUP, "_DONE.json")
 
 
 def test_heldout_vectors_of_a_real_run_come_from_the_embed_heldout_stage(shared_run, tmp_path):

@@ -413,3 +413,20 @@ def test_train_has_an_io_term_that_sets_the_pace_when_reads_are_slower_than_step
     small = tiny.stage("train")
     assert small.wall_s == pytest.approx(small.read_s) and "bound by its reads" in small.time_from
     assert any("a rank's reads" in w for w in tiny.warnings(tiny.plan()))
+
+
+def test_this_machine_counts_its_cuda_gpus(monkeypatch):
+    """`plan` without --cluster/--gpus on a GPU node plans its GPUs (benchmarks/gpu_pipeline.py's prediction); a GPU
+    model without datasheet figures is planned as a CPU node."""
+    import torch
+
+    from clusterscale.plan.cluster import this_machine
+
+    assert this_machine().gpus == 0  # this CPU box
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    spec = this_machine()
+    assert (spec.gpus, spec.gpu_type, spec.source) == (1, "H200", "this machine")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Some Future Accelerator")
+    assert this_machine().gpus == 0

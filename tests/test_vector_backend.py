@@ -152,3 +152,41 @@ def test_dedup_is_the_same_on_torch(rule):
     np.testing.assert_allclose(on_torch[1][hit], on_numpy[1][hit], rtol=1e-12, atol=0)
     assert core.products_for("torch", False, threshold).device == "cpu"
     assert core.products_for("auto", False, threshold).device is None  # no GPU in this task: float64 numpy
+
+
+WITHOUT_FAISS = r"""
+import sys
+sys.modules["faiss"] = None  # `import faiss` raises ImportError: a GPU node with torch and no faiss
+import numpy as np
+from clusterscale.errors import UserError
+from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
+from clusterscale.runtime.vector_search import resolve
+from clusterscale.stages import dedup, evaluate, kmeans, mine, mine_search  # every stage that searches imports
+x = np.load(sys.argv[1])
+assert resolve("auto", gpu=False) == ("torch", "cpu"), resolve("auto", gpu=False)
+centroids, _ = fit_spherical_kmeans(x, 5, 4, 0, backend="auto")
+np.save(sys.argv[2], np.stack([nearest_centroid(x, centroids, backend="auto")[1], np.zeros(len(x), np.int64)]))
+np.save(sys.argv[3], centroids)
+try:
+    resolve("faiss", gpu=False)
+except UserError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_without_faiss_auto_runs_on_torch_and_faiss_is_refused_by_name(tmp_path):
+    """benchmarks/gpu_pipeline.sh's node has torch but no faiss: every stage imports, ray.vector_backend=auto searches
+    on torch with faiss's results, and a forced faiss says what to install or set."""
+    import subprocess
+    import sys
+
+    x = unit_rows(1500, 24, 9)
+    np.save(tmp_path / "x.npy", x)
+    done = subprocess.run([sys.executable, "-c", WITHOUT_FAISS, *(str(tmp_path / f) for f in
+                                                                    ("x.npy", "labels.npy", "centroids.npy"))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED" in done.stdout and "pip install faiss-cpu" in done.stdout and "vector_backend=torch" in done.stdout
+    centroids, _ = fit_spherical_kmeans(x, 5, 4, 0, backend="faiss")
+    np.testing.assert_array_equal(np.load(tmp_path / "centroids.npy"), centroids)
+    np.testing.assert_array_equal(np.load(tmp_path / "labels.npy")[0], nearest_centroid(x, centroids)[1])

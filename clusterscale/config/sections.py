@@ -114,8 +114,8 @@ class ShardConfig(Section):
                                     "rank reads the whole Parquet footer of each file it takes a row group from "
                                     "(~0.25 KB per row group), so the footer bytes per row it uses grow with the "
                                     "file's row groups: 1 keeps them under ~0.6x the text bytes at 64 ranks for "
-                                    "~400 B/row (benchmarks/results/h1_s7.md); larger values mean fewer, bigger "
-                                    "files.", bounds=POSITIVE)
+                                    "~400 B/row (benchmarks/RESULTS.md, 'Shard files of one global batch'); larger "
+                                    "values mean fewer, bigger files.", bounds=POSITIVE)
     target_rows_per_file: int = knob(500_000, "Upper bound on rows per shard file (files hold shard."
                                               "batches_per_file global batches, fewer rows when this is smaller).",
                                      bounds=POSITIVE)

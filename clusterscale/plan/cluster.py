@@ -74,10 +74,25 @@ class ClusterSpec:
 
 
 def this_machine() -> ClusterSpec:
-    """The machine the command runs on, as one CPU node."""
+    """The machine the command runs on, as one node with its CUDA GPUs (those of a model the planner knows)."""
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return ClusterSpec(1, os.cpu_count() or 1, 0, None, float(pages), float(shutil.disk_usage(".").free),
+    gpus, gpu_type = local_gpus()
+    return ClusterSpec(1, os.cpu_count() or 1, gpus, gpu_type, float(pages), float(shutil.disk_usage(".").free),
                        "this machine")
+
+
+def local_gpus() -> tuple[int, str | None]:
+    """(CUDA GPUs torch sees here, their datasheet key); (0, None) without torch, CUDA or a known model."""
+    try:
+        import torch
+    except ImportError:
+        return 0, None
+    if not torch.cuda.is_available():
+        return 0, None
+    try:
+        return torch.cuda.device_count(), gpu_model(torch.cuda.get_device_name(0))
+    except ConfigError:  # a GPU without datasheet figures: planned as a CPU node
+        return 0, None
 
 
 class _Fields:

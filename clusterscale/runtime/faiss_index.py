@@ -7,17 +7,40 @@ from __future__ import annotations
 
 import functools
 
-import faiss
 import numpy as np
 
 from clusterscale.errors import UserError
 
+try:
+    import faiss
+except ImportError:  # a GPU node with torch but no faiss: ray.vector_backend=auto (or torch) searches on torch there
+    faiss = None
+
 IVF_SEED = 1234  # the coarse quantizer's k-means: fixed, so an IVF index (and what it finds) is reproducible
+
+
+def installed() -> bool:
+    """Whether faiss is importable in this process."""
+    return faiss is not None
+
+
+def require_faiss():
+    """The faiss module, or a UserError naming the two ways out."""
+    if faiss is None:
+        raise UserError("ray.vector_backend=faiss, but faiss is not installed in this Python: `pip install "
+                        "faiss-cpu` (or faiss-gpu-cu12 on GPU nodes), or set ray.vector_backend=torch (or auto).")
+    return faiss
+
+
+def set_threads(threads: int) -> None:
+    """faiss's OpenMP threads in this process (nothing to set where faiss is not installed)."""
+    if faiss is not None:
+        faiss.omp_set_num_threads(threads)
 
 
 def gpu_available() -> bool:
     """True when this faiss was built with GPU support and sees a GPU."""
-    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    return faiss is not None and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,6 +61,7 @@ def build_ip_index(vectors: np.ndarray, kind: str = "flat", nlist: int = 1, npro
                    use_gpu: bool = False) -> faiss.Index:
     """An inner-product index holding `vectors` (rows in order): exact ('flat') or 'ivf' with `nlist`
     lists searched `nprobe` at a time (faster, approximate)."""
+    faiss = require_faiss()
     x = np.ascontiguousarray(vectors, dtype=np.float32)
     d = x.shape[1]
     if kind == "flat" or (kind == "ivf" and nlist <= 1):  # one list searched whole is exact search (and

@@ -39,7 +39,7 @@ def torch_cuda() -> bool:
 def resolve(backend: str, gpu: bool) -> tuple[str, str]:
     """(library, device) for `backend` in a task that has a GPU (gpu: Ray gave it one) or not: ("faiss", "gpu"/"cpu")
     or ("torch", "cuda"/"cpu")."""
-    from clusterscale.runtime.faiss_index import gpu_available
+    from clusterscale.runtime.faiss_index import gpu_available, installed, require_faiss
 
     if backend not in BACKENDS:
         raise UserError(f"ray.vector_backend={backend!r} is not one of {', '.join(BACKENDS)}.")
@@ -49,6 +49,9 @@ def resolve(backend: str, gpu: bool) -> tuple[str, str]:
         return "faiss", "gpu"
     if backend == "auto" and gpu and torch_cuda():
         return "torch", "cuda"
+    if backend == "auto" and not installed():  # a node with torch and no faiss (benchmarks/gpu_pipeline.sh's)
+        return "torch", "cpu"
+    require_faiss()
     return "faiss", "cpu"
 
 

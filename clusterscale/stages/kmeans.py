@@ -12,7 +12,6 @@ import io
 import math
 import time
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +26,7 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.io.rundir import RunDir, StageInputChangedError, StageResult
+from clusterscale.runtime import faiss_index
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vector_search import build_index, top_k, wants_gpus
@@ -61,7 +61,7 @@ class SampleShard:
     """One worker of the fit: holds its slice of the fit sample in memory for all iterations."""
 
     def __init__(self, load, threads: int, use_gpu: bool = False, backend: str = "faiss"):
-        faiss.omp_set_num_threads(threads)
+        faiss_index.set_threads(threads)
         self.use_gpu = use_gpu
         self.ids, chunks = load()
         self.dims = sorted({c.shape[1] for c in chunks})

@@ -52,6 +52,7 @@ from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resource
 from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
                                                read_row_groups, release_freed_memory)
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
+from clusterscale.runtime import faiss_index
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vector_search import wants_gpus
@@ -233,10 +234,8 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
 def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray,
             backend: str = "faiss") -> pa.Table:
     """Search one group and write its results (one row per routed query: its bucket and top candidates)."""
-    import faiss
-
     unit_delay_for_tests("mine")
-    faiss.omp_set_num_threads(1)  # one CPU per task: Ray runs one task per CPU
+    faiss_index.set_threads(1)  # one CPU per task: Ray runs one task per CPU
     index = int(np.flatnonzero(group_keys == group.column("group")[0].as_py())[0])
     out = search_cluster(group, mine, buckets, backend, bool(ray.get_gpu_ids()))
     RunDir(run_uri).write_parquet(search_file(index), out, compression="zstd")

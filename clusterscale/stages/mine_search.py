@@ -12,13 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from clusterscale.config import MineConfig
-from clusterscale.runtime.faiss_index import build_ip_index
 from clusterscale.runtime.vector_search import build_index as build_vector_index, top_k
 from clusterscale.runtime.hashing import splitmix64, text_hashes
 from clusterscale.runtime.vectors import emb_matrix
@@ -188,7 +186,7 @@ def probed_clusters(query_vectors: np.ndarray, own_cluster: np.ndarray, centroid
     nearest to the centroid of the pair's own cluster."""
     nprobe = min(nprobe, len(centroids))
     centroids = np.ascontiguousarray(centroids, dtype=np.float32)
-    index = build_ip_index(centroids)  # k centroids: the CPU's faiss, rescored (vector_search.top_k) like any search
+    index = build_vector_index(centroids, "auto")  # k centroids on this CPU, rescored (top_k) like any search
     if by_query:
         return top_k(index, centroids, query_vectors, nprobe)[1]
     neighbours = top_k(index, centroids, centroids, nprobe)[1]

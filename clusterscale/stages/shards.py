@@ -343,7 +343,7 @@ def file_sizes(cfg: Config) -> tuple[int, int]:
 
     A training rank reads the footer of each file it takes a row group from, and a footer describes every row
     group of its file: files sized from the global batch, not from the cluster or N, bound the footer bytes per
-    row read (the formula is in benchmarks/results/h1_s7.md)."""
+    row read (the formula: benchmarks/RESULTS.md, "Shard files of one global batch")."""
     batch = cfg.train.schedule.global_batch_size
     row_group_rows = row_group_rows_for(batch)
     rows = min(cfg.shard.batches_per_file * batch, cfg.shard.target_rows_per_file)

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
+from clusterscale.errors import UserError
 from clusterscale.io.layout import DEDUP, DEDUP_KEPT, DEDUP_REMOVED, HELDOUT_EMBEDDINGS, assign_dir
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime import dedup_core as core
@@ -231,9 +232,24 @@ def run_dedup(ctx: StageContext) -> StageResult:
     print(f"[dedup] {n_rows} pairs: kept {stats['rows']}, removed {stats['removed']} (exact {stats['exact']}, "
           f"semantic {stats['semantic']}, held-out leaks {stats['heldout_leak']}) in {stats['wall_s']:.1f}s",
           flush=True)
+    if n_rows and not stats["rows"]:
+        raise UserError(nothing_kept(cfg, stats, n_rows))
     config = {"dedup": cfg.dedup.to_dict(), "cluster": cfg.cluster.to_dict()}
     kept = StageResult({"rows": stats["rows"], "k": cfg.cluster.k}, config=config)
     return StageResult(stats, outputs={DEDUP_KEPT: kept}, config=config)
+
+
+def nothing_kept(cfg: Config, stats: dict, n_rows: int) -> str:
+    """The error of a dedup that removed every training pair: which rule did, and the key to change."""
+    dc = cfg.dedup
+    said = (f"dedup removed all {n_rows} training pairs (exact {stats['exact']}, semantic {stats['semantic']}, "
+            f"held-out leaks {stats['heldout_leak']}), so there is nothing to shard.")
+    if stats["semantic"] + stats["heldout_leak"] >= max(stats["exact"], 1):
+        return (f"{said} dedup.semantic_threshold={dc.semantic_threshold:g} is below the cosine of unrelated pairs "
+                f"for {cfg.embed.model} (a randomly initialised or untrained encoder puts every text within ~0.9 of "
+                f"every other): raise it (near-duplicates sit above 0.95 with a trained encoder) or set it to 0.")
+    return (f"{said} Every pair repeats another (dedup.key={dc.key}): check data.query_column and "
+            f"data.passage_column, or set dedup.exact=false.")
 
 
 def stage_stats(cfg: Config, results: list[dict], n_rows: int, n_heldout: int, wall: float) -> dict:
