@@ -144,7 +144,7 @@ def measure(args, rows: int, out: str, run: str, encoder: str, pairs: str) -> No
             "dedup.exact=true", f"dedup.semantic_threshold={SEMANTIC_THRESHOLD}", f"train.init={encoder}", f"train.tokenizer={encoder}",
             f"train.use_gpu={str(gpu).lower()}", "train.num_workers=1",
             f"train.global_batch_size={256 if gpu else 32}", f"train.steps={args.train_steps if gpu else 4}",
-            "train.negatives_per_query=1", "train.query_max_length=32", "train.passage_max_length=128",
+            "train.query_max_length=32", "train.passage_max_length=128",
             "ray.vector_backend=auto"]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -157,6 +157,9 @@ def measure(args, rows: int, out: str, run: str, encoder: str, pairs: str) -> No
     run_started = time.time()
     try:
         clusterscale("run", "--run-dir", run, "--set", *keys, log=os.path.join(out, "run.log"), env=env)
+        # mine after the run, not inside it: training with mined negatives writes sidecars through Ray Data's join,
+        # which needs polars (a 54 MB wheel: Ray's and it do not fit one 64 MiB carry); the search is mine's GPU work.
+        clusterscale("mine", "--run-dir", run, "--set", *keys, log=os.path.join(out, "mine.log"), env=env)
     finally:
         sampler.stop()
     run_wall = time.time() - run_started

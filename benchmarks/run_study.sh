@@ -30,8 +30,8 @@
 # benchmarks/study_state.py restore STATE.tar.gz OUT_DIR/minilm --preprocessing PRE.tar.gz`, this script with
 # minilm-new again, and, once its log shows the first `== compare:`, `bash benchmarks/run_study.sh OUT_DIR
 # minilm-new-verify` (every seed's arms must share one preprocessing). benchmarks/results/study30_minilm/ holds the
-# finished study (3 seeds x 5 arms: arms.tar.gz, compare.json, report.md) and the preprocessing of seeds 1 and 2
-# (preprocessing.tar.gz; seed 0 trained on an earlier box's).
+# finished study (3 seeds x 5 arms: compare.json, report.md); its state (arms.tar.gz, and preprocessing.tar.gz of
+# seeds 1 and 2) is in git history up to 2ab6e02 (`git show 2ab6e02:benchmarks/results/study30_minilm/arms.tar.gz`).
 # The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>
 set -euo pipefail
 OUT=${1:-runs/study}
@@ -64,7 +64,7 @@ EASY=(--arm "random+mined:train.negatives_curriculum_steps=$EASY_STEPS"
       --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
   fi
   if [[ $WHICH == minilm-new-verify ]]; then  # the restored arms against this run dir's preprocessing, per seed
-    python "$(dirname "$0")/study_state.py" verify "${STUDY_STATE:-$(dirname "$0")/results/study30_minilm/arms.tar.gz}" \
+    python "$(dirname "$0")/study_state.py" verify "${STUDY_STATE:?STUDY_STATE=arms.tar.gz (git show 2ab6e02:benchmarks/results/study30_minilm/arms.tar.gz)}" \
       "$OUT/minilm" -- --arms "random,clustered,$NEW_ARMS" "${EASY[@]}" --seeds 3 --set "${COMMON[@]}" "${MINILM[@]}"
   fi
   if [[ $WHICH == minilm || $WHICH == both ]]; then

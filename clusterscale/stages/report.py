@@ -367,6 +367,9 @@ def write_report(cfg: Config, run: RunDir) -> str:
     """Write report/report.md (with its plots); its path."""
     k = cfg.cluster.k
     parts = ["# clusterscale report", "", f"Run directory: `{run.uri}`  ", f"Config hash: `{cfg.hash()}`", ""]
+    if not report_plots.available():
+        parts += ["Plots: none here, matplotlib is not installed (`pip install matplotlib`, then `clusterscale report "
+                  "--run-dir ...`).", ""]
     flagged = collapse_warnings(run)
     if flagged:
         parts += ["## Warnings", *flagged, ""]

@@ -1,6 +1,7 @@
 """The report's figures (matplotlib, Agg): each function returns PNG bytes, or None when there is nothing to plot."""
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -9,6 +10,23 @@ from clusterscale.io.records import ShardManifest
 
 PALETTE = {"clustered": "tab:red", "random": "tab:blue", "random_clusters": "tab:green", "curriculum": "tab:purple",
            "clustered+mined": "tab:orange", "random+mined": "tab:cyan"}
+
+
+def available() -> bool:
+    """Whether matplotlib is importable: a node without it (a bare GPU image) still gets report.md, without plots."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _optional(plot):
+    """A plot that is None (nothing to plot) where matplotlib is not installed."""
+    @functools.wraps(plot)
+    def wrapped(*args, **kwargs):
+        return plot(*args, **kwargs) if available() else None
+    return wrapped
 
 
 def _pyplot():
@@ -36,6 +54,7 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     return (cumsum[idx] - cumsum[lo]) / (idx - lo)
 
 
+@_optional
 def cluster_sizes(manifest: ShardManifest) -> bytes:
     """One bar per shard, largest first (a histogram of k values says little); log scale once sizes span 100x
     or k is large, so small shards stay visible next to the global-batch line."""
@@ -63,6 +82,7 @@ def cluster_sizes(manifest: ShardManifest) -> bytes:
     return _png(fig)
 
 
+@_optional
 def training_curves(curves: dict[str, dict[str, list[dict]]], keys: tuple[str, ...], ylabels: tuple[str, ...],
                     title: str) -> bytes | None:
     """One panel per metric key; per sampler group the seeds faintly and their mean's rolling average bold.
@@ -90,6 +110,7 @@ def training_curves(curves: dict[str, dict[str, list[dict]]], keys: tuple[str, .
     return _png(fig)
 
 
+@_optional
 def cost_breakdown(rows: list[tuple[str, float, str]], summary: dict | None = None) -> bytes | None:
     """Left: worker-seconds per stage key, coloured by kind (preprocess|train|evaluate|other). Right, when the
     summary has a training epoch: preprocessing against one training epoch and the whole run (the key message)."""
@@ -124,6 +145,7 @@ def cost_breakdown(rows: list[tuple[str, float, str]], summary: dict | None = No
     return _png(fig)
 
 
+@_optional
 def compare_arms(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
     """Every seed as a dot, the mean as a bar with ± std, on the metric's whole 0..1 axis (a cut axis makes a
     +0.01 difference look large); the mean and its spread are written above each arm."""
@@ -152,6 +174,7 @@ def compare_arms(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
     return _png(fig)
 
 
+@_optional
 def paired_differences(compare: dict) -> bytes | None:
     """Per comparison (arm - baseline, same seeds): every seed's difference as a dot, the mean and its 95%
     interval as a bar, on an axis symmetric about 0 so that no difference looks like one."""
@@ -181,6 +204,7 @@ def paired_differences(compare: dict) -> bytes | None:
     return _png(fig)
 
 
+@_optional
 def gain_against_cost(compare: dict, metric: str = "ndcg_at_10") -> bytes | None:
     """Per arm paired with random: the mean gain with its 95% interval (y) against the extra preprocessing
     worker-hours the arm needs (x), so that the quality an hour of preprocessing buys reads off the slope."""
@@ -203,6 +227,7 @@ def gain_against_cost(compare: dict, metric: str = "ndcg_at_10") -> bytes | None
     return _png(fig)
 
 
+@_optional
 def sweep_curves(sweep: dict) -> bytes | None:
     points = [p for p in sweep.get("points", []) if "error" not in p]
     if not points:
