@@ -106,3 +106,22 @@ def test_exported_model_is_complete_and_its_checkpoints_are_gone(reported):
     assert {"clustered-seed0", "compare-random-seed0", "source-seed0"} <= set(trained)
     for name in trained:
         assert run.exists(f"train/{name}/model/model.safetensors") and not run.exists(f"train/{name}/ray")
+
+
+def test_without_matplotlib_the_report_is_written_without_plots(shared_run, tmp_path, monkeypatch):
+    """A node without matplotlib (a bare GPU image: benchmarks/gpu_pipeline.sh) still gets report.md, saying why it
+    has no plots; nothing links a figure it did not write."""
+    import shutil
+
+    from clusterscale.config import load
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages import report_plots
+    from clusterscale.stages.report import write_report
+
+    shutil.copytree(shared_run.run.path(), tmp_path / "run", ignore=shutil.ignore_patterns("*.png"))
+    run = RunDir(str(tmp_path / "run"))
+    monkeypatch.setattr(report_plots, "available", lambda: False)
+    write_report(load(str(tmp_path / "run" / "config.yaml"), []), run)
+    report = run.read_bytes("report/report.md").decode()
+    assert "matplotlib is not installed" in report and ".png)" not in report
+    assert "## Clusters" in report and not run.files("report", suffix=".png")
