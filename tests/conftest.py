@@ -56,6 +56,41 @@ def make_pairs(n: int, seed: int = 0) -> pa.Table:
     return pa.table({"q": queries, "p": passages, "src": sources})
 
 
+# The unit tier (`pytest -m unit`: seconds, for the edit-test loop): every test that uses none of these fixtures
+# (directly or through a fixture of its own module) and is not marked integration. A unit test that starts Ray or a
+# CLI subprocess fails (unit_guard), so the tier stays Ray-free whatever a new test does.
+HEAVY_FIXTURES = {"ray_local", "shared_run", "tiny_model", "multinode", "ray_head", "s3_endpoint"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not HEAVY_FIXTURES & set(item.fixturenames) and not item.get_closest_marker("integration") \
+                and not item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def unit_guard(request, monkeypatch):
+    """A unit test may not start Ray or a process of its own: it is marked integration instead."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import subprocess
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is in the unit tier (it uses none of conftest.HEAVY_FIXTURES) "
+                             f"but starts Ray or a subprocess: mark it @pytest.mark.integration")
+
+    import ray
+
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refused))
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray

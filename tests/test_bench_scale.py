@@ -1,6 +1,8 @@
 """benchmarks/bench_scale.py's sampler: it sees the command's whole process tree and each process's own memory."""
 from __future__ import annotations
 
+import pytest
+
 import importlib.util
 import os
 import subprocess
@@ -18,6 +20,7 @@ CHILD = "import time; x = bytearray(200 * 1024 * 1024); time.sleep(1.5)"
 PARENT = f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); p.wait()"
 
 
+@pytest.mark.integration
 def test_sampler_sees_the_child_and_counts_its_private_memory():
     proc = subprocess.Popen([sys.executable, "-c", PARENT])
     with bench_scale.TreeSampler(proc.pid, interval=0.05) as sampler:
@@ -31,6 +34,7 @@ def test_sampler_sees_the_child_and_counts_its_private_memory():
     assert summary["tree_peak_uss_mb"] >= summary["ray_other_peak_uss_mb"] + summary["driver_peak_uss_mb"] - 1
 
 
+@pytest.mark.integration
 def test_sampler_counts_the_bytes_the_tree_writes_and_reads(tmp_path):
     """bytes_moved_per_row's numerator: the child writes then reads back 40 MB; the tree's rchar + wchar hold both."""
     path = str(tmp_path / "blob")

@@ -39,6 +39,7 @@ def minilm() -> Encoder:
     return Encoder("bundled", max_length=64, device="cpu", threads=2)
 
 
+@pytest.mark.integration
 def test_equals_sentence_transformers_fp32(minilm):
     from sentence_transformers import SentenceTransformer
 

@@ -4,6 +4,8 @@ stops it the same way, after ray.init's own SIGTERM handler too. The first SIGIN
 test_embed_restart (embed killed mid-run, then resumed)."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -32,6 +34,7 @@ with interrupt.saying(STAGES["train"].interrupted), interrupt.saying(""):
 """
 
 
+@pytest.mark.integration
 def test_second_sigint_ends_the_process_at_once(tmp_path):
     err = tmp_path / "stderr"
     with open(err, "wb") as stderr:

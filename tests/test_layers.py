@@ -2,6 +2,8 @@
 and the import graph has no cycle. Read with `ast`, so nothing is imported."""
 from __future__ import annotations
 
+import pytest
+
 import ast
 from fnmatch import fnmatch
 from pathlib import Path
@@ -119,6 +121,7 @@ def test_the_checks_see_imports_inside_functions_and_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+@pytest.mark.integration
 def test_config_loading_imports_neither_torch_nor_ray():
     """The component configs live beside torch code but in torch-free modules: reading and describing a config
     (`clusterscale config`, every verb's start) imports neither torch nor Ray."""
@@ -130,6 +133,7 @@ def test_config_loading_imports_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_the_command_starts_without_torch():
     """`clusterscale` imports its verbs without torch or transformers (~1.2 s of every start here): `--help`,
     `config`, `plan` and `inspect` never load them, the other verbs where a stage needs them."""

@@ -289,6 +289,7 @@ def test_plan_files_equal_a_finished_run(shared_run):
     assert "the mean of" in models.note and models_of(cfg).embed_tokens == cfg.embed.max_length
 
 
+@pytest.mark.integration
 def test_gpu_check_quick_writes_what_plan_reads(tmp_path):
     out = tmp_path / "gpu.json"
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--quick", "--out", str(out)],

@@ -189,6 +189,7 @@ MEMORY_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize from /proc")
 def test_a_plan_at_k_1e11_and_1e15_rows_fits_in_1_gib_more_than_a_small_one(tmp_path):
     """k = 99,999,999,999 clusters over 10^15 pairs (every stage on, uniform cluster weighting) plans with at most

@@ -172,6 +172,7 @@ for argv in [line.split("\\t") for line in sys.argv[1:]]:
 """
 
 
+@pytest.mark.integration
 def test_cli_secrets_in_malformed_uris_are_never_printed_or_stored(tmp_path):
     unreachable = "endpoint_override=127.0.0.1:1&scheme=http"
     commands = [*(["ingest", "--run-dir", str(tmp_path / f"run{i}"), "--set", f"data.path={uri}"]
@@ -226,6 +227,7 @@ sys.exit(cli.main(["ingest", "--run-dir", sys.argv[2], "--set", "data.path=" + u
 """
 
 
+@pytest.mark.integration
 def test_cli_bug_traceback_and_forwarded_output_are_redacted(tmp_path):
     uri = "s3://AKIAEXAMPLE:S3KRET%2FpAss@bucket/x.parquet?session_token=T0KEN"
     done = run_cli_script(BUG_SCRIPT, tmp_path, uri, str(tmp_path / "run"))

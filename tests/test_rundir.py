@@ -159,6 +159,7 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
         pass
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_stage_locked_by_another_process(existing_run, no_ray, capsys):
     run = existing_run
     holder = subprocess.Popen([sys.executable, "-c", (

@@ -1,6 +1,8 @@
 """A local Ray started by clusterscale listens on loopback only."""
 from __future__ import annotations
 
+import pytest
+
 import ipaddress
 
 
@@ -219,6 +221,7 @@ def test_the_state_api_of_a_worker_beside_another_local_ray_asks_its_own(ray_loc
     assert not processes_of(temp_dir)
 
 
+@pytest.mark.integration
 def test_a_killed_drivers_watcher_ends_what_its_raylet_left(tmp_path):
     """runtime/reaper.py: when the driver's pipe ends and its raylet is gone, the processes the raylet started (here
     stand-ins that ignore SIGTERM, as the agents do for a minute) are killed; another raylet's are not."""

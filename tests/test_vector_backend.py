@@ -174,6 +174,7 @@ except UserError as e:
 """
 
 
+@pytest.mark.integration
 def test_without_faiss_auto_runs_on_torch_and_faiss_is_refused_by_name(tmp_path):
     """benchmarks/gpu_pipeline.sh's node has torch but no faiss: every stage imports, ray.vector_backend=auto searches
     on torch with faiss's results, and a forced faiss says what to install or set."""
