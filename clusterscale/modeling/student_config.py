@@ -21,6 +21,12 @@ class StudentConfig(Section):
                         ("auto", "mean", "cls"))
     tokenizer: str = knob("bundled", "Tokenizer for init=scratch (HF id or folder); 'bundled' = the "
                                      "standard uncased BERT vocab of the bundled encoder.")
+    query_prompt: str = knob("", "Text put before every query the student embeds, in training, mining with it and "
+                                 "evaluation (e.g. 'query: '); exported as the sentence-transformers prompt named "
+                                 "'query', so model.encode(texts, prompt_name='query') embeds as trained.",
+                             added=True)
+    passage_prompt: str = knob("", "Text put before every passage (and mined negative) the student embeds; exported "
+                                   "as the prompt named 'passage'.", added=True)
     query_max_length: int = knob(32, "Token limit for queries (paper: 32).", bounds=POSITIVE)
     passage_max_length: int = knob(128, "Token limit for passages (paper: 256).", bounds=POSITIVE)
     scratch_hidden_size: int = knob(768, "Hidden size of a from-scratch BERT (BERT-base: 768).", bounds=POSITIVE)

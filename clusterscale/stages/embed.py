@@ -108,11 +108,12 @@ class TokenizeUnits:
     A small pool of long-lived actors, not tasks: where the encoders fill a node's CPUs, Ray keeps no idle
     worker process, and every task would start (import) a new one, ~1 CPU-second each."""
 
-    def __init__(self, pairs_uri: str, tokenizer: TextTokenizer, side: str):
+    def __init__(self, pairs_uri: str, tokenizer: TextTokenizer, side: str, prompts: tuple[str, str] = ("", "")):
         single_threaded()
         self.pairs_run = RunDir(pairs_uri)
         self.tokenizer = tokenizer
         self.side = side
+        self.prompts = dict(zip(("query", "passage"), prompts))  # the frozen encoder's (encoder.frozen_prompts)
 
     def __call__(self, units: pa.Table) -> pa.Table:
         return pa.concat_tables([self.tokenize_unit(unit) for unit in units.to_pylist()])
@@ -121,7 +122,9 @@ class TokenizeUnits:
         with self.pairs_run.fs.open_input_file(self.pairs_run.path(unit["input"])) as f:
             table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
         for text, suffix in output_columns(self.side):
-            tokens = self.tokenizer(table.column(text).to_pylist())
+            prompt = self.prompts[text]
+            texts = table.column(text).to_pylist()
+            tokens = self.tokenizer([prompt + t for t in texts] if prompt else texts)
             table = table.append_column(f"truncated{suffix}", pa.array(tokens.truncated))
             table = table.append_column(f"{TOKENS}{suffix}", tokens.to_arrow())
         n = table.num_rows
@@ -218,7 +221,7 @@ def cpu_stage_pool(pool: ActorPlan, units: int) -> tuple[ray.data.ActorPoolStrat
 
 
 def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs_run: RunDir,
-                  tokenizer: TextTokenizer) -> ray.data.Dataset:
+                  tokenizer: TextTokenizer, prompts: tuple[str, str] = ("", "")) -> ray.data.Dataset:
     """units -> read + tokenise (CPU actors) -> encode (encoder actors) -> write (CPU actors): one result
     row per unit.
 
@@ -228,7 +231,7 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     ds = ray.data.from_items(todo, override_num_blocks=len(todo))
     ds.context.target_max_block_size = None
     tokenise_pool, cpus = cpu_stage_pool(pool, len(todo))
-    ds = ds.map_batches(TokenizeUnits, fn_constructor_args=(pairs_run.uri, tokenizer, cfg.embed.side),
+    ds = ds.map_batches(TokenizeUnits, fn_constructor_args=(pairs_run.uri, tokenizer, cfg.embed.side, prompts),
                         batch_size=None, batch_format="pyarrow", compute=tokenise_pool, num_cpus=cpus)
     # A GPU actor gets its next unit while it runs one (that block may come from another node); a CPU actor
     # takes one at a time (a local fetch), so no unit waits queued at a busy actor while another is free.
@@ -246,12 +249,12 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs
               ) -> tuple[list[dict], float]:
     """Embed `todo` (Ray Data restarts a dead actor and retries its task; a retried unit rewrites the same
     file name, so no row is lost or duplicated). Returns (per-unit results, actor seconds)."""
-    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path  # torch: in the driver only
+    from clusterscale.modeling.encoder import frozen_prompts, load_tokenizer, resolve_model_path  # torch: driver only
 
     started = time.time()
     tokenizer = TextTokenizer(load_tokenizer(resolve_model_path(cfg.embed.model), cfg.embed.trust_remote_code),
                               cfg.embed.max_length)
-    ds = embed_dataset(run, cfg, todo, pool, pairs_run, tokenizer)
+    ds = embed_dataset(run, cfg, todo, pool, pairs_run, tokenizer, frozen_prompts(cfg.embed))
     progress = ProgressLine("embed", sum(u["stop"] - u["start"] for u in todo))
     results = []
     try:

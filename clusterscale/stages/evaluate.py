@@ -20,6 +20,7 @@ from clusterscale.stages.eval_set import EVAL_SALT, distractor_passages, heldout
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import (EVAL, centroids_path, eval_by_cluster_path, eval_clusters_path, eval_path,
                                     model_dir)
+from clusterscale.modeling.model_files import frozen_prompts, with_prompt
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.runtime.vector_search import build_index, top_k
 from clusterscale.runtime.progress import ProgressLine
@@ -126,8 +127,9 @@ class EvalEncoders:
             self.actor = None
 
     def encode(self, model: str, pooling: str, max_lengths: tuple[int, int], queries: list[str], passages: list[str],
-               batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Queries and passages embedded by `model`, each at its own max length."""
+               batch_size: int, prompts: tuple[str, str] = ("", "")) -> tuple[np.ndarray, np.ndarray]:
+        """Queries and passages embedded by `model`, each at its own max length after its prompt."""
+        queries, passages = with_prompt(prompts[0], queries), with_prompt(prompts[1], passages)
         if self.actor is None:
             plan = plan_actors(self.need, max_actors=1)  # one actor: a GPU, or every CPU as its threads
             self.actor = ray.remote(EvalEncoder).options(**plan.options, max_restarts=1,
@@ -216,7 +218,7 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int, backend: str = "fa
 
 
 def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, model: str, pooling: str,
-                   eval_set: dict, fingerprint: str) -> dict:
+                   eval_set: dict, fingerprint: str, prompts: tuple[str, str] = ("", "")) -> dict:
     """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
@@ -225,7 +227,7 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
         return run.read_json(rel)
     started = time.time()
     q, p = encoders.encode(model, pooling, (cfg.train.student.query_max_length, cfg.train.student.passage_max_length),
-                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size)
+                           eval_set["queries"], eval_set["pool"], cfg.eval.batch_size, prompts)
     depth = max(max(cfg.eval.k_values), 10)
     rankings = search(q, p, depth, ctx.cfg.ray.vector_backend)
     metrics = retrieval_metrics(rankings, eval_set["qrels"], cfg.eval.k_values)
@@ -266,8 +268,9 @@ def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) 
         if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
             return cached["cluster"]
     texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
+    prompt = frozen_prompts(cfg.embed)[1 if cfg.embed.side == "passage" else 0]  # as embed/ embedded that side
     vectors, _ = encoders.encode(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
-                                 cfg.eval.batch_size)
+                                 cfg.eval.batch_size, (prompt, ""))
     clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
     run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})
     return clusters
@@ -304,14 +307,16 @@ def run_evaluate(ctx: StageContext) -> StageResult:
     lengths = {"query_max_length": student.query_max_length, "passage_max_length": student.passage_max_length}
     name = cfg.train_name()
     # A URI, not a driver-local copy: the encoding task may run on another node.
-    models = {"frozen": (cfg.embed.model, cfg.embed.pooling, cfg.fingerprint(("data", "embed", "eval"), extra=lengths)),
+    models = {"frozen": (cfg.embed.model, cfg.embed.pooling, cfg.fingerprint(("data", "embed", "eval"), extra=lengths),
+                         frozen_prompts(cfg.embed)),
               name: (run.child_uri(model_dir(name)), "auto",
-                     cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")))}
-    cached = {n for n, (_, _, fp) in models.items()
+                     cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")),
+                     (student.query_prompt, student.passage_prompt))}
+    cached = {n for n, (_, _, fp, _) in models.items()
               if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
     with encoder_process as encoders:  # one encoder process for every model of this call (or of evaluate_together)
-        results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp)
-                   for n, (model, pooling, fp) in models.items()}
+        results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp, prompts)
+                   for n, (model, pooling, fp, prompts) in models.items()}
         write_model_card(cfg, run, name)  # the card now carries the held-out metrics
         by_cluster = cluster_breakdown(ctx, encoders, eval_set, results)
     stats = {"wall_s": round(time.time() - started, 3), "models": list(results)}

@@ -104,7 +104,8 @@ def vectors_run(ctx: StageContext, encoder: str | None) -> tuple[RunDir, dict]:
     if encoder is None:
         return run, {}
     child = RunDir(run.child_uri(ENCODER_RUN))
-    child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto"})
+    child_cfg = variant(cfg, embed={"model": encoder, "side": "both", "pooling": "auto", "query_prompt": None,
+                                    "passage_prompt": None})  # that model's own prompts (a training's: its own)
     print(f"[mine] re-embedding every training pair (queries and passages) with {encoder}", flush=True)
     return child, ctx.stage("embed", child_cfg, child, source=run, cost_key="").stats
 
@@ -116,15 +117,17 @@ class EncodeQueries:
     def __init__(self, ec: EmbedConfig, threads: int):
         import torch
 
-        from clusterscale.modeling.encoder import Encoder  # torch: in these actors only, not in mine's task workers
+        from clusterscale.modeling.encoder import Encoder, frozen_prompts  # torch: in these actors only
 
         torch.set_num_threads(threads)
         self.batch_size = ec.batch_size
         self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
                                trust_remote_code=ec.trust_remote_code, max_tokens_per_batch=ec.max_tokens_per_batch)
+        self.prompt = frozen_prompts(ec)[0]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        q = np.ascontiguousarray(self.encoder.encode(batch.column("query").to_pylist(), self.batch_size), np.float32)
+        texts = [self.prompt + t for t in batch.column("query").to_pylist()]
+        q = np.ascontiguousarray(self.encoder.encode(texts, self.batch_size), np.float32)
         return batch.append_column("emb_query", pa.FixedSizeListArray.from_arrays(pa.array(q.reshape(-1)), q.shape[1]))
 
 

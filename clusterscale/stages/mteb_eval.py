@@ -44,14 +44,18 @@ def make_encoder(model_path: str, name: str, pooling: str, query_max_length: int
     """An mteb encoder (mteb.models.abs_encoder.AbsEncoder) over clusterscale's Encoder, with ModelMeta.
 
     Queries are cut at query_max_length and passages at passage_max_length (the run's train.* lengths,
-    which the model was trained with). No prompts: clusterscale trains without instructions."""
+    which the model was trained with), each after the prompt the model folder names for its side (a trained model's
+    train.query_prompt / train.passage_prompt, exported with it)."""
     _require_mteb()
     from mteb.models.abs_encoder import AbsEncoder
     from mteb.models.model_meta import ModelMeta
     from mteb.types import PromptType
 
     from clusterscale.stages.costs import param_count
-    from clusterscale.modeling.encoder import Encoder
+    from clusterscale.modeling.encoder import Encoder, folder_prompts
+
+    own = folder_prompts(model_path)
+    prompts = {True: own.get("query", ""), False: own.get("passage", own.get("document", ""))}
 
     class ClusterscaleEncoder(AbsEncoder):
         def __init__(self) -> None:
@@ -72,7 +76,8 @@ def make_encoder(model_path: str, name: str, pooling: str, query_max_length: int
                     texts.append(f"{title} {text}".strip() if title else text)
             is_query = prompt_type == PromptType.query
             self.encoder.max_length = query_max_length if is_query else passage_max_length
-            return self.encoder.encode(texts, batch_size)
+            prompt = prompts[is_query]
+            return self.encoder.encode([prompt + t for t in texts] if prompt else texts, batch_size)
 
     return ClusterscaleEncoder()
 

@@ -58,6 +58,7 @@ class ModelExport:
     tokenizer: object
     pooling: str
     max_length: int
+    prompts: tuple[str, str] = ("", "")  # train.query_prompt, train.passage_prompt
 
 
 class Checkpointer:
@@ -79,4 +80,4 @@ class Checkpointer:
         save_state(directory, self.model, self.optimizer, self.scheduler, {**self.cursor, "step": step, "epoch": epoch})
         if final:
             save_sentence_transformers_dir(unwrap(self.model), self.export.tokenizer, os.path.join(directory, MODEL),
-                                           self.export.pooling, self.export.max_length)
+                                           self.export.pooling, self.export.max_length, self.export.prompts)

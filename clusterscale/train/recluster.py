@@ -28,7 +28,8 @@ def segment_dir(name: str, segment: int) -> str:
 
 def segment_config(cfg: Config, encoder_uri: str) -> Config:
     """The config of a segment's re-clustering: the training run's, embedding with the segment's encoder."""
-    return variant(cfg, embed={"model": encoder_uri, "pooling": "auto"})
+    return variant(cfg, embed={"model": encoder_uri, "pooling": "auto", "query_prompt": None,  # the segment's
+                               "passage_prompt": None})  # encoder folder carries the student's prompts
 
 
 def segment_start_step(cfg: Config, segment: int) -> int:

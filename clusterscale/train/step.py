@@ -92,21 +92,25 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
         usable = clp_usable(neg_query_keys, query_keys)
     usable_rows = usable.nonzero().flatten().tolist() if clp else []
 
-    def embed_texts(texts: list[str], max_length: int) -> torch.Tensor:
-        return embed(model, tokenizer, texts, max_length, pooling, device, counters)
+    def embed_texts(texts: list[str], side: str) -> torch.Tensor:
+        """Queries or passages (mined negatives are passages) at their token limit, after their prompt."""
+        prompt, limit = ((student.query_prompt, student.query_max_length) if side == "query" else
+                         (student.passage_prompt, student.passage_max_length))
+        return embed(model, tokenizer, [prompt + t for t in texts] if prompt else texts, limit, pooling, device,
+                     counters)
 
     def forward(rows: slice) -> tuple[torch.Tensor, ...]:
         """Embeddings of queries `rows`: (q, p), then their negatives, then those negatives' own queries."""
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
         with autocast:
-            q = embed_texts(queries[rows], student.query_max_length)
-            p = embed_texts(passages[rows], student.passage_max_length)
+            q = embed_texts(queries[rows], "query")
+            p = embed_texts(passages[rows], "passage")
             out = [q, p]
             if m:
-                out.append(embed_texts(negatives[rows.start * m:rows.stop * m], student.passage_max_length))
+                out.append(embed_texts(negatives[rows.start * m:rows.stop * m], "passage"))
             if clp:  # every negative's own query, usable or not: the same forward calls on every rank and chunk
                 own = [t or "" for t in negative_queries[rows.start * m:rows.stop * m]]
-                out.append(embed_texts(own, student.query_max_length))
+                out.append(embed_texts(own, "query"))
         return tuple(x.float() for x in out)
 
     def loss_fn(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,

@@ -206,7 +206,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, tc.optimizer, job.num_steps)
         self.pooling, self.amp = pooling, self.device.type == "cuda"  # bf16 autocast on GPU
         self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler, job.cursor(),
-                                         ModelExport(self.tokenizer, pooling, tc.student.passage_max_length))
+                                         ModelExport(self.tokenizer, pooling, tc.student.passage_max_length,
+                                                     (tc.student.query_prompt, tc.student.passage_prompt)))
         self.start_step, self.restored = self._restore()
         self.nodes = ranks_nodes(world)
         self.metrics = MetricsProcessor(job.run, job.name, tc, rank, world,
