@@ -5,6 +5,8 @@ import os
 
 import faiss
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import config as config_mod
@@ -217,3 +219,33 @@ def test_ray_assign_streams_every_row(synthetic_run, fits):
     assert len(files) > 1 and run_stage("assign", cfg, run).stats["rows"] == 3000
     assert sorted(run.files(assign_dir(10))) == files and {f: os.stat(f).st_mtime_ns for f in kept} == kept
     assert {f: open(f, "rb").read() for f in files} == whole
+
+
+@pytest.mark.parametrize("side", ["query", "mean"])
+def test_cluster_side_fits_and_assigns_the_chosen_vectors(tmp_path, synthetic_run, ray_local, side):
+    """cluster.side=query fits and assigns `emb_query`, mean their normalised sum with `emb`: the centroids are the
+    core's fit on those vectors (as read back, fp16), every row goes to the nearest of them by that vector, and the
+    passage side gives other centroids."""
+    from clusterscale.runtime.vectors import clustered_matrix
+
+    _, x = synthetic_run
+    q, _ = clustered_unit_vectors(3000, 24, 12, seed=6)  # another clustering than the passages'
+    run = RunDir(str(tmp_path / "run"))
+    write_embeddings_stage(run, x, rows_per_file=1000, queries=q)
+    keys = ["data.path=unused.parquet", "embed.side=both", f"cluster.side={side}", "cluster.k=10", "cluster.niter=8",
+            "cluster.seed=3", "cluster.num_workers=1", "cluster.fit_sample=all"]
+    cfg = config_mod.load(None, keys)
+    centroids, _ = fit_in(run, cfg)
+    table = pa.concat_tables([pq.read_table(f) for f in run.files("embeddings")])
+    chosen = clustered_matrix(table, side)
+    reference, _ = fit_spherical_kmeans(chosen, 10, 8, 3, ids=table.column("pair_id").to_numpy())
+    np.testing.assert_array_equal(centroids, reference)
+    passage, _ = fit_spherical_kmeans(clustered_matrix(table, "passage"), 10, 8, 3,
+                                      ids=table.column("pair_id").to_numpy())
+    assert not np.allclose(centroids, passage)
+    run_stage("assign", cfg, run)
+    assigned = pa.concat_tables([pq.read_table(f) for f in run.files(assign_dir(10))])
+    expected = np.argmax(clustered_matrix(assigned, side) @ centroids.T, axis=1)
+    np.testing.assert_array_equal(assigned.column("cluster").to_numpy(), expected)
+    with pytest.raises(config_mod.ConfigError, match="cluster.side=query .* embed.side=passage"):
+        config_mod.load(None, ["cluster.side=query"])

@@ -57,6 +57,10 @@ class Config:
         """Each section checks its own keys (the first error raises ConfigError naming the key)."""
         for name in SECTIONS:
             getattr(self, name).validate()
+        if self.cluster.side != "passage" and self.embed.side != "both":
+            raise ConfigError(f"cluster.side={self.cluster.side} clusters the query vectors (`emb_query`), which "
+                              f"embed.side={self.embed.side} does not write: set embed.side=both (a new --run-dir, or "
+                              f"--replace of embeddings/), or cluster.side=passage.")
         every = self.train.shards.recluster_every
         if every and self.dedup.enabled and self.dedup.apply_to_shards:
             raise ConfigError(f"{self.train.key('recluster_every')}={every} re-shards the pairs "

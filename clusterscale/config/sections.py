@@ -93,6 +93,10 @@ class EmbedConfig(Section):
 class ClusterConfig(Section):
     section: ClassVar[str] = "cluster"
     k: int = knob(8, "Number of clusters.", bounds=POSITIVE)
+    side: str = knob("passage", "Which vector of a pair fit and assign cluster: 'passage' (`emb`), 'query' "
+                                "(`emb_query`) or 'mean' (the normalised sum of both, as the paper's footnote "
+                                "discusses); 'query' and 'mean' need embed.side=both.", ("passage", "query", "mean"),
+                     added=True)
     niter: int = knob(20, "Lloyd iterations.", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
     max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (seeded row groups of "

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime.hashing import hash_unit, text_hashes
-from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.runtime.vectors import SIDE_COLUMNS, clustered_matrix
 
 MIN_SAMPLE_ROW_GROUPS = 16  # the fewest groups a capped sample is drawn from (see the module docstring)
 SPREAD_FACTOR = 4  # groups holding this many times the wanted rows are read, each giving ~1/4 of its rows
@@ -83,16 +83,17 @@ def choose_sample_units(units: list[RowGroupUnit], wanted_rows: int, seed: int,
     return [units[i] for i in sorted(chosen)], min(1.0, wanted_rows / rows)
 
 
-def read_sample_rows(run: RunDir, units: list[RowGroupUnit], keep_fraction: float, seed: int
+def read_sample_rows(run: RunDir, units: list[RowGroupUnit], keep_fraction: float, seed: int, side: str = "passage"
                      ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The kept rows of `units`: (pair_ids, [float32 matrices]); only kept rows are converted from fp16."""
+    """The kept rows of `units`: (pair_ids, [float32 matrices] of cluster.side's vectors); only kept rows are
+    converted from fp16."""
     ids, chunks = [], []
     for unit in units:
         with run.fs.open_input_file(unit.path) as f:
-            table = pq.ParquetFile(f).read_row_group(unit.group, columns=list(SAMPLE_COLUMNS))
+            table = pq.ParquetFile(f).read_row_group(unit.group, columns=["pair_id", *SIDE_COLUMNS[side]])
         pid = table.column("pair_id").to_numpy()
         keep = hash_unit(pid, salt=seed) < keep_fraction if keep_fraction < 1 else np.ones(len(pid), bool)
         if keep.any():
             ids.append(pid[keep])
-            chunks.append(emb_matrix(table.column("emb").filter(pa.array(keep))))
+            chunks.append(clustered_matrix(table.filter(pa.array(keep)), side))
     return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), chunks

@@ -16,6 +16,22 @@ def emb_array(vectors: np.ndarray) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
 
 
+SIDE_COLUMNS = {"passage": ("emb",), "query": ("emb_query",), "mean": ("emb", "emb_query")}
+"""The columns of embeddings/ (and assign/) each cluster.side reads."""
+
+
+def clustered_matrix(table: pa.Table, side: str = "passage") -> np.ndarray:
+    """(n, d) float32 vectors that cluster.side clusters: the passage's `emb`, the query's `emb_query`, or their
+    normalised sum ('mean')."""
+    if side == "passage":
+        return emb_matrix(table.column("emb"))
+    if side == "query":
+        return emb_matrix(table.column("emb_query"))
+    x = emb_matrix(table.column("emb")) + emb_matrix(table.column("emb_query"))
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.where(norms > 0, norms, 1)
+
+
 def emb_matrix(column: pa.ChunkedArray | pa.Array, dtype=np.float32) -> np.ndarray:
     """fixed_size_list<float>[d] column -> (n, d) array without a Python loop."""
     if isinstance(column, pa.ChunkedArray):

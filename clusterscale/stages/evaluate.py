@@ -267,10 +267,15 @@ def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) 
         cached = run.read_json(rel)
         if cached.get("fingerprint") == fingerprint and cached["pair_id"] == eval_set["query_ids"]:
             return cached["cluster"]
-    texts = eval_set["passages"] if cfg.embed.side == "passage" else eval_set["queries"]
-    prompt = frozen_prompts(cfg.embed)[1 if cfg.embed.side == "passage" else 0]  # as embed/ embedded that side
-    vectors, _ = encoders.encode(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, texts, [],
-                                 cfg.eval.batch_size, (prompt, ""))
+    side = "query" if cfg.embed.side == "query" else cfg.cluster.side  # the vector fit and assign clustered
+    queries = eval_set["queries"] if side in ("query", "mean") else []
+    passages = eval_set["passages"] if side in ("passage", "mean") else []
+    q, p = encoders.encode(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, queries, passages,
+                           cfg.eval.batch_size, frozen_prompts(cfg.embed))  # as embed/ embedded each side
+    vectors = {"query": q, "passage": p}.get(side)
+    if vectors is None:  # mean: as runtime/vectors.clustered_matrix
+        vectors = q + p
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     clusters = np.argmax(vectors @ load_centroids(run, k).T, axis=1).astype(int).tolist()
     run.write_json(rel, {"k": k, "fingerprint": fingerprint, "pair_id": eval_set["query_ids"], "cluster": clusters})
     return clusters

@@ -30,7 +30,7 @@ from clusterscale.runtime import faiss_index
 from clusterscale.runtime.session import faiss_runtime_env
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vector_search import build_index, top_k, wants_gpus
-from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, emb_matrix
+from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS, clustered_matrix
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 
 __all__ = ["ClusteringError", "check_vectors", "run_fit", "run_assign",
@@ -51,10 +51,10 @@ def split_units(units: list[RowGroupUnit], workers: int) -> list[list[RowGroupUn
     return [s for s in slices + [current] if s]
 
 
-def read_sample_slice(run_uri: str, units: list[RowGroupUnit], keep_fraction: float, seed: int
-                      ) -> tuple[np.ndarray, list]:
+def read_sample_slice(run_uri: str, units: list[RowGroupUnit], keep_fraction: float, seed: int,
+                      side: str = "passage") -> tuple[np.ndarray, list]:
     """One worker's part of the fit sample (runs in the actor): see clusterscale/runtime/fit_sample.py."""
-    return read_sample_rows(RunDir(run_uri), units, keep_fraction, seed)
+    return read_sample_rows(RunDir(run_uri), units, keep_fraction, seed, side)
 
 
 class SampleShard:
@@ -159,7 +159,8 @@ def run_fit(ctx: StageContext) -> StageResult:
     backend = cfg.ray.vector_backend
     plan = fit_resources(ctx.resources, cfg.cluster.num_workers, len(sample_units), backend)
     slices = split_units(sample_units, plan.actors)
-    loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed) for s in slices]
+    loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed, cfg.cluster.side)
+             for s in slices]
     actors = start_sample_shards(loads, plan, backend)
     try:
         descriptions = ray.get([a.describe.remote() for a in actors])
@@ -201,13 +202,15 @@ class AssignIndex:
     kind: str = "flat"
     nprobe: int = 1
     backend: str = "faiss"
+    side: str = "passage"  # cluster.side: which vector of a row is assigned (runtime/vectors.clustered_matrix)
 
 
-def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int, backend: str = "faiss") -> AssignIndex:
+def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int, backend: str = "faiss",
+                       side: str = "passage") -> AssignIndex:
     k = centroids.shape[0]
     if kind == "auto":
         kind = "ivf" if k >= 10_000 else "flat"
-    return AssignIndex(np.ascontiguousarray(centroids, dtype=np.float32), kind, nprobe, backend)
+    return AssignIndex(np.ascontiguousarray(centroids, dtype=np.float32), kind, nprobe, backend, side)
 
 
 class AssignBatches:
@@ -216,12 +219,12 @@ class AssignBatches:
 
     def __init__(self, spec: AssignIndex):
         """spec: build_assign_index's."""
-        self.centroids = spec.centroids
+        self.centroids, self.side = spec.centroids, spec.side
         self.index = build_index(spec.centroids, spec.backend, bool(ray.is_initialized() and ray.get_gpu_ids()),
                                  spec.kind, nlist=max(1, int(math.sqrt(len(spec.centroids)))), nprobe=spec.nprobe)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        x = emb_matrix(batch.column("emb"))
+        x = clustered_matrix(batch, self.side)
         check_vectors(x, "embeddings/", dim=self.centroids.shape[1])
         sims, labels = top_k(self.index, self.centroids, x, 1)
         if (labels < 0).any():  # IVF with too small nprobe can find no list for a row
@@ -286,7 +289,7 @@ def run_assign(ctx: StageContext) -> StageResult:
     out = assign_dir(k)
     started = time.time()
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe,
-                               cfg.ray.vector_backend)
+                               cfg.ray.vector_backend, cfg.cluster.side)
     n_rows = run.done_stats("embeddings")["rows"]
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).

@@ -101,8 +101,9 @@ def clustered_unit_vectors(n: int, d: int, n_topics: int, seed: int = 0, spread:
 
 
 def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_000, first_id: int = 0,
-                           texts: bool = True) -> None:
-    """RUN/embeddings/part-*.parquet (pair columns + emb fp16) and its done marker, like `embed` writes."""
+                           texts: bool = True, queries: np.ndarray | None = None) -> None:
+    """RUN/embeddings/part-*.parquet (pair columns + emb fp16, and emb_query from `queries` as embed.side=both
+    writes it) and its done marker, like `embed` writes."""
     n = len(x)
     run.begin("embeddings")
     for part, start in enumerate(range(0, n, rows_per_file)):
@@ -114,6 +115,8 @@ def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_0
                         "passage": pa.array([f"passage {i}" for i in ids]),
                         "source": pa.array(["synthetic"] * (stop - start))}
         table = pa.table(columns).append_column("emb", emb_array(x[start:stop]))
+        if queries is not None:
+            table = table.append_column("emb_query", emb_array(queries[start:stop]))
         run.write_parquet(f"embeddings/part-{part:05d}.parquet", table, row_group_size=max(1, rows_per_file // 2))
     run.mark_done("embeddings", "synthetic", {"rows": n, "truncated": 0})
 
