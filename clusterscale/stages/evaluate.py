@@ -218,8 +218,10 @@ def search(queries: np.ndarray, pool: np.ndarray, depth: int, backend: str = "fa
 
 
 def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, model: str, pooling: str,
-                   eval_set: dict, fingerprint: str, prompts: tuple[str, str] = ("", "")) -> dict:
-    """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save.
+                   eval_set: dict, fingerprint: str, prompts: tuple[str, str] = ("", ""),
+                   dims: tuple[int, ...] = ()) -> dict:
+    """Embed the eval set with `model` (on a Ray actor, on a GPU when there is one), search, score, save; with
+    `dims` (train.matryoshka_dims) also scored on the first d dimensions, re-normalised (metrics_by_dim).
 
     A result with the same fingerprint is reused; one from another config is replaced whole."""
     cfg, run, rel = ctx.cfg, ctx.run, eval_path(eval_name)
@@ -242,10 +244,22 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
               "per_query": {"pair_id": eval_set["query_ids"], "ndcg_at_10": per_query},
               "num_queries": len(eval_set["queries"]), "pool_size": len(eval_set["pool"]),
               "wall_s": round(time.time() - started, 3)}
+    if dims:
+        result["metrics_by_dim"] = {str(d): retrieval_metrics(search(truncated(q, d), truncated(p, d), depth,
+                                                                     ctx.cfg.ray.vector_backend),
+                                                              eval_set["qrels"], cfg.eval.k_values)
+                                    for d in dims if d < q.shape[1]}
+        result["metrics_by_dim"][str(q.shape[1])] = metrics
     run.write_json(rel, result)
     print(f"[evaluate] {eval_name}: NDCG@10 {metrics['ndcg_at_10']:.4f}  MRR@10 {metrics['mrr_at_10']:.4f}  "
           f"({len(eval_set['queries'])} queries, pool {len(eval_set['pool'])})", flush=True)
     return result
+
+
+def truncated(x: np.ndarray, dim: int) -> np.ndarray:
+    """The first `dim` dimensions of each row, re-normalised (a Matryoshka embedding at that size)."""
+    cut = np.ascontiguousarray(x[:, :dim], dtype=np.float32)
+    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
 
 
 def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) -> list[int] | None:
@@ -317,10 +331,12 @@ def run_evaluate(ctx: StageContext) -> StageResult:
               name: (run.child_uri(model_dir(name)), "auto",
                      cfg.fingerprint(("data", "embed", "cluster", "shard", "train", "eval")),
                      (student.query_prompt, student.passage_prompt))}
+    dims = tuple(d for d, _ in cfg.train.objective.matryoshka_terms())  # the student's nested sizes
     cached = {n for n, (_, _, fp, _) in models.items()
               if run.exists(eval_path(n)) and run.read_json(eval_path(n)).get("fingerprint") == fp}
     with encoder_process as encoders:  # one encoder process for every model of this call (or of evaluate_together)
-        results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp, prompts)
+        results = {n: evaluate_model(ctx, encoders, n, model, pooling, eval_set, fp, prompts,
+                                     () if n == "frozen" else dims)
                    for n, (model, pooling, fp, prompts) in models.items()}
         write_model_card(cfg, run, name)  # the card now carries the held-out metrics
         by_cluster = cluster_breakdown(ctx, encoders, eval_set, results)

@@ -28,8 +28,23 @@ class LossConfig(Section):
                                 "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
     clp_lambda: float = knob(0.1, "Weight of the CLP penalty, in [0, 1) (paper: 0.1); used with loss=clp.",
                              bounds=FRACTION)
+    matryoshka_dims: list = knob([], "Matryoshka: nested dimensions below the model's (e.g. [64, 128]); the loss "
+                                     "adds, for each, the same loss on the first d dimensions of every embedding "
+                                     "(re-normalised), and evaluate scores each (metrics_by_dim). [] = off.",
+                                 added=True)
+    matryoshka_weights: list = knob([], "Weight of each matryoshka_dims term (the full dimension's is 1); [] = 1 "
+                                        "for each.", added=True)
 
     def check_rules(self) -> None:
+        dims, weights = self.matryoshka_dims, self.matryoshka_weights
+        if not isinstance(dims, list) or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims) \
+                or len(set(dims)) != len(dims):
+            raise ConfigError(f"{self.key('matryoshka_dims')} must be a list of distinct positive integers (e.g. "
+                              f"[64, 128]), got {dims!r}.")
+        if not isinstance(weights, list) or (weights and len(weights) != len(dims)) or any(
+                isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights):
+            raise ConfigError(f"{self.key('matryoshka_weights')} must be [] or one non-negative number per "
+                              f"{self.key('matryoshka_dims')} entry ({len(dims)}), got {weights!r}.")
         if self.loss == "clp" and self.negatives_per_query < 1:
             raise ConfigError(f"{self.key('loss')}=clp needs mined negatives: set {self.key('negatives_per_query')} "
                               f">= 1 (e.g. 4) and run `clusterscale mine` before training.")
@@ -37,6 +52,11 @@ class LossConfig(Section):
             raise ConfigError(f"{self.key('negatives_curriculum_steps')}={self.negatives_curriculum_steps} leaves the "
                               f"first steps without mined negatives, which {self.key('loss')}=clp's penalty needs at "
                               f"every step: set it to 0, or use loss=infonce.")
+
+    def matryoshka_terms(self) -> list[tuple[int, float]]:
+        """(dimension, weight) of each nested Matryoshka term, smallest first."""
+        weights = self.matryoshka_weights or [1.0] * len(self.matryoshka_dims)
+        return sorted(zip(self.matryoshka_dims, (float(w) for w in weights)))
 
     def mined_at(self, step: int) -> bool:
         """Whether the mined negatives join the loss at `step` (the same on every rank: they stay in step)."""

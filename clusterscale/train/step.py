@@ -11,8 +11,9 @@ import contextlib
 import hashlib
 
 import torch
+import torch.nn.functional as F
 
-from clusterscale.config import TrainConfig
+from clusterscale.config import ConfigError, TrainConfig
 from clusterscale.train.gradcache import grad_cache_backward
 from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
 from clusterscale.modeling.student import embed, text_keys
@@ -113,14 +114,27 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
                 out.append(embed_texts(own, "query"))
         return tuple(x.float() for x in out)
 
-    def loss_fn(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
-                own_queries: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def one_loss(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
+                 own_queries: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         loss, stats = info_nce(q, p, objective.temperature, query_keys, passage_keys, objective.symmetric,
                                neg, neg_keys, neg_query_keys)
         if clp:
             term, clp_stats = clp_penalty(neg[usable], own_queries[usable])
             loss = (1.0 - objective.clp_lambda) * loss + objective.clp_lambda * term
             stats.update(clp_stats)
+        return loss, stats
+
+    def loss_fn(*embeddings: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The loss at the full dimension (its figures are the step's), plus each Matryoshka term's: the same loss
+        on the first d dimensions of every embedding, re-normalised, times its weight."""
+        loss, stats = one_loss(*embeddings)
+        for dim, weight in objective.matryoshka_terms():
+            full = embeddings[0].shape[1]
+            if dim >= full:
+                raise ConfigError(f"train.matryoshka_dims holds {dim}, not below the model's {full} dimensions: list "
+                                 f"only the nested ones (the full dimension always counts).")
+            cut = [None if x is None else F.normalize(x[:, :dim], dim=-1) for x in embeddings]
+            loss = loss + weight * one_loss(*cut)[0]
         return loss, stats
 
     if chunk and chunk < n:
