@@ -75,3 +75,27 @@ def test_hub_task_offline_says_it_needs_the_internet(tiny_model, tmp_path, monke
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(MTEBError, match="internet"):
         run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), ["SciFact"])
+
+
+def test_a_multi_subset_task_reports_every_subset_and_their_mean(local_task_dir, tiny_model, tmp_path, monkeypatch):
+    """A local folder of BEIR tasks is one task with a subset per subfolder (as MTEB's multilingual tasks): each
+    subset's scores are kept and the task's are their mean (only the first subset's were kept before)."""
+    import shutil
+
+    from clusterscale.stages.mteb_eval import subset_scores
+
+    monkeypatch.setenv("MTEB_CACHE", str(tmp_path / "mteb-cache"))
+    root = tmp_path / "multi"
+    shutil.copytree(local_task_dir, root / "alpha")
+    shutil.copytree(local_task_dir, root / "beta")
+    (root / "beta" / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"q{i}\td{(i + 7) % 40}\t1\n" for i in range(20)))  # other relevant passages: other scores
+    result = run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), [f"local:{root}"])["LocalMulti"]
+    alpha, beta = result["subsets"]["alpha"], result["subsets"]["beta"]
+    assert alpha["ndcg_at_10"] != pytest.approx(beta["ndcg_at_10"], abs=1e-6)
+    assert result["ndcg_at_10"] == pytest.approx((alpha["ndcg_at_10"] + beta["ndcg_at_10"]) / 2)
+    single = run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), [f"local:{local_task_dir}"])["LocalToy"]
+    assert alpha["ndcg_at_10"] == pytest.approx(single["ndcg_at_10"]) and "subsets" not in single
+    sts = subset_scores([{"hf_subset": "en", "cosine_spearman": 0.5, "main_score": 0.5},
+                         {"hf_subset": "de", "cosine_spearman": 0.7, "main_score": 0.7}])
+    assert sts["cosine_spearman"] == pytest.approx(0.6) and set(sts["subsets"]) == {"en", "de"}

@@ -24,7 +24,8 @@ from clusterscale.io.rundir import RunDir
 from clusterscale.runtime.resources import Resources, plan_actors
 
 LOCAL_PREFIX = "local:"
-KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "main_score")
+KEPT_SCORES = ("ndcg_at_10", "mrr_at_10", "recall_at_10", "recall_at_100", "map_at_10", "cosine_spearman",
+               "main_score")  # retrieval's, STS's Spearman, and every task's main score
 
 
 class MTEBError(UserError, RuntimeError):
@@ -113,28 +114,41 @@ def read_local_task(folder: str) -> dict:
     return {"corpus": _read_jsonl(root / "corpus.jsonl", "corpus"), "queries": queries, "qrels": qrels}
 
 
+def local_subsets(folder: str) -> dict[str, str]:
+    """{subset name: its folder}: the folder itself ('default') when it holds a BEIR task, else each subfolder that
+    does (a multi-subset task, e.g. one per language or domain)."""
+    root = Path(folder)
+    if (root / "corpus.jsonl").exists() or not root.is_dir():
+        return {"default": folder}
+    subsets = {p.name: str(p) for p in sorted(root.iterdir()) if p.is_dir() and (p / "corpus.jsonl").exists()}
+    return subsets or {"default": folder}  # none: read_local_task names what the folder lacks
+
+
 def local_task(folder: str):
-    """An mteb AbsTaskRetrieval over local files (metadata per ENVIRONMENT.md: dataset path local/...)."""
+    """An mteb AbsTaskRetrieval over local files (metadata per ENVIRONMENT.md: dataset path local/...), with one
+    subset per subfolder when the folder holds several BEIR tasks."""
     _require_mteb()
     from datasets import Dataset
     from mteb.abstasks.retrieval import AbsTaskRetrieval
     from mteb.abstasks.task_metadata import TaskMetadata
 
-    data = read_local_task(folder)
+    subsets = {name: read_local_task(path) for name, path in local_subsets(folder).items()}
     name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalTask"
+    langs = ["eng-Latn"] if list(subsets) == ["default"] else {sub: ["eng-Latn"] for sub in subsets}
 
     class LocalRetrieval(AbsTaskRetrieval):
         metadata = TaskMetadata(
             name=name, type="Retrieval", main_score="ndcg_at_10", description=f"Local retrieval task from {folder}",
             reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
-            eval_splits=["test"], eval_langs=["eng-Latn"], date=None, dialect=None, domains=None,
+            eval_splits=["test"], eval_langs=langs, date=None, dialect=None, domains=None,
             task_subtypes=None, license=None, annotations_creators=None, modalities=["text"],
             sample_creation=None, bibtex_citation=None)
 
         def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
-            self.dataset = {"default": {"test": {"corpus": Dataset.from_list(data["corpus"]),
-                                                 "queries": Dataset.from_list(data["queries"]),
-                                                 "relevant_docs": data["qrels"], "top_ranked": None}}}
+            self.dataset = {sub: {"test": {"corpus": Dataset.from_list(data["corpus"]),
+                                           "queries": Dataset.from_list(data["queries"]),
+                                           "relevant_docs": data["qrels"], "top_ranked": None}}
+                            for sub, data in subsets.items()}
             self.data_loaded = True
 
     return LocalRetrieval()
@@ -178,9 +192,18 @@ def run_mteb_model(model_path: str, name: str, pooling: str, cfg_dict: dict, spe
                             f"HF_HUB_OFFLINE), or evaluate on local files with --mteb local:FOLDER.") from exc
         task_result = result.task_results[0]
         split = "test" if "test" in task_result.scores else next(iter(task_result.scores))
-        scores = task_result.scores[split][0]
-        out[task.metadata.name] = {k: float(scores[k]) for k in KEPT_SCORES if k in scores} | {"split": split}
+        out[task.metadata.name] = subset_scores(task_result.scores[split]) | {"split": split}
     return out
+
+
+def subset_scores(per_subset: list[dict]) -> dict:
+    """The kept scores of a split: their mean over the task's subsets (languages, domains), and with several
+    subsets each one's under "subsets" ({name: scores})."""
+    subsets = {str(s.get("hf_subset", i)): {k: float(s[k]) for k in KEPT_SCORES if k in s}
+               for i, s in enumerate(per_subset)}
+    keys = [k for k in KEPT_SCORES if all(k in s for s in subsets.values())]
+    mean = {k: sum(s[k] for s in subsets.values()) / len(subsets) for k in keys}
+    return mean | ({"subsets": subsets} if len(subsets) > 1 else {})
 
 
 def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
@@ -202,7 +225,9 @@ def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
                                "tasks": tasks}
         run.write_json(mteb_eval_path(model_name), results[model_name])
         for task, scores in tasks.items():
-            print(f"[mteb] {model_name} {task}: NDCG@10 {scores.get('ndcg_at_10', float('nan')):.4f}", flush=True)
+            subsets = f" (mean of {len(scores['subsets'])} subsets)" if "subsets" in scores else ""
+            print(f"[mteb] {model_name} {task}: main score {scores.get('main_score', float('nan')):.4f}{subsets}",
+                  flush=True)
     if name in results:
         write_model_card(cfg, run, name)
     return results
