@@ -188,6 +188,9 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--arm", dest="custom_arms", action="append", default=[], metavar="NAME:train.key=value,...",
                        help="Define an extra arm by its train keys, e.g. --arm hard:train.negatives_per_query=4.")
         p.add_argument("--seeds", type=int, default=3, help="Seeds per arm: train.seed, +1, ... (default 3).")
+        p.add_argument("--mteb", metavar="TASK[,TASK...]",
+                       help="Also score every arm (each seed) and the frozen encoder on MTEB tasks (names, or "
+                            "local:FOLDER), with seed-paired differences per task in report/compare.json.")
     elif verb == "sweep":
         p.add_argument("--k", dest="k_values", required=True, help="Comma-separated cluster counts, e.g. 10,100,1000.")
         p.add_argument("--limit", dest="limits",
@@ -195,12 +198,19 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--preprocess-only", action="store_true", help="Only fit/assign/shard per k; no training.")
 
 
+def mteb_specs(text: str) -> list[str]:
+    """--mteb's tasks; local:FOLDER made absolute (a Ray task reads it, in another working directory)."""
+    return [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
+            for s in experiments.parse_list(text, "--mteb")]
+
+
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
 
     if args.verb == "compare":
         samplers = experiments.parse_list(args.samplers, "--samplers")
         custom = dict(experiments.parse_arm(text) for text in args.custom_arms)
-        summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom, stage_options)
+        summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom, stage_options,
+                                          mteb_specs(args.mteb) if args.mteb else None)
         for name, arm in summary["arms"].items():
             n = arm["metrics"]["ndcg_at_10"]
             print(f"{name}: NDCG@10 {n['mean']:.4f} ± {n['std']:.4f} ({n['min']:.4f}..{n['max']:.4f}) over "
@@ -304,10 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         results = pipeline.run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
         if args.verb == "evaluate" and args.mteb:
 
-            # local:FOLDER is read by a Ray task, which runs in another working directory.
-            specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
-                     for s in experiments.parse_list(args.mteb, "--mteb")]
-            run_mteb(cfg, run, specs)
+            run_mteb(cfg, run, mteb_specs(args.mteb))
         if args.verb in ("run", "evaluate", "report"):
             print(pipeline.summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(run.uri)}", flush=True)

@@ -164,11 +164,16 @@ def _named_arm_keys(name: str, cfg: Config) -> dict:
 
 
 def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custom_arms: dict[str, dict] | None = None,
-                stage_options: dict | None = None) -> dict:
+                stage_options: dict | None = None, mteb: list[str] | None = None) -> dict:
     """Train every (arm, seed) on the same shards for the same steps; evaluate; mean and spread per arm.
 
     An arm is a sampler name, a named arm of ARMS, or a custom arm (custom_arms: name -> train keys).
-    stage_options: keyword arguments of every run_stages call (replace, command)."""
+    stage_options: keyword arguments of every run_stages call (replace, command). mteb: MTEB task specs every arm
+    (and the frozen encoder) is also scored on, with the arms' spread and seed-paired differences per task."""
+    if mteb:
+        from clusterscale.stages.mteb_eval import resolve_tasks
+
+        resolve_tasks(mteb)  # a bad task name fails before any training
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
     arms = compare_arms(cfg, samplers, seeds, custom_arms)
     seed_list = [a.train.schedule.seed for a in next(iter(arms.values()))]
@@ -199,6 +204,8 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
                 frozen = results["frozen"]["metrics"]
                 metrics.setdefault(sampler, {})[arm_cfg.train_name()] = results[arm_cfg.train_name()]["metrics"]
     summary = summarize_compare(cfg, run, arms, metrics, frozen)
+    if mteb:
+        summary["mteb"] = compare_mteb(cfg, run, arms, mteb)
     summary["wall_s"] = round(time.time() - started, 1)
     run.write_json("report/compare.json", summary)
     run_stage("report", cfg, run)
@@ -276,6 +283,30 @@ def summarize_compare(cfg: Config, run: RunDir, arms: dict[str, list[Config]], m
     if "random" in arms:  # kept for readers of earlier compare.json files
         out["paired_vs_random"] = {name.split(" - ")[0]: d["ndcg_at_10"] for name, d in out.get("paired", {}).items()
                                    if name.endswith(" - random")}
+    return out
+
+
+def compare_mteb(cfg: Config, run: RunDir, arms: dict[str, list[Config]], specs: list[str]) -> dict:
+    """Every arm's seeds and the frozen encoder on the MTEB tasks: per task the frozen score, each arm's spread over
+    seeds, and each arm's seed-paired difference to the baselines (as for held-out NDCG), on every kept score."""
+    from clusterscale.stages.mteb_eval import mteb_models
+
+    names = ["frozen"] + [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs]
+    scores = {n: r["tasks"] for n, r in mteb_models(cfg, run, names, specs).items()}
+    tasks = list(scores["frozen"])
+    keys = {t: [k for k, v in scores["frozen"][t].items() if isinstance(v, float)] for t in tasks}
+    out = {"tasks": tasks, "frozen": scores["frozen"], "arms": {}, "paired": {}}
+    for arm, arm_cfgs in arms.items():
+        out["arms"][arm] = {t: {k: spread([scores[a.train_name()][t][k] for a in arm_cfgs]) for k in keys[t]}
+                            for t in tasks}
+    for baseline in (b for b in PAIRED_BASELINES if b in arms):
+        base = {a.train.schedule.seed: scores[a.train_name()] for a in arms[baseline]}
+        for arm, arm_cfgs in arms.items():
+            if arm in PAIRED_BASELINES[:PAIRED_BASELINES.index(baseline) + 1]:
+                continue
+            out["paired"][f"{arm} - {baseline}"] = {
+                t: {k: paired_difference([scores[a.train_name()][t][k] - base[a.train.schedule.seed][t][k]
+                                          for a in arm_cfgs]) for k in keys[t]} for t in tasks}
     return out
 
 

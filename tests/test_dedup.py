@@ -297,5 +297,6 @@ def test_heldout_vectors_of_a_real_run_come_from_the_embed_heldout_stage(shared_
                                    vectors.column("passage").to_pylist()),
                                atol=2e-3)  # stored as float16, as embed stores them
     done_at = run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"]
-    assert cli.main(["dedup", "--run-dir", str(path), "--set", "dedup.semantic_threshold=0.9", "--replace"]) == 0
+    # (not lower: the random tiny BERT puts every text within ~0.97 of another, and a dedup removing every pair stops)
+    assert cli.main(["dedup", "--run-dir", str(path), "--set", "dedup.semantic_threshold=0.995", "--replace"]) == 0
     assert run.read_json(f"{HELDOUT_EMBEDDINGS}/_DONE.json")["finished_at"] == done_at

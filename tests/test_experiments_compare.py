@@ -199,3 +199,40 @@ def test_named_and_custom_arms_resolve_to_train_keys():
         parse_arm("bad:cluster.k=4")
     with pytest.raises(ConfigError, match="train.recluster_every"):
         arm_keys("recluster", config_mod.load(None, ["train.steps=null"]), {})
+
+
+def test_compare_scores_every_arm_and_seed_on_an_mteb_task(shared_run, tmp_path, monkeypatch):
+    """`compare --mteb local:FOLDER` on a copy of the shared run (every arm trained and evaluated: reused): the
+    frozen encoder and each arm's seeds scored on the task, each arm's spread and its seed-paired difference to
+    random per task, and the report's MTEB table."""
+    import shutil
+
+    from clusterscale.io.rundir import RunDir
+    from tests.conftest import make_pairs
+
+    monkeypatch.setenv("MTEB_CACHE", str(tmp_path / "mteb-cache"))
+    task = tmp_path / "toy"
+    (task / "qrels").mkdir(parents=True)
+    rows = make_pairs(30, seed=5).to_pylist()
+    (task / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "text": r["p"]}) + "\n"
+                                               for i, r in enumerate(rows)))
+    (task / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["q"]}) + "\n"
+                                                for i, r in enumerate(rows[:15])))
+    (task / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n"
+                                                                                      for i in range(15)))
+    shutil.copytree(shared_run.run.path(), tmp_path / "run")
+    assert cli.main(["compare", "--run-dir", str(tmp_path / "run"), "--samplers", "clustered,random",
+                     "--seeds", str(SEEDS), "--mteb", f"local:{task}"]) == 0
+    run = RunDir(str(tmp_path / "run"))
+    mteb = run.read_json("report/compare.json")["mteb"]
+    assert mteb["tasks"] == ["LocalToy"] and 0 <= mteb["frozen"]["LocalToy"]["ndcg_at_10"] <= 1
+    names = ["frozen", "clustered-seed0", "compare-clustered-seed1", "compare-random-seed0", "compare-random-seed1"]
+    scores = {n: run.read_json(f"eval/mteb/{n}.json")["tasks"]["LocalToy"]["main_score"] for n in names}
+    for arm in ("clustered", "random"):
+        spread = mteb["arms"][arm]["LocalToy"]["main_score"]
+        assert spread["mean"] == pytest.approx(np.mean([v for n, v in scores.items() if arm in n]))
+    paired = mteb["paired"]["clustered - random"]["LocalToy"]["main_score"]
+    assert paired["n"] == SEEDS and paired["mean"] == pytest.approx(
+        np.mean([scores["clustered-seed0"] - scores["compare-random-seed0"],
+                 scores["compare-clustered-seed1"] - scores["compare-random-seed1"]]))
+    assert "### MTEB main score per arm" in run.read_bytes("report/report.md").decode()

@@ -139,6 +139,7 @@ def test_a_local_start_never_joins_another_ray_on_this_machine(monkeypatch):
     monkeypatch.setattr(session.ray, "init", lambda **kwargs: seen.append(kwargs))
     monkeypatch.setattr(session, "_drop_worker_log_noise", lambda: None)
     monkeypatch.setattr(session, "ray_data_progress", lambda on_terminal: None)
+    monkeypatch.setattr(session, "_watch_local_ray", lambda: None)  # no watcher for the suite's own Ray
     session.init_ray(RayConfig(num_cpus=2, include_dashboard=False))
     assert [kwargs["address"] for kwargs in seen] == ["local"] and seen[0]["num_cpus"] == 2
 

@@ -79,8 +79,21 @@ def model_card(cfg: Config, run: RunDir, name: str) -> str:
         f"| seed | {tc.schedule.seed} |", "",
         "## Held-out retrieval", "", *_metrics_lines(run, name), "",
         "## Use", "", "```python", "from sentence_transformers import SentenceTransformer", "",
-        "model = SentenceTransformer(\"PATH/TO/THIS/FOLDER\")",
-        "vectors = model.encode([\"a query\", \"a passage\"])  # L2-normalised: cosine = dot product", "```", ""])
+        "model = SentenceTransformer(\"PATH/TO/THIS/FOLDER\")", *_use_lines(tc), "```", ""])
+
+
+def _use_lines(tc) -> list[str]:
+    """How to encode as the model was trained: with its prompts (train.query_prompt / passage_prompt) when it has
+    them, and at each Matryoshka size it was trained for."""
+    lines = ["queries = model.encode([\"a query\"], prompt_name=\"query\")  # prompt " + repr(tc.student.query_prompt),
+             "passages = model.encode([\"a passage\"], prompt_name=\"passage\")  # prompt "
+             + repr(tc.student.passage_prompt)] if tc.student.query_prompt or tc.student.passage_prompt else [
+        "vectors = model.encode([\"a query\", \"a passage\"])  # L2-normalised: cosine = dot product"]
+    dims = [d for d, _ in tc.objective.matryoshka_terms()]
+    if dims:
+        lines.append(f"small = SentenceTransformer(\"PATH/TO/THIS/FOLDER\", truncate_dim={dims[0]})  # trained at "
+                     f"{', '.join(map(str, dims))} dimensions too (Matryoshka)")
+    return lines
 
 
 def write_model_card(cfg: Config, run: RunDir, name: str) -> None:

@@ -208,13 +208,22 @@ def subset_scores(per_subset: list[dict]) -> dict:
 
 def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
     """MTEB for the frozen encoder and, when trained, the run's model; one Ray task per model."""
+    resolve_tasks(specs)  # fail on a bad task name before any model is loaded
+    name = cfg.train_name()
+    results = mteb_models(cfg, run, ["frozen"] + ([name] if run.exists(train_dir(name), "_DONE.json") else []),
+                          specs)
+    if name in results:
+        write_model_card(cfg, run, name)
+    return results
+
+
+def mteb_models(cfg: Config, run: RunDir, names: list[str], specs: list[str]) -> dict:
+    """{model name: its eval/mteb/<name>.json} for "frozen" (embed.model) and trained models of the run, one Ray
+    task each (on a GPU when there is one); the same config's training for every model (its lengths)."""
     import ray
 
-    resolve_tasks(specs)  # fail on a bad task name before any model is loaded
-    models = {"frozen": (cfg.embed.model, cfg.embed.pooling)}
-    name = cfg.train_name()
-    if run.exists(train_dir(name), "_DONE.json"):
-        models[name] = (local_model_dir(run, name), "auto")
+    models = {n: (cfg.embed.model, cfg.embed.pooling) if n == "frozen" else (local_model_dir(run, n), "auto")
+              for n in names}
     plan = plan_actors(Resources(cpus=1, gpus=1), max_actors=1)
     remote = ray.remote(max_retries=0)(run_mteb_model).options(**plan.options)
     mteb = _require_mteb()
@@ -228,6 +237,4 @@ def run_mteb(cfg: Config, run: RunDir, specs: list[str]) -> dict:
             subsets = f" (mean of {len(scores['subsets'])} subsets)" if "subsets" in scores else ""
             print(f"[mteb] {model_name} {task}: main score {scores.get('main_score', float('nan')):.4f}{subsets}",
                   flush=True)
-    if name in results:
-        write_model_card(cfg, run, name)
     return results

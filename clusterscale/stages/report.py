@@ -302,6 +302,24 @@ def _diff_cell(d: dict | None) -> str:
     return f"{d['mean']:+.4f}" + (f" [{low:+.4f}, {high:+.4f}]" if low is not None else " (1 seed)")
 
 
+def compare_mteb_table(compare: dict) -> str:
+    """compare --mteb: each task's main score per arm (mean ± std over seeds) beside the frozen encoder's, then the
+    seed-paired differences to the baselines."""
+    mteb = compare.get("mteb")
+    if not mteb:
+        return ""
+    lines = ["| task | frozen | " + " | ".join(mteb["arms"]) + " |", "|---|---|" + "---|" * len(mteb["arms"])]
+    for task in mteb["tasks"]:
+        cells = [f"{arm[task]['main_score']['mean']:.4f} ± {arm[task]['main_score']['std']:.4f}"
+                 if "main_score" in arm[task] else "-" for arm in mteb["arms"].values()]
+        lines.append(f"| {task} | {_fmt(mteb['frozen'][task].get('main_score'))} | " + " | ".join(cells) + " |")
+    for name, by_task in mteb["paired"].items():
+        lines.append(f"\n{name}, paired by seed: " + "; ".join(
+            _paired_text("main_score", d["main_score"]).replace("main_score", task)
+            for task, d in by_task.items() if "main_score" in d) + ".")
+    return "\n".join(lines)
+
+
 def _paired_text(key: str, d: dict) -> str:
     label = {"ndcg_at_10": "NDCG@10", "mrr_at_10": "MRR@10"}.get(key, key)
     if not d.get("ci95"):
@@ -416,6 +434,8 @@ def write_report(cfg: Config, run: RunDir) -> str:
     if run.exists("report/compare.json"):
         compare = run.read_json("report/compare.json")
         parts += ["## Compare: samplers over seeds", compare.get("description", ""), "", compare_table(compare), ""]
+        if compare.get("mteb"):
+            parts += ["### MTEB main score per arm (mean ± std over seeds)", "", compare_mteb_table(compare), ""]
         _figure(run, parts, "compare.png", report_plots.compare_arms(compare), "compare")
         costs_table = compare_cost_table(compare)
         if costs_table:
