@@ -431,3 +431,25 @@ def test_this_machine_counts_its_cuda_gpus(monkeypatch):
     assert (spec.gpus, spec.gpu_type, spec.source) == (1, "H200", "this machine")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Some Future Accelerator")
     assert this_machine().gpus == 0
+
+
+def test_dedup_counts_the_held_out_embedding_it_runs(tmp_path):
+    """With its semantic check on, dedup runs embed_heldout first: its wall adds the held-out rows at embed's rate
+    (the GPUs' here) and its disk their vectors (embeddings_heldout/); an exact-only dedup does neither."""
+    stages = {s: {"points": [], "fixed_s": 2.0, "cpu_s_per_work": 1e-6, "cpus": 2} for s in
+              ("ingest", "fit", "assign", "shard", "dedup")}
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"format": CALIBRATION_FORMAT, "stages": stages, "bytes_per_row": {},
+                                       "semantic_cpu_s_per_row_row_d": 1e-11}))
+
+    def dedup(*keys: str, fraction: float) -> dict:
+        request = PlanRequest(None, [f"data.heldout_fraction={fraction}", "dedup.exact=true", *keys], None,
+                              1_000_000, [100], None, 8, "H100", 1, None, str(calibration), None, None)
+        return make_plan(request)["stages"]["dedup"]
+
+    small, large = (dedup("dedup.semantic_threshold=0.9", fraction=f) for f in (0.01, 0.3))
+    assert "embed_heldout: 10,000 held-out texts" in small["time_from"]
+    assert "embed_heldout: 300,000 held-out texts" in large["time_from"] and large["wall_s"] > 0
+    assert large["disk_bytes_by_folder"]["embeddings_heldout"] > 20 * small["disk_bytes_by_folder"]["embeddings_heldout"]
+    exact = dedup(fraction=0.3)
+    assert "embeddings_heldout" not in exact["disk_bytes_by_folder"] and "embed_heldout" not in exact["time_from"]

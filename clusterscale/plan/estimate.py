@@ -13,6 +13,7 @@ from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, group_sizes,
                                      search_work, semantic_work, shard_files, shard_sizes, shuffle_work, stage_work,
                                      train_shape)
+from clusterscale.io.layout import HELDOUT_EMBEDDINGS
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
@@ -228,7 +229,9 @@ class Planner:
             row = self.text_bytes + (2 * shape.dim if cfg.shard.keep_emb else 0)
             return {f"shards/k={k}": shape.train_rows * row}, shard_files(cfg, self.shards)
         if stage == "dedup":
-            return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, \
+            held = {HELDOUT_EMBEDDINGS: shape.heldout_rows * self.embedding_row_bytes} \
+                if cfg.dedup.semantic_threshold else {}  # embed_heldout's, written when dedup first needs them
+            return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)} | held, \
                 embed_files(cfg, shape, self.embed_actors()).items
         if stage == "mine":  # train/negatives.mine_disk_bytes: the draws of train.epochs; files: buckets and pieces
             per_query, candidates = cfg.train.objective.negatives_per_query, candidates_per_query(cfg)
@@ -325,6 +328,9 @@ class Planner:
             wall += self.k_terms(name)
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
                 wall, source = self.cpu_flops_time(name)
+        if name == "dedup" and cfg.dedup.semantic_threshold:  # dedup runs embed_heldout first (pipeline: run_by)
+            held_s, held_source = self.heldout_embed_s()
+            wall, source = wall + held_s, f"{source}; + embed_heldout: {held_source}"
         read_s = self.train_read_s() if name == "train" else 0.0
         if read_s > wall:  # the prefetch overlaps reads with compute: the slower of the two sets the pace
             wall, source = read_s, f"{source}; bound by its reads from an object store ({self.read_source()})"
@@ -341,6 +347,20 @@ class Planner:
                          None if self.price is None else self.price * cluster.gpus * hours,
                          task_mb, driver / MB + driver_base, disk, files, shuffled, spilled, source, mem_source,
                          read_s)
+
+    def heldout_embed_s(self) -> tuple[float, str]:
+        """embed_heldout's time (dedup runs it when its semantic check needs the held-out vectors): embed's rate on
+        the held-out rows, on the GPUs when the cluster has them."""
+        models, rows = self.models, float(self.shape.heldout_rows)
+        flops = 2.0 * models.embed_flop_params * models.embed_tokens * rows
+        if self.cluster.gpus:
+            wall, source = self.gpu_time(flops, min(self.embed_actors(), self.cluster.gpus), "encoder", "embed")
+            return wall, f"{rows:,.0f} held-out texts, {source}"
+        wall, source = self.cpu_time("embed", rows, self.cluster.cpus)
+        if math.isnan(wall) and self.rates.cpu_flops_per_s_per_cpu:
+            mfu = self.rates.cpu_encoder_mfu or DATASHEET_MFU
+            wall, source = flops / (self.rates.cpu_flops_per_s_per_cpu * self.cluster.cpus * mfu), "FLOPs on CPUs"
+        return wall, f"{rows:,.0f} held-out texts, {source}"
 
     def train_read_s(self) -> float:
         """Seconds a training rank spends reading its rows in an epoch (train's wall is per epoch), if its run
