@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -99,3 +100,17 @@ def test_a_multi_subset_task_reports_every_subset_and_their_mean(local_task_dir,
     sts = subset_scores([{"hf_subset": "en", "cosine_spearman": 0.5, "main_score": 0.5},
                          {"hf_subset": "de", "cosine_spearman": 0.7, "main_score": 0.7}])
     assert sts["cosine_spearman"] == pytest.approx(0.6) and set(sts["subsets"]) == {"en", "de"}
+
+
+def test_the_scratch_cache_is_removed_and_a_users_cache_kept(tmp_path, monkeypatch):
+    from clusterscale.stages.mteb_eval import scratch_cache
+
+    monkeypatch.delenv("MTEB_CACHE", raising=False)
+    with scratch_cache():
+        made = os.environ["MTEB_CACHE"]
+        assert os.path.isdir(made)
+    assert not os.path.exists(made) and "MTEB_CACHE" not in os.environ  # every mteb run left an empty folder in /tmp
+    monkeypatch.setenv("MTEB_CACHE", str(tmp_path))
+    with scratch_cache():
+        assert os.environ["MTEB_CACHE"] == str(tmp_path)
+    assert os.environ["MTEB_CACHE"] == str(tmp_path)

@@ -8,6 +8,7 @@ Results go to eval/mteb/<model>.json.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -176,7 +177,25 @@ def resolve_tasks(specs: list[str]) -> list:
 def run_mteb_model(model_path: str, name: str, pooling: str, cfg_dict: dict, specs: list[str]) -> dict:
     """Run the tasks on one model in this process; {task name: kept scores of its first test split}."""
     mteb = _require_mteb()
-    os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="clusterscale-mteb-"))  # never the home folder
+    with scratch_cache():
+        return _run_tasks(mteb, model_path, name, pooling, cfg_dict, specs)
+
+
+@contextlib.contextmanager
+def scratch_cache():
+    """MTEB_CACHE in a temporary folder removed afterwards (never the home folder), unless the user set one."""
+    if "MTEB_CACHE" in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="clusterscale-mteb-") as cache:
+        os.environ["MTEB_CACHE"] = cache
+        try:
+            yield
+        finally:
+            os.environ.pop("MTEB_CACHE", None)
+
+
+def _run_tasks(mteb, model_path: str, name: str, pooling: str, cfg_dict: dict, specs: list[str]) -> dict:
     cfg_train, cfg_eval = cfg_dict["train"], cfg_dict["eval"]
     encoder = make_encoder(model_path, name, pooling, cfg_train["query_max_length"], cfg_train["passage_max_length"],
                            cfg_eval["batch_size"])
