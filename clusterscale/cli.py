@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=text, description=text,
                            epilog="Config keys: `clusterscale config`." if verb != "config" else None)
         if verb == "config":
+            p.add_argument("--markdown", action="store_true",
+                           help="Print the reference as Markdown tables (docs/configuration.md).")
             continue
         if verb == "plan":
             add_plan_arguments(p)
@@ -183,7 +185,7 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--samplers", "--arms", dest="samplers", default="clustered,random",
                        help="Comma-separated arms: train.sampler values (clustered, random, random_clusters, source, "
                             "curriculum), any of them with mined negatives (e.g. clustered+mined, random+mined), "
-                            "or named arms (mined, clustered_mined, clp, moe, recluster; see README). "
+                            "or named arms (mined, clustered_mined, clp, moe, recluster; see docs/training.md). "
                             "Default: clustered,random.")
         p.add_argument("--arm", dest="custom_arms", action="append", default=[], metavar="NAME:train.key=value,...",
                        help="Define an extra arm by its train keys, e.g. --arm hard:train.negatives_per_query=4.")
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_arguments(args)
         if args.verb == "config":
-            print(config_mod.describe())
+            print(config_mod.describe_markdown() if args.markdown else config_mod.describe())
             return 0
         if args.verb == "inspect":
             run_dir = args.run or args.run_dir_opt

@@ -52,7 +52,7 @@ class PerK:
 
 @dataclasses.dataclass(frozen=True)
 class PerConfigFolder:
-    """A folder that depends on more of the config than k: `of(cfg)`; `shown`: its name in the README diagram
+    """A folder that depends on more of the config than k: `of(cfg)`; `shown`: its name in the architecture diagram
     (train/<name>/)."""
     of: Callable[[Config], str]
     shown: str
@@ -148,9 +148,9 @@ class Stage:
     """Whether `clusterscale run` (and a stage verb of the CLI) runs it for a config (mine only with mined
     negatives, dedup only when on); None: no step of `run` and no verb: another stage runs it through ctx.stage
     when needed (the shard sets of training) or a command of its own does (synth). Its docstring says when, in
-    the README's diagram."""
+    the architecture diagram (docs/stages.md)."""
     run_by: str = "train"
-    """With in_run None: the stage that runs it when needed (README's diagram: 'run by <run_by> when needed')."""
+    """With in_run None: the stage that runs it when needed (the diagram: 'run by <run_by> when needed')."""
 
     @property
     def per_k(self) -> bool:

@@ -1,7 +1,7 @@
 """The pipeline: the one list of stages (STAGES), and the entry points every command shares (CLI, jobs, compare,
 sweep, re-clustering). What a stage is and how one runs is clusterscale.executor.
 
-`architecture_diagram()` renders the list as the README's Architecture section (a test keeps them equal).
+`architecture_diagram()` renders the list as docs/stages.md's Architecture section (a test keeps them equal).
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
     return "\n".join(lines)
 
 
-# --- the README's Architecture diagram --------------------------------------------------------------------------
+# --- the Architecture diagram (docs/stages.md) -----------------------------------------------------------------------
 def _resources_text(stage: Stage) -> str:
     need = stage.resources
     if need is None:
@@ -246,7 +246,7 @@ def _resources_text(stage: Stage) -> str:
 
 def architecture_diagram() -> str:
     """The stages of STAGES in order, each with the folders it reads and writes, what each actor of its pool asks
-    for, and when it runs: README's Architecture section holds exactly this text (tests/test_readme_diagram.py)."""
+    for, and when it runs: docs/stages.md's Architecture section holds exactly this text (tests/test_docs.py)."""
     rows = []
     for stage in STAGES.values():
         reads = ", ".join(shown(need.folder) for need in stage.inputs) or (

@@ -118,6 +118,11 @@ def variant(cfg: Config, **sections: dict) -> Config:
     return from_dict(raw)
 
 
+def _choices(f) -> str:
+    return "|".join(f.metadata["choices"]) + ("|an integer" if str(f.type) == "int | str" else "") \
+        if f.metadata["choices"] else ""
+
+
 def describe() -> str:
     """Every key with its default and doc: the reference printed by `clusterscale config`."""
     lines = []
@@ -125,7 +130,24 @@ def describe() -> str:
         obj = getattr(Config(), section)
         lines.append(f"{section}:")
         for name, (owner, f) in obj.knobs().items():
-            choices = f" ({'|'.join(f.metadata['choices'])}{'|an integer' if str(f.type) == 'int | str' else ''})" \
-                if f.metadata["choices"] else ""
+            choices = f" ({_choices(f)})" if f.metadata["choices"] else ""
             lines.append(f"  {name}: {getattr(owner, name)!r}{choices}\n      {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def describe_markdown() -> str:
+    """The same reference as Markdown, one table per section: docs/configuration.md is this text
+    (`clusterscale config --markdown`; a test keeps the copy equal)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(Config(), section)
+        lines += [f"## `{section}`", "", "| key | default | meaning |", "|---|---|---|"]
+        for name, (owner, f) in obj.knobs().items():
+            choices = f" (one of {cell(_choices(f))})" if f.metadata["choices"] else ""
+            lines.append(f"| `{section}.{name}` | `{cell(repr(getattr(owner, name)))}`{choices} | "
+                         f"{cell(f.metadata['doc'])} |")
+        lines.append("")
     return "\n".join(lines)

@@ -279,7 +279,7 @@ class RayConfig(Section):
                                ("auto", "faiss", "torch"), affects_output=False, added=True)
     object_store_mib: int | None = knob(None, "Object store of a local Ray, MiB (at least 75); null = Ray's default "
                                               "(30% of the machine's memory). When it is full Ray spills objects to "
-                                              "local disk, and the stages go on (README: how much per 1M pairs). "
+                                              "local disk, and the stages go on (docs/scaling.md: how much per 1M pairs). "
                                               "On a cluster: `ray start --object-store-memory`.",
                                         affects_output=False, bounds=Bounds(low=75, note="or null = Ray's default"),
                                         added=True)

@@ -102,7 +102,7 @@ class StageLockedError(UserError, RuntimeError):
 LOCK_TTL_S = 300.0  # a lease its holder stopped renewing for this long is stale (the holder is gone)
 LOCK_RENEW_S = 30.0
 LOCK_SETTLE_S = 2.0  # object stores: how long a new lease must stay ours before we trust it
-LOCK_SETTLE_ENV = "CLUSTERSCALE_LOCK_SETTLE_S"  # overrides it (README "Locks")
+LOCK_SETTLE_ENV = "CLUSTERSCALE_LOCK_SETTLE_S"  # overrides it (docs/cli.md, "Locks")
 
 
 def lock_settle_s() -> float:

@@ -125,7 +125,7 @@ def line_fit(points: list[list[float]]) -> tuple[float, float]:
     return 0.0, wall / work if work else 0.0
 
 
-# A source checkout ships the calibration measured on its CI box (README "Sizing"); the user's own comes first.
+# A source checkout ships the calibration measured on its CI box (docs/scaling.md, "Sizing"); the user's own comes first.
 SHIPPED_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                    "benchmarks", "results", "plan_calibration.json")
 

@@ -1,4 +1,4 @@
-"""The plan as text (what `clusterscale plan` prints and README's sizing section shows) and as the --json
+"""The plan as text (what `clusterscale plan` prints and docs/scaling.md shows) and as the --json
 document; and the predicted-vs-measured table `clusterscale report` shows for a run that has a prediction."""
 from __future__ import annotations
 

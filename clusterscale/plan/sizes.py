@@ -11,7 +11,7 @@ from statistics import NormalDist
 import numpy as np
 
 EXACT_ITEMS = 65_536
-"""Up to this many clusters the sizes are each cluster's own (every k the README and the tests plan); beyond,
+"""Up to this many clusters the sizes are each cluster's own (every k the docs and the tests plan); beyond,
 TAIL_ITEMS clusters at each end keep their own size (the largest and smallest are exact) and the others fall in
 bins cut at QUANTILE_BINS equal cluster counts and QUANTILE_BINS equal size ratios, each bin's rows split evenly
 over its clusters: figures within 0.5% of one size per cluster (tests/test_plan_hostile.py)."""

@@ -72,7 +72,7 @@ def is_heldout(query: str, fraction: float) -> bool:
 
 def normalise_text(value) -> tuple[str | None, str | None]:
     """(clean text, None) or (None, reason). NFC, control characters (_CONTROL) to spaces, stripped: the one rule of
-    every format (README "Using your own pairs")."""
+    every format (docs/input.md)."""
     if value is None:
         return None, "null"
     if isinstance(value, bytes):
