@@ -29,7 +29,7 @@
 # `study_state.py save-preprocessing OUT_DIR/minilm PRE.tar.gz`. On the next machine: `python
 # benchmarks/study_state.py restore STATE.tar.gz OUT_DIR/minilm --preprocessing PRE.tar.gz`, this script with
 # minilm-new again, and, once its log shows the first `== compare:`, `bash benchmarks/run_study.sh OUT_DIR
-# minilm-new-verify` (every seed's arms must share one preprocessing). benchmarks/results/study30_minilm/ holds the
+# minilm-new-verify` (every seed's arms must share one preprocessing). benchmarks/results/study/minilm/ holds the
 # finished study (3 seeds x 5 arms: compare.json, report.md); its state (arms.tar.gz, and preprocessing.tar.gz of
 # seeds 1 and 2) is in git history up to 2ab6e02 (`git show 2ab6e02:benchmarks/results/study30_minilm/arms.tar.gz`).
 # The cost table (quality against preprocessing and training cost):  python benchmarks/study_table.py OUT_DIR/<student>

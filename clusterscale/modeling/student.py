@@ -21,7 +21,7 @@ def build_student(cfg: TrainConfig) -> tuple[torch.nn.Module, object, str]:
         model = scratch_bert(student, len(tokenizer))
         # Mean, not the paper's CLS: a BERT from scratch with CLS pooling collapsed (loss at chance, every text one
         # direction) under every lr, temperature, warm-up, depth, width and init scale tried; mean pooling learned
-        # under all of them (benchmarks/collapse_causes.py, RESULTS.md).
+        # under all of them (benchmarks/RESULTS.md, "Why CLS from scratch collapses").
         pooling = "mean" if student.pooling == "auto" else student.pooling
     else:
         path = resolve_model_path(student.init)

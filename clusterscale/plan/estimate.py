@@ -33,9 +33,9 @@ DEDUP_TASK_MEMORY_FRACTION = 0.25  # stages/dedup/semantic.TASK_MEMORY_FRACTION 
 OBJECT_STORE_FRACTION = 0.3  # Ray's default object store: 30% of a node's memory
 # dedup's largest process is not its per-cluster task but a worker of its hash shuffle, which holds one input batch
 # of runtime/bounded_data.SHUFFLE_MAP_BATCH_BYTES (64 MiB) plus up to one row group: bounded, whatever N. Measured
-# USS (benchmarks/RESULTS.md, session 19): Ray Data's HashShuffleMap task through the object store (input under
-# ray.disk_shuffle_min_mib), benchmarks/dedup_memory.py at 150k rows, d = 384, any passes: 585 MB; through local
-# files, bench_scale at 600k rows (session 8): the read + mark task and the disk shuffle's reduce, 772 / 784 MB.
+# USS (benchmarks/RESULTS.md, "Dedup"): Ray Data's HashShuffleMap task through the object store (input under
+# ray.disk_shuffle_min_mib), dedup alone at 150k rows, d = 384, any passes: 585 MB; through local files, bench_scale
+# at 600k rows: the read + mark task and the disk shuffle's reduce, 772 / 784 MB.
 # Ray 2.60 on the 2-core CPU box; a plan says so where it uses them.
 DEDUP_SHUFFLE_WORKER_MB = {"object store": 585.0, "local files": 784.0}
 # A training rank's reads from a run directory on an object store (train/data.py): each step opens the shard file of
