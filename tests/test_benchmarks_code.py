@@ -43,6 +43,20 @@ def test_study_table_prints_the_runs_own_figures(tmp_path, capsys):
     assert "report/compare.json not found" in capsys.readouterr().err
 
 
+def test_results_page_cites_files_that_exist_and_results_hold_only_small_data():
+    """Every benchmarks/results/ path RESULTS.md cites (outside `git show` spans) exists; results/ holds no file over
+    1 MB, no script and no tarball."""
+    import re
+
+    text = re.sub(r"`git show [^`]*`", "", open(os.path.join(BENCH, "RESULTS.md")).read())
+    cited = set(re.findall(r"results/[\w./-]*[\w/]", text))
+    assert cited and not [p for p in cited if not os.path.exists(os.path.join(BENCH, p))]
+    for folder, _, names in os.walk(os.path.join(BENCH, "results")):
+        for name in names:
+            assert not name.endswith((".py", ".sh", ".tar", ".gz", ".tgz", ".zip")), os.path.join(folder, name)
+            assert os.path.getsize(os.path.join(folder, name)) <= 1 << 20, os.path.join(folder, name)
+
+
 def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path, monkeypatch):
     """study_state.py (the MiniLM study over several machines) saves a finished arm's records and held-out result
     without its weights, leaves an arm stopped midway out, restores into a new run dir, and `verify` passes on the
