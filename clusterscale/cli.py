@@ -133,6 +133,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plan_verb(args) -> None:
     from clusterscale.plan import calibrate, render
+    from clusterscale.io.layout import PREDICTION_PATH
     from clusterscale.plan.build import PlanRequest, make_plan
 
     if args.calibrate:
@@ -157,8 +158,8 @@ def run_plan_verb(args) -> None:
             json.dump(document, f, indent=2)
         print(f"plan written to {json_path}")
     if args.save_in:
-        RunDir(args.save_in).write_json(render.PREDICTION_PATH, document)
-        print(f"prediction written to {RunDir(args.save_in).path(render.PREDICTION_PATH)}")
+        RunDir(args.save_in).write_json(PREDICTION_PATH, document)
+        print(f"prediction written to {RunDir(args.save_in).path(PREDICTION_PATH)}")
 
 
 def run_synth_verb(args) -> None:

@@ -33,7 +33,7 @@ from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.arm_costs import arm_preprocess, gain_per_hour
 from clusterscale.train.curriculum import CURRICULUM
-from clusterscale.train.loop import stopped_attempt
+from clusterscale.stages.train import stopped_attempt
 from clusterscale.train.schedule import SAMPLERS
 
 ARM_SAMPLERS = (*SAMPLERS, CURRICULUM)  # an arm named after a sampler trains with it

@@ -31,7 +31,7 @@ from clusterscale.stages.report import run_report
 from clusterscale.stages.shard_sets import run_shard_set
 from clusterscale.stages.shards import run_dedup_shards, run_shard
 from clusterscale.stages.synthetic import run_synth
-from clusterscale.train.loop import after_training, run_train
+from clusterscale.stages.train import after_training, run_train
 from clusterscale.train.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
 
 __all__ = ["STAGES", "STAGE_VERBS", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK",

@@ -10,7 +10,7 @@ import torch
 from clusterscale import config as config_mod
 from clusterscale.config import TrainConfig
 from clusterscale.pipeline import run_stage
-from clusterscale.train.loop import TrainingCollapsedError
+from clusterscale.stages.train import TrainingCollapsedError
 from clusterscale.train.optim import lr_at
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student

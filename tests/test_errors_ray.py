@@ -70,7 +70,7 @@ def test_full_disk_in_training_is_one_paragraph_without_worker_tracebacks(tmp_pa
         metrics.JsonlLog.flush = full
         worker_trainer.train_loop_per_worker(config)
 
-    monkeypatch.setattr(trainer, "train_loop_per_worker", disk_full_loop)  # what train/loop.py hands Ray Train
+    monkeypatch.setattr(trainer, "train_loop_per_worker", disk_full_loop)  # what stages/train.py hands Ray Train
     run = make_sharded_run(tmp_path / "run")
     started = time.time()
     overrides = train_overrides(tiny_model, steps=2) + ["train.num_workers=1"]

@@ -14,15 +14,13 @@ COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
                      ("schedule", "optim", "loss", "data", "trainer", "metrics", "checkpoint")] + \
                     [f"clusterscale.modeling.{name}_config" for name in ("student", "moe")]
 
-# Top to bottom; a module may import its own layer and the layers below.
+# Top to bottom; a module may import its own layer and the layers below. Every package sits in one layer.
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
-    # plan.calibrate runs stages through the pipeline; the rest of plan only estimates (report reads its output).
+    # plan estimates a run from the stages' own rules (and plan.calibrate runs stages through the pipeline).
     ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments",
-                       "clusterscale.plan.calibrate", "clusterscale.arm_costs"]),
-    # train.loop is the train stage's body (plan, segments, finish); it runs other stages through ctx.stage.
-    ("stages", ["clusterscale.stages", "clusterscale.stages.*", "clusterscale.train.loop", "clusterscale.plan",
-                "clusterscale.plan.*"]),
+                       "clusterscale.arm_costs", "clusterscale.plan", "clusterscale.plan.*"]),
+    ("stages", ["clusterscale.stages", "clusterscale.stages.*"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),
     ("runtime", ["clusterscale.runtime", "clusterscale.runtime.*"]),
@@ -113,12 +111,46 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to (clusterscale.<package>); a component config counts as the config's."""
+    if module in COMPONENT_CONFIGS or module == "clusterscale.knobs":
+        return "config"
+    parts = module.split(".")
+    return parts[0] if parts[0] == "jobs" else (parts[1] if len(parts) > 1 else "clusterscale")
+
+
+def two_way_packages(graph: dict[str, set[str]]) -> list[str]:
+    edges: dict[tuple[str, str], list[str]] = {}
+    for a, targets in graph.items():
+        for b in targets:
+            if package_of(a) != package_of(b):
+                edges.setdefault((package_of(a), package_of(b)), []).append(f"{a} -> {b}")
+    return [f"{a} <-> {b}: {sorted(found)[:3]} and {sorted(edges[(b, a)])[:3]}"
+            for (a, b), found in sorted(edges.items()) if a < b and (b, a) in edges]
+
+
+def test_no_two_packages_import_each_other():
+    both = two_way_packages(import_graph())
+    assert not both, "packages that import each other:\n" + "\n".join(both)
+
+
+def test_every_package_sits_in_one_layer():
+    layers: dict[str, set[str]] = {}
+    for module in import_graph():
+        if module not in COMPONENT_CONFIGS:
+            layers.setdefault(package_of(module), set()).add(LAYERS[layer_of(module)][0])
+    split = {package: found for package, found in layers.items() if len(found) > 1}
+    assert not split, f"packages split across layers: {split}"
+
+
 def test_the_checks_see_imports_inside_functions_and_cycles():
     graph = import_graph()
     assert "clusterscale.pipeline" in graph["clusterscale.cli"]  # imported inside main()
     assert "clusterscale.modeling.moe" in graph["clusterscale.modeling.moe_hf"]  # a relative import
     assert "jobs._job" in graph["jobs.sweep"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert two_way_packages({"clusterscale.plan.x": {"clusterscale.stages.y"}, "clusterscale.stages.y":
+                             {"clusterscale.plan.z"}, "clusterscale.plan.z": set()})
 
 
 @pytest.mark.integration

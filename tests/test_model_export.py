@@ -7,7 +7,7 @@ from pathlib import Path
 from clusterscale import config
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir
-from clusterscale.train.loop import training_warnings
+from clusterscale.stages.train import training_warnings
 
 
 def test_export_has_sentence_transformers_config_and_the_max_length_given(tiny_model):

@@ -158,7 +158,7 @@ def test_the_stage_gets_its_declared_resources(tmp_path):
 # Calls that would mean a stage module runs the marker protocol itself, with the ones allowed and why.
 MARKER_CALLS = {"is_done", "mark_done"}
 ALLOWED = {("clusterscale/stages/synthetic.py", "mark_done"),  # write_embeddings_stage: the tests' in-process shortcut
-           ("clusterscale/train/loop.py", "is_done")}  # _check_negatives: an input check of mined negatives
+           ("clusterscale/stages/train.py", "is_done")}  # _check_negatives: an input check of mined negatives
 
 
 def test_no_stage_module_runs_the_marker_sequence():

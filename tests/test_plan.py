@@ -14,6 +14,7 @@ import pytest
 
 from clusterscale import cli, config
 from clusterscale.plan import render
+from clusterscale.stages import report
 from clusterscale.plan.build import PlanRequest, make_plan
 from clusterscale.plan.rates import CALIBRATION_FORMAT, line_fit
 from clusterscale.plan.shape import (RunShape, assign_files, embed_files, imbalance_factor, lognormal_sizes, run_shape,
@@ -253,7 +254,7 @@ def test_plan_user_errors_exit_2(argv, said, capsys):
 def test_prediction_table():
     prediction = {"stages": {"assign": {"wall_s": 12.0}, "train": {"wall_s": 100.0}, "mine": {"wall_s": 1.0}},
                   "train_shape": {"steps_per_epoch": 50}}
-    table = render.prediction_table(prediction, {"assign": {"wall_s": 10.0},
+    table = report.prediction_table(prediction, {"assign": {"wall_s": 10.0},
                                                  "train:clustered-seed0": {"wall_s": 25.0, "steps": 10}})
     assert "| assign | 12.0 | 10.0 | +20% |" in table
     assert "| train | 20.0 | 25.0 | -20% |" in table and "mine" not in table

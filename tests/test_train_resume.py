@@ -68,7 +68,7 @@ def test_a_failed_worker_and_a_stop_then_resume_continue_with_the_same_batches(s
     same config continues by itself: `train --resume` underneath); with another config it would train afresh."""
     from clusterscale.experiments import _train
     from clusterscale.pipeline import STAGES
-    from clusterscale.train.loop import stopped_attempt
+    from clusterscale.stages.train import stopped_attempt
 
     keys = ("train.sampler=curriculum", "train.curriculum_start=1", "train.curriculum_end=1",
             "train.checkpoint_every_steps=2", "train.max_failures=1", "train.log_every_steps=1")

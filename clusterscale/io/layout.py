@@ -18,6 +18,7 @@ HELDOUT_EMBEDDINGS = "embeddings_heldout"  # the held-out pairs' frozen vectors 
 NEGATIVES = "negatives"  # mined hard negatives, one Parquet file per embeddings file
 TRAIN = "train"  # training runs: train/<name>/
 EVAL = "eval"  # evaluation results: eval/<model>.json, eval/mteb/, eval/by_cluster/
+PREDICTION_PATH = "report/plan_prediction.json"  # written by `clusterscale plan ... --save-in RUN`, read by report
 MTEB_EVAL = f"{EVAL}/mteb"  # eval/mteb/<model>.json
 # The dedup stage's output, for one clustering at a time (its semantic pass is per cluster of cluster.k, and the
 # done marker's stats carry that k): dedup/_DONE.json (counts), removed/ (pair_id, duplicate_of, similarity,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 JSON_STAGE_KEYS = ("wall_s", "gpu_hours", "cpu_hours", "peak_task_mb", "peak_driver_mb", "disk_bytes", "files")
-PREDICTION_PATH = "report/plan_prediction.json"  # written by `clusterscale plan ... --save-in RUN`
 
 
 def duration(seconds: float) -> str:
@@ -89,19 +88,3 @@ def _no_nan(value):
     if isinstance(value, list):
         return [_no_nan(v) for v in value]
     return value
-
-
-def prediction_table(prediction: dict, costs: dict) -> str:
-    """Predicted (by `clusterscale plan --save-in`) vs measured wall time per stage, with the error."""
-    lines = ["| stage | predicted wall s | measured wall s | error |", "|---|---|---|---|"]
-    for name, s in prediction.get("stages", {}).items():
-        record = costs.get(name) or next((rec for key, rec in costs.items() if key.split(":")[0] == name), None)
-        predicted = s.get("wall_s")
-        if record is None or predicted is None or (isinstance(predicted, float) and math.isnan(predicted)):
-            continue
-        measured = record.get("wall_s")
-        if name == "train" and record.get("steps") and prediction.get("train_shape", {}).get("steps_per_epoch"):
-            predicted *= record["steps"] / prediction["train_shape"]["steps_per_epoch"]  # the steps it ran
-        error = f"{(predicted - measured) / measured:+.0%}" if measured else "-"
-        lines.append(f"| {name} | {predicted:,.1f} | {measured:,.1f} | {error} |")
-    return "\n".join(lines)

@@ -6,16 +6,16 @@ Run with `clusterscale report [CONFIG] --run-dir R` (after any stages; it report
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config
-from clusterscale.plan.render import PREDICTION_PATH, prediction_table
 from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, device_seconds_label, stage_of, summarize
-from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, TRAIN, collapse_path, eval_by_cluster_path,
-                                    manifest_path, read_manifest)
+from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, PREDICTION_PATH, TRAIN, collapse_path,
+                                    eval_by_cluster_path, manifest_path, read_manifest)
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.stage_context import StageContext
@@ -374,6 +374,22 @@ def _figure(run: RunDir, parts: list[str], filename: str, png: bytes | None, cap
     if png:
         run.write_bytes(f"report/{filename}", png)
         parts += [f"![{caption}]({filename})", ""]
+
+
+def prediction_table(prediction: dict, costs: dict) -> str:
+    """Predicted (by `clusterscale plan --save-in`) vs measured wall time per stage, with the error."""
+    lines = ["| stage | predicted wall s | measured wall s | error |", "|---|---|---|---|"]
+    for name, s in prediction.get("stages", {}).items():
+        record = costs.get(name) or next((rec for key, rec in costs.items() if key.split(":")[0] == name), None)
+        predicted = s.get("wall_s")
+        if record is None or predicted is None or (isinstance(predicted, float) and math.isnan(predicted)):
+            continue
+        measured = record.get("wall_s")
+        if name == "train" and record.get("steps") and prediction.get("train_shape", {}).get("steps_per_epoch"):
+            predicted *= record["steps"] / prediction["train_shape"]["steps_per_epoch"]  # the steps it ran
+        error = f"{(predicted - measured) / measured:+.0%}" if measured else "-"
+        lines.append(f"| {name} | {predicted:,.1f} | {measured:,.1f} | {error} |")
+    return "\n".join(lines)
 
 
 def run_report(ctx: StageContext) -> StageResult:

@@ -1,7 +1,8 @@
-"""Training: loop (the train stage on the driver: plan, segments, Ray Train, export; run_train), recluster
-(segment arithmetic), trainer (each rank: setup, train_step, fit), schedule (the cluster-stratified batch
-schedule), curriculum (clustered batches with a rising probability, else random ones), data (reading a shard set's row groups), step, loss and gradcache (InfoNCE / CLP, chunked re-forward),
-negatives (mined negatives and their sidecars), optim (AdamW, LR schedule), checkpoint, metrics.
+"""Training's components (the train stage that drives them is stages/train.py): recluster (segment arithmetic),
+trainer (each rank: setup, train_step, fit), schedule (the cluster-stratified batch schedule), curriculum (clustered
+batches with a rising probability, else random ones), data (reading a shard set's row groups), step, loss and
+gradcache (InfoNCE / CLP, chunked re-forward), negatives (mined negatives and their sidecars), optim (AdamW, LR
+schedule), checkpoint, metrics.
 
 Each component's config sits beside it in a torch-free module (the config layer composes them into
 TrainConfig): schedule_config, optim_config, loss_config, data_config (re-clustering, dedup), trainer_config

@@ -2,7 +2,7 @@
 
 After each segment the driver exports the current model, and the pipeline's train stage re-embeds
 every training pair with it, re-fits k-means and re-assigns and re-shards (the ordinary embed, fit,
-assign and shard stages, which train/loop.run_train runs through the executor, ctx.stage, while training waits) into
+assign and shard stages, which stages/train.run_train runs through the executor, ctx.stage, while training waits) into
 train/<name>/recluster/seg-<s>/, a child run directory with its own done markers, so a killed run
 redoes only what is missing. Segment s then trains on those shards, continuing from the checkpoint
 (model, optimizer, LR schedule). The batches of a segment are a pure function of (seed, segment,

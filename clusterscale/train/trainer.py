@@ -1,6 +1,6 @@
 """The per-rank trainer that Ray Train runs: setup, one global step, logging and checkpointing as separate pieces.
 
-`train_loop_per_worker` is Ray Train's entry on every worker (train/loop.py's driver starts it once per
+`train_loop_per_worker` is Ray Train's entry on every worker (stages/train.py's driver starts it once per
 segment of the run): it builds a Trainer and calls `fit`. The step's math is train/step.py, the metrics
 all-reduce and logs train/metrics.py, the checkpoint state train/checkpoint.py.
 """
