@@ -2,7 +2,7 @@
 stage its own `clusterscale` process, as a user runs it), sample the peak memory (USS) of its driver and of its
 largest Ray worker, and write the calibration file that plan/rates.py documents. Three sizes (25k, 100k, 200k by
 default) give each stage a start-up and a per-work rate (a least-squares line): with two sizes 4x apart, one noisy
-start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan", session 17). Faiss's
+start-up of a few seconds tilted assign's line by 2x (benchmarks/RESULTS.md "bench_plan"). Faiss's
 search rate and Ray Data's shuffle rates (per partition, per block x partition; through local files and the
 object store) are timed on their own (the terms that grow with k).
 dedup's largest worker holds one full shuffle batch from ~64 MiB of input on: the largest size's dedup (through the
@@ -146,7 +146,7 @@ def shuffle_seconds(disk: bool, block_counts: tuple[int, int] = (16, 64), partit
     shuffled into two partition counts give the cost of the extra partitions, at two block counts to split it into
     its two terms. Rows like shard's (pair_id, a query and a passage of `payload` bytes in all, cluster) in blocks
     of assign/'s row group (EMBEDDINGS_ROW_GROUP_ROWS). The rows per partition do not enter: 4x the rows in the same
-    blocks cost the same extra partitions here (benchmarks/RESULTS.md, session 21). Its own local Ray on this
+    blocks cost the same extra partitions here (benchmarks/RESULTS.md "bench_plan"). Its own local Ray on this
     machine's CPUs."""
     import ray
 
@@ -270,7 +270,7 @@ def dedup_shuffle_worker(planner: Planner, peak_mb: float) -> dict[str, float]:
     """{"object store": dedup's largest worker} when this run's dedup input holds at least one
     SHUFFLE_MAP_BATCH_BYTES batch and stays below ray.disk_shuffle_min_mib (so its shuffle went through the object
     store with a full batch); {} for a smaller run. Not through local files: a worker of that shuffle kept growing
-    past the calibration's sizes (555 MB at 200k rows, 750-757 MB at 600k; benchmarks/RESULTS.md session 20), so
+    past the calibration's sizes (555 MB at 200k rows, 750-757 MB at 600k; benchmarks/RESULTS.md "Dedup"), so
     plan keeps the 600k measurement for it."""
     input_bytes = planner.shuffle_input("dedup")[1]
     if input_bytes < SHUFFLE_MAP_BATCH_BYTES or planner.through_files(input_bytes):

@@ -393,7 +393,7 @@ class Planner:
         if worker <= block_task_mb:
             return block_task_mb, mem_source
         source = self.rates.dedup_shuffle_source if measured else \
-            "measured on the 2-core CPU box (Ray 2.60, benchmarks/RESULTS.md session 19), not calibrated here"
+            "measured on the 2-core CPU box (Ray 2.60, benchmarks/RESULTS.md, bench_plan), not calibrated here"
         return worker, f"a worker of its shuffle through {path}: {source}"
 
     def train_flops_per_pair(self) -> float:

@@ -184,7 +184,7 @@ def shuffle_work(stage: str, cfg: Config, shape: RunShape) -> ShuffleWork:
     exact pass's key buckets (one per ROWS_PER_BUCKET rows) are not counted: their number grows with N, not k. Both
     read assign/ one Parquet row group (EMBEDDINGS_ROW_GROUP_ROWS rows) per block. The time is not rows x partitions:
     `plan --calibrate` timed the same partitions over 4x the rows at the same cost through the object store, and
-    through local files a cost per block and partition (benchmarks/RESULTS.md, session 21)."""
+    through local files a cost per block and partition (benchmarks/RESULTS.md "bench_plan")."""
     blocks = float(math.ceil(shape.train_rows / EMBEDDINGS_ROW_GROUP_ROWS))
     if stage == "dedup":
         return ShuffleWork(float(shape.k + 1), blocks) if cfg.dedup.semantic_threshold else ShuffleWork()
