@@ -64,3 +64,30 @@ def test_small_shuffles_stay_in_the_object_store_with_an_aggregator_per_batch(tm
             now = ray.data.DataContext.get_current()
             assert now.max_hash_shuffle_aggregators == inside and not now.use_disk_based_hash_shuffle
         assert ctx.max_hash_shuffle_aggregators == before
+
+
+def test_rows_unlike_the_files_are_sized_by_their_own_bytes(tmp_path):
+    """mine shuffles routed vectors without their texts, then search results: shuffle_for takes their bytes per row
+    instead of a file's, and reads no footer (files may be empty)."""
+    run = RunDir(str(tmp_path))
+    mib = 2**20
+    assert shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, [], 1000, row_bytes=mib / 1000 + 1).disk
+    assert shuffle_for(RayConfig(disk_shuffle_min_mib=1), run, [], 1000, row_bytes=mib / 1000 - 1) == \
+        ShuffleSettings(False, 1)
+
+
+def test_mines_shuffles_are_sized_by_what_they_move(tmp_path, monkeypatch):
+    """200k pairs at d = 64 with nprobe 4 route ~1M copies of 168 bytes (168 MB, under the default 256 MiB: the
+    object store), while assign/'s rows with their texts would have sent them through local files; the search results
+    are 0.8M rows of 30 candidates (334 MB: local files), at 100k half that."""
+    from clusterscale.config import load
+    from clusterscale.stages import mine
+
+    cfg = load(None, ["embed.side=both"])
+    monkeypatch.setattr(mine, "vector_layout", lambda *args: (64, 2))
+    route, merge = mine.shuffles(cfg, RunDir(str(tmp_path)), RunDir(str(tmp_path)), None, 200_000)
+    assert route == ShuffleSettings(False, 3) and merge.disk
+    route, merge = mine.shuffles(cfg, RunDir(str(tmp_path)), RunDir(str(tmp_path)), None, 100_000)
+    assert not route.disk and not merge.disk
+    route, _ = mine.shuffles(cfg, RunDir(str(tmp_path)), RunDir(str(tmp_path)), None, 400_000)
+    assert route.disk  # 2M copies: 336 MB

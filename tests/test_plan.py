@@ -344,8 +344,9 @@ def test_dedup_memory_is_at_least_its_shuffle_worker_by_where_the_shuffle_goes(t
 
 
 def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
-    """shard moves text rows; mine each passage and query once per probed cluster, vectors included; dedup whole
-    assign/ rows (text, vectors, cluster and cosine) once by cluster, and once more by key bucket with dedup.exact."""
+    """shard moves text rows; mine each passage and query once per probed cluster, one fp16 vector and its keys each
+    (no text: stages/mine.shuffles); dedup whole assign/ rows (text, vectors, cluster and cosine) once by cluster, and
+    once more by key bucket with dedup.exact."""
     calibration, rows = write_calibration(tmp_path / "cal.json"), 200_000
 
     def moved(*keys: str) -> dict[str, float]:
@@ -362,7 +363,8 @@ def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
     vectors = 2 * 384 * (2 if cfg.embed.side == "both" else 1)  # fp16, the bundled encoder's d
     assert semantic["dedup"] == pytest.approx(train_rows * (300 + vectors + 8))
     assert both["dedup"] == pytest.approx(2 * semantic["dedup"])
-    assert semantic["mine"] == pytest.approx(train_rows * (1 + cfg.mine.nprobe) * (300 + vectors))
+    from clusterscale.stages.mine_search import ROUTED_ROW_BYTES
+    assert semantic["mine"] == pytest.approx(train_rows * (1 + cfg.mine.nprobe) * (2 * 384 + ROUTED_ROW_BYTES))
     assert semantic["embed"] == semantic["fit"] == 0
 
 

@@ -18,6 +18,7 @@ from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.mine import QUERIES_PER_FILE
+from clusterscale.stages.mine_search import ROUTED_ROW_BYTES
 from clusterscale.stages.shards import writer_sizing
 from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
@@ -255,13 +256,14 @@ class Planner:
         """(bytes the stage's shuffles move, bytes of their input rows as the stage sizes them to choose local files
         or the object store: runtime/bounded_data.shuffle_for, the assign/ rows it reads, vectors included).
         shard moves text (and vectors with shard.keep_emb); mine each passage and each query once per probed
-        cluster, with their vectors; dedup whole assign/ rows, once by cluster and once more by exact key bucket."""
+        cluster, their vectors without text; dedup whole assign/ rows, once by cluster and once more by exact key
+        bucket."""
         n, dim, row = self.shape.train_rows, self.shape.dim, self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES
         if stage == "shard":
             return n * (self.text_bytes + (2 * dim if self.cfg.shard.keep_emb else 0)), n * row
-        if stage == "mine":
-            copies = n * (1 + self.cfg.mine.nprobe)
-            return copies * self.embedding_row_bytes, copies * row
+        if stage == "mine":  # a routed copy is one fp16 vector and its keys, no text (stages/mine.shuffles)
+            copies = n * (1 + min(self.cfg.mine.nprobe, self.shape.k))
+            return copies * (2 * dim + ROUTED_ROW_BYTES), copies * (2 * dim + ROUTED_ROW_BYTES)
         if stage == "dedup":
             return n * row * (2 if self.cfg.dedup.exact else 1), n * row
         return 0.0, 0.0

@@ -119,20 +119,24 @@ class ShuffleSettings:
     aggregators: int | None = None
 
 
-def shuffle_for(rc: RayConfig, run: RunDir, files: list[str], rows: int) -> ShuffleSettings:
-    """How a hash shuffle of `rows` rows like those of `files` runs, by their bytes in memory (the first file's
-    uncompressed Parquet bytes per row, times rows; one footer read): through local files with ray.disk_shuffle
-    from ray.disk_shuffle_min_mib on; else in the object store, with one aggregator per SHUFFLE_MAP_BATCH_BYTES of
-    rows (Ray Data would start one per cluster CPU, up to 128, each an actor process of its own, even for a few
-    hundred rows)."""
+def shuffle_for(rc: RayConfig, run: RunDir, files: list[str], rows: int, row_bytes: float | None = None
+                ) -> ShuffleSettings:
+    """How a hash shuffle of `rows` rows like those of `files` runs, by their bytes in memory (row_bytes, or the first
+    file's uncompressed Parquet bytes per row, times rows; one footer read): through local files with
+    ray.disk_shuffle from ray.disk_shuffle_min_mib on; else in the object store, with one aggregator per
+    SHUFFLE_MAP_BATCH_BYTES of rows (Ray Data would start one per cluster CPU, up to 128, each an actor process of its
+    own, even for a few hundred rows). Pass row_bytes when the shuffled rows are not the files' rows (mine shuffles
+    routed vectors without their texts, then search results)."""
     if not rc.disk_shuffle_min_mib and rc.disk_shuffle:
         return ShuffleSettings(disk=True)
-    if not files or rows <= 0:
+    if rows <= 0 or (row_bytes is None and not files):
         return ShuffleSettings(disk=False, aggregators=1)
-    with run.fs.open_input_file(files[0]) as f:
-        footer = pq.ParquetFile(f).metadata
-    stored = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
-    input_bytes = stored / max(footer.num_rows, 1) * rows
+    if row_bytes is None:
+        with run.fs.open_input_file(files[0]) as f:
+            footer = pq.ParquetFile(f).metadata
+        stored = sum(footer.row_group(g).total_byte_size for g in range(footer.num_row_groups))
+        row_bytes = stored / max(footer.num_rows, 1)
+    input_bytes = row_bytes * rows
     if rc.disk_shuffle and input_bytes >= rc.disk_shuffle_min_mib * 2**20:
         return ShuffleSettings(disk=True)
     return ShuffleSettings(disk=False, aggregators=max(1, math.ceil(input_bytes / SHUFFLE_MAP_BATCH_BYTES)))

@@ -43,14 +43,15 @@ import ray
 from clusterscale.config import Config, ConfigError, EmbedConfig, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
-from clusterscale.stages.mine_search import (DROP_REASONS, SearchGroups, auto_group_bounds, cluster_counts,
-                                             merge_candidates, queries_from_neighbours, route_rows, search_cluster)
+from clusterscale.stages.mine_search import (CANDIDATE_BYTES, DROP_REASONS, ROUTED_ROW_BYTES, SearchGroups,
+                                             auto_group_bounds, cluster_counts, merge_candidates,
+                                             queries_from_neighbours, route_rows, search_cluster)
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
-from clusterscale.runtime.bounded_data import (bounded_shuffle_maps, one_key_per_partition, shuffle_for,
-                                               read_row_groups, release_freed_memory)
+from clusterscale.runtime.bounded_data import (ShuffleSettings, bounded_shuffle_maps, one_key_per_partition,
+                                               read_row_groups, release_freed_memory, shuffle_for)
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.runtime import faiss_index
 from clusterscale.runtime.session import faiss_runtime_env
@@ -62,6 +63,7 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 PLAN = f"{NEGATIVES}/_plan.json"
 SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every bucket is merged
 SEARCH_COLUMNS = ["bucket", "pair_id", "pos_score", "cand_scores", "cand_ids", "cand_flags"]
+SEARCH_ROW_BYTES = 28  # a search result row besides its candidates: bucket, pair_id, pos_score, 3 list offsets
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
 QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
 MIN_BUCKETS, MIN_BUCKET_QUERIES = 16, 1_000  # at least 16 files (of >= 1,000 queries): what a killed merge loses
@@ -310,9 +312,24 @@ def bucket_file(bucket: int) -> str:
     return f"{NEGATIVES}/part-{bucket:05d}.parquet"
 
 
+def shuffles(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, n_rows: int
+             ) -> tuple[ShuffleSettings, ShuffleSettings]:
+    """How the two shuffles run (bounded_data.shuffle_for), by the bytes they move: the routed rows (each passage
+    once per search group of its cluster, each query once per probed cluster: a vector and ROUTED_ROW_BYTES, no
+    text), then the search results (a query once per probed cluster, range_max candidates each)."""
+    dim, stored = vector_layout(run, source, cfg, encoder)
+    copies = min(cfg.mine.nprobe, cfg.cluster.k)
+    route = shuffle_for(cfg.ray, run, [], n_rows * (1 + copies), row_bytes=stored * dim + ROUTED_ROW_BYTES)
+    merge = shuffle_for(cfg.ray, run, [], n_rows * copies,
+                        row_bytes=cfg.mine.range_max * CANDIDATE_BYTES + SEARCH_ROW_BYTES)
+    return route, merge
+
+
 def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need: Resources, plan: dict,
-             todo: list[dict], n_rows: int) -> tuple[list[dict], int]:
-    """Search the groups not yet searched, then merge the buckets of `todo`; (their counts, queries embedded)."""
+             todo: list[dict], n_rows: int, merge_shuffle: ShuffleSettings = ShuffleSettings()
+             ) -> tuple[list[dict], int]:
+    """Search the groups not yet searched, then merge the buckets of `todo` (that shuffle with merge_shuffle); (their
+    counts, queries embedded)."""
     mine, embedded = cfg.mine, 0
     groups = SearchGroups(np.asarray(plan["groups"]["passage_parts"], np.int64),
                           np.asarray(plan["groups"]["query_parts"], np.int64))
@@ -347,12 +364,13 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
     files = [f for f in files if posixpath.basename(f) in present]  # a group no row reached wrote none
     if not files:
         return [], embedded
-    ds = read_row_groups(run, files, SEARCH_COLUMNS) \
-        .map_batches(_to_merge, fn_kwargs={"bucket_keys": keys_for(indices, len(plan["units"]))},
-                     batch_format="pyarrow")
-    ds = ds.groupby("bucket", num_partitions=max(1, len(indices))).map_groups(
-        _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine,
-                                     "bucket_keys": keys_for(indices, len(plan["units"]))}, batch_format="pyarrow")
+    with bounded_shuffle_maps(merge_shuffle):
+        ds = read_row_groups(run, files, SEARCH_COLUMNS) \
+            .map_batches(_to_merge, fn_kwargs={"bucket_keys": keys_for(indices, len(plan["units"]))},
+                         batch_format="pyarrow")
+        ds = ds.groupby("bucket", num_partitions=max(1, len(indices))).map_groups(
+            _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine,
+                                         "bucket_keys": keys_for(indices, len(plan["units"]))}, batch_format="pyarrow")
     progress, results = ProgressLine("mine", n_rows, unit="queries merged"), []
     for result in ds.iter_rows():
         results.append(result)
@@ -404,9 +422,8 @@ def run_mine(ctx: StageContext) -> StageResult:
                           f"({n_rows}): lower it.")
     results, worker_s, embedded = [], 0.0, 0
     t0 = time.time()
-    # Each passage travels once per search group of its cluster, each query once per probed cluster.
-    shuffle = shuffle_for(cfg.ray, run, run.files(assign_dir(k)), n_rows * (1 + cfg.mine.nprobe))
-    with bounded_shuffle_maps(shuffle):  # before any dataset exists: each Dataset copies the DataContext it is made in
+    route, merge = shuffles(cfg, run, source, encoder, n_rows)
+    with bounded_shuffle_maps(route):  # before any dataset exists: each Dataset copies the DataContext it is made in
         def make() -> dict:
             return _search_plan(cfg, run, source, encoder, n_rows)
 
@@ -419,7 +436,7 @@ def run_mine(ctx: StageContext) -> StageResult:
             if len(todo) < len(plan["units"]):
                 print(f"[mine] resuming: {len(plan['units']) - len(todo)} of {len(plan['units'])} negatives files "
                       f"were written by an earlier attempt", flush=True)
-            results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, plan, todo, n_rows)
+            results, embedded = mine_all(cfg, run, source, encoder, ctx.resources, plan, todo, n_rows, merge)
             write_empty_buckets(run, plan)
             groups = SearchGroups(np.asarray(plan["groups"]["passage_parts"]), np.asarray(plan["groups"]["query_parts"]))
             print(f"[mine] {groups.num_groups} search groups over {k} clusters (at most {plan['bounds'][0]} passages "
