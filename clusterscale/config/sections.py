@@ -24,6 +24,10 @@ class DataConfig(Section):
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text.")
     source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
+    negative_column: str | None = knob(None, "Optional column of labeled hard negatives: one text or a list of "
+                                             "texts per row (kept as `negatives`, each normalised like the query "
+                                             "and passage; a null or empty one is none). Training uses them with "
+                                             "train.labeled_negatives_per_query.", added=True)
     limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.",
                              bounds=POSITIVE)
     heldout_fraction: float = knob(0.05, "Fraction of queries held out for evaluation, chosen by a hash of "

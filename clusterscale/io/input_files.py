@@ -358,6 +358,8 @@ def check_columns(found: list[str], path: str, data: DataConfig) -> None:
     wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
     if data.source_column:
         wanted["data.source_column"] = data.source_column
+    if data.negative_column:
+        wanted["data.negative_column"] = data.negative_column
     repeated = {col: [i + 1 for i, name in enumerate(found) if name == col] for col in set(wanted.values())}
     repeated = {col: places for col, places in repeated.items() if len(places) > 1}
     if repeated:

@@ -47,6 +47,7 @@ PAIR_SCHEMA = pa.schema([("pair_id", pa.int64()), ("query", pa.string()), ("pass
 QUARANTINE_SCHEMA = pa.schema([("pair_id", pa.int64()), ("reason", pa.string()), ("query", pa.string()),
                                ("passage", pa.string()), ("source", pa.string()), ("input_file", pa.string()),
                                ("input_row", pa.int64())])
+NEGATIVES_COLUMN = "negatives"  # labeled hard negatives (data.negative_column): list<string>, maybe empty
 BAD_FILES = "quarantine/bad_files.json"
 PLAN = "pairs/_plan.json"  # the attempt's input listing digest and config fingerprint (a rerun finishes it)
 UNITS_DIR = "pairs/_units"  # one marker per finished work unit: its counts and the parts it wrote
@@ -129,12 +130,23 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
     return units or [IngestUnit(file_index, path, row_groups=(), rows=0)]
 
 
+def schemas(data: DataConfig) -> tuple[pa.Schema, pa.Schema]:
+    """(pairs/ and heldout/ schema, quarantine/ schema): with data.negative_column, a `negatives` column each (the
+    quarantine's holds the rejected value as text)."""
+    if not data.negative_column:
+        return PAIR_SCHEMA, QUARANTINE_SCHEMA
+    return (PAIR_SCHEMA.append(pa.field(NEGATIVES_COLUMN, pa.list_(pa.string()))),
+            QUARANTINE_SCHEMA.append(pa.field(NEGATIVES_COLUMN, pa.string())))
+
+
 class _PartWriter:
     """Rows of one work unit buffered per output folder, written as fixed-size parts named by the
     unit's file and place in it: a rerun of the unit overwrites the same names, so nothing is duplicated."""
 
-    def __init__(self, run: RunDir, unit: IngestUnit, rows_per_part: int):
+    def __init__(self, run: RunDir, unit: IngestUnit, rows_per_part: int,
+                 schemas: tuple[pa.Schema, pa.Schema] = (PAIR_SCHEMA, QUARANTINE_SCHEMA)):
         self.run, self.unit, self.rows_per_part = run, unit, rows_per_part
+        self.pair_schema, self.quarantine_schema = schemas
         self.buffers: dict[str, list[dict]] = {"pairs": [], "heldout": [], "quarantine": []}
         self.parts = dict.fromkeys(self.buffers, 0)
 
@@ -145,7 +157,7 @@ class _PartWriter:
         for kind, rows in self.buffers.items():
             while len(rows) >= self.rows_per_part or (final and rows):
                 chunk, rows = rows[:self.rows_per_part], rows[self.rows_per_part:]
-                schema = QUARANTINE_SCHEMA if kind == "quarantine" else PAIR_SCHEMA
+                schema = self.quarantine_schema if kind == "quarantine" else self.pair_schema
                 self.run.write_parquet(self._name(kind, self.parts[kind]), pa.Table.from_pylist(chunk, schema=schema))
                 self.parts[kind] += 1
             self.buffers[kind] = rows
@@ -174,7 +186,7 @@ def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data: DataC
     nothing and reports the error under "bad_file" (data.bad_files=quarantine)."""
     run = RunDir(run_uri)
     fmt = infer_format(unit.path, data.format)
-    writer = _PartWriter(run, unit, data.rows_per_part)
+    writer = _PartWriter(run, unit, data.rows_per_part, schemas(data))
     try:
         counts = _route_unit(fs, unit, fmt, data, writer, row_budget)
     except UNREADABLE as err:
@@ -199,7 +211,8 @@ def unit_marker(unit: IngestUnit) -> str:
 def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfig, writer: _PartWriter,
                 row_budget: int | None) -> dict:
     """Send every record of one unit to pairs, heldout or quarantine; returns the counts."""
-    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
+    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else []) + (
+        [data.negative_column] if data.negative_column else [])
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
     row_index = 0  # in the unit
     for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups):
@@ -235,11 +248,45 @@ def _route_record(rec: dict, pair_id: int, data: DataConfig) -> tuple[str, dict]
         reason = f"query_{why_q}" if why_q else f"passage_{why_p}" if why_p else None
     if reason is None and max(len(query), len(passage)) > data.max_text_chars:
         reason = "over_long_query" if len(query) > data.max_text_chars else "over_long_passage"
+    negatives, labeled = [], {}
+    if data.negative_column:
+        raw_n = rec.get(data.negative_column)
+        if reason is None:
+            negatives, reason = normalise_negatives(raw_n, data.max_text_chars)
+        labeled = {NEGATIVES_COLUMN: negatives} if reason is None else {NEGATIVES_COLUMN: _repr(raw_n)}
     if reason is not None:
         return "quarantine", {"pair_id": pair_id, "reason": reason, "query": _repr(raw_q, rec),
-                              "passage": _repr(raw_p), "source": source}
+                              "passage": _repr(raw_p), "source": source, **labeled}
     kind = "heldout" if is_heldout(query, data.heldout_fraction) else "pairs"
-    return kind, {"pair_id": pair_id, "query": query, "passage": passage, "source": source}
+    return kind, {"pair_id": pair_id, "query": query, "passage": passage, "source": source, **labeled}
+
+
+def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:
+    """(clean texts, None) or ([], reason) for a row's labeled negatives: a text or a list of texts (a NumPy or Arrow
+    list read from Parquet too); null, an empty list and texts that normalise to nothing are no negatives. A value
+    of another type, or an element that is not text, quarantines the row (negative_not_string:<type>), as an
+    element longer than data.max_text_chars does (over_long_negative)."""
+    if value is None:
+        return [], None
+    if isinstance(value, (str, bytes)):
+        value = [value]
+    elif hasattr(value, "tolist") and not isinstance(value, dict):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return [], f"negative_not_string:{type(value).__name__}"
+    texts = []
+    for item in value:
+        if item is None:
+            continue
+        text, why = normalise_text(item)
+        if why == "empty":
+            continue
+        if why is not None:
+            return [], f"negative_{why}"
+        if len(text) > max_chars:
+            return [], "over_long_negative"
+        texts.append(text)
+    return texts, None
 
 
 def _repr(value, rec: dict | None = None) -> str | None:

@@ -26,8 +26,8 @@ from clusterscale.config import Config
 from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_dir, shard_set_manifest_path, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
-from clusterscale.stages.shards import (GROUPS_DIR, SHARD_COLUMNS, GroupSizes, SetLayout, file_sizes, sub_groups,
-                                        write_groups)
+from clusterscale.stages.shards import (GROUPS_DIR, LABELED_COLUMNS, SHARD_COLUMNS, GroupSizes, SetLayout,
+                                        file_sizes, sub_groups, write_groups)
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, shuffle_for
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.hashing import SeededPermutation
@@ -149,7 +149,7 @@ def run_shard_set(ctx: StageContext) -> StageResult:
     keys, sizes, names = set_strata(cfg, run, base)
     files = file_offsets(base)
     schema = pq.read_schema(run.fs.open_input_file(run.path(files[0]["file"])))
-    columns = [c for c in SHARD_COLUMNS if c in schema.names]
+    columns = [c for c in SHARD_COLUMNS + LABELED_COLUMNS if c in schema.names]
     rows_per_file, row_group_rows = file_sizes(cfg)
     layout = SetLayout(shard_set_dir(k, sampler), "stratum", cfg.cluster.seed, rows_per_file, row_group_rows,
                        cfg.shard.num_samples)

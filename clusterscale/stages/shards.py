@@ -37,6 +37,7 @@ from clusterscale.runtime.work_units import load_or_make_plan
 # `source`. Each column costs every row group ~60 B of footer that a training rank reads (train/data.py), so
 # the assignment's `cluster` and `cos` stay in assign/k=<k>/ (the manifest lists each shard's member clusters).
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source"]
+LABELED_COLUMNS = ["negatives"]  # with data.negative_column: the labeled hard negatives, carried when present
 GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
 MIN_PARTITIONS = 200  # Ray Data's default hash-shuffle parallelism: enough tasks to keep every CPU busy
 ACTOR_MEMORY_FACTOR = 3  # a writer holds its partition block plus a sorted and a permuted copy of one group
@@ -326,7 +327,9 @@ def write_shards(ctx: StageContext, target: np.ndarray, shard_rows: np.ndarray, 
     `folder`; returns the written groups of each shard, in sub-group order."""
     cfg, run, sc = ctx.cfg, ctx.run, ctx.cfg.shard
     k, files, n_rows = cfg.cluster.k, run.files(source), int(shard_rows.sum())
-    columns = SHARD_COLUMNS + (["emb"] if sc.keep_emb else [])
+    with run.fs.open_input_file(files[0]) as f:
+        present = pq.read_schema(f).names
+    columns = SHARD_COLUMNS + [c for c in LABELED_COLUMNS if c in present] + (["emb"] if sc.keep_emb else [])
     num_groups = groups_per_shard(shard_rows, sc.max_group_rows)
     largest_group = int((shard_rows / np.maximum(num_groups, 1)).max())  # a hash split overshoots by ~sqrt
     ds = read_row_groups(run, files, columns + ["cluster"])  # cluster keys the rows; the writer drops it

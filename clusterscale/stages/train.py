@@ -136,6 +136,8 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
                           "local --run-dir; set train.tensorboard=false otherwise.")
     if tc.objective.negatives_per_query:
         _check_negatives(cfg, run)
+    if tc.objective.labeled_negatives_per_query:
+        _check_labeled_negatives(cfg, run, manifests)
     sizes = manifest.strata_sizes
     num_steps = schedule.total_steps(sizes, tc.schedule.global_batch_size, tc.schedule.epochs, tc.schedule.steps)
     if num_steps == 0 or not all(schedule.batches_per_epoch(m.strata_sizes, batches.global_batch_size)
@@ -234,6 +236,20 @@ def training_warnings(tc: TrainConfig, num_steps: int, unused_pairs: int, total_
                         f"train.checkpoint_every_steps=0 writes none before the end: a restart begins again at step "
                         f"0. Set train.checkpoint_every_steps (e.g. {max(1, num_steps // 50)}).")
     return warnings
+
+
+def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
+    """train.labeled_negatives_per_query needs shards that carry the `negatives` column (data.negative_column)."""
+    import pyarrow.parquet as pq
+
+    for manifest in manifests:
+        with run.fs.open_input_file(run.path(manifest.files[0])) as f:
+            if "negatives" not in pq.read_schema(f).names:
+                wanted = cfg.train.objective.labeled_negatives_per_query
+                raise ConfigError(
+                    f"train.labeled_negatives_per_query={wanted} needs labeled negatives, but the shards hold none: "
+                    f"set data.negative_column to the input column that holds them (one text or a list per row) in a "
+                    f"new --run-dir, or set train.labeled_negatives_per_query=0.")
 
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:

@@ -63,10 +63,10 @@ class _CountingFile:
         self.closed = True
 
 
-def _chunk_bytes(metadata: pq.FileMetaData, groups: Iterable[int]) -> int:
-    """On-disk (compressed) bytes of READ_COLUMNS in these row groups."""
-    names = [metadata.schema.column(i).name for i in range(metadata.num_columns)]
-    columns = [names.index(c) for c in READ_COLUMNS]
+def _chunk_bytes(metadata: pq.FileMetaData, groups: Iterable[int], read: list[str] = READ_COLUMNS) -> int:
+    """On-disk (compressed) bytes of the `read` columns (a list column by its leaf) in these row groups."""
+    tops = [metadata.schema.column(i).path.split(".")[0] for i in range(metadata.num_columns)]
+    columns = [i for i, name in enumerate(tops) if name in read]
     return sum(metadata.row_group(g).column(c).total_compressed_size for g in groups for c in columns)
 
 
@@ -108,8 +108,10 @@ class ShardReader:
     footers are kept in an LRU of `footer_cache_bytes`. `bytes_read` / `bytes_used` / `footer_bytes_read` count
     the whole life of the reader."""
 
-    def __init__(self, run: RunDir, manifest: ShardManifest, footer_cache_bytes: int = 64 << 20, sidecars=None):
+    def __init__(self, run: RunDir, manifest: ShardManifest, footer_cache_bytes: int = 64 << 20, sidecars=None,
+                 labeled_negatives: bool = False):
         self.run, self.clusters = run, manifest.clusters
+        self.columns = READ_COLUMNS + (["negatives"] if labeled_negatives else [])  # data.negative_column's texts
         self.sidecars = sidecars  # train/negatives.NegativeSidecars: each row's mined negatives, read with it
         self.rows_per_file = manifest.rows_per_file
         self.footers: OrderedDict[str, _Footer] = OrderedDict()
@@ -175,7 +177,7 @@ class ShardReader:
                 groups_of_rows = np.searchsorted(footer.group_starts, local, side="right") - 1
                 groups = np.unique(groups_of_rows)
                 pieces.append(pq.ParquetFile(handle, metadata=footer.metadata).read_row_groups(
-                    groups.tolist(), columns=READ_COLUMNS, use_threads=False))
+                    groups.tolist(), columns=self.columns, use_threads=False))
                 if self.sidecars is not None:
                     pieces[-1] = self.sidecars.attach(pieces[-1], rel, groups.tolist(), epoch)
             finally:
@@ -185,7 +187,8 @@ class ShardReader:
             slot = np.searchsorted(groups, groups_of_rows)
             where[mine] = group_offsets[slot] + local - footer.group_starts[groups_of_rows]
             for group, n_rows in zip(groups.tolist(), np.bincount(slot, minlength=len(groups)).tolist()):
-                used += _chunk_bytes(footer.metadata, [group]) * n_rows / footer.metadata.row_group(group).num_rows
+                used += _chunk_bytes(footer.metadata, [group], self.columns) * n_rows / \
+                    footer.metadata.row_group(group).num_rows
             offset += int(sizes.sum())
             footers_read += footer_read
             data_read += handle.bytes_read - footer_read

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 # The query key of a mined negative whose pair has no usable query text: equal to no real text's key
 # (keys are 64-bit hashes, so a collision is as unlikely as any other key collision).
 NO_QUERY_KEY = torch.iinfo(torch.int64).min
+EMPTY_SLOT_KEY = torch.iinfo(torch.int64).max  # a negative's passage key for a slot with no negative: masked for all
 
 
 def world_size() -> int:
@@ -49,7 +50,8 @@ def info_nce(q: torch.Tensor, p: torch.Tensor, temperature: float, query_keys: t
     neg: optional (b*M, d) mined negatives of this rank, M per query in query order (rows i*M..i*M+M-1
     belong to query i), with the keys of their passage texts and of their own pairs' queries
     (NO_QUERY_KEY where unknown). Every rank's negatives join every query's candidates, masked by
-    the same rule. Every rank must pass the same M. The symmetric term stays over positives only.
+    the same rule; a negative whose passage key is EMPTY_SLOT_KEY is masked for every query. Every rank
+    must pass the same M. The symmetric term stays over positives only.
     Stats: pos_cos, neg_cos_mean, neg_cos_max, masked_false_negatives (in-batch passages only, as
     without mined negatives); with neg also mined_neg_cos_mean (each query against its own unmasked
     mined negatives) and masked_mined_negatives (masked mined candidates of this rank's queries).
@@ -69,7 +71,8 @@ def info_nce(q: torch.Tensor, p: torch.Tensor, temperature: float, query_keys: t
         qk_all = torch.cat([qk_all, gather_no_grad(neg_query_keys)])
     labels = torch.arange(b, device=q.device) + rank * b
     sims = q @ candidates.T
-    same = (pk_all[None, :] == passage_keys[:, None]) | (qk_all[None, :] == query_keys[:, None])
+    same = (pk_all[None, :] == passage_keys[:, None]) | (qk_all[None, :] == query_keys[:, None]) | \
+        (pk_all == EMPTY_SLOT_KEY)[None, :]  # a row short of labeled negatives fills its slots with none
     false_neg = same.clone()
     false_neg[torch.arange(b), labels] = False
     logits = (sims / temperature).masked_fill(false_neg, float("-inf"))

@@ -23,6 +23,11 @@ class LossConfig(Section):
                                               "step on; the steps before train on in-batch (random) negatives "
                                               "alone. 0 = from the first step.",
                                            bounds=zero_means("from the first step"), added=True)
+    labeled_negatives_per_query: int = knob(0, "Labeled hard negatives (data.negative_column) added per query to "
+                                               "the candidates: each row's first L, beside the mined ones "
+                                               "(negatives_per_query); a row with fewer gets masked slots, which "
+                                               "change nothing in its loss. 0 = off.",
+                                            bounds=zero_means("no labeled negatives"), added=True)
     loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
                                 "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
                                 "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))

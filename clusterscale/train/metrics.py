@@ -29,8 +29,8 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 MEANS = ("pos_cos", "neg_cos_mean", "neg_cos_max")
 SUMS = ("masked_false_negatives", "tokens")
 OPTIONAL_MEANS = ("mined_neg_cos_mean", "clp_penalty", "moe_aux_loss", "data_wait_s")
-OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded", "bytes_read",
-                 "bytes_used", "footer_bytes_read")
+OPTIONAL_SUMS = ("mined_negatives", "masked_mined_negatives", "clp_skipped", "negatives_padded",
+                 "labeled_negatives_empty", "bytes_read", "bytes_used", "footer_bytes_read")
 
 
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:

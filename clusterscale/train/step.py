@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from clusterscale.config import ConfigError, TrainConfig
 from clusterscale.train.gradcache import grad_cache_backward
-from clusterscale.train.loss import NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
+from clusterscale.train.loss import EMPTY_SLOT_KEY, NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
 from clusterscale.modeling.student import embed, text_keys
 from clusterscale.modeling.moe import MoeChunkAux, moe_aux_loss
 
@@ -64,9 +64,9 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     (tc.compute.grad_cache_chunk) and MoE aux weight (tc.moe). pooling: the student's resolved pooling (default
     tc.student.pooling, which must then not be 'auto'); amp: bf16 autocast (GPU).
 
-    negatives: optional b*M mined negative passages, M per query, grouped by query (every rank the
-    same M); negative_queries: the query text of each negative's own pair, or None where unknown
-    (masks a negative that shares the anchor's query; q* of the CLP penalty).
+    negatives: optional b*M negative passages (labeled, then mined), M per query, grouped by query (every rank the
+    same M; None = an empty slot, masked for every query); negative_queries: the query text of each negative's own
+    pair, or None where unknown (masks a negative that shares the anchor's query; q* of the CLP penalty).
     stats: pos_cos, neg_cos_mean, neg_cos_max, masked_false_negatives, mined_neg_cos_mean,
     masked_mined_negatives, clp_penalty (tensors; clp_penalty is the global mean, 0 without CLP);
     mined_negatives, clp_skipped (ints: this rank's negatives, and those without a usable q*);
@@ -87,8 +87,11 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     moe_aux_loss(model)  # drop MoE routing records left by any earlier forward
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
     neg_keys = neg_query_keys = usable = None
-    if m:
-        neg_keys = text_keys(negatives).to(device)
+    if m:  # a None negative is an empty slot (a row short of labeled negatives): masked for every query
+        neg_keys = text_keys([t or "" for t in negatives])
+        neg_keys[torch.tensor([t is None for t in negatives], dtype=torch.bool)] = EMPTY_SLOT_KEY
+        neg_keys = neg_keys.to(device)
+        negatives = [t or "" for t in negatives]
         neg_query_keys = negative_query_keys(negative_queries, len(negatives)).to(device)
         usable = clp_usable(neg_query_keys, query_keys)
     usable_rows = usable.nonzero().flatten().tolist() if clp else []

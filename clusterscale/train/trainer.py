@@ -120,6 +120,18 @@ class SegmentJob:
                                f"(steps {self.seg_start}..{self.seg_stop}); delete train/{name}/ and start afresh.")
 
 
+def labeled_negatives(values: list, per_query: int) -> tuple[list[tuple[list, list]], int]:
+    """Each row's first `per_query` labeled negatives (data.negative_column) and their queries (unknown: None), and
+    how many slots were empty: a row with fewer fills its slots with None, which the loss masks for every query
+    (step.contrastive_backward), so they change no loss but keep every row at the same number of negatives."""
+    rows, empty = [], 0
+    for texts in values:
+        texts = list(texts or [])[:per_query]
+        empty += per_query - len(texts)
+        rows.append((texts + [None] * (per_query - len(texts)), [None] * per_query))
+    return rows, empty
+
+
 class TrainData:
     """A segment's shard sets (their shards are the sampler's strata: one set, or the curriculum's clustered and
     random sets stacked) and batch schedule, the reader of a rank's rows, and the optional mined negatives. A rank
@@ -136,7 +148,9 @@ class TrainData:
         self.negatives = None
         if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
             self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
-        readers = [ShardReader(job.shards_run, m, sidecars=self._sidecars(m)) for m in self.manifests]
+        labeled = bool(tc.objective.labeled_negatives_per_query)
+        readers = [ShardReader(job.shards_run, m, sidecars=self._sidecars(m), labeled_negatives=labeled)
+                   for m in self.manifests]
         self.reader = readers[0] if len(readers) == 1 else StackedReader(readers)
 
     def _sidecars(self, manifest: ShardManifest) -> NegativeSidecars | None:
@@ -270,20 +284,34 @@ class Trainer:
                           stats["flops_per_param_token"] * self.flops_params * figures.sums["tokens"], step_s, pair_ids)
 
     def _backward(self, table: pa.Table, step: int) -> tuple[torch.Tensor, dict]:
-        """contrastive_backward on this rank's rows, with their mined negatives when train.negatives_per_query."""
+        """contrastive_backward on this rank's rows, with their labeled negatives (train.labeled_negatives_per_query)
+        and mined ones (train.negatives_per_query), each row's labeled first."""
         queries, passages = table.column("query").to_pylist(), table.column("passage").to_pylist()
         step_options = {"pooling": self.pooling, "amp": self.amp}
-        if self.data.negatives is None or not self.tc.objective.mined_at(step):  # easy-first: in-batch only
+        labeled = self.tc.objective.labeled_negatives_per_query
+        mined = self.data.negatives is not None and self.tc.objective.mined_at(step)  # easy-first: not yet
+        figures = {}
+        if self.data.negatives is not None:  # the same figures at every step of the run
+            figures["negatives_padded"] = torch.tensor(0.0)
+        if not labeled and not mined:
             loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
                                                **step_options)
-            if self.data.negatives is not None:  # the same figures at every step of the run
-                stats["negatives_padded"] = torch.tensor(0.0)
-            return loss, stats
-        neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
+            return loss, stats | figures
+        per_row = [([], [])] * len(queries)
+        if labeled:
+            per_row, empty = labeled_negatives(table.column("negatives").to_pylist(), labeled)
+            figures["labeled_negatives_empty"] = torch.tensor(float(empty))
+        if mined:
+            neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
+            m = self.tc.objective.negatives_per_query
+            per_row = [(p + neg_passages[i * m:(i + 1) * m], q + neg_queries[i * m:(i + 1) * m])
+                       for i, (p, q) in enumerate(per_row)]
+            figures["negatives_padded"] = torch.tensor(float(padded))
+        negatives = [text for p, _ in per_row for text in p]
+        negative_queries = [text for _, q in per_row for text in q]
         loss, stats = contrastive_backward(self.model, self.tokenizer, queries, passages, self.tc, self.device,
-                                           negatives=neg_passages, negative_queries=neg_queries, **step_options)
-        stats["negatives_padded"] = torch.tensor(float(padded))
-        return loss, stats
+                                           negatives=negatives, negative_queries=negative_queries, **step_options)
+        return loss, stats | figures
 
     def _report(self, done: int, epoch: int) -> None:
         """After a step before the stop: a checkpoint every train.checkpoint_every_steps, else the metrics every

@@ -1,0 +1,101 @@
+"""Labeled hard negatives (data.negative_column -> `negatives`, train.labeled_negatives_per_query): ingest keeps them
+normalised or quarantines the row with a reason, the shards carry them, the step masks a row's empty slots for every
+query, and training uses them beside the in-batch candidates."""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clusterscale import config
+from clusterscale.stages.ingest import _route_record, normalise_negatives
+from tests.conftest import make_pairs, tiny_overrides
+
+
+@pytest.mark.unit
+def test_a_rows_negatives_are_a_text_or_a_list_normalised_and_a_bad_one_is_quarantined():
+    data = config.load(None, ["data.negative_column=neg", "data.heldout_fraction=0"]).data
+    kept = {"a neg": ["a neg"], (" x\u0000y ", None, "", "  "): ["x y"], None: [], (): []}
+    for value, texts in kept.items():
+        kind, row = _route_record({"query": "q", "passage": "p", "neg": list(value) if isinstance(value, tuple)
+                                   else value}, 1, data)
+        assert kind == "pairs" and row["negatives"] == texts, value
+    for value, reason in ((5, "negative_not_string:int"), ([1], "negative_not_string:int"),
+                          ({"a": 1}, "negative_not_string:dict"), (["ok", "z" * 200_000], "over_long_negative"),
+                          ([b"\xff"], "negative_invalid_utf8")):
+        kind, row = _route_record({"query": "q", "passage": "p", "neg": value}, 1, data)
+        assert kind == "quarantine" and row["reason"] == reason and row["negatives"], value  # kept, as text
+    assert normalise_negatives(pa.array([["u", "v"]])[0].values.to_numpy(zero_copy_only=False), 10) == (["u", "v"],
+                                                                                                          None)
+    plain = config.load(None, ["data.heldout_fraction=0"]).data
+    assert "negatives" not in _route_record({"query": "q", "passage": "p"}, 1, plain)[1]  # unset: pairs/ unchanged
+
+
+def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):
+    """A step whose every negative slot is empty equals the in-batch step (loss and gradients); a real labeled
+    negative changes both."""
+    import torch
+
+    from clusterscale.modeling.encoder import load_model, load_tokenizer
+    from clusterscale.train.step import contrastive_backward
+
+    tc = config.load(None, ["train.pooling=mean", "train.temperature=0.1"]).train
+    rows = make_pairs(6).to_pylist()
+    queries, passages = [r["q"] for r in rows], [r["p"] for r in rows]
+    tokenizer = load_tokenizer(tiny_model)
+
+    def step(negatives):
+        torch.manual_seed(0)
+        model = load_model(tiny_model).train(False)
+        loss, _ = contrastive_backward(model, tokenizer, queries, passages, tc, torch.device("cpu"), pooling="mean",
+                                       negatives=negatives, negative_queries=None if negatives is None else
+                                       [None] * len(negatives))
+        return float(loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    plain, empty = step(None), step([None] * len(queries))
+    assert plain[0] == pytest.approx(empty[0], abs=1e-6) and torch.allclose(plain[1], empty[1], atol=1e-6)
+    labeled = step(["an unrelated hard negative about nothing"] + [None] * (len(queries) - 1))
+    assert labeled[0] > plain[0]
+
+
+@pytest.mark.integration
+def test_training_reads_and_uses_the_labeled_negatives(tmp_path, tiny_model, ray_local):
+    """ingest -> ... -> shard carry `negatives`; train.labeled_negatives_per_query=1 trains with them (every row but
+    the ones without a negative fills its slot)."""
+    from clusterscale import cli
+    from clusterscale.io.rundir import RunDir
+
+    rows = make_pairs(200).to_pylist()
+    for i, row in enumerate(rows):  # a negative from another topic's row; every fifth row none, some two
+        row["neg"] = None if i % 5 == 0 else [rows[(i + 7) % len(rows)]["p"]] * (1 + i % 2)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    keys = tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet")) + [
+        "data.negative_column=neg", "train.labeled_negatives_per_query=1", "train.steps=3", "train.log_batches=false"]
+    run_dir = str(tmp_path / "run")
+    for verb in ("ingest", "embed", "fit", "assign", "shard", "train"):
+        assert cli.main([verb, "--run-dir", run_dir, "--set", *keys]) == 0, verb
+    run = RunDir(run_dir)
+    shard = pq.read_table(run.files("shards/k=4")[0])
+    assert shard.schema.field("negatives").type == pa.list_(pa.string())
+    by_id = {r["pair_id"]: r["negatives"] for r in shard.to_pylist()}
+    assert any(by_id.values()) and any(not v for v in by_id.values())
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "train", "clustered-seed0", "metrics.jsonl"))]
+    assert len(metrics) == 3 and all(m["mined_negatives"] == 16 for m in metrics)  # one slot per row of the batch
+    assert sum(m["labeled_negatives_empty"] for m in metrics) < 16 * 3  # the rows with a negative filled theirs
+
+
+@pytest.mark.unit
+def test_training_with_labeled_negatives_on_shards_without_them_is_refused_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.train import _check_labeled_negatives
+
+    pq.write_table(make_pairs(4), tmp_path / "part.parquet")
+    cfg = config.load(None, ["train.labeled_negatives_per_query=2"])
+    with pytest.raises(config.ConfigError, match="labeled_negatives_per_query=2 needs labeled negatives.*"
+                                                 "data.negative_column"):
+        _check_labeled_negatives(cfg, RunDir(str(tmp_path)), [SimpleNamespace(files=["part.parquet"])])
