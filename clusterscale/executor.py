@@ -151,6 +151,10 @@ class Stage:
     the architecture diagram (docs/stages.md)."""
     run_by: str = "train"
     """With in_run None: the stage that runs it when needed (the diagram: 'run by <run_by> when needed')."""
+    replaces: str | None = None
+    """A folder this stage stands in for: the stages after it in the list that read that folder read this stage's
+    output instead, and their fingerprints cover this stage's (pipeline.wire). A filter between ingest and embed
+    reads pairs/, writes its own folder and replaces "pairs"."""
 
     @property
     def per_k(self) -> bool:
@@ -167,7 +171,7 @@ class Stage:
 def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | None = None, source: RunDir | None = None,
             resume: bool = False, fail_at_step: int | None = None, max_tasks_in_flight: int | None = None,
             replace: str = "", command: str = "", cost_key: str | None = None,
-            costs_run: RunDir | None = None) -> StageResult:
+            costs_run: RunDir | None = None, inputs: dict[str, str] | None = None) -> StageResult:
     """Run one stage holding the lock of its output; record its cost.
 
     run_stage: how the stage runs another one (ctx.stage; pipeline.execute passes its run_stage). replace: ""
@@ -176,11 +180,12 @@ def execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | Non
     config. command: the user's command line, for the advice of a refusal. cost_key: the entry in
     report/costs.json ("" = none; default: the stage's); costs_run: the run whose report/costs.json gets it
     (default: run). A result whose stats say `reused` (a stage without a marker that found every output cached,
-    e.g. evaluate) keeps the cost record of the invocation that did the work."""
+    e.g. evaluate) keeps the cost record of the invocation that did the work. inputs: the folder of each declared
+    input, by name (ctx.inputs; pipeline.wire)."""
     with _releasing_abandoned_work():
         return _execute(stage, cfg, run, run_stage=run_stage, source=source, resume=resume, fail_at_step=fail_at_step,
                         max_tasks_in_flight=max_tasks_in_flight, replace=replace, command=command, cost_key=cost_key,
-                        costs_run=costs_run)
+                        costs_run=costs_run, inputs=inputs or {})
 
 
 @contextlib.contextmanager
@@ -197,10 +202,10 @@ def _releasing_abandoned_work() -> Iterator[None]:
 
 def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | None, source: RunDir | None,
              resume: bool, fail_at_step: int | None, max_tasks_in_flight: int | None, replace: str, command: str,
-             cost_key: str | None, costs_run: RunDir | None) -> StageResult:
+             cost_key: str | None, costs_run: RunDir | None, inputs: dict[str, str]) -> StageResult:
     started, alive = time.time(), nodes.alive_nodes()
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
-                       fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight)
+                       fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight, inputs=inputs)
     lost_node_said = _naming_lost_nodes(stage, run, alive, command)
     with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said, \
             _naming_unreadable(stage, ctx):

@@ -27,7 +27,7 @@ from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.evaluate import evaluate_together
 from clusterscale.stages.kmeans import ClusteringError
 from clusterscale.io.layout import fit_stats_path, manifest_path, read_manifest, train_dir
-from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, STAGES, pipeline, run_stage, run_stages
+from clusterscale.pipeline import PER_K_STAGES, PREPROCESS, STAGES, pipeline, run_stage, run_stages, wire
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
@@ -89,7 +89,7 @@ def _train(cfg: Config, run: RunDir, stage_options: dict) -> None:
     killed job: its checkpoints kept, no done marker) continues from its latest checkpoint on the same batches, so a
     study of hours runs in pieces; --replace trains it afresh."""
     stopped = None if stage_options.get("replace") else stopped_attempt(run, cfg.train_name())
-    resume = stopped is not None and stopped == STAGES["train"].fingerprint_of(cfg, run)
+    resume = stopped is not None and stopped == wire(STAGES["train"], cfg)[0].fingerprint_of(cfg, run)
     if resume:
         print(f"[{train_dir(cfg.train_name())}] an earlier attempt with this config stopped midway: continuing from "
               f"its latest checkpoint", flush=True)
@@ -235,7 +235,8 @@ def _the_runs_own_when_same(cfg: Config, run: RunDir, arm_cfg: Config, stage_opt
     for name in dict.fromkeys((cfg.train.schedule.name, "")):
         own = variant(arm_cfg, train={"name": name})
         folder = train_dir(own.train_name())
-        if run.exists(folder, DONE) and run.done_marker(folder).fingerprint == STAGES["train"].fingerprint_of(own, run):
+        trained_with = wire(STAGES["train"], own)[0].fingerprint_of(own, run)
+        if run.exists(folder, DONE) and run.done_marker(folder).fingerprint == trained_with:
             print(f"[{folder}] the run's own training is this arm's seed {own.train.schedule.seed}: reused",
                   flush=True)
             return own

@@ -5,6 +5,7 @@ sweep, re-clustering). What a stage is and how one runs is clusterscale.executor
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from clusterscale import config as config_mod
@@ -162,8 +163,39 @@ STAGE_VERBS = tuple(name for name, s in STAGES.items() if s.in_run is not None) 
 
 
 def execute(stage: Stage, cfg: Config, run: RunDir, **options: Any) -> StageResult:
-    """Run one stage through the executor (its options: executor.execute's), able to run the others of the list."""
-    return executor.execute(stage, cfg, run, run_stage=run_stage, **options)
+    """Run one stage through the executor (its options: executor.execute's), able to run the others of the list,
+    with its inputs wired (wire)."""
+    wired, inputs = wire(stage, cfg)
+    return executor.execute(wired, cfg, run, run_stage=run_stage, inputs=inputs, **options)
+
+
+def wire(stage: Stage, cfg: Config) -> tuple[Stage, dict[str, str]]:
+    """(the stage with its inputs wired, the folder of each input by its declared name). A stage earlier in STAGES
+    that runs for cfg and `replaces` a folder the stage reads sends it to its own output instead: the Input then
+    names that stage (its verb, its folder), and the fingerprint covers that stage's (itself wired), so a changed
+    filter invalidates what was made from its output. Without such a stage the stage is returned as it is (every
+    built-in stage: their fingerprints are unchanged)."""
+    standing_in: dict[str, Stage] = {}
+    for name, earlier in STAGES.items():
+        if name == stage.name:
+            break
+        if earlier.replaces and earlier.in_run is not None and earlier.in_run(cfg):
+            standing_in[earlier.replaces] = earlier
+    via = {need.folder: standing_in[need.folder] for need in stage.inputs
+           if isinstance(need.folder, str) and need.folder in standing_in}
+    if not via:
+        return stage, {}
+    inputs = tuple(dataclasses.replace(need, folder=via[need.folder].output, verb=via[need.folder].name)
+                   if need.folder in via else need for need in stage.inputs)
+    own_extra = stage.extra
+
+    def extra(cfg: Config, run: RunDir) -> dict:
+        chained = {f"via {producer.name}": str(wire(producer, cfg)[0].fingerprint_of(cfg, run))
+                   for producer in via.values()}
+        return (own_extra(cfg, run) or {}) | chained if own_extra else chained
+
+    wired = dataclasses.replace(stage, inputs=inputs, extra=extra)
+    return wired, {folder: executor.resolve(producer.output, cfg) for folder, producer in via.items()}
 
 
 def run_stage(name: str, cfg: Config, run: RunDir, **options: Any) -> StageResult:

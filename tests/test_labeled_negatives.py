@@ -1,10 +1,7 @@
 """Labeled hard negatives (data.negative_column -> `negatives`, train.labeled_negatives_per_query): ingest keeps them
-normalised or quarantines the row with a reason, the shards carry them, the step masks a row's empty slots for every
-query, and training uses them beside the in-batch candidates."""
+normalised or quarantines the row with a reason, the step masks a row's empty slots for every query, and training on
+shards without them is refused by name. A whole run that carries them to training: tests/test_extending.py."""
 from __future__ import annotations
-
-import json
-import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,7 +9,7 @@ import pytest
 
 from clusterscale import config
 from clusterscale.stages.ingest import _route_record, normalise_negatives
-from tests.conftest import make_pairs, tiny_overrides
+from tests.conftest import make_pairs
 
 
 @pytest.mark.unit
@@ -59,32 +56,6 @@ def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):
     assert plain[0] == pytest.approx(empty[0], abs=1e-6) and torch.allclose(plain[1], empty[1], atol=1e-6)
     labeled = step(["an unrelated hard negative about nothing"] + [None] * (len(queries) - 1))
     assert labeled[0] > plain[0]
-
-
-@pytest.mark.integration
-def test_training_reads_and_uses_the_labeled_negatives(tmp_path, tiny_model, ray_local):
-    """ingest -> ... -> shard carry `negatives`; train.labeled_negatives_per_query=1 trains with them (every row but
-    the ones without a negative fills its slot)."""
-    from clusterscale import cli
-    from clusterscale.io.rundir import RunDir
-
-    rows = make_pairs(200).to_pylist()
-    for i, row in enumerate(rows):  # a negative from another topic's row; every fifth row none, some two
-        row["neg"] = None if i % 5 == 0 else [rows[(i + 7) % len(rows)]["p"]] * (1 + i % 2)
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
-    keys = tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet")) + [
-        "data.negative_column=neg", "train.labeled_negatives_per_query=1", "train.steps=3", "train.log_batches=false"]
-    run_dir = str(tmp_path / "run")
-    for verb in ("ingest", "embed", "fit", "assign", "shard", "train"):
-        assert cli.main([verb, "--run-dir", run_dir, "--set", *keys]) == 0, verb
-    run = RunDir(run_dir)
-    shard = pq.read_table(run.files("shards/k=4")[0])
-    assert shard.schema.field("negatives").type == pa.list_(pa.string())
-    by_id = {r["pair_id"]: r["negatives"] for r in shard.to_pylist()}
-    assert any(by_id.values()) and any(not v for v in by_id.values())
-    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "train", "clustered-seed0", "metrics.jsonl"))]
-    assert len(metrics) == 3 and all(m["mined_negatives"] == 16 for m in metrics)  # one slot per row of the batch
-    assert sum(m["labeled_negatives_empty"] for m in metrics) < 16 * 3  # the rows with a negative filled theirs
 
 
 @pytest.mark.unit

@@ -2,7 +2,7 @@
 signature of the stages listed in clusterscale.pipeline."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clusterscale.config import Config, Fingerprint
@@ -33,6 +33,13 @@ class StageContext:
     """train: fail on purpose at this step (tests of --resume)."""
     max_tasks_in_flight: int | None = None
     """synth: parts generated at once (default: the cluster's CPUs); it changes nothing in the output."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """The folder each input is read from, by the name the stage declares it under (pipeline.wire): a stage
+    registered to stand in for a folder (Stage.replaces) sends the stages after it to its own output."""
+
+    def input(self, name: str) -> str:
+        """The folder to read the input declared as `name` from (the name itself unless the wiring says otherwise)."""
+        return self.inputs.get(name, name)
 
     def __post_init__(self) -> None:
         if self.source is None:

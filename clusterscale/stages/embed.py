@@ -285,8 +285,11 @@ def run_embed(ctx: StageContext) -> StageResult:
     """Embed every pair not embedded yet (the units of an interrupted attempt with this fingerprint are kept).
 
     ctx.source: the run directory pairs/ is read from (re-embedding the same pairs with another encoder into a
-    child run directory: mining with a trained model, re-clustering)."""
-    return embed_folder(ctx, "pairs", "embeddings", ctx.source.done_stats("pairs")["pairs"])
+    child run directory: mining with a trained model, re-clustering). The pairs are read from ctx.input("pairs"):
+    pairs/, or the output of a stage registered to stand in for it (a filter between ingest and embed)."""
+    folder = ctx.input("pairs")
+    stats = ctx.source.done_stats(folder)
+    return embed_folder(ctx, folder, "embeddings", stats["pairs"] if "pairs" in stats else stats["rows"])
 
 
 def run_embed_heldout(ctx: StageContext) -> StageResult:
