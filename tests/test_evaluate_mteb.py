@@ -114,3 +114,30 @@ def test_the_scratch_cache_is_removed_and_a_users_cache_kept(tmp_path, monkeypat
     with scratch_cache():
         assert os.environ["MTEB_CACHE"] == str(tmp_path)
     assert os.environ["MTEB_CACHE"] == str(tmp_path)
+
+
+def test_a_local_sts_task_is_scored_by_the_spearman_of_the_models_cosines(tiny_model, tmp_path, monkeypatch):
+    """local:FOLDER with sts.tsv: mteb's STS evaluation, whose cosine_spearman equals the Spearman correlation of
+    the gold scores with the cosines clusterscale's own encoder gives (both sentences as passages, 32 tokens)."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from clusterscale.modeling.encoder import Encoder
+
+    monkeypatch.setenv("MTEB_CACHE", str(tmp_path / "mteb-cache"))
+    rows = make_pairs(24).to_pylist()
+    pairs = [(r["p"], r["q"], 5.0) for r in rows[:8]] + [(r["p"], rows[(i + 3) % 24]["q"], 2.0)
+                                                        for i, r in enumerate(rows[8:16], start=8)] + \
+            [(r["p"], "an unrelated sentence about nothing", 0.0) for r in rows[16:]]
+    folder = tmp_path / "toysts"
+    folder.mkdir()
+    (folder / "sts.tsv").write_text("sentence1\tsentence2\tscore\n" +
+                                    "".join(f"{a}\t{b}\t{s}\n" for a, b, s in pairs))
+    result = run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), [f"local:{folder}"])["LocalToysts"]
+    enc = Encoder(tiny_model, max_length=32)
+    a, b = enc.encode([p[0] for p in pairs]), enc.encode([p[1] for p in pairs])
+    ours = spearmanr([p[2] for p in pairs], np.einsum("ij,ij->i", a, b)).statistic
+    assert result["cosine_spearman"] == pytest.approx(ours, abs=1e-3)
+    (folder / "sts.tsv").write_text("sentence1\tsentence2\tscore\nx\ty\tnot-a-number\n")
+    with pytest.raises(MTEBError, match="sts.tsv:2: each line needs sentence1, sentence2 and a numeric score"):
+        run_mteb_model(tiny_model, "tiny", "auto", _config_dict(), [f"local:{folder}"])

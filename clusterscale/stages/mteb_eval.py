@@ -1,9 +1,11 @@
 """MTEB retrieval (mteb 2.x) for the frozen encoder and the trained model of a run.
 
-`clusterscale evaluate [CONFIG] --run-dir R --mteb TASK[,TASK...]` where TASK is an MTEB task name
-(e.g. SciFact; its data comes from the Hugging Face hub) or `local:FOLDER`, a retrieval task built from
-local files in BEIR layout: corpus.jsonl ({"_id"|"id", "text", "title"?}), queries.jsonl
-({"_id"|"id", "text"}) and qrels/test.tsv or qrels.tsv (query-id, corpus-id, score; header line).
+`clusterscale evaluate [CONFIG] --run-dir R --mteb TASK[,TASK...]` where TASK is an MTEB retrieval or STS task
+name (e.g. SciFact, STSBenchmark; their data comes from the Hugging Face hub) or `local:FOLDER`, a task built from
+local files: retrieval in BEIR layout, corpus.jsonl ({"_id"|"id", "text", "title"?}), queries.jsonl
+({"_id"|"id", "text"}) and qrels/test.tsv or qrels.tsv (query-id, corpus-id, score; header line); or STS,
+sts.tsv (sentence1, sentence2, score; header line) or sts.jsonl, scored by cosine Spearman. A folder of such
+folders is one task with a subset each.
 Results go to eval/mteb/<model>.json.
 """
 from __future__ import annotations
@@ -115,14 +117,76 @@ def read_local_task(folder: str) -> dict:
     return {"corpus": _read_jsonl(root / "corpus.jsonl", "corpus"), "queries": queries, "qrels": qrels}
 
 
-def local_subsets(folder: str) -> dict[str, str]:
-    """{subset name: its folder}: the folder itself ('default') when it holds a BEIR task, else each subfolder that
-    does (a multi-subset task, e.g. one per language or domain)."""
+STS_FILES = ("sts.tsv", "sts.jsonl")  # a local STS task: sentence1, sentence2, score per line
+
+
+def _holds_task(path: Path) -> bool:
+    return (path / "corpus.jsonl").exists() or any((path / name).exists() for name in STS_FILES)
+
+
+def is_sts(folder: str) -> bool:
+    return any((Path(folder) / name).exists() for name in STS_FILES)
+
+
+def read_local_sts(folder: str) -> list[dict]:
+    """The (sentence1, sentence2, score) rows of a local STS task: sts.tsv (tab-separated, a header line naming
+    the three columns) or sts.jsonl (one object per line)."""
     root = Path(folder)
-    if (root / "corpus.jsonl").exists() or not root.is_dir():
+    path = next(root / name for name in STS_FILES if (root / name).exists())
+    with path.open(encoding="utf-8") as f:
+        if path.suffix == ".tsv":
+            records = list(enumerate(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=2))
+        else:
+            records = [(n, json.loads(line)) for n, line in enumerate(f, start=1) if line.strip()]
+    rows = []
+    for n, rec in records:
+        try:
+            rows.append({"sentence1": str(rec["sentence1"]), "sentence2": str(rec["sentence2"]),
+                         "score": float(rec["score"])})
+        except (KeyError, TypeError, ValueError):
+            raise MTEBError(f"{path}:{n}: each line needs sentence1, sentence2 and a numeric score.") from None
+    scores = [r["score"] for r in rows]
+    if len(rows) < 2 or min(scores) == max(scores):
+        raise MTEBError(f"{path}: an STS task needs at least two pairs with different scores (Spearman ranks them).")
+    return rows
+
+
+def local_subsets(folder: str) -> dict[str, str]:
+    """{subset name: its folder}: the folder itself ('default') when it holds a task (BEIR retrieval, or STS), else
+    each subfolder that does (a multi-subset task, e.g. one per language or domain)."""
+    root = Path(folder)
+    if _holds_task(root) or not root.is_dir():
         return {"default": folder}
-    subsets = {p.name: str(p) for p in sorted(root.iterdir()) if p.is_dir() and (p / "corpus.jsonl").exists()}
+    subsets = {p.name: str(p) for p in sorted(root.iterdir()) if p.is_dir() and _holds_task(p)}
     return subsets or {"default": folder}  # none: read_local_task names what the folder lacks
+
+
+def local_sts_task(folder: str, subsets: dict[str, str]):
+    """An mteb AbsTaskSTS over local files (cosine Spearman; scores normalised by the data's own range), both
+    sentences encoded as passages (the model folder's passage prompt)."""
+    from datasets import Dataset
+    from mteb.abstasks.sts import AbsTaskSTS
+    from mteb.abstasks.task_metadata import TaskMetadata
+
+    data = {name: read_local_sts(path) for name, path in subsets.items()}
+    scores = [r["score"] for rows in data.values() for r in rows]
+    name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalSTS"
+    langs = ["eng-Latn"] if list(data) == ["default"] else {sub: ["eng-Latn"] for sub in data}
+
+    class LocalSTS(AbsTaskSTS):
+        min_score, max_score = min(scores), max(scores)
+        metadata = TaskMetadata(
+            name=name, type="STS", main_score="cosine_spearman", description=f"Local STS task from {folder}",
+            reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
+            eval_splits=["test"], eval_langs=langs, date=None, dialect=None, domains=None,
+            task_subtypes=None, license=None, annotations_creators=None, modalities=["text"],
+            sample_creation=None, bibtex_citation=None)
+
+        def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
+            self.dataset = {sub: {"test": Dataset.from_list(rows)} for sub, rows in data.items()}
+            self.data_loaded = True
+
+    return LocalSTS()
 
 
 def local_task(folder: str):
@@ -133,7 +197,14 @@ def local_task(folder: str):
     from mteb.abstasks.retrieval import AbsTaskRetrieval
     from mteb.abstasks.task_metadata import TaskMetadata
 
-    subsets = {name: read_local_task(path) for name, path in local_subsets(folder).items()}
+    paths = local_subsets(folder)
+    sts = [is_sts(path) for path in paths.values()]
+    if any(sts):
+        if not all(sts):
+            raise MTEBError(f"Local MTEB task {folder!r} mixes STS subsets ({', '.join(STS_FILES)}) with retrieval "
+                            f"ones (corpus.jsonl): give each kind its own folder.")
+        return local_sts_task(folder, paths)
+    subsets = {name: read_local_task(path) for name, path in paths.items()}
     name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalTask"
     langs = ["eng-Latn"] if list(subsets) == ["default"] else {sub: ["eng-Latn"] for sub in subsets}
 
@@ -168,8 +239,9 @@ def resolve_tasks(specs: list[str]) -> list:
             raise MTEBError(f"Unknown MTEB task {spec!r} ({exc}); list retrieval tasks with "
                             f"`python -c \"import mteb; print([t.metadata.name for t in mteb.get_tasks(task_types=['Retrieval'])])\"`"
                             f", or use local:FOLDER.") from exc
-        if task.metadata.type != "Retrieval":
-            raise MTEBError(f"MTEB task {spec!r} is a {task.metadata.type} task; --mteb runs Retrieval tasks.")
+        if task.metadata.type not in ("Retrieval", "STS"):
+            raise MTEBError(f"MTEB task {spec!r} is a {task.metadata.type} task; --mteb runs Retrieval and STS "
+                            f"tasks.")
         tasks.append(task)
     return tasks
 
