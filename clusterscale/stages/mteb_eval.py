@@ -161,26 +161,32 @@ def local_subsets(folder: str) -> dict[str, str]:
     return subsets or {"default": folder}  # none: read_local_task names what the folder lacks
 
 
+def local_metadata(folder: str, subsets: list[str], kind: str, main_score: str):
+    """mteb TaskMetadata of a local task (dataset path local/<name>, per ENVIRONMENT.md): Local<Folder name>, one
+    English subset or several."""
+    from mteb.abstasks.task_metadata import TaskMetadata
+
+    name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalTask"
+    langs = ["eng-Latn"] if subsets == ["default"] else {sub: ["eng-Latn"] for sub in subsets}
+    return TaskMetadata(
+        name=name, type=kind, main_score=main_score, description=f"Local {kind} task from {folder}",
+        reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
+        eval_splits=["test"], eval_langs=langs, date=None, dialect=None, domains=None, task_subtypes=None,
+        license=None, annotations_creators=None, modalities=["text"], sample_creation=None, bibtex_citation=None)
+
+
 def local_sts_task(folder: str, subsets: dict[str, str]):
     """An mteb AbsTaskSTS over local files (cosine Spearman; scores normalised by the data's own range), both
     sentences encoded as passages (the model folder's passage prompt)."""
     from datasets import Dataset
     from mteb.abstasks.sts import AbsTaskSTS
-    from mteb.abstasks.task_metadata import TaskMetadata
 
     data = {name: read_local_sts(path) for name, path in subsets.items()}
     scores = [r["score"] for rows in data.values() for r in rows]
-    name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalSTS"
-    langs = ["eng-Latn"] if list(data) == ["default"] else {sub: ["eng-Latn"] for sub in data}
 
     class LocalSTS(AbsTaskSTS):
         min_score, max_score = min(scores), max(scores)
-        metadata = TaskMetadata(
-            name=name, type="STS", main_score="cosine_spearman", description=f"Local STS task from {folder}",
-            reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
-            eval_splits=["test"], eval_langs=langs, date=None, dialect=None, domains=None,
-            task_subtypes=None, license=None, annotations_creators=None, modalities=["text"],
-            sample_creation=None, bibtex_citation=None)
+        metadata = local_metadata(folder, list(data), "STS", "cosine_spearman")
 
         def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
             self.dataset = {sub: {"test": Dataset.from_list(rows)} for sub, rows in data.items()}
@@ -190,12 +196,11 @@ def local_sts_task(folder: str, subsets: dict[str, str]):
 
 
 def local_task(folder: str):
-    """An mteb AbsTaskRetrieval over local files (metadata per ENVIRONMENT.md: dataset path local/...), with one
-    subset per subfolder when the folder holds several BEIR tasks."""
+    """An mteb task over local files: STS (local_sts_task) or an AbsTaskRetrieval over BEIR files, with one subset
+    per subfolder when the folder holds several tasks."""
     _require_mteb()
     from datasets import Dataset
     from mteb.abstasks.retrieval import AbsTaskRetrieval
-    from mteb.abstasks.task_metadata import TaskMetadata
 
     paths = local_subsets(folder)
     sts = [is_sts(path) for path in paths.values()]
@@ -205,16 +210,9 @@ def local_task(folder: str):
                             f"ones (corpus.jsonl): give each kind its own folder.")
         return local_sts_task(folder, paths)
     subsets = {name: read_local_task(path) for name, path in paths.items()}
-    name = "Local" + re.sub(r"[^0-9A-Za-z]+", "", Path(folder).resolve().name.title()) or "LocalTask"
-    langs = ["eng-Latn"] if list(subsets) == ["default"] else {sub: ["eng-Latn"] for sub in subsets}
 
     class LocalRetrieval(AbsTaskRetrieval):
-        metadata = TaskMetadata(
-            name=name, type="Retrieval", main_score="ndcg_at_10", description=f"Local retrieval task from {folder}",
-            reference=None, dataset={"path": f"local/{name}", "revision": "local"}, category="t2t",
-            eval_splits=["test"], eval_langs=langs, date=None, dialect=None, domains=None,
-            task_subtypes=None, license=None, annotations_creators=None, modalities=["text"],
-            sample_creation=None, bibtex_citation=None)
+        metadata = local_metadata(folder, list(subsets), "Retrieval", "ndcg_at_10")
 
         def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
             self.dataset = {sub: {"test": {"corpus": Dataset.from_list(data["corpus"]),
