@@ -40,7 +40,8 @@ def run_length_filter(ctx: StageContext) -> StageResult:
 
 LENGTH_FILTER = Stage("length_filter", "Drop pairs whose passage is short.", run_length_filter, "long_pairs",
                       inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data",),
-                      extra=lambda cfg, run: {"min_passage_chars": MIN_CHARS["passage"]}, replaces="pairs")
+                      extra=lambda cfg, run: {"min_passage_chars": MIN_CHARS["passage"]}, replaces="pairs",
+                      shared=True)
 
 
 @pytest.fixture
@@ -83,6 +84,8 @@ def test_a_stage_registered_between_ingest_and_embed_feeds_the_whole_run(registe
     metrics = [json.loads(line) for line in open(run.path("train", "clustered-seed0", "metrics.jsonl"))]
     assert len(metrics) == 3 and all(m["mined_negatives"] == 16 for m in metrics)  # one slot per row of the batch
     assert 0 < sum(m["labeled_negatives_empty"] for m in metrics) < 16 * 3  # rows with one filled theirs
+    costs = run.read_json("report/costs.json")  # its cost recorded and counted as preprocessing
+    assert costs["length_filter"]["preprocess"] and costs["length_filter"]["rejected"] > 0
     assert pipeline.run_stages(cfg, run, ("embed",))["embed"].stats  # reused as it is
     MIN_CHARS["passage"] = 100
     try:
