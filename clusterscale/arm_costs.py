@@ -2,7 +2,8 @@
 records (report/costs.json), and its gain over random per extra preprocessing hour.
 
 An arm needs the stages its method needs, not those this run happened to go through (every shard set here is
-written from the clustered shards, but a user's random baseline only shuffles):
+written from the clustered shards, but a user's random baseline only shuffles); its sampler declares them
+(train/samplers/: needs_clustering, sets). The built-ins:
   random           ingest, the global shuffle (shard:random)
   random_clusters  ingest, embed, fit, assign, shard, its set (shard:random_clusters)
   source           ingest, its set (shard:source)
@@ -16,28 +17,34 @@ from __future__ import annotations
 
 from clusterscale.config import Config, variant
 from clusterscale.stages.dedup import dedup_applied
+from clusterscale.train.samplers import CLUSTERED, sampler as get_sampler
+from clusterscale.train.schedule_config import SAMPLERS
 
 CLUSTERING = ("embed", "fit", "assign", "shard")
-STAGE_ORDER = ("ingest", "embed", "fit", "assign", "dedup", "shard", "shard:dedup", "shard:random",
-               "shard:random_clusters", "shard:source", "mine:embed", "mine")
 HOUR_S = 3600.0
 
 
+def stage_order() -> tuple[str, ...]:
+    """Every preprocessing cost key in pipeline order, the shard sets of every registered sampler included."""
+    sets = [f"shard:{name}" for name in SAMPLERS if get_sampler(name).writes_set()]
+    return ("ingest", "embed", "fit", "assign", "dedup", "shard", "shard:dedup", *sets, "mine:embed", "mine")
+
+
 def arm_stages(cfg: Config) -> list[str]:
-    """The cost keys (report/costs.json) of the preprocessing an arm's config needs, in pipeline order."""
-    tc, sampler = cfg.train, cfg.train.schedule.sampler
-    needs = {"ingest"}
-    if sampler in ("clustered", "curriculum", "random_clusters"):
+    """The cost keys (report/costs.json) of the preprocessing an arm's config needs, in pipeline order: its
+    sampler's (train/samplers: the clustering when it needs_clustering, each set it reads besides the clustered
+    shards), then dedup's and mining's."""
+    tc, sampler = cfg.train, get_sampler(cfg.train.schedule.sampler)
+    needs = {"ingest"} | {f"shard:{name}" for name in sampler.sets if name != CLUSTERED}
+    if sampler.needs_clustering:
         needs |= set(CLUSTERING)
-    if sampler in ("random", "curriculum", "random_clusters", "source"):
-        needs.add(f"shard:{'random' if sampler == 'curriculum' else sampler}")
     if tc.shards.dedup:
         needs |= {"dedup", "shard:dedup"}
     if tc.objective.negatives_per_query:
         needs |= set(CLUSTERING) | {"mine"} | ({"mine:embed"} if cfg.mine.encoder != "frozen" else set())
     if "shard" in needs and dedup_applied(cfg):  # dedup.apply_to_shards: the clustered shards come after it
         needs.add("dedup")
-    return [s for s in STAGE_ORDER if s in needs]
+    return [s for s in stage_order() if s in needs]
 
 
 def stage_costs(keys: list[str], costs: dict) -> dict:
@@ -70,7 +77,7 @@ def arm_preprocess(arms: dict[str, list[Config]], costs: dict) -> tuple[dict[str
     baseline = set(arm_stages(_random_of(next(iter(arms.values()))[0])))
     per_arm = {name: stage_costs(keys, costs) | {"extra": stage_costs([k for k in keys if k not in baseline], costs)}
                for name, keys in needed.items()}
-    union = [s for s in STAGE_ORDER if any(s in keys for keys in needed.values())]
+    union = [s for s in stage_order() if any(s in keys for keys in needed.values())]
     return per_arm, stage_costs(union, costs)
 
 

@@ -32,11 +32,10 @@ from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.arm_costs import arm_preprocess, gain_per_hour
-from clusterscale.train.curriculum import CURRICULUM
 from clusterscale.stages.train import stopped_attempt
-from clusterscale.train.schedule import SAMPLERS
+from clusterscale.train.schedule_config import SAMPLERS
 
-ARM_SAMPLERS = (*SAMPLERS, CURRICULUM)  # an arm named after a sampler trains with it
+ARM_SAMPLERS = SAMPLERS  # an arm named after a registered sampler (train/samplers/) trains with it
 MINED_SUFFIX = "+mined"  # `<sampler>+mined`: that sampler with one mined negative per query
 
 

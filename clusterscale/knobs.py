@@ -49,7 +49,73 @@ def zero_means(meaning: str) -> Bounds:
     return Bounds(note=f"0 = {meaning}")
 
 
-def knob(default: Any, doc: str, choices: tuple | None = None, affects_output: bool = True,
+class Registry:
+    """The named choices of a knob that users extend (samplers, losses, dedup keep rules): a name -> implementation
+    map, filled by the modules of `package`, each of which registers its own (`@REGISTRY.register` on a class with
+    a `name`). A new choice is then one module in that package: the registry imports every module of it the first
+    time it is asked (a plugin discovery, like Python's entry points: the config layer names the package, it never
+    imports it directly), so a knob whose choices are a Registry validates against every registered name.
+
+    `first`: the names listed first, in this order (the built-ins: the default first); any other in name order."""
+
+    def __init__(self, key: str, package: str, first: tuple[str, ...] = ()):
+        self.key, self.package, self.first = key, package, first
+        self._items: dict[str, Any] = {}
+        self._discovered = False
+
+    def register(self, item: Any) -> Any:
+        """Register a class (or an instance) under its `name`; returns it, so it serves as a class decorator."""
+        name = getattr(item, "name", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{self.key}: a registered choice needs a non-empty `name`, got {item!r}.")
+        if name in self._items and self._items[name] is not item:
+            raise ValueError(f"{self.key}: {name!r} is registered twice ({self._items[name]!r} and {item!r}).")
+        self._items[name] = item
+        return item
+
+    def unregister(self, name: str) -> None:
+        """Forget `name` (a test's temporary registration)."""
+        self._items.pop(name, None)
+
+    def discover(self) -> None:
+        if self._discovered:
+            return
+        self._discovered = True
+        import importlib
+        import pkgutil
+
+        package = importlib.import_module(self.package)
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{self.package}.{module.name}")
+
+    def names(self) -> tuple[str, ...]:
+        self.discover()
+        rank = {name: i for i, name in enumerate(self.first)}
+        return tuple(sorted(self._items, key=lambda n: (rank.get(n, len(rank)), n)))
+
+    def get(self, name: str) -> Any:
+        """The implementation registered as `name`; an unknown name is a ConfigError naming the registered ones."""
+        self.discover()
+        if name not in self._items:
+            raise ConfigError(f"{self.key} must be one of {', '.join(self.names())}; got {bounded_repr(name)} "
+                              f"(a new one is a module in {self.package.replace('.', '/')}/ that registers it).")
+        return self._items[name]
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        self.discover()
+        return name in self._items
+
+    def __repr__(self) -> str:
+        return f"Registry({self.key!r}, {self.package!r})"
+
+
+def knob(default: Any, doc: str, choices: tuple | Registry | None = None, affects_output: bool = True,
          bounds: Bounds | None = None, added: bool = False):
     """A config field with its documentation, allowed values, and whether it changes a stage's output.
 

@@ -9,7 +9,7 @@ import pytest
 
 from clusterscale import config as config_mod
 from clusterscale.train import schedule
-from clusterscale.train.curriculum import Curriculum, probability
+from clusterscale.train.samplers.curriculum import Curriculum, probability
 
 SIZES, B, STEPS = [40, 33, 70, 25, 9], 8, 70  # more steps than one epoch of either set: epochs roll over
 RANDOM_SIZES = [sum(SIZES)]

@@ -1,21 +1,33 @@
-"""docs/extending.md's worked example, done as a newcomer would: a length filter registered between ingest and embed
-(its module and its registration; here both in this file), and nothing else changed. embed reads the filter's output
-through its wiring, its fingerprint covers the filter's, and a changed filter is refused like any changed key. The
-run goes on to train with labeled hard negatives (tests/test_labeled_negatives.py tests their rules)."""
+"""docs/extending.md's worked examples, done as a newcomer would, nothing else changed: a length filter registered
+between ingest and embed (its module and its registration; here both in this file), and a batch sampler (its module,
+which registers it; here this file). embed reads the filter's output through its wiring, its fingerprint covers the
+filter's, and a changed filter is refused like any changed key; the run trains with the new sampler, which the
+config, compare's arms, the cost report and `plan` accept, and with labeled hard negatives
+(tests/test_labeled_negatives.py tests their rules)."""
 from __future__ import annotations
 
 import json
 import posixpath
+import sys
+from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import ray.cloudpickle
 
-from clusterscale import config, pipeline
+from clusterscale import arm_costs, config, experiments, pipeline
 from clusterscale.executor import Input, Stage
+from clusterscale.io.layout import checked_manifest
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
+from clusterscale.runtime.hashing import SeededPermutation
 from clusterscale.runtime.stage_context import StageContext
+from clusterscale.train import schedule
+from clusterscale.train.samplers import CLUSTERED, Sampler, SetShapes
+from clusterscale.train.schedule import GlobalBatch
+from clusterscale.train.schedule_config import SAMPLERS
 from tests.conftest import make_pairs, tiny_overrides
 
 MIN_CHARS = {"passage": 150}  # the filter's setting (a config key would be a knob in a section of its own)
@@ -44,6 +56,45 @@ LENGTH_FILTER = Stage("length_filter", "Drop pairs whose passage is short.", run
                       shared=True)
 
 
+class Sequential(Sampler):
+    """The clusters one after another: every full batch of one cluster, then the next cluster's, in a seeded cluster
+    order (a new one each epoch). In the real module, `@SAMPLERS.register` above the class is its registration."""
+    name = "sequential"
+    doc = "the clusters one after another (all of one cluster's batches, then the next's), in a seeded order"
+    sets = (CLUSTERED,)  # reads the clustered shards: no set of its own, so no set_strata
+
+    def batches(self, sc, shapes: SetShapes, seed: int, start: int, stop: int,
+                num_steps: int) -> Iterator[GlobalBatch]:
+        plan = schedule.Schedule(shapes.sizes[0], sc.global_batch_size, CLUSTERED, seed,
+                                 block_rows=shapes.block_rows[0])  # each cluster's row order: the clustered one
+        if plan.per_epoch == 0:
+            raise ValueError("train.sampler=sequential: no cluster holds a full global batch; lower "
+                             "train.global_batch_size.")
+        epoch = None
+        for step in range(start, stop):
+            if step // plan.per_epoch != epoch:  # this epoch's cluster order and where each cluster's batches end
+                epoch = step // plan.per_epoch
+                order = SeededPermutation(len(plan.sizes), [seed, epoch, 0x5E0])(np.arange(len(plan.sizes)))
+                ends = np.cumsum(plan.full[order])
+            slot = step % plan.per_epoch
+            i = int(np.searchsorted(ends, slot, side="right"))
+            cluster, index = int(order[i]), slot - int(ends[i] - plan.full[order[i]])
+            yield GlobalBatch(step, epoch, cluster, plan.rows(epoch, cluster, 0, index), cluster)
+
+
+@pytest.fixture
+def sequential_registered():
+    """The sampler's registration (in its module: `@SAMPLERS.register`), undone after the test. Ray Train's workers
+    get the driver's sampler with the job; a class defined in a test module travels by value."""
+    SAMPLERS.register(Sequential)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        yield Sequential
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        SAMPLERS.unregister(Sequential.name)
+
+
 @pytest.fixture
 def registered(monkeypatch):
     """The registration: the stage in pipeline.STAGES right after ingest (one line in the real list)."""
@@ -55,19 +106,31 @@ def registered(monkeypatch):
     monkeypatch.setattr(pipeline, "STAGE_VERBS", tuple(n for n in order if stages[n].in_run is not None))
 
 
-def test_a_stage_registered_between_ingest_and_embed_feeds_the_whole_run(registered, tmp_path, tiny_model,
-                                                                         ray_local):
-    """ingest -> length_filter -> embed -> fit -> assign -> shard -> train, the pairs carrying labeled hard negatives
-    (data.negative_column) that training uses (train.labeled_negatives_per_query=1): embed holds exactly the kept
-    pairs, its marker covers the filter, the shards carry `negatives`, every step has one negative slot per row (the
-    rows without one masked), and a changed filter refuses the embeddings made from the old one."""
+def test_a_sampler_registered_in_its_module_is_a_choice_everywhere(sequential_registered):
+    """The registration alone makes it a train.sampler value, a compare arm and a cost-report arm (the preprocessing
+    it needs: the clustering); an unknown name is refused naming every registered sampler."""
+    cfg = config.load(None, ["train.sampler=sequential"])
+    assert "sequential" in SAMPLERS.names() and SAMPLERS.names()[0] == "clustered"
+    assert experiments.arm_keys("sequential", cfg, {}) == {"sampler": "sequential"}
+    assert arm_costs.arm_stages(cfg) == ["ingest", "embed", "fit", "assign", "shard"]
+    with pytest.raises(config.ConfigError, match="clustered, random, random_clusters, source, curriculum, sequential"):
+        config.load(None, ["train.sampler=sequentail"])
+
+
+def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequential_registered, tmp_path, tiny_model,
+                                                             ray_local):
+    """ingest -> length_filter -> embed -> fit -> assign -> shard -> train with train.sampler=sequential, the pairs
+    carrying labeled hard negatives (data.negative_column) that training uses (train.labeled_negatives_per_query=1):
+    embed holds exactly the kept pairs, its marker covers the filter, the shards carry `negatives`, the steps take the
+    clusters one after another in the sampler's order, every step has one negative slot per row (the rows without one
+    masked), and a changed filter refuses the embeddings made from the old one."""
     rows = make_pairs(160).to_pylist()
     for i, row in enumerate(rows):  # another topic's passage as the hard negative; every fifth row none, some two
         row["neg"] = None if i % 5 == 0 else [rows[(i + 7) % len(rows)]["p"]] * (1 + i % 2)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
     keys = tiny_overrides(tiny_model, str(tmp_path / "pairs.parquet")) + [
         "data.negative_column=neg", "train.labeled_negatives_per_query=1", "train.steps=3", "train.log_batches=false",
-        "data.heldout_fraction=0.05"]
+        "data.heldout_fraction=0.05", "train.sampler=sequential"]
     cfg, run = config.load(None, keys), RunDir(str(tmp_path / "run"))
     verbs = pipeline.pipeline(cfg, "ingest", "train")
     assert verbs[:3] == ("ingest", "length_filter", "embed")
@@ -81,8 +144,13 @@ def test_a_stage_registered_between_ingest_and_embed_feeds_the_whole_run(registe
     shard = pq.read_table(run.files("shards/k=4")[0])
     assert shard.schema.field("negatives").type == pa.list_(pa.string())
     assert any(shard.column("negatives").to_pylist()) and not all(shard.column("negatives").to_pylist())
-    metrics = [json.loads(line) for line in open(run.path("train", "clustered-seed0", "metrics.jsonl"))]
+    metrics = [json.loads(line) for line in open(run.path("train", "sequential-seed0", "metrics.jsonl"))]
     assert len(metrics) == 3 and all(m["mined_negatives"] == 16 for m in metrics)  # one slot per row of the batch
+    manifest = checked_manifest(run, 4, 16)
+    drawn = list(Sequential().batches(cfg.train.schedule, SetShapes.of([manifest]), 0, 0, 3, 3))
+    assert [m["cluster"] for m in metrics] == [manifest.clusters[b.shard].cluster for b in drawn]
+    runs = [c for i, c in enumerate(m["cluster"] for m in metrics) if i == 0 or c != metrics[i - 1]["cluster"]]
+    assert len(runs) == len(set(runs))  # each cluster's batches in one run
     assert 0 < sum(m["labeled_negatives_empty"] for m in metrics) < 16 * 3  # rows with one filled theirs
     costs = run.read_json("report/costs.json")  # its cost recorded and counted as preprocessing
     assert costs["length_filter"]["preprocess"] and costs["length_filter"]["rejected"] > 0

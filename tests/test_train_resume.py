@@ -134,7 +134,7 @@ def test_curriculum_on_two_ranks_reads_what_one_process_reads(sharded, tiny_mode
     import numpy as np
 
     from clusterscale.io.layout import shard_set_manifest
-    from clusterscale.train.curriculum import Curriculum
+    from clusterscale.train.samplers.curriculum import Curriculum
     from clusterscale.train.data import ShardReader, StackedReader, schedule_block_rows
 
     run_stage("train", _cfg(tiny_model, "mix", "train.sampler=curriculum", "train.curriculum_end=1", "train.steps=6"),

@@ -42,8 +42,8 @@ def shards_dir(k: int) -> str:
 
 
 def shard_set_dir(k: int, sampler: str) -> str:
-    """The shards a sampler trains from: shards/k=<k>/ itself for `clustered`, shards/k=<k>/<sampler>/ (a set
-    written from the clustered shards, with its own manifest and done marker) for the other samplers."""
+    """The shards of a set (train/samplers: a sampler's `sets`): shards/k=<k>/ itself for `clustered`,
+    shards/k=<k>/<name>/ (a set written from the clustered shards, with its own manifest and done marker) else."""
     return shards_dir(k) if sampler == "clustered" else f"{shards_dir(k)}/{sampler}"
 
 
@@ -53,19 +53,6 @@ DEDUP_SET = "dedup"  # the clustered shards of the deduplicated pairs (train.ded
 def dedup_set_dir(k: int) -> str:
     """shards/k=<k>/dedup/: the clustered shards of the pairs dedup kept (train.dedup=true)."""
     return shard_set_dir(k, DEDUP_SET)
-
-
-def training_set(sampler: str, dedup: bool) -> str:
-    """The name (for shard_set_dir) of the set a training run reads: its sampler's, or DEDUP_SET with train.dedup."""
-    return DEDUP_SET if dedup else sampler
-
-
-CURRICULUM_SETS = ("clustered", "random")  # train.sampler=curriculum reads both, strata in this order
-
-
-def training_sets(sampler: str, dedup: bool) -> tuple[str, ...]:
-    """The shard sets (names for shard_set_dir) a training run reads: the curriculum's two, or training_set's one."""
-    return CURRICULUM_SETS if sampler == "curriculum" and not dedup else (training_set(sampler, dedup),)
 
 
 def shard_set_manifest_path(k: int, sampler: str) -> str:

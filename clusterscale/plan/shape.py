@@ -16,7 +16,7 @@ from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
 from clusterscale.stages.embed import auto_rows_per_unit
 from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
 from clusterscale.stages.shards import GroupSizes, file_sizes, groups_per_shard, writer_sizing
-from clusterscale.train import schedule
+from clusterscale.train import samplers, schedule
 
 DEFAULT_IMBALANCE = 1.5
 """faiss's imbalance factor k x sum(n_c^2) / N^2 assumed when neither the run nor the calibration measured one
@@ -102,12 +102,15 @@ def train_shape(cfg: Config, shards) -> TrainShape:
     shards = SizeCounts.of(shards)
     sc = cfg.train.schedule
     batch = sc.global_batch_size
-    strata = shards if sc.sampler != "random" else SizeCounts.of([shards.total])
+    # The epoch's set (train/samplers: the last one a sampler reads) and its rules: the global shuffle is one stratum
+    # of every row; any other set is taken to have the clusters' sizes (a source set's are unknown before it exists).
+    epoch = samplers.sampler(sc.sampler).epoch_sampler()
+    strata = shards if not epoch.global_shuffle else SizeCounts.of([shards.total])
     steps = strata.sum_of(strata.sizes // batch)  # schedule.batches_per_epoch
-    if not steps or sc.cluster_weighting != "uniform" or sc.sampler == "random":
+    if not steps or sc.cluster_weighting != "uniform" or epoch.global_shuffle:
         unused = strata.sum_of(strata.sizes % batch)  # no full batch: every row; else each stratum's remainder
     elif strata.items <= EXACT_ITEMS and steps <= EXACT_SCHEDULE_STEPS:
-        unused = schedule.unused_pairs(strata.tolist(), batch, sc.sampler, sc.seed, 0, sc.cluster_weighting,
+        unused = schedule.unused_pairs(strata.tolist(), batch, epoch, sc.seed, 0, sc.cluster_weighting,
                                        row_group_rows_for(batch))
     else:
         unused = expected_uniform_unused(strata, batch, row_group_rows_for(batch))

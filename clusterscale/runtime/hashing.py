@@ -26,6 +26,15 @@ def hash_unit(pair_ids: np.ndarray, salt: int = 0) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
+
+
+def sub_groups(pair_ids: np.ndarray, num_groups: np.ndarray, seed: int) -> np.ndarray:
+    """The sub-group of each row (of a shard split into num_groups groups of files): a seeded hash of its pair_id,
+    so any number of workers agrees on it."""
+    return np.minimum(hash_unit(pair_ids, salt=seed ^ GROUP_SALT) * num_groups, num_groups - 1).astype(np.int64)
+
+
 def text_hashes(texts: list[str]) -> np.ndarray:
     """Stable int64 keys of texts: equal texts (after ingest normalisation) get equal keys."""
     return np.array([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)

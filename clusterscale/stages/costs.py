@@ -12,7 +12,7 @@ import numpy as np
 from clusterscale.config import Config
 from clusterscale.io.layout import read_manifest, shard_set_manifest_path
 from clusterscale.io.rundir import RunDir
-from clusterscale.train import schedule
+from clusterscale.train import samplers, schedule
 from clusterscale.train.metrics import read_metrics
 
 TOKEN_SAMPLE_ROWS = 256
@@ -143,8 +143,8 @@ def train_per_epoch(run: RunDir, cfg: Config, key: str, record: dict) -> dict | 
     name = key.split(":", 1)[1] if ":" in key else cfg.train_name()
     steps = [r["step_s"] for r in read_metrics(run, name)]
     sampler = record.get("sampler", cfg.train.schedule.sampler)
-    # The curriculum's epoch is the random set's (every pair once); its own batches come from two sets.
-    manifest = shard_set_manifest_path(cfg.cluster.k, "random" if sampler == "curriculum" else sampler)
+    # The epoch is the last set's (the curriculum's: the random set's, every pair once; its batches come from two).
+    manifest = shard_set_manifest_path(cfg.cluster.k, samplers.sampler(sampler).sets[-1])
     if not (record.get("steps") and steps and run.exists(manifest)):
         return None
     sizes = read_manifest(run, manifest).strata_sizes

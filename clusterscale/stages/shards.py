@@ -23,7 +23,7 @@ from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
 from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
-from clusterscale.runtime.hashing import hash_unit
+from clusterscale.runtime.hashing import sub_groups
 from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, shuffle_for
@@ -38,7 +38,6 @@ from clusterscale.runtime.work_units import load_or_make_plan
 # the assignment's `cluster` and `cos` stay in assign/k=<k>/ (the manifest lists each shard's member clusters).
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source"]
 LABELED_COLUMNS = ["negatives"]  # with data.negative_column: the labeled hard negatives, carried when present
-GROUP_SALT = 0x5A4D  # sub-group keys must not correlate with the fit-sample keys (salt = seed)
 MIN_PARTITIONS = 200  # Ray Data's default hash-shuffle parallelism: enough tasks to keep every CPU busy
 ACTOR_MEMORY_FACTOR = 3  # a writer holds its partition block plus a sorted and a permuted copy of one group
 
@@ -172,11 +171,6 @@ def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str, side: str = "pa
 def groups_per_shard(shard_rows: np.ndarray, max_group_rows: int) -> np.ndarray:
     """How many sub-groups each shard is split into: ceil(rows / max_group_rows), 0 for an empty shard."""
     return -(-shard_rows // max_group_rows)
-
-
-def sub_groups(pair_ids: np.ndarray, num_groups: np.ndarray, seed: int) -> np.ndarray:
-    """The sub-group of each row: a seeded hash of its pair_id, so any number of workers agrees on it."""
-    return np.minimum(hash_unit(pair_ids, salt=seed ^ GROUP_SALT) * num_groups, num_groups - 1).astype(np.int64)
 
 
 def add_group_keys(batch: pa.Table, target: np.ndarray, num_groups: np.ndarray, seed: int) -> pa.Table:

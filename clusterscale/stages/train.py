@@ -17,8 +17,7 @@ import time
 
 from clusterscale.config import Config, ConfigError, TrainConfig, variant
 from clusterscale.errors import UserError
-from clusterscale.io.layout import (NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir,
-                                    training_sets)
+from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir
 from clusterscale.modeling.model_card import write_model_card
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.nodes import node_stats
@@ -27,7 +26,7 @@ from clusterscale.runtime.stage_context import StageContext
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.runtime import interrupt
-from clusterscale.train import schedule
+from clusterscale.train import samplers, schedule
 from clusterscale.train.negatives import mine_fingerprint
 from clusterscale.train import recluster
 from clusterscale.train.recluster import segment_bounds, segment_dir
@@ -65,7 +64,7 @@ def run_train(ctx: StageContext) -> StageResult:
         ctx.stage("dedup_shards", dedup_cfg, run)
     else:  # the sampler's shard sets other than the clustered shards: inputs built once per clustering
         for set_cfg in set_configs(cfg):
-            if set_cfg.train.schedule.sampler != "clustered":
+            if set_cfg.train.schedule.sampler != samplers.CLUSTERED:
                 ctx.stage("shard_set", set_cfg, run)
     plan = plan_training(cfg, run, ctx.resume)
     if not ctx.resume:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_attempt)
@@ -101,9 +100,12 @@ def stopped_attempt(run: RunDir, name: str) -> str | None:
 
 
 def set_configs(cfg: Config) -> list[Config]:
-    """One config per shard set the run reads, with that set's sampler (the curriculum reads two sets)."""
-    sets = training_sets(cfg.train.schedule.sampler, cfg.train.shards.dedup)
-    return [cfg] if len(sets) == 1 else [variant(cfg, train={"sampler": name}) for name in sets]
+    """One config per shard set the run reads, with the sampler that writes that set (the clustered shards:
+    `clustered`; the curriculum reads two sets)."""
+    if cfg.train.shards.dedup:
+        return [cfg]
+    return [cfg if name == cfg.train.schedule.sampler else variant(cfg, train={"sampler": name})
+            for name in samplers.sampler(cfg.train.schedule.sampler).sets]
 
 
 def recluster_segment(ctx: StageContext, name: str, segment: int) -> RunDir:
@@ -129,7 +131,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     tc, name = cfg.train, cfg.train_name()
     batches, out = tc.schedule, train_dir(name)
     manifests = [shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size, name)  # checked, each of them
-                 for name in training_sets(batches.sampler, tc.shards.dedup)]
+                 for name in samplers.training_sets(batches.sampler, tc.shards.dedup)]
     manifest = manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
     if tc.logging.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
@@ -144,10 +146,9 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
                                  for m in manifests):  # the curriculum may draw from either set at any step
         raise ConfigError(f"train.sampler={tc.schedule.sampler} finds no stratum with a full global batch of "
                           f"{tc.schedule.global_batch_size} pairs: lower train.global_batch_size.")
-    # The curriculum's sizes are the random set's, so its epoch is N / batch steps and its unused pairs the shuffle's.
-    sampler = "random" if tc.schedule.sampler == "curriculum" else tc.schedule.sampler
-    unused = schedule.unused_pairs(sizes, tc.schedule.global_batch_size, sampler, tc.schedule.seed, 0,
-                                   tc.schedule.cluster_weighting)
+    # The last set's strata count the epoch (the curriculum's: the random set's, N / batch steps), and its sampler's
+    # rules the pairs it leaves out.
+    unused = samplers.unused_pairs(tc.schedule.sampler, tc.schedule, sizes)
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:
@@ -271,7 +272,8 @@ def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, 
         train_loop_per_worker,
         train_loop_config={"cfg": cfg, "run_uri": run.uri, "num_steps": num_steps, "name": name,
                            "threads_per_worker": workers.threads, "resume": resume, "fail_at_step": ctx.fail_at_step,
-                           "segment": segment, "shards_uri": shards_uri},
+                           "segment": segment, "shards_uri": shards_uri,
+                           "sampler": samplers.sampler(cfg.train.schedule.sampler)},
         scaling_config=ScalingConfig(num_workers=compute.num_workers, use_gpu=compute.use_gpu,
                                      resources_per_worker=workers.resources_per_worker),
         run_config=RunConfig(name=RAY_RUN_NAME, storage_path=run.path(train_dir(name), "ray"),

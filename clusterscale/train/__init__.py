@@ -1,6 +1,7 @@
 """Training's components (the train stage that drives them is stages/train.py): recluster (segment arithmetic),
-trainer (each rank: setup, train_step, fit), schedule (the cluster-stratified batch schedule), curriculum (clustered
-batches with a rising probability, else random ones), data (reading a shard set's row groups), step, loss and
+trainer (each rank: setup, train_step, fit), samplers (the registered batch samplers: which shard sets a batch is
+drawn from and how; clustered, random, random_clusters, source, curriculum), schedule (the stratified batch schedule
+they share), data (reading a shard set's row groups), step, loss and
 gradcache (InfoNCE / CLP, chunked re-forward), negatives (mined negatives and their sidecars), optim (AdamW, LR
 schedule), checkpoint, metrics.
 

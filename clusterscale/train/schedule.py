@@ -4,11 +4,9 @@ Every rank computes the same global batches; rank r reads rows [r*b, (r+1)*b) of
 b = global_batch_size / world_size. So all ranks see the same stratum at the same step and run out
 together (no DDP hang).
 
-Every sampler trains from a shard set whose shards are its strata (train/data.py, stages/shard_sets.py):
-  clustered        one stratum per cluster shard (the method)
-  random           one stratum holding every row, globally shuffled (the baseline)
-  random_clusters  seeded pseudo-clusters with the cluster shards' sizes (control: same sizes, no semantics)
-  source           one stratum per value of the `source` column
+A sampler (train/samplers/) trains from shard sets whose shards are its strata (train/data.py,
+stages/shard_sets.py); this is the schedule of those that draw one stratum per global batch (clustered,
+random_clusters, source), and of the global shuffle (random: one stratum of every row, `global_shuffle`).
 Row indices are shard-local for every sampler, so a rank reads only the row groups of its slice.
 
 Nothing is materialised per epoch: the step order and each stratum's row order are seeded
@@ -21,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from clusterscale.runtime.hashing import SeededPermutation
+from clusterscale.train.schedule_config import SAMPLERS
 
-SAMPLERS = ("clustered", "random", "random_clusters", "source")
 WEIGHTINGS = ("proportional", "uniform")
 _DRAW_CHUNK = 4096  # uniform weighting draws strata in seeded chunks of this many steps
 
@@ -52,13 +50,13 @@ class Schedule:
     uniform weighting draws a stratum uniformly at every step (the j-th draw of a stratum takes its
     j-th batch, with a fresh row order every full pass)."""
 
-    def __init__(self, sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int,
+    def __init__(self, sizes: Sequence[int], global_batch_size: int, sampler: str | Any, seed: int,
                  weighting: str = "proportional", block_rows: int = 1):
-        if sampler not in SAMPLERS:
-            raise ValueError(f"train.sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}.")
+        # sampler: a train/samplers class or instance, or its registered name (unknown: a ConfigError naming them)
+        self.whole = bool((SAMPLERS.get(sampler) if isinstance(sampler, str) else sampler).global_shuffle)
         self.sizes = np.asarray([int(n) for n in sizes], dtype=np.int64)
         self.batch, self.sampler, self.seed = global_batch_size, sampler, seed
-        self.uniform = weighting == "uniform" and sampler != "random"
+        self.uniform = weighting == "uniform" and not self.whole
         self.block_rows = max(1, int(block_rows))  # a global batch is whole row groups
         self.full = self.sizes // global_batch_size
         self.ends = np.cumsum(self.full)
@@ -66,7 +64,7 @@ class Schedule:
         self.eligible = np.flatnonzero(self.full)
 
     def _stratum_key(self, index: int) -> int:
-        return 0x7A11D0 if self.sampler == "random" else index  # the random sampler's historical key
+        return 0x7A11D0 if self.whole else index  # the random sampler's historical key
 
     def ordered(self, epoch: int, stratum: int, cycle: int, positions: np.ndarray) -> np.ndarray:
         """Rows at `positions` of a stratum's row order in (epoch, cycle): its blocks of block_rows rows,
@@ -88,7 +86,7 @@ class Schedule:
         if self.uniform:
             yield from self._uniform_plan(epoch, start)
             return
-        order = None if self.sampler == "random" else SeededPermutation(self.per_epoch, [self.seed, epoch, 0xC1D5])
+        order = None if self.whole else SeededPermutation(self.per_epoch, [self.seed, epoch, 0xC1D5])
         for lo in range(start, self.per_epoch, _DRAW_CHUNK):
             slots = np.arange(lo, min(lo + _DRAW_CHUNK, self.per_epoch))
             slots = slots if order is None else order(slots)
@@ -118,7 +116,7 @@ class Schedule:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[GlobalBatch]:
         """The global batches of one epoch from step `start` on (step numbers relative to the epoch)."""
         for step, (s, cycle, index) in enumerate(self._plan(epoch, start), start):
-            yield GlobalBatch(step, epoch, s, self.rows(epoch, s, cycle, index), -1 if self.sampler == "random" else s)
+            yield GlobalBatch(step, epoch, s, self.rows(epoch, s, cycle, index), -1 if self.whole else s)
 
     def unused_pairs(self, epoch: int) -> int:
         """Pairs that no global batch of this epoch contains (remainders; strata never drawn)."""
@@ -142,13 +140,13 @@ class Schedule:
         return len(left)
 
 
-def epoch_global_batches(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int,
+def epoch_global_batches(sizes: Sequence[int], global_batch_size: int, sampler: str | Any, seed: int, epoch: int,
                          weighting: str = "proportional", block_rows: int = 1) -> list[GlobalBatch]:
     """The global batches of one epoch in step order (step numbers relative to the epoch), as a list."""
     return list(Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows).epoch(epoch))
 
 
-def unused_pairs(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, epoch: int = 0,
+def unused_pairs(sizes: Sequence[int], global_batch_size: int, sampler: str | Any, seed: int, epoch: int = 0,
                  weighting: str = "proportional", block_rows: int = 1) -> int:
     """Pairs that no global batch of this epoch contains (remainders; strata never drawn)."""
     return Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows).unused_pairs(epoch)
@@ -165,7 +163,7 @@ def total_steps(sizes: Sequence[int], global_batch_size: int, epochs: int, steps
     return epochs * batches_per_epoch(sizes, global_batch_size)
 
 
-def iterate(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: int, num_steps: int,
+def iterate(sizes: Sequence[int], global_batch_size: int, sampler: str | Any, seed: int, num_steps: int,
             start_step: int = 0, weighting: str = "proportional", block_rows: int = 1) -> Iterator[GlobalBatch]:
     """Global batches for steps [start_step, num_steps), cycling epochs as needed, computed one at a time.
 
@@ -174,7 +172,8 @@ def iterate(sizes: Sequence[int], global_batch_size: int, sampler: str, seed: in
     plan = Schedule(sizes, global_batch_size, sampler, seed, weighting, block_rows)
     if plan.per_epoch == 0:
         largest = int(plan.sizes.max()) if len(plan.sizes) else 0
-        raise ValueError(f"No stratum of train.sampler={sampler} holds a full global batch of {global_batch_size} "
+        name = sampler if isinstance(sampler, str) else getattr(sampler, "name", sampler)
+        raise ValueError(f"No stratum of train.sampler={name} holds a full global batch of {global_batch_size} "
                          f"pairs (largest: {largest}): lower train.global_batch_size or cluster.k.")
     step = start_step
     while step < num_steps:

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import POSITIVE, Bounds, ConfigError, Section, knob, zero_means
+from clusterscale.knobs import POSITIVE, Bounds, ConfigError, Registry, Section, knob, zero_means
 
+# train.sampler's choices: the classes that clusterscale/train/samplers/'s modules register (a new one is a module there).
+SAMPLERS = Registry("train.sampler", "clusterscale.train.samplers",
+                    first=("clustered", "random", "random_clusters", "source", "curriculum"))
 MAX_GLOBAL_BATCH = 1 << 20  # 1,048,576 pairs: far past any contrastive recipe (CLIP: 32k), and plan's loops stay short
 
 
@@ -22,8 +25,9 @@ class ScheduleConfig(Section):
                                      "the control (a fixed random partition with the clusters' sizes); "
                                      "'source' draws every global batch from one value of the `source` column; 'curriculum' draws "
                                      "each global batch from one cluster with a probability that rises from "
-                                     "train.curriculum_start to train.curriculum_end, else from the random set.",
-                        ("clustered", "random", "random_clusters", "source", "curriculum"))
+                                     "train.curriculum_start to train.curriculum_end, else from the random set. "
+                                     "A new sampler is a module in clusterscale/train/samplers/ (docs/extending.md).",
+                        SAMPLERS)
     cluster_weighting: str = knob("proportional", "How often each cluster is drawn: 'proportional' = every "
                                                   "full batch once per epoch; 'uniform' = clusters drawn equally "
                                                   "often (small ones repeat, large ones are subsampled).",

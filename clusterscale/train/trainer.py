@@ -24,13 +24,13 @@ from clusterscale.config import Config
 from clusterscale.errors import storage_error, user_error
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir
-from clusterscale.io.layout import shard_set_manifest, train_dir, training_sets
+from clusterscale.io.layout import shard_set_manifest, train_dir
 from clusterscale.modeling.student import build_student, matmul_params
 from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
-from clusterscale.train.curriculum import CURRICULUM, Curriculum
-from clusterscale.train.data import RankRows, ShardReader, StackedReader, schedule_block_rows
+from clusterscale.train.data import RankRows, ShardReader, StackedReader
+from clusterscale.train.samplers import Sampler, SetShapes, sampler as get_sampler, training_sets
 from clusterscale.train.metrics import MetricsProcessor, StepResult, peak_flops, reduce_step_figures
 from clusterscale.train.negatives import MinedNegatives, NegativeSidecars, training_draw
 from clusterscale.train.optim import build_optimizer
@@ -78,13 +78,21 @@ class SegmentJob:
     seg_stop: int
     resume: bool  # --resume, or a segment after the first: a checkpoint must exist
     fail_at_step: int | None = None  # test hook: rank 0 fails once there, unless it restored a checkpoint
+    sampler: Sampler | None = None  # the driver's train.sampler (None: looked up here by name)
 
     @classmethod
     def from_loop_config(cls, config: dict) -> SegmentJob:
         segment, seg_start, seg_stop = config.get("segment", (0, 0, config["num_steps"]))
         return cls(config["cfg"], RunDir(config["run_uri"]),
                    RunDir(config.get("shards_uri") or config["run_uri"]), config["name"], config["num_steps"],
-                   segment, seg_start, seg_stop, bool(config.get("resume")), config.get("fail_at_step"))
+                   segment, seg_start, seg_stop, bool(config.get("resume")), config.get("fail_at_step"),
+                   config.get("sampler"))
+
+    @property
+    def batch_sampler(self) -> Sampler:
+        """The sampler that draws the batches: the one the driver resolved and sent (so a sampler registered in
+        the driver's process only still draws them), else the registered train.sampler."""
+        return self.sampler or get_sampler(self.cfg.train.schedule.sampler)
 
     @property
     def stop_step(self) -> int:
@@ -98,8 +106,8 @@ class SegmentJob:
                   "cluster_weighting": batches.cluster_weighting, "global_batch_size": batches.global_batch_size}
         if every:
             cursor["recluster_every"] = every
-        if batches.sampler == CURRICULUM:  # the ramp decides which batches come: a resume must keep it
-            cursor |= {k: getattr(batches, k) for k in ("curriculum_start", "curriculum_end", "curriculum_steps")}
+        # the sampler's own keys that decide which batches come (the curriculum's ramp): a resume must keep them
+        cursor |= {k: getattr(batches, k) for k in self.batch_sampler.cursor_keys}
         if self.cfg.train.objective.negatives_curriculum_steps:
             cursor["negatives_curriculum_steps"] = self.cfg.train.objective.negatives_curriculum_steps
         return cursor
@@ -133,18 +141,19 @@ def labeled_negatives(values: list, per_query: int) -> tuple[list[tuple[list, li
 
 
 class TrainData:
-    """A segment's shard sets (their shards are the sampler's strata: one set, or the curriculum's clustered and
-    random sets stacked) and batch schedule, the reader of a rank's rows, and the optional mined negatives. A rank
-    reads the sets' manifests only: the driver checked their files."""
+    """A segment's shard sets (their shards are the sampler's strata: its `sets` stacked, e.g. the curriculum's
+    clustered and random sets) and its sampler's batches, the reader of a rank's rows, and the optional mined
+    negatives. A rank reads the sets' manifests only: the driver checked their files."""
 
     def __init__(self, job: SegmentJob):
         tc = self.tc = job.cfg.train
         self.job = job
         self.manifests = [shard_set_manifest(job.shards_run, job.cfg.cluster.k, tc.schedule.global_batch_size, name,
                                              check_files=False)
-                          for name in training_sets(tc.schedule.sampler, tc.shards.dedup)]
+                          for name in training_sets(job.batch_sampler, tc.shards.dedup)]
         self.manifest = self.manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
         self.sizes = self.manifest.strata_sizes
+        self.sampler, self.shapes = job.batch_sampler, SetShapes.of(self.manifests)
         self.negatives = None
         if tc.objective.negatives_per_query:  # each row's candidates come with it; the padding pool: negatives/
             self.negatives = MinedNegatives(job.run, tc.objective.negatives_per_query, tc.schedule.seed)
@@ -166,23 +175,11 @@ class TrainData:
 
     def batches(self, start_step: int) -> Iterator[schedule.GlobalBatch]:
         """The global batches from start_step to the stop, numbered in run steps (the segment's schedule counts
-        from its own start, with its own seed)."""
+        from its own start, with its own seed; a sampler that is never re-clustered has one segment)."""
         job, batches = self.job, self.tc.schedule
-        if batches.sampler == CURRICULUM:  # never re-clustered: one segment, the run's steps
-            yield from self.curriculum().iterate(start_step, job.stop_step)
-            return
-        for local in schedule.iterate(self.sizes, batches.global_batch_size, batches.sampler,
-                                      schedule.segment_seed(batches.seed, job.segment), job.stop_step - job.seg_start,
-                                      start_step - job.seg_start, batches.cluster_weighting,
-                                      block_rows=schedule_block_rows(self.manifest)):
+        for local in self.sampler.batches(batches, self.shapes, schedule.segment_seed(batches.seed, job.segment),
+                                          start_step - job.seg_start, job.stop_step - job.seg_start, job.num_steps):
             yield dataclasses.replace(local, step=local.step + job.seg_start)
-
-    def curriculum(self) -> Curriculum:
-        batches, (clustered, shuffled) = self.tc.schedule, self.manifests
-        return Curriculum(clustered.strata_sizes, shuffled.strata_sizes, batches.global_batch_size, batches.seed,
-                          batches.curriculum_start, batches.curriculum_end, batches.curriculum_steps,
-                          self.job.num_steps, batches.cluster_weighting, schedule_block_rows(clustered),
-                          schedule_block_rows(shuffled))
 
     def rank_rows(self, start_step: int, rank: int, world: int) -> Iterator[RankRows]:
         """This rank's contiguous slice of each global batch (pair_id, query, passage), read train.prefetch_steps
@@ -191,7 +188,7 @@ class TrainData:
 
     def label(self, gb: schedule.GlobalBatch) -> tuple[int | None, str]:
         """(cluster, cluster_name) of the stratum a batch came from, as metrics.jsonl records it."""
-        if self.tc.schedule.sampler == "random" or (self.tc.schedule.sampler == CURRICULUM and gb.group < 0):
+        if gb.group < 0:  # a batch of the global shuffle (the random set)
             return None, "random"
         shard = self.manifests[0].clusters[gb.shard]
         return shard.cluster, shard.name

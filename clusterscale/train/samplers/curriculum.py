@@ -1,4 +1,4 @@
-"""The curriculum sampler's schedule: each global batch from one cluster with a probability that rises linearly
+"""curriculum: each global batch from one cluster with a probability that rises linearly
 (train.curriculum_start -> train.curriculum_end over train.curriculum_steps), else from the random shuffle.
 
 It reads the two shard sets that already exist (the clustered shards and shards/k=<k>/random/): its strata are the
@@ -17,11 +17,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from clusterscale.io.layout import CURRICULUM_SETS as SETS  # the shard sets it reads, in the order of its strata
 from clusterscale.train import schedule
+from clusterscale.train.samplers import CLUSTERED, Sampler, SetShapes
 from clusterscale.train.schedule import GlobalBatch
+from clusterscale.train.schedule_config import SAMPLERS, ScheduleConfig
 
 CURRICULUM = "curriculum"
+SETS = (CLUSTERED, "random")  # the shard sets it reads, in the order of its strata
 _DRAW_SALT = 0xC0B1C  # the seeded draws that pick a batch's kind
 _CHUNK = 4096
 
@@ -76,3 +78,19 @@ class Curriculum:
                     yield GlobalBatch(step, epoch, got.shard, got.rows, got.shard)
                 else:
                     yield GlobalBatch(step, epoch, offset + got.shard, got.rows, -1)
+
+
+@SAMPLERS.register
+class CurriculumSampler(Sampler):
+    name = CURRICULUM
+    doc = ("each global batch from one cluster with a probability that rises from train.curriculum_start to "
+           "train.curriculum_end, else from the random shuffle")
+    sets = SETS  # its epoch: the random set's (every pair once, were every batch random)
+    cursor_keys = ("curriculum_start", "curriculum_end", "curriculum_steps")  # the ramp decides which batches come
+
+    def batches(self, sc: ScheduleConfig, shapes: SetShapes, seed: int, start: int, stop: int,
+                num_steps: int) -> Iterator[GlobalBatch]:
+        (clustered, shuffled), (cluster_rows, random_rows) = shapes.sizes, shapes.block_rows
+        return Curriculum(clustered, shuffled, sc.global_batch_size, seed, sc.curriculum_start, sc.curriculum_end,
+                          sc.curriculum_steps, num_steps, sc.cluster_weighting, cluster_rows,
+                          random_rows).iterate(start, stop)
