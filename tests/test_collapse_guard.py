@@ -12,6 +12,7 @@ from clusterscale.config import TrainConfig
 from clusterscale.pipeline import run_stage
 from clusterscale.stages.train import TrainingCollapsedError
 from clusterscale.train.optim import lr_at
+from clusterscale.train.loss_config import LossConfig
 from clusterscale.train.metrics import CollapseGuard, chance_loss
 from clusterscale.modeling.student import build_student
 from clusterscale.train.step import contrastive_backward
@@ -47,8 +48,9 @@ def test_guard_strikes_reset_when_an_interval_learns():
 
 def test_chance_loss_counts_mined_negatives_and_clp_weight():
     assert chance_loss(64) == pytest.approx(math.log(64))
-    assert chance_loss(64, negatives_per_query=1) == pytest.approx(math.log(128))
-    assert chance_loss(64, loss="clp", clp_lambda=0.1) == pytest.approx(0.9 * math.log(64))
+    assert chance_loss(64, LossConfig(negatives_per_query=1)) == pytest.approx(math.log(128))
+    assert chance_loss(64, LossConfig(loss="clp", clp_lambda=0.1, negatives_per_query=1)) == \
+        pytest.approx(0.9 * math.log(128))
 
 
 def _verdict_of_core_loop(steps: int = 28, **overrides) -> str | None:

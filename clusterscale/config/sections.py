@@ -6,8 +6,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import (FRACTION, NON_NEGATIVE, POSITIVE, Bounds, ConfigError, Section, check_text, knob,
-                                zero_means)
+from clusterscale.knobs import (FRACTION, NON_NEGATIVE, POSITIVE, Bounds, ConfigError, Registry, Section, check_text,
+                                knob, zero_means)
+
+# dedup.keep's choices: the rules clusterscale/runtime/keep_rules/'s modules register (a new one is a module there).
+KEEP_RULES = Registry("dedup.keep", "clusterscale.runtime.keep_rules", first=("hard", "easy", "random"))
 
 
 @dataclass
@@ -158,7 +161,7 @@ class DedupConfig(Section):
                                      bounds=zero_means("off"))
     keep: str = knob("hard", "Which member of a duplicate group stays: 'hard' = farthest from its centroid, "
                              "'easy' = nearest, 'random' = a hash of pair_id seeded by dedup.seed; ties by pair_id.",
-                     ("hard", "easy", "random"))
+                     KEEP_RULES)
     seed: int = knob(0, "Seed of dedup.keep=random.")
     apply_to_shards: bool = knob(True, "Build the run's shards from the pairs dedup keeps. false = the shards hold "
                                        "every assigned pair and dedup/ serves only training runs with "

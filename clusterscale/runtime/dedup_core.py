@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pyarrow as pa
 
-from clusterscale.runtime.hashing import hash_unit
+from clusterscale.runtime.keep_rules import keep_rule
 
 KEPT, HELDOUT_LEAK, EXACT, SEMANTIC = 0, 1, 2, 3  # the `reason` code of a row
 HELDOUT_PROBE = -1  # the `reason` of a held-out vector routed to a cluster (compared there, never written)
@@ -46,13 +47,10 @@ def pair_texts(queries: list[str], passages: list[str], key: str) -> list[str]:
 
 
 def keep_rank(pair_ids: np.ndarray, cos: np.ndarray, rule: str, seed: int) -> np.ndarray:
-    """The primary keep key of each row (lower = kept first; ties by pair_id): 'hard' keeps the row farthest from
-    its centroid (lowest cos), 'easy' the nearest, 'random' a seeded hash of pair_id."""
-    if rule == "hard":
-        return np.asarray(cos, np.float64)
-    if rule == "easy":
-        return -np.asarray(cos, np.float64)
-    return hash_unit(pair_ids, salt=seed)
+    """The primary keep key of rows given by their pair_ids and cos (lower = kept first; ties by pair_id) under the
+    dedup.keep rule `rule` (runtime/keep_rules: 'hard' keeps the row farthest from its centroid, 'easy' the nearest,
+    'random' a seeded hash of pair_id). The dedup stage passes the rule its rows' every column (keep_rules)."""
+    return keep_rule(rule).rank(pa.table({"pair_id": np.asarray(pair_ids, np.int64), "cos": np.asarray(cos)}), seed)
 
 
 def keep_order(pair_ids: np.ndarray, rank: np.ndarray) -> np.ndarray:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from clusterscale.knobs import FRACTION, POSITIVE, ConfigError, Section, knob, zero_means
+from clusterscale.knobs import FRACTION, POSITIVE, ConfigError, Registry, Section, knob, zero_means
+
+# train.loss's choices: the classes clusterscale/train/losses/'s modules register (a new one is a module there).
+LOSSES = Registry("train.loss", "clusterscale.train.losses", first=("infonce", "clp"))
 
 
 @dataclass
@@ -30,7 +33,7 @@ class LossConfig(Section):
                                             bounds=zero_means("no labeled negatives"), added=True)
     loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
                                 "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
-                                "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", ("infonce", "clp"))
+                                "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", LOSSES)
     clp_lambda: float = knob(0.1, "Weight of the CLP penalty, in [0, 1) (paper: 0.1); used with loss=clp.",
                              bounds=FRACTION)
     matryoshka_dims: list = knob([], "Matryoshka: nested dimensions below the model's (e.g. [64, 128]); the loss "
@@ -50,13 +53,13 @@ class LossConfig(Section):
                 isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights):
             raise ConfigError(f"{self.key('matryoshka_weights')} must be [] or one non-negative number per "
                               f"{self.key('matryoshka_dims')} entry ({len(dims)}), got {weights!r}.")
-        if self.loss == "clp" and self.negatives_per_query < 1:
-            raise ConfigError(f"{self.key('loss')}=clp needs mined negatives: set {self.key('negatives_per_query')} "
-                              f">= 1 (e.g. 4) and run `clusterscale mine` before training.")
-        if self.loss == "clp" and self.negatives_curriculum_steps:
-            raise ConfigError(f"{self.key('negatives_curriculum_steps')}={self.negatives_curriculum_steps} leaves the "
-                              f"first steps without mined negatives, which {self.key('loss')}=clp's penalty needs at "
-                              f"every step: set it to 0, or use loss=infonce.")
+        loss = LOSSES.get(self.loss)  # train/losses/: its own rules
+        loss = loss() if isinstance(loss, type) else loss
+        if loss.needs_mined_negatives and self.negatives_per_query < 1:
+            raise ConfigError(f"{self.key('loss')}={self.loss} needs mined negatives: set "
+                              f"{self.key('negatives_per_query')} >= 1 (e.g. 4) and run `clusterscale mine` before "
+                              f"training.")
+        loss.check(self)
 
     def matryoshka_terms(self) -> list[tuple[int, float]]:
         """(dimension, weight) of each nested Matryoshka term, smallest first."""

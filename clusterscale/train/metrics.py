@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clusterscale.config import TrainConfig
+from clusterscale.train.loss_config import LossConfig
+from clusterscale.train.losses import loss as get_loss
 from clusterscale.io.layout import batches_path, collapse_path, metrics_path, train_dir
 from clusterscale.io.rundir import RunDir
 from clusterscale.train.schedule import GlobalBatch
@@ -219,11 +221,12 @@ class CollapseGuard:
         return self.verdict
 
 
-def chance_loss(global_batch_size: int, negatives_per_query: int = 0, loss: str = "infonce",
-                clp_lambda: float = 0.0) -> float:
-    """InfoNCE of an encoder that cannot tell texts apart: ln(candidates per query)."""
-    chance = math.log(global_batch_size * (1 + negatives_per_query))
-    return (1 - clp_lambda) * chance if loss == "clp" else chance
+def chance_loss(global_batch_size: int, objective: LossConfig | None = None) -> float:
+    """The loss of an encoder that cannot tell texts apart: InfoNCE's ln(candidates per query) with the objective's
+    mined negatives, as its train.loss counts it (train/losses: Loss.chance)."""
+    objective = objective or LossConfig()
+    chance = math.log(global_batch_size * (1 + objective.negatives_per_query))
+    return get_loss(objective.loss).chance(chance, objective)
 
 
 @dataclass(frozen=True)
@@ -291,8 +294,7 @@ class MetricsProcessor:
         logs, objective = tc.logging, tc.objective
         board = logs.tensorboard and rank == 0
         self.board = TensorBoardLog(run.path(train_dir(name), "tensorboard")) if board else None
-        self.guard = CollapseGuard(chance_loss(tc.schedule.global_batch_size, objective.negatives_per_query,
-                                               objective.loss, objective.clp_lambda),
+        self.guard = CollapseGuard(chance_loss(tc.schedule.global_batch_size, objective),
                                    tc.optimizer.warmup_steps, logs.log_every_steps)
         self.progress: dict = {}  # the latest figures, for Ray's reports
         self.started = self.last_print = time.time()

@@ -1,8 +1,8 @@
 """One contrastive gradient step on this rank's slice of a global batch (plain torch; Ray only wraps it).
 
-`contrastive_backward` embeds the queries, passages and optional mined negatives, computes InfoNCE
-against every rank's passages and negatives (plus the CLP penalty with `loss="clp"`) and accumulates
-the parameter gradients, directly or with GradCache. The caller owns the optimizer; tests call this
+`contrastive_backward` embeds the queries, passages and optional mined negatives (and, for a loss that needs them,
+each negative's own query), computes train.loss on them (train/losses/: InfoNCE against every rank's passages and
+negatives, or CLP's) and accumulates the parameter gradients, directly or with GradCache. The caller owns the optimizer; tests call this
 function on a 2-rank gloo group and compare with one process.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from clusterscale.config import ConfigError, TrainConfig
 from clusterscale.train.gradcache import grad_cache_backward
-from clusterscale.train.loss import EMPTY_SLOT_KEY, NO_QUERY_KEY, clp_penalty, clp_usable, info_nce
+from clusterscale.train.loss import EMPTY_SLOT_KEY, NO_QUERY_KEY, clp_usable
+from clusterscale.train.losses import Loss, LossInputs, loss as get_loss
 from clusterscale.modeling.student import embed, text_keys
 from clusterscale.modeling.moe import MoeChunkAux, moe_aux_loss
 
@@ -34,14 +35,12 @@ def negative_query_keys(negative_queries: list[str | None] | None, num_negatives
     return keys
 
 
-def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list | None, loss: str) -> int:
+def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list | None, loss: Loss) -> int:
     """M, the mined negatives per query (0 = none); errors name the setting to fix."""
-    if loss not in ("infonce", "clp"):
-        raise ValueError(f"train.loss must be 'infonce' or 'clp', got {loss!r}.")
     if not negatives:
-        if loss == "clp":
-            raise ValueError("train.loss=clp needs mined negatives: set train.negatives_per_query >= 1 and run "
-                             "`clusterscale mine` first.")
+        if loss.needs_mined_negatives:
+            raise ValueError(f"train.loss={loss.name} needs mined negatives: set train.negatives_per_query >= 1 and "
+                             f"run `clusterscale mine` first.")
         return 0
     if len(negatives) % n:
         raise ValueError(f"contrastive_backward: {len(negatives)} negatives for {n} queries; pass M per query "
@@ -49,8 +48,9 @@ def _check_negatives(n: int, negatives: list[str] | None, negative_queries: list
     if negative_queries is not None and len(negative_queries) != len(negatives):
         raise ValueError(f"contrastive_backward: {len(negative_queries)} negative_queries for {len(negatives)} "
                          f"negatives; pass one (or None) per negative.")
-    if loss == "clp" and negative_queries is None:
-        raise ValueError("train.loss=clp needs negative_queries: the query of each mined negative's own pair.")
+    if loss.needs_negative_queries and negative_queries is None:
+        raise ValueError(f"train.loss={loss.name} needs negative_queries: the query of each mined negative's own "
+                         f"pair.")
     return len(negatives) // n
 
 
@@ -81,8 +81,9 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
                          "not 'auto'.")
     chunk, aux_weight = tc.compute.grad_cache_chunk, tc.moe.moe_aux_loss_weight
     n = len(queries)
-    m = _check_negatives(n, negatives, negative_queries, objective.loss)
-    clp = objective.loss == "clp"
+    loss_of = get_loss(objective.loss)  # train/losses/: an unknown name is a ConfigError naming them
+    m = _check_negatives(n, negatives, negative_queries, loss_of)
+    clp = bool(m) and loss_of.needs_negative_queries  # embeds each negative's own query
     counters: dict = {"tokens": 0}
     moe_aux_loss(model)  # drop MoE routing records left by any earlier forward
     query_keys, passage_keys = text_keys(queries).to(device), text_keys(passages).to(device)
@@ -119,13 +120,8 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
 
     def one_loss(q: torch.Tensor, p: torch.Tensor, neg: torch.Tensor | None = None,
                  own_queries: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        loss, stats = info_nce(q, p, objective.temperature, query_keys, passage_keys, objective.symmetric,
-                               neg, neg_keys, neg_query_keys)
-        if clp:
-            term, clp_stats = clp_penalty(neg[usable], own_queries[usable])
-            loss = (1.0 - objective.clp_lambda) * loss + objective.clp_lambda * term
-            stats.update(clp_stats)
-        return loss, stats
+        return loss_of(LossInputs(q, p, neg, own_queries, query_keys, passage_keys, neg_keys, neg_query_keys,
+                                  usable), objective)
 
     def loss_fn(*embeddings: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """The loss at the full dimension (its figures are the step's), plus each Matryoshka term's: the same loss

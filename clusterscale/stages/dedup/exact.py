@@ -9,6 +9,7 @@ from clusterscale.config import DedupConfig
 from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.hashing import splitmix64
+from clusterscale.runtime.keep_rules import keep_rule
 from clusterscale.stages.dedup.heldout import heldout_text_leaks
 from clusterscale.stages.dedup.partitions import BlockPlan
 
@@ -32,7 +33,7 @@ def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.n
     leaked = leak_of >= 0
     columns = {
         "key_hi": keys[:, 0], "key_lo": keys[:, 1],
-        "rank": core.keep_rank(pair_ids, batch.column("cos").to_numpy(), dc.keep, dc.seed),
+        "rank": np.asarray(keep_rule(dc.keep).rank(batch, dc.seed), np.float64),
         "bucket": bucket_keys[(splitmix64(keys[:, 0]) % np.uint64(len(bucket_keys))).astype(np.int64)],
         "part": (cluster_keys[batch.column("cluster").to_numpy()] if isinstance(cluster_keys, np.ndarray)
                  else cluster_keys.row_keys(batch.column("cluster").to_numpy(), pair_ids)),
