@@ -221,11 +221,12 @@ def test_ray_assign_streams_every_row(synthetic_run, fits):
     assert {f: open(f, "rb").read() for f in files} == whole
 
 
-@pytest.mark.parametrize("side", ["query", "mean"])
-def test_cluster_side_fits_and_assigns_the_chosen_vectors(tmp_path, synthetic_run, ray_local, side):
+@pytest.mark.parametrize("side, dims", [("query", 0), ("mean", 16)])
+def test_cluster_side_fits_and_assigns_the_chosen_vectors(tmp_path, synthetic_run, ray_local, side, dims):
     """cluster.side=query fits and assigns `emb_query`, mean their normalised sum with `emb`: the centroids are the
     core's fit on those vectors (as read back, fp16), every row goes to the nearest of them by that vector, and the
-    passage side gives other centroids."""
+    passage side gives other centroids. With cluster.dims=16 (of 24) all of it on each vector's first 16 dimensions,
+    re-normalised; a cluster.dims wider than the embeddings is refused by name."""
     from clusterscale.runtime.vectors import clustered_matrix
 
     _, x = synthetic_run
@@ -233,19 +234,25 @@ def test_cluster_side_fits_and_assigns_the_chosen_vectors(tmp_path, synthetic_ru
     run = RunDir(str(tmp_path / "run"))
     write_embeddings_stage(run, x, rows_per_file=1000, queries=q)
     keys = ["data.path=unused.parquet", "embed.side=both", f"cluster.side={side}", "cluster.k=10", "cluster.niter=8",
-            "cluster.seed=3", "cluster.num_workers=1", "cluster.fit_sample=all"]
+            "cluster.seed=3", "cluster.num_workers=1", "cluster.fit_sample=all", f"cluster.dims={dims}"]
     cfg = config_mod.load(None, keys)
     centroids, _ = fit_in(run, cfg)
+    assert centroids.shape == (10, dims or 24)
     table = pa.concat_tables([pq.read_table(f) for f in run.files("embeddings")])
-    chosen = clustered_matrix(table, side)
+    chosen = clustered_matrix(table, side, dims)
     reference, _ = fit_spherical_kmeans(chosen, 10, 8, 3, ids=table.column("pair_id").to_numpy())
     np.testing.assert_array_equal(centroids, reference)
-    passage, _ = fit_spherical_kmeans(clustered_matrix(table, "passage"), 10, 8, 3,
+    passage, _ = fit_spherical_kmeans(clustered_matrix(table, "passage", dims), 10, 8, 3,
                                       ids=table.column("pair_id").to_numpy())
     assert not np.allclose(centroids, passage)
     run_stage("assign", cfg, run)
     assigned = pa.concat_tables([pq.read_table(f) for f in run.files(assign_dir(10))])
-    expected = np.argmax(clustered_matrix(assigned, side) @ centroids.T, axis=1)
+    expected = np.argmax(clustered_matrix(assigned, side, dims) @ centroids.T, axis=1)
     np.testing.assert_array_equal(assigned.column("cluster").to_numpy(), expected)
+    if dims:
+        from clusterscale.runtime.kmeans_core import ClusteringError
+
+        with pytest.raises(ClusteringError, match="cluster.dims=32 is more than the embeddings. 24 dimensions"):
+            fit_in(run, config_mod.load(None, keys[:-1] + ["cluster.dims=32"]))
     with pytest.raises(config_mod.ConfigError, match="cluster.side=query .* embed.side=passage"):
         config_mod.load(None, ["cluster.side=query"])

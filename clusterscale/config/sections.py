@@ -104,6 +104,11 @@ class ClusterConfig(Section):
                                 "(`emb_query`) or 'mean' (the normalised sum of both, as the paper's footnote "
                                 "discusses); 'query' and 'mean' need embed.side=both.", ("passage", "query", "mean"),
                      added=True)
+    dims: int = knob(0, "Cluster, deduplicate and mine on the first d dimensions of the frozen embeddings, "
+                        "re-normalised (a Matryoshka-trained encoder's smaller embedding): fit, assign, shard's "
+                        "statistics, dedup's semantic pass, mine's probing and search, and evaluate's per-cluster "
+                        "breakdown; their cost falls about in proportion (benchmarks/RESULTS.md, Matryoshka "
+                        "preprocessing). 0 = every dimension.", bounds=zero_means("every dimension"), added=True)
     niter: int = knob(20, "Lloyd iterations.", bounds=POSITIVE)
     seed: int = knob(0, "Seed of the fit sample, the initial centroids and the shard shuffles.")
     max_points_per_centroid: int = knob(256, "Fit sample = about min(N, this x k) rows (seeded row groups of "

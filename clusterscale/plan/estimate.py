@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
-from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, embed_files, fit_sample_rows, group_sizes,
-                                     search_work, semantic_work, shard_files, shard_sizes, shuffle_work, stage_work,
-                                     train_shape)
+from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, cluster_dim, embed_files, fit_sample_rows,
+                                     group_sizes, search_work, semantic_work, shard_files, shard_sizes, shuffle_work,
+                                     stage_work, train_shape)
 from clusterscale.io.layout import HELDOUT_EMBEDDINGS
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
@@ -164,7 +164,8 @@ class Planner:
 
     def task_bytes(self, stage: str) -> tuple[float, float]:
         """(largest task / actor / rank, driver) bytes of data a stage holds, by the rule the stage sizes with."""
-        cfg, shape, d, k = self.cfg, self.shape, self.shape.dim, self.shape.k
+        cfg, shape, k = self.cfg, self.shape, self.shape.k
+        d = cluster_dim(cfg, shape)  # what fit, assign, shard's sums, dedup and mine hold (cluster.dims)
         centroids = k * d * 4.0
         if stage == "ingest":
             return cfg.data.rows_per_part * self.text_bytes * 2, 0.0
@@ -195,7 +196,7 @@ class Planner:
         if stage == "train":
             return self.rank_bytes(), 0.0
         if stage == "evaluate":  # the encoder's vectors; the driver: the eval set's texts (stages/eval_set.py)
-            return self.eval_texts() * d * 4.0, self.eval_texts() * self.text_bytes
+            return self.eval_texts() * shape.dim * 4.0, self.eval_texts() * self.text_bytes
         return 0.0, 0.0
 
     def rank_bytes(self) -> float:
@@ -222,7 +223,7 @@ class Planner:
             files = embed_files(cfg, shape, self.embed_actors())
             return {"embeddings": shape.train_rows * self.embedding_row_bytes}, files.items
         if stage == "fit":
-            return {f"kmeans/k={k}": k * shape.dim * 4.0}, 2
+            return {f"kmeans/k={k}": k * cluster_dim(cfg, shape) * 4.0}, 2
         if stage == "assign":
             files = assign_files(embed_files(cfg, shape, self.embed_actors()))
             return {f"assign/k={k}": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)}, files
@@ -262,7 +263,7 @@ class Planner:
         if stage == "shard":
             return n * (self.text_bytes + (2 * dim if self.cfg.shard.keep_emb else 0)), n * row
         if stage == "mine":  # a routed copy is one fp16 vector and its keys, no text (stages/mine.shuffles)
-            copies = n * (1 + min(self.cfg.mine.nprobe, self.shape.k))
+            copies, dim = n * (1 + min(self.cfg.mine.nprobe, self.shape.k)), cluster_dim(self.cfg, self.shape)
             return copies * (2 * dim + ROUTED_ROW_BYTES), copies * (2 * dim + ROUTED_ROW_BYTES)
         if stage == "dedup":
             return n * row * (2 if self.cfg.dedup.exact else 1), n * row
@@ -290,7 +291,7 @@ class Planner:
         rate = self.rates.semantic_cpu_s_per_row_row_d
         if stage == "dedup" and rate and semantic_work(stage, cfg, shape):
             spread = rate * semantic_work(stage, cfg, shape) / max(1, cpus)
-            seconds += max(0.0, rate * float(self.shards.largest) ** 2 * shape.dim - spread)
+            seconds += max(0.0, rate * float(self.shards.largest) ** 2 * cluster_dim(cfg, shape) - spread)
         return seconds
 
     def shuffle(self, stage: str) -> tuple[float, float]:

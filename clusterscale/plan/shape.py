@@ -159,12 +159,18 @@ def fit_sample_rows(cfg: Config, shape: RunShape) -> int:
 
 
 # --- work: what each stage's time is proportional to ------------------------------------------------------
+def cluster_dim(cfg: Config, shape: RunShape) -> int:
+    """The dimensions fit, assign, dedup and mine compare: cluster.dims when set (the frozen vectors truncated),
+    else the embeddings'."""
+    return min(shape.dim, cfg.cluster.dims) if cfg.cluster.dims else shape.dim
+
+
 def search_work(stage: str, cfg: Config, shape: RunShape) -> float:
     """Rows x centroids x dimensions of a stage's nearest-centroid searches (0 for a stage without one)."""
     if stage == "fit":
-        return float(fit_sample_rows(cfg, shape)) * shape.k * shape.dim * cfg.cluster.niter
+        return float(fit_sample_rows(cfg, shape)) * shape.k * cluster_dim(cfg, shape) * cfg.cluster.niter
     if stage == "assign":
-        return float(shape.train_rows) * shape.k * shape.dim
+        return float(shape.train_rows) * shape.k * cluster_dim(cfg, shape)
     return 0.0
 
 
@@ -201,7 +207,7 @@ def semantic_work(stage: str, cfg: Config, shape: RunShape) -> float:
     runtime/dedup_core.semantic_greedy), at the rate `plan --calibrate` measures on that function; 0 otherwise."""
     if stage != "dedup" or not cfg.dedup.semantic_threshold:
         return 0.0
-    return float(shape.train_rows) * (shape.train_rows / shape.k) * shape.dim
+    return float(shape.train_rows) * (shape.train_rows / shape.k) * cluster_dim(cfg, shape)
 
 
 def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:
@@ -209,7 +215,7 @@ def stage_work(stage: str, cfg: Config, shape: RunShape) -> float:
     times, and the sample rows the fit reads (the nearest-centroid searches, rows x k x d in assign and sample x k
     x d x niter in the fit, are search_work(), at faiss's calibrated rate; dedup's semantic pass is semantic_work());
     rows x (rows per searched cluster) x d for mine's in-cluster searches."""
-    n, k, d = shape.train_rows, shape.k, shape.dim
+    n, k, d = shape.train_rows, shape.k, cluster_dim(cfg, shape)
     if stage == "fit":
         return float(fit_sample_rows(cfg, shape))
     if stage == "mine":

@@ -83,10 +83,10 @@ def choose_sample_units(units: list[RowGroupUnit], wanted_rows: int, seed: int,
     return [units[i] for i in sorted(chosen)], min(1.0, wanted_rows / rows)
 
 
-def read_sample_rows(run: RunDir, units: list[RowGroupUnit], keep_fraction: float, seed: int, side: str = "passage"
-                     ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The kept rows of `units`: (pair_ids, [float32 matrices] of cluster.side's vectors); only kept rows are
-    converted from fp16."""
+def read_sample_rows(run: RunDir, units: list[RowGroupUnit], keep_fraction: float, seed: int, side: str = "passage",
+                     dims: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The kept rows of `units`: (pair_ids, [float32 matrices] of cluster.side's vectors, on their first cluster.dims
+    dimensions when set); only kept rows are converted from fp16."""
     ids, chunks = [], []
     for unit in units:
         with run.fs.open_input_file(unit.path) as f:
@@ -95,5 +95,5 @@ def read_sample_rows(run: RunDir, units: list[RowGroupUnit], keep_fraction: floa
         keep = hash_unit(pid, salt=seed) < keep_fraction if keep_fraction < 1 else np.ones(len(pid), bool)
         if keep.any():
             ids.append(pid[keep])
-            chunks.append(clustered_matrix(table.filter(pa.array(keep)), side))
+            chunks.append(clustered_matrix(table.filter(pa.array(keep)), side, dims))
     return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), chunks

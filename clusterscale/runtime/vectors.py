@@ -20,16 +20,51 @@ SIDE_COLUMNS = {"passage": ("emb",), "query": ("emb_query",), "mean": ("emb", "e
 """The columns of embeddings/ (and assign/) each cluster.side reads."""
 
 
-def clustered_matrix(table: pa.Table, side: str = "passage") -> np.ndarray:
+def clustered_matrix(table: pa.Table, side: str = "passage", dims: int = 0) -> np.ndarray:
     """(n, d) float32 vectors that cluster.side clusters: the passage's `emb`, the query's `emb_query`, or their
-    normalised sum ('mean')."""
+    normalised sum ('mean'); with cluster.dims, each on its first `dims` dimensions (truncated)."""
     if side == "passage":
-        return emb_matrix(table.column("emb"))
+        return truncated(emb_matrix(table.column("emb")), dims)
     if side == "query":
-        return emb_matrix(table.column("emb_query"))
-    x = emb_matrix(table.column("emb")) + emb_matrix(table.column("emb_query"))
+        return truncated(emb_matrix(table.column("emb_query")), dims)
+    x = truncated(emb_matrix(table.column("emb")), dims) + truncated(emb_matrix(table.column("emb_query")), dims)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.where(norms > 0, norms, 1)
+
+
+def truncated(x: np.ndarray, dims: int) -> np.ndarray:
+    """cluster.dims: the first `dims` dimensions of every row, re-normalised (a Matryoshka encoder's smaller
+    embedding); dims = 0 or the full width: x itself."""
+    if not dims or dims == x.shape[1]:
+        return x
+    if dims > x.shape[1]:
+        raise ValueError(f"cluster.dims={dims} is more than the embeddings' {x.shape[1]} dimensions: set it to at most "
+                         f"{x.shape[1]} (0 = all).")
+    head = x[:, :dims]
+    norms = np.linalg.norm(head.astype(np.float32), axis=1, keepdims=True)
+    return (head / np.where(norms > 0, norms, 1)).astype(x.dtype, copy=False)
+
+
+VECTOR_COLUMNS = ("emb", "emb_query")
+
+
+def truncated_columns(table: pa.Table, dims: int) -> pa.Table:
+    """table with its vector columns (emb, emb_query) on their first `dims` dimensions (truncated): what dedup
+    compares and moves with cluster.dims. dims = 0: table itself."""
+    for name in VECTOR_COLUMNS:
+        if dims and name in table.column_names and table.schema.field(name).type.list_size != dims:
+            at = table.schema.get_field_index(name)
+            table = table.set_column(at, name, emb_array(truncated(emb_matrix(table.column(name)), dims)))
+    return table
+
+
+def truncated_schema(schema: pa.Schema, dims: int) -> pa.Schema:
+    """schema with its vector columns' width `dims` (as truncated_columns writes them); dims = 0: schema itself."""
+    for name in VECTOR_COLUMNS:
+        if dims and name in schema.names:
+            at = schema.get_field_index(name)
+            schema = schema.set(at, pa.field(name, pa.list_(pa.float16(), dims)))
+    return schema
 
 
 def emb_matrix(column: pa.ChunkedArray | pa.Array, dtype=np.float32) -> np.ndarray:

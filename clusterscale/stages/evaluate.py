@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
+from clusterscale.runtime.vectors import truncated
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.eval_set import EVAL_SALT, distractor_passages, heldout_queries
 from clusterscale.stages.kmeans import load_centroids
@@ -286,6 +287,8 @@ def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) 
     passages = eval_set["passages"] if side in ("passage", "mean") else []
     q, p = encoders.encode(cfg.embed.model, cfg.embed.pooling, (cfg.embed.max_length,) * 2, queries, passages,
                            cfg.eval.batch_size, frozen_prompts(cfg.embed))  # as embed/ embedded each side
+    dims = cfg.cluster.dims  # on the dimensions the centroids were fit on, as runtime/vectors.clustered_matrix
+    q, p = (truncated(np.asarray(x, np.float32), dims) if len(x) else x for x in (q, p))
     vectors = {"query": q, "passage": p}.get(side)
     if vectors is None:  # mean: as runtime/vectors.clustered_matrix
         vectors = q + p

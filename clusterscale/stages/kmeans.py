@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from clusterscale.config import Config
 from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
@@ -52,9 +53,9 @@ def split_units(units: list[RowGroupUnit], workers: int) -> list[list[RowGroupUn
 
 
 def read_sample_slice(run_uri: str, units: list[RowGroupUnit], keep_fraction: float, seed: int,
-                      side: str = "passage") -> tuple[np.ndarray, list]:
+                      side: str = "passage", dims: int = 0) -> tuple[np.ndarray, list]:
     """One worker's part of the fit sample (runs in the actor): see clusterscale/runtime/fit_sample.py."""
-    return read_sample_rows(RunDir(run_uri), units, keep_fraction, seed, side)
+    return read_sample_rows(RunDir(run_uri), units, keep_fraction, seed, side, dims)
 
 
 class SampleShard:
@@ -140,6 +141,19 @@ def embedded_units(run: RunDir) -> list[RowGroupUnit]:
     return units
 
 
+def check_cluster_dims(cfg: Config, run: RunDir, path: str) -> None:
+    """cluster.dims must not exceed the embeddings' width (path: an embeddings/ file; checked on the driver, before
+    any actor reads)."""
+    dims = cfg.cluster.dims
+    if not dims:
+        return
+    with run.fs.open_input_file(path) as f:
+        width = pq.read_schema(f).field("emb").type.list_size
+    if dims > width:
+        raise ClusteringError(f"cluster.dims={dims} is more than the embeddings' {width} dimensions: set it to at "
+                              f"most {width} (0 = every dimension).")
+
+
 def run_fit(ctx: StageContext) -> StageResult:
     """Fit spherical k-means on a seeded sample of embeddings/ into kmeans/k=<k>/ (centroids, fit_stats)."""
     cfg, run = ctx.cfg, ctx.run
@@ -159,8 +173,9 @@ def run_fit(ctx: StageContext) -> StageResult:
     backend = cfg.ray.vector_backend
     plan = fit_resources(ctx.resources, cfg.cluster.num_workers, len(sample_units), backend)
     slices = split_units(sample_units, plan.actors)
-    loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed, cfg.cluster.side)
-             for s in slices]
+    check_cluster_dims(cfg, run, units[0].path)
+    loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed, cfg.cluster.side,
+                               cfg.cluster.dims) for s in slices]
     actors = start_sample_shards(loads, plan, backend)
     try:
         descriptions = ray.get([a.describe.remote() for a in actors])
@@ -203,14 +218,15 @@ class AssignIndex:
     nprobe: int = 1
     backend: str = "faiss"
     side: str = "passage"  # cluster.side: which vector of a row is assigned (runtime/vectors.clustered_matrix)
+    dims: int = 0  # cluster.dims: on its first dims dimensions (0 = all)
 
 
 def build_assign_index(centroids: np.ndarray, kind: str, nprobe: int, backend: str = "faiss",
-                       side: str = "passage") -> AssignIndex:
+                       side: str = "passage", dims: int = 0) -> AssignIndex:
     k = centroids.shape[0]
     if kind == "auto":
         kind = "ivf" if k >= 10_000 else "flat"
-    return AssignIndex(np.ascontiguousarray(centroids, dtype=np.float32), kind, nprobe, backend, side)
+    return AssignIndex(np.ascontiguousarray(centroids, dtype=np.float32), kind, nprobe, backend, side, dims)
 
 
 class AssignBatches:
@@ -219,12 +235,12 @@ class AssignBatches:
 
     def __init__(self, spec: AssignIndex):
         """spec: build_assign_index's."""
-        self.centroids, self.side = spec.centroids, spec.side
+        self.centroids, self.side, self.dims = spec.centroids, spec.side, spec.dims
         self.index = build_index(spec.centroids, spec.backend, bool(ray.is_initialized() and ray.get_gpu_ids()),
                                  spec.kind, nlist=max(1, int(math.sqrt(len(spec.centroids)))), nprobe=spec.nprobe)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        x = clustered_matrix(batch, self.side)
+        x = clustered_matrix(batch, self.side, self.dims)
         check_vectors(x, "embeddings/", dim=self.centroids.shape[1])
         sims, labels = top_k(self.index, self.centroids, x, 1)
         if (labels < 0).any():  # IVF with too small nprobe can find no list for a row
@@ -289,7 +305,7 @@ def run_assign(ctx: StageContext) -> StageResult:
     out = assign_dir(k)
     started = time.time()
     index = build_assign_index(load_centroids(run, k), cfg.cluster.assign_index, cfg.cluster.ivf_nprobe,
-                               cfg.ray.vector_backend, cfg.cluster.side)
+                               cfg.ray.vector_backend, cfg.cluster.side, cfg.cluster.dims)
     n_rows = run.done_stats("embeddings")["rows"]
     cluster = ClusterResources.current()
     # Fractional CPUs leave room for the read tasks (whole-CPU actors deadlock Ray Data on small boxes).

@@ -177,15 +177,19 @@ def _count(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> pa.Table:
 
 
 def vector_layout(run: RunDir, source: RunDir, cfg: Config, encoder: str | None) -> tuple[int, int]:
-    """(d, bytes per stored value) of the vectors mine routes: float16 only when both passage and query vectors
-    are stored as float16 (mine_search._vector_dtype); queries embedded during the stage are float32."""
+    """(d, bytes per stored value) of the vectors mine routes (d: cluster.dims for the frozen vectors when set):
+    float16 only when both passage and query vectors are stored as float16 (mine_search._vector_dtype); queries
+    embedded during the stage are float32."""
     folder = "embeddings" if encoder is not None else assign_dir(cfg.cluster.k)
     files = (source if encoder is not None else run).files(folder)
     with (source if encoder is not None else run).fs.open_input_file(files[0]) as f:
         schema = pq.read_schema(f)
     types = [schema.field(c).type for c in ("emb", "emb_query") if c in schema.names]
     half = len(types) == 2 and all(t.value_type == pa.float16() for t in types)
-    return types[0].list_size, 2 if half else 4
+    width = types[0].list_size
+    if encoder is None and cfg.cluster.dims:  # the frozen vectors are routed on cluster.dims (mine_search.route_rows)
+        width = min(width, cfg.cluster.dims)
+    return width, 2 if half else 4
 
 
 def group_bounds(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, k: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from clusterscale.config import MineConfig
 from clusterscale.runtime.vector_search import build_index as build_vector_index, top_k
 from clusterscale.runtime.hashing import splitmix64, text_hashes
-from clusterscale.runtime.vectors import emb_matrix
+from clusterscale.runtime.vectors import emb_matrix, truncated
 
 PASSAGE, QUERY = 0, 1  # the `kind` of a routed row
 DROP_REASONS = ("positive", "duplicate", "margin")
@@ -155,12 +155,14 @@ def _expand(repeats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def cluster_counts(batch: pa.Table, centroids: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray | None]:
     """(passages, queries) per cluster in a batch of assign/ rows: passages by `cluster`; queries by the
-    clusters each `emb_query` probes (None when the batch has no query vectors)."""
+    clusters each `emb_query` probes (None when the batch has no query vectors); with cluster.dims, on the
+    centroids' first dimensions."""
     own = batch.column("cluster").to_numpy().astype(np.int64)
     passages = np.bincount(own, minlength=len(centroids))
     if "emb_query" not in batch.column_names:
         return passages, None
-    probes = probed_clusters(emb_matrix(batch.column("emb_query")), own, centroids, nprobe, True)
+    queries = truncated(emb_matrix(batch.column("emb_query")), np.asarray(centroids).shape[1])
+    probes = probed_clusters(queries, own, centroids, nprobe, True)
     return passages, np.bincount(probes.reshape(-1), minlength=len(centroids))
 
 
@@ -212,6 +214,9 @@ def route_rows(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bo
     own = batch.column("cluster").to_numpy().astype(np.int64)
     dtype = _vector_dtype(batch.column("emb"), batch.column("emb_query"))
     p, q = emb_matrix(batch.column("emb"), dtype), emb_matrix(batch.column("emb_query"), dtype)
+    if by_query:  # the frozen vectors: with cluster.dims, probed and searched on the centroids' dimensions
+        width = np.asarray(centroids).shape[1]
+        p, q = truncated(p, width), truncated(q, width)
     probes = probed_clusters(q, own, centroids, nprobe, by_query)
     pos = np.einsum("ij,ij->i", q.astype(np.float32), p.astype(np.float32)).astype(np.float32)
     p_rows, p_groups = groups.passage_copies(own, pair_ids)

@@ -89,13 +89,13 @@ class ClusterStats:
     vector_sum: np.ndarray
 
 
-def block_cluster_stats(batch: pa.Table, side: str = "passage") -> pa.Table:
+def block_cluster_stats(batch: pa.Table, side: str = "passage", dims: int = 0) -> pa.Table:
     """Map step: one row per cluster present in the batch, with its row count, cos sum and fp64 sum of the vectors
-    cluster.side clusters."""
+    cluster.side clusters (on cluster.dims)."""
     labels = batch.column("cluster").to_numpy()
     order = np.argsort(labels, kind="stable")
     present, starts = np.unique(labels[order], return_index=True)
-    emb = clustered_matrix(batch, side)[order]
+    emb = clustered_matrix(batch, side, dims)[order]
     vector_sum = np.add.reduceat(emb, starts, axis=0, dtype=np.float64) if len(order) else emb.astype(np.float64)
     cos = batch.column("cos").to_numpy().astype(np.float64)[order]
     return pa.table({"cluster": present.astype(np.int64), "rows": np.diff(np.append(starts, len(order))),
@@ -137,7 +137,7 @@ def _add_blocks(k: int, *blocks: pa.Table) -> tuple[int, ClusterStats | None]:
     return (0 if total is None else int(total.rows.sum())), total
 
 
-def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str, side: str = "passage") -> ClusterStats:
+def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str, side: str = "passage", dims: int = 0) -> ClusterStats:
     """Per-cluster sums from a Ray Data pass over cluster, cos and emb only of `folder`'s rows, added up in Ray
     tasks: each task adds STATS_FAN_IN blocks' (or partial sums') k x d float64 sums as they stream in, and the
     driver receives the one k x d total (the blocks' sums, ~75 GB at 100M rows and k = 1,000, stay in tasks)."""
@@ -145,7 +145,8 @@ def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str, side: str = "pa
     # One read block (a Parquet row group: 8,192 rows as assign writes them) per call, fused into the read task. A
     # batch_size larger than a block made Ray Data assemble batches in a separate worker whose heap grew with N
     # (469 -> 678 MB at 150k -> 600k rows; 218 -> 228 MB this way).
-    ds = ds.map_batches(block_cluster_stats, fn_kwargs={"side": side}, batch_size=None, batch_format="pyarrow")
+    ds = ds.map_batches(block_cluster_stats, fn_kwargs={"side": side, "dims": dims}, batch_size=None,
+                        batch_format="pyarrow")
     add_blocks = ray.remote(num_returns=2)(_add_blocks)
     add_partials = ray.remote(add_stats)
     blocks, partials, counts = [], [], []
@@ -383,7 +384,7 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
     # another config's attempt is refused, a fresh plan clears the folder.
     load_or_make_plan(run, folder, f"{folder}/{PLAN_FILE}", fingerprint, "sharding", lambda: {"units": []})
     n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
-    sums = cluster_stats(run, k, n_assigned or 0, source, cfg.cluster.side)
+    sums = cluster_stats(run, k, n_assigned or 0, source, cfg.cluster.side, cfg.cluster.dims)
     counts = sums.rows
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.schedule.global_batch_size, cfg.shard.small_cluster_policy)

@@ -10,6 +10,7 @@ from clusterscale.runtime import dedup_core as core
 from clusterscale.runtime.bounded_data import release_freed_memory
 from clusterscale.runtime.hashing import splitmix64
 from clusterscale.runtime.keep_rules import keep_rule
+from clusterscale.runtime.vectors import truncated_columns
 from clusterscale.stages.dedup.heldout import heldout_text_leaks
 from clusterscale.stages.dedup.partitions import BlockPlan
 
@@ -21,11 +22,13 @@ MARK_FIELDS = [pa.field("key_hi", pa.int64()), pa.field("key_lo", pa.int64()), p
 
 
 def mark_rows(batch: pa.Table, dc: DedupConfig, heldout: dict, bucket_keys: np.ndarray,
-              cluster_keys: np.ndarray | BlockPlan) -> pa.Table:
+              cluster_keys: np.ndarray | BlockPlan, dims: int = 0) -> pa.Table:
     """Map step: every row gains key_hi, key_lo (its text key), rank (keep order), bucket (the exact step's
     shuffle key: the stand-in in bucket_keys of a hash bucket of the text key), part (the cluster step's: the
     stand-in in cluster_keys of its cluster, or the BlockPlan's key of its block), reason (KEPT, or HELDOUT_LEAK
-    by text), duplicate_of, similarity and best (set by the semantic pass)."""
+    by text), duplicate_of, similarity and best (set by the semantic pass). dims (cluster.dims): the vectors are
+    truncated to their first dims dimensions here, so the semantic pass compares (and the shuffles move) those."""
+    batch = truncated_columns(batch, dims)
     pair_ids = batch.column("pair_id").to_numpy()
     keys = core.text_keys(core.pair_texts(batch.column("query").to_pylist(), batch.column("passage").to_pylist(),
                                           dc.key))

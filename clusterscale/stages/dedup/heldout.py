@@ -10,7 +10,7 @@ from clusterscale.config import Config, DedupConfig
 from clusterscale.errors import UserError
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime import dedup_core as core
-from clusterscale.runtime.vectors import emb_array, emb_matrix
+from clusterscale.runtime.vectors import emb_array, emb_matrix, truncated
 from clusterscale.stages.synthetic import synthetic_embeddings
 
 
@@ -84,8 +84,11 @@ def route_heldout(batch: pa.Table, centroids: np.ndarray, nprobe: int, schema: p
     """Map step over heldout/: each held-out pair once per cluster among its `nprobe` nearest centroids (by its
     'emb'), as a row of the marked training rows' `schema` with reason HELDOUT_PROBE, its pair_id, vectors and the
     cluster's shuffle key `part` (cluster_keys: see mark_rows; a split cluster's held-out partition with a
-    BlockPlan; other columns null), so it travels through the cluster shuffle to exactly those clusters."""
-    vectors = {c: emb_matrix(batch.column(c)) for c in batch.column_names if c in ("emb", "emb_query")}
+    BlockPlan; other columns null), so it travels through the cluster shuffle to exactly those clusters. With
+    cluster.dims the vectors are truncated to the centroids' width, as mark_rows truncates the training rows'."""
+    width = np.asarray(centroids).shape[1]
+    vectors = {c: truncated(emb_matrix(batch.column(c)), width)
+               for c in batch.column_names if c in ("emb", "emb_query")}
     n, nprobe = batch.num_rows, min(nprobe, len(centroids))
     sims = vectors["emb"] @ np.asarray(centroids, np.float32).T
     probes = np.argpartition(-sims, nprobe - 1, axis=1)[:, :nprobe] if n else np.zeros((0, nprobe), np.int64)

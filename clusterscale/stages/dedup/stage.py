@@ -30,6 +30,7 @@ from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.vector_search import wants_gpus
+from clusterscale.runtime.vectors import truncated_schema
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
 from clusterscale.stages.dedup.exact import MARK_FIELDS, mark_rows, resolve_exact
 from clusterscale.stages.dedup.heldout import heldout_vector_source, load_heldout_keys, route_heldout, vector_columns
@@ -89,6 +90,7 @@ def _block_plan(cfg: Config, run: RunDir, files: list[str], footer: pq.FileMetaD
     uncompressed size, and its float32 vector) and, when some cluster may be larger, the rows of each cluster id (a
     pass over assign/'s cluster column): a cluster with more rows is split into blocks (stages/dedup/blocks.py)."""
     d = footer.schema.to_arrow_schema().field("emb").type.list_size
+    d = min(d, cfg.cluster.dims) if cfg.cluster.dims else d  # the semantic pass compares cluster.dims
     row_bytes = (footer.row_group(0).total_byte_size / max(footer.row_group(0).num_rows, 1)
                  if footer.num_row_groups else 0.0) + 4 * d
     limit = group_rows_limit(cfg.dedup, row_bytes)
@@ -125,7 +127,8 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
     files = run.files(assign_dir(cfg.cluster.k))
     with run.fs.open_input_file(files[0]) as f:
         footer = pq.read_metadata(f)
-    schema = footer.schema.to_arrow_schema().remove_metadata()
+    # The rows as dedup moves them: with cluster.dims, the vectors truncated (exact.mark_rows)
+    schema = truncated_schema(footer.schema.to_arrow_schema().remove_metadata(), cfg.cluster.dims)
     columns = schema.names
     stored = load_or_make_plan(run, DEDUP, PLAN, fingerprint, "dedup",
                                lambda: _block_plan(cfg, run, files, footer, n_rows))
@@ -157,7 +160,7 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
     with bounded_shuffle_maps(shuffle_for(cfg.ray, run, files, n_rows)):  # 64 MiB maps (runtime/bounded_data)
         ds = read_row_groups(run, files, columns)
         ds = ds.map_batches(mark_rows, fn_kwargs={"dc": cfg.dedup, "heldout": heldout, "bucket_keys": bucket_keys,
-                                                  "cluster_keys": plan},
+                                                  "cluster_keys": plan, "dims": cfg.cluster.dims},
                             batch_size=MARK_BATCH_ROWS, batch_format="pyarrow")
         if cfg.dedup.exact:
             ds = ds.groupby("bucket", num_partitions=buckets).map_groups(resolve_exact, batch_format="pyarrow")
