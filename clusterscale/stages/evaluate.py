@@ -257,12 +257,6 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
     return result
 
 
-def truncated(x: np.ndarray, dim: int) -> np.ndarray:
-    """The first `dim` dimensions of each row, re-normalised (a Matryoshka embedding at that size)."""
-    cut = np.ascontiguousarray(x[:, :dim], dtype=np.float32)
-    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-
-
 def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) -> list[int] | None:
     """Nearest centroid of kmeans/k=<k>/ for each held-out pair, by its frozen embedding of embed.side.
 
