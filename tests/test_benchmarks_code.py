@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -129,3 +130,19 @@ def test_study_state_carries_finished_arms_and_checks_the_preprocessing(tmp_path
         state.verify(tmp_path / "s2.tar.gz", new, ["--seeds", "2"])
     study[1:2] = []
     state.verify(tmp_path / "s.tar.gz", new, ["--seeds", "2"])  # seed 0 done elsewhere, seed 1 trains here
+
+
+def test_bench_matryoshka_measures_agreement_and_runs_its_cores():
+    """The Matryoshka benchmark's NMI (1 for the same clusters under other names, ~0 for unrelated ones), its
+    mined-candidate recall, and its compute cores at a small size (the truncated width is the faster one)."""
+    import sys
+
+    sys.path.insert(0, BENCH)
+    bench = load("bench_matryoshka")
+    a = np.random.default_rng(0).integers(8, size=5000)
+    assert bench.nmi(a, (a + 3) % 8) == pytest.approx(1.0)
+    assert bench.nmi(a, np.random.default_rng(1).integers(8, size=5000)) < 0.01
+    assert bench.recall({1: [2, 3], 4: [5, 6], 7: []}, {1: [3, 9], 4: [5, 6]}) == 0.75
+    rows = bench.cores(64, [16], 30_000)
+    assert [r["dims"] for r in rows] == [64, 16] and rows[0]["fit_vs_full"] == 1.0
+    assert set(rows[1]) >= {"fit_s", "dedup_semantic_s", "mine_search_s", "mine_search_vs_full"}

@@ -163,6 +163,17 @@ def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequent
         MIN_CHARS["passage"] = 150
 
 
+def test_plan_lists_a_registered_stage_in_its_place(registered):
+    """`plan` iterates pipeline.STAGES: the length filter has its row after ingest, without figures until its rules
+    are added to plan/estimate.py, and the sums and the ratio leave it out, saying so."""
+    from clusterscale.plan.build import PlanRequest, make_plan
+
+    plan = make_plan(PlanRequest(None, [], None, 100_000, [8], None, None, None, None, None, None, None, None))
+    assert list(plan["stages"])[:3] == ["ingest", "length_filter", "embed"]
+    assert "no estimate" in plan["stages"]["length_filter"]["time_from"]
+    assert any("length_filter" in note for note in plan["notes"])
+
+
 def test_without_the_registration_every_stage_is_wired_as_before():
     cfg = config.load(None, [])
     for stage in pipeline.STAGES.values():

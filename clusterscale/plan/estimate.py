@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from clusterscale import pipeline
 from clusterscale.config import Config
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
@@ -24,8 +25,9 @@ from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
 from clusterscale.train.negatives import candidates_per_query, draws_for, mine_disk_bytes
 
-STAGES = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")
-PREPROCESS = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine")
+ESTIMATED = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")  # Planner.stage's rules
+SKIPPED_WHY = {"dedup": "dedup off (dedup.exact / dedup.semantic_threshold)",
+               "mine": "no mined negatives (train.negatives_per_query)"}
 MB = 1024 * 1024
 ADAM_BYTES_PER_PARAM = 16  # fp32 weights + grads + AdamW's two moments
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34  # Korthikanti et al. 2022, bf16, no recompute (attention s^2 left out)
@@ -87,13 +89,24 @@ class Models:
     note: str
 
 
+def plan_stages() -> tuple[str, ...]:
+    """The stages a plan estimates: those `clusterscale run` runs, in its order (pipeline.STAGE_VERBS, so a stage a
+    newcomer registers appears too), but report (it reads what the others wrote)."""
+    return tuple(verb for verb in pipeline.STAGE_VERBS if verb != "report")
+
+
+def preprocessing_stages() -> tuple[str, ...]:
+    """The stages before training: what the preprocessing / training ratio counts as preprocessing."""
+    stages = plan_stages()
+    return stages[:stages.index("train")] if "train" in stages else stages
+
+
 def stage_runs(stage: str, cfg: Config) -> str | None:
-    """None when the stage runs in this config; else why not."""
-    if stage == "dedup" and not (cfg.dedup.exact or cfg.dedup.semantic_threshold):
-        return "skipped: dedup off (dedup.exact / dedup.semantic_threshold)"
-    if stage == "mine" and not cfg.train.objective.negatives_per_query:
-        return "skipped: no mined negatives (train.negatives_per_query)"
-    return None
+    """None when the stage runs in this config (its Stage's in_run, as `clusterscale run` decides); else why not."""
+    in_run = pipeline.STAGES[stage].in_run
+    if in_run is None or in_run(cfg):
+        return None
+    return f"skipped: {SKIPPED_WHY.get(stage, 'not run for this config')}"
 
 
 def gpu_encoder_rate(flops_per_item: float, cluster: ClusterSpec, rates: Rates, what: str) -> tuple[float, str]:
@@ -407,7 +420,13 @@ class Planner:
         return factor * self.models.student_flop_params * self.models.train_tokens
 
     def plan(self) -> dict[str, StagePlan]:
-        return {name: self.stage(name) for name in STAGES}
+        return {name: self.stage(name) if name in ESTIMATED else self.unestimated(name) for name in plan_stages()}
+
+    def unestimated(self, name: str) -> StagePlan:
+        """A registered stage the planner has no rules for: a row without figures (left out of the sums)."""
+        skipped = stage_runs(name, self.cfg)
+        return StagePlan(name, skipped or "cpu", wall_s=float("nan") if not skipped else 0.0,
+                         time_from="no estimate: a stage registered without rules in plan/estimate.py")
 
     # --- warnings ---------------------------------------------------------------------------------------------
     def warnings(self, stages: dict[str, StagePlan]) -> list[str]:
@@ -459,7 +478,7 @@ class Planner:
 def preprocess_over_train(stages: dict[str, StagePlan], epochs: int) -> float | None:
     """Cluster time of preprocessing / of `epochs` training epochs (the cluster is paid while either runs); stages
     without a rate are left out (make_plan names them)."""
-    pre = sum(s.wall_s for n, s in stages.items() if n in PREPROCESS and not s.runs_on.startswith("skipped")
+    pre = sum(s.wall_s for n, s in stages.items() if n in preprocessing_stages() and not s.runs_on.startswith("skipped")
               and not math.isnan(s.wall_s))
     train = stages["train"].wall_s * epochs
     return pre / train if train and not math.isnan(train) else None
