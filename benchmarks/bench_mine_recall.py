@@ -34,7 +34,7 @@ from clusterscale.io.rundir import RunDir  # noqa: E402
 from clusterscale.runtime.vectors import emb_array, emb_matrix  # noqa: E402
 from clusterscale.stages.kmeans import load_centroids  # noqa: E402
 from clusterscale.stages.mine_search import merge_candidates, route_rows, search_cluster  # noqa: E402
-from clusterscale.train.negatives import candidate_files  # noqa: E402
+from clusterscale.io.negatives import candidate_files  # noqa: E402
 
 QUERY_NOISE = 0.038  # per dimension at d=384: |noise| ~0.75, so cos(query, passage) ~0.8
 

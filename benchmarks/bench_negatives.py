@@ -67,8 +67,8 @@ def disk(run, cfg) -> dict:
     import pyarrow.parquet as pq
 
     from clusterscale.io.layout import shards_dir
-    from clusterscale.train.negatives import (SIDECAR_DIR, candidates_per_query, mine_disk_bytes, training_draw,
-                                              training_manifest)
+    from clusterscale.io.negatives import SIDECAR_DIR, candidates_per_query, mine_disk_bytes, training_manifest
+    from clusterscale.train.negatives import training_draw
 
     def size(folder: str) -> int:
         return sum(run.listed_files(folder).values())

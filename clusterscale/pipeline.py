@@ -33,7 +33,7 @@ from clusterscale.stages.shard_sets import run_shard_set
 from clusterscale.stages.shards import run_dedup_shards, run_shard
 from clusterscale.stages.synthetic import run_synth
 from clusterscale.stages.train import after_training, run_train
-from clusterscale.train.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
+from clusterscale.io.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
 
 __all__ = ["STAGES", "STAGE_VERBS", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK",
            "PerConfigFolder", "execute", "run_stage", "run_stages", "pipeline", "open_run", "summary",

@@ -10,7 +10,7 @@ from clusterscale import cli
 from clusterscale import config as config_mod
 from clusterscale.config import ConfigError, MineConfig
 from clusterscale.stages.mine_search import filter_candidates
-from clusterscale.train.negatives import candidate_files, load_negatives
+from clusterscale.io.negatives import candidate_files, load_negatives
 from clusterscale.io.layout import read_manifest
 from clusterscale.io.rundir import RunDir
 from tests.conftest import make_pairs, tiny_overrides
@@ -232,7 +232,7 @@ def clp_recluster_run(sharded_mined_run):
 
 def _draw(run: RunDir, prefix: str):
     """The draw whose sidecars training wrote into the run (negatives/rows/<draw key>/)."""
-    from clusterscale.train.negatives import SIDECAR_DIR, Draw
+    from clusterscale.io.negatives import SIDECAR_DIR, Draw
 
     keys = [k for k in run.listdir(SIDECAR_DIR) if k.startswith(prefix)]
     assert len(keys) == 1, keys
@@ -272,7 +272,7 @@ def test_train_with_mined_negatives_and_clp(clp_recluster_run):
 def test_mined_negatives_ride_the_shard_sets_of_the_curriculum_after_the_easy_first_phase(sharded_mined_run):
     """The curriculum reads the clustered shards and shards/k=4/random/ (another sampler's set): the sidecars follow
     both sets' files; with train.negatives_curriculum_steps=2 the first two steps use in-batch negatives alone."""
-    from clusterscale.train.negatives import sidecar_marker
+    from clusterscale.io.negatives import sidecar_marker
 
     run_dir, overrides = sharded_mined_run
     run = RunDir(str(run_dir))
@@ -296,7 +296,7 @@ def test_train_needs_mined_negatives_of_this_config(sharded_mined_run, capsys):
 
 def test_recluster_during_training(clp_recluster_run):
     from clusterscale.io.layout import load_manifest
-    from clusterscale.train.negatives import sidecar_path
+    from clusterscale.io.negatives import sidecar_path
 
     run = clp_recluster_run
     metrics = _jsonl(run, "train/recl/metrics.jsonl")

@@ -180,7 +180,7 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     from clusterscale.io.rundir import RunDir
     from clusterscale.stages import mine_rows
     from clusterscale.stages.kmeans import load_centroids
-    from clusterscale.train.negatives import shard_files, training_manifest
+    from clusterscale.io.negatives import shard_files, training_manifest
 
     groupings, groupby = [], ray.data.Dataset.groupby
 

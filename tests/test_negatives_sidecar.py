@@ -13,6 +13,7 @@ from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir
 from clusterscale.runtime.hashing import hash_unit, splitmix64
 from clusterscale.stages import mine_rows
+from clusterscale.io import negatives as sidecar_format
 from clusterscale.train import negatives as neg
 from clusterscale.train.data import ShardReader
 
@@ -45,7 +46,7 @@ def _reference_draw(pid: int, d: int, draw: neg.Draw) -> list[int]:
 def shard_run(tmp_path, monkeypatch) -> tuple[RunDir, ShardManifest]:
     """One shuffled shard file of 22 rows in row groups of 4, its sidecar pieces of DRAW (2 groups per piece), a
     padding pool."""
-    monkeypatch.setattr(neg, "SIDECAR_PIECE_ROWS", 2 * GROUP_ROWS)
+    monkeypatch.setattr(sidecar_format, "SIDECAR_PIECE_ROWS", 2 * GROUP_ROWS)
     run = RunDir(str(tmp_path / "run"))
     ids = np.random.default_rng(0).permutation(np.arange(100, 100 + ROWS))
     shard = pa.table({"pair_id": ids, "query": [f"q{i}" for i in ids], "passage": [f"p{i}" for i in ids]})

@@ -142,7 +142,7 @@ def test_mines_disk_is_the_sidecar_layouts_formula():
     from clusterscale.plan.estimate import Models, Planner
     from clusterscale.plan.rates import Rates
     from clusterscale.plan.shape import run_shape
-    from clusterscale.train.negatives import mine_disk_bytes
+    from clusterscale.io.negatives import mine_disk_bytes
 
     def disk(*keys: str) -> dict:
         cfg = config.load(None, ["mine.range_max=30", "mine.nprobe=4", *keys])

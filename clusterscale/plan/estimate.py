@@ -23,7 +23,7 @@ from clusterscale.stages.mine_search import ROUTED_ROW_BYTES
 from clusterscale.stages.shards import writer_sizing
 from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
-from clusterscale.train.negatives import candidates_per_query, draws_for, mine_disk_bytes
+from clusterscale.io.negatives import candidates_per_query, draws_for, mine_disk_bytes
 
 ESTIMATED = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")  # Planner.stage's rules
 SKIPPED_WHY = {"dedup": "dedup off (dedup.exact / dedup.semantic_threshold)",
@@ -248,7 +248,7 @@ class Planner:
                 if cfg.dedup.semantic_threshold else {}  # embed_heldout's, written when dedup first needs them
             return {"dedup": shape.train_rows * (self.embedding_row_bytes + ASSIGN_COLUMNS_BYTES)} | held, \
                 embed_files(cfg, shape, self.embed_actors()).items
-        if stage == "mine":  # train/negatives.mine_disk_bytes: the draws of train.epochs; files: buckets and pieces
+        if stage == "mine":  # io/negatives.mine_disk_bytes: the draws of train.epochs; files: buckets and pieces
             per_query, candidates = cfg.train.objective.negatives_per_query, candidates_per_query(cfg)
             draws = draws_for(per_query, cfg.train.schedule.epochs, candidates)
             disk = mine_disk_bytes(shape.train_rows, candidates, per_query, draws, self.text_bytes,

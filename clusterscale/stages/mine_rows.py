@@ -9,7 +9,7 @@ Ray Data, with no process holding every text or every candidate list:
      per row and epoch's draw, not every candidate); join them to the anchor's piece (hash join on the anchor's
      pair_id), then to the candidate's texts (hash join on its pair_id);
   3. group by piece: each group reads its piece's pair_ids from the shard file and writes the sidecar piece
-     in that order with the shard file's row groups (train/negatives.sidecar_table).
+     in that order with the shard file's row groups (io/negatives.sidecar_table).
 Every shuffle has about JOIN_ROWS_PER_PARTITION rows per partition (candidate_partitions), so a reduce task
 does not grow with N, and runs inside bounded_shuffle_maps, from `mine` and from training alike. Which pieces
 exist comes from one listing (layout.missing_files), never a request per piece.
@@ -35,9 +35,9 @@ from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, shuffle_for
 from clusterscale.runtime.hashing import hash_unit, splitmix64
-from clusterscale.train.negatives import (PADDING_PATH, PADDING_POOL_ROWS, Draw, candidate_files, groups_per_piece,
-                                          shard_files, sidecar_marker, sidecar_path, sidecar_table, training_draw,
-                                          training_manifest)
+from clusterscale.io.negatives import (PADDING_PATH, PADDING_POOL_ROWS, Draw, candidate_files, groups_per_piece,
+                                       shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
+from clusterscale.train.negatives import training_draw
 
 PADDING_SALT = 0x6E6567  # the padding pool's hash salt ("neg")
 DRAW_SALT = 0x64726177  # the draw's hash salt ("draw")

@@ -27,7 +27,7 @@ from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.runtime import interrupt
 from clusterscale.train import samplers, schedule
-from clusterscale.train.negatives import mine_fingerprint
+from clusterscale.io.negatives import mine_fingerprint
 from clusterscale.train import recluster
 from clusterscale.train.recluster import segment_bounds, segment_dir
 
