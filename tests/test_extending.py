@@ -163,15 +163,24 @@ def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequent
         MIN_CHARS["passage"] = 150
 
 
-def test_plan_lists_a_registered_stage_in_its_place(registered):
-    """`plan` iterates pipeline.STAGES: the length filter has its row after ingest, without figures until its rules
-    are added to plan/estimate.py, and the sums and the ratio leave it out, saying so."""
+def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path):
+    """`plan` iterates pipeline.STAGES: the length filter has its row after ingest; without a measurement it has no
+    time (the sums and the ratio leave it out, saying so); with --run-dir of a run that ran it, its measured time
+    per pair is scaled to the planned size."""
     from clusterscale.plan.build import PlanRequest, make_plan
 
     plan = make_plan(PlanRequest(None, [], None, 100_000, [8], None, None, None, None, None, None, None, None))
     assert list(plan["stages"])[:3] == ["ingest", "length_filter", "embed"]
     assert "no estimate" in plan["stages"]["length_filter"]["time_from"]
     assert any("length_filter" in note for note in plan["notes"])
+    run = RunDir(str(tmp_path / "run"))
+    run.write_config(config.load(None, []))
+    run.write_json("report/costs.json", {"ingest": {"rows_in": 1000, "pairs": 950, "wall_s": 1.0},
+                                         "length_filter": {"rows": 900, "wall_s": 2.0}})
+    plan = make_plan(PlanRequest(None, [], str(tmp_path / "run"), 95_000, [8], None, None, None, None, None, None,
+                                 None, None))
+    row = plan["stages"]["length_filter"]
+    assert "measured in" in row["time_from"] and 100 < row["wall_s"] < 300  # ~2 s per 950 pairs, at 100x
 
 
 def test_without_the_registration_every_stage_is_wired_as_before():

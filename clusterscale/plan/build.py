@@ -16,7 +16,7 @@ from clusterscale.io.input_files import infer_format, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.plan.cluster import MAX_GPUS, MAX_NODES, load_cluster, this_machine
-from clusterscale.plan.estimate import Models, Planner, preprocess_over_train, uncalibrated
+from clusterscale.plan.estimate import Models, Planner, plan_stages, preprocess_over_train, uncalibrated
 from clusterscale.plan.rates import (Rates, embedding_dim, folder_bytes, load_calibration,
                                      load_gpu_calibration, merge_run_costs, rates_from_calibration)
 from clusterscale.plan.shape import run_shape, shard_sizes, stage_work, train_shape
@@ -109,8 +109,7 @@ def run_measurements(run: RunDir, cfg: Config, rates: Rates) -> dict:
     out["rows"] = rows_in
     dim, _ = embedding_dim(cfg, out["dim"])
     shape = run_shape(cfg, rows_in, k, dim, out["sizes"])
-    work = {stage: stage_work(stage, cfg, shape) for stage in ("ingest", "embed", "fit", "assign", "dedup", "shard",
-                                                              "mine", "evaluate")}
+    work = {stage: stage_work(stage, cfg, shape) for stage in plan_stages() if stage != "train"}
     for key, rec in costs.items():
         if key.startswith("train") and rec.get("steps"):
             work[key] = float(rec["steps"] * rec.get("global_batch_size", cfg.train.schedule.global_batch_size))

@@ -25,7 +25,9 @@ from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
 from clusterscale.io.negatives import candidates_per_query, draws_for, mine_disk_bytes
 
-ESTIMATED = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")  # Planner.stage's rules
+# The stages Planner has rules for (memory, disk, files, shuffles, FLOPs); any other stage `clusterscale run` runs (one
+# a newcomer registers) is timed per pair from a run's cost record (plan --run-dir) and has no memory or disk rule.
+ESTIMATED = ("ingest", "embed", "fit", "assign", "dedup", "shard", "mine", "train", "evaluate")
 SKIPPED_WHY = {"dedup": "dedup off (dedup.exact / dedup.semantic_threshold)",
                "mine": "no mined negatives (train.negatives_per_query)"}
 MB = 1024 * 1024
@@ -134,6 +136,9 @@ class Planner:
     # --- time ---------------------------------------------------------------------------------------------------
     def cpu_time(self, stage: str, work: float, cpus: int) -> tuple[float, str]:
         rate = self.rates.stages.get(stage)
+        if rate is None and stage not in ESTIMATED:  # a registered stage: its time per pair from a run's cost record
+            return math.nan, ("no estimate: pass --run-dir of a run that ran it (its measured time per pair is "
+                              "scaled), or add its rules to plan/estimate.py")
         if rate is None:
             return math.nan, "not calibrated: run `clusterscale plan --calibrate`, or pass --run-dir of a run"
         return rate.fixed_s + rate.cpu_s_per_work * work / max(1, cpus), rate.source
@@ -420,13 +425,7 @@ class Planner:
         return factor * self.models.student_flop_params * self.models.train_tokens
 
     def plan(self) -> dict[str, StagePlan]:
-        return {name: self.stage(name) if name in ESTIMATED else self.unestimated(name) for name in plan_stages()}
-
-    def unestimated(self, name: str) -> StagePlan:
-        """A registered stage the planner has no rules for: a row without figures (left out of the sums)."""
-        skipped = stage_runs(name, self.cfg)
-        return StagePlan(name, skipped or "cpu", wall_s=float("nan") if not skipped else 0.0,
-                         time_from="no estimate: a stage registered without rules in plan/estimate.py")
+        return {name: self.stage(name) for name in plan_stages()}
 
     # --- warnings ---------------------------------------------------------------------------------------------
     def warnings(self, stages: dict[str, StagePlan]) -> list[str]:
