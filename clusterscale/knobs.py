@@ -101,6 +101,10 @@ class Registry:
                               f"(a new one is a module in {self.package.replace('.', '/')}/ that registers it).")
         return self._items[name]
 
+    def docs(self) -> list[tuple[str, str]]:
+        """(name, its one-line doc) of every registered choice, in names() order: what `clusterscale config` lists."""
+        return [(name, str(getattr(self.get(name), "doc", "") or "")) for name in self.names()]
+
     def __iter__(self):
         return iter(self.names())
 

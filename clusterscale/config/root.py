@@ -12,7 +12,7 @@ from clusterscale.config.sections import (ClusterConfig, DataConfig, DedupConfig
                                           RayConfig, ShardConfig)
 from clusterscale.config.train import TrainConfig
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import ConfigError, check_type, output_keys
+from clusterscale.knobs import ConfigError, Registry, check_type, output_keys
 from clusterscale.redact import redact_values
 
 
@@ -132,6 +132,8 @@ def describe() -> str:
         for name, (owner, f) in obj.knobs().items():
             choices = f" ({_choices(f)})" if f.metadata["choices"] else ""
             lines.append(f"  {name}: {getattr(owner, name)!r}{choices}\n      {f.metadata['doc']}")
+            if isinstance(f.metadata["choices"], Registry):  # every registered choice, a newcomer's too
+                lines += [f"      - {choice}: {doc}" for choice, doc in f.metadata["choices"].docs()]
     return "\n".join(lines)
 
 
@@ -147,7 +149,9 @@ def describe_markdown() -> str:
         lines += [f"## `{section}`", "", "| key | default | meaning |", "|---|---|---|"]
         for name, (owner, f) in obj.knobs().items():
             choices = f" (one of {cell(_choices(f))})" if f.metadata["choices"] else ""
-            lines.append(f"| `{section}.{name}` | `{cell(repr(getattr(owner, name)))}`{choices} | "
-                         f"{cell(f.metadata['doc'])} |")
+            doc = f.metadata["doc"]
+            if isinstance(f.metadata["choices"], Registry):
+                doc += " Registered: " + "; ".join(f"`{c}`: {d}" for c, d in f.metadata["choices"].docs()) + "."
+            lines.append(f"| `{section}.{name}` | `{cell(repr(getattr(owner, name)))}`{choices} | {cell(doc)} |")
         lines.append("")
     return "\n".join(lines)

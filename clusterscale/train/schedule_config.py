@@ -20,14 +20,10 @@ class ScheduleConfig(Section):
     section: ClassVar[str] = "train"
 
     name: str = knob("", "Run name under train/<name>/; '' = '<sampler>-seed<seed>'.")
-    sampler: str = knob("clustered", "Batch sampler: 'clustered' draws every global batch from one "
-                                     "cluster; 'random' is the global-shuffle baseline; 'random_clusters' is "
-                                     "the control (a fixed random partition with the clusters' sizes); "
-                                     "'source' draws every global batch from one value of the `source` column; 'curriculum' draws "
-                                     "each global batch from one cluster with a probability that rises from "
-                                     "train.curriculum_start to train.curriculum_end, else from the random set. "
-                                     "A new sampler is a module in clusterscale/train/samplers/ (docs/extending.md).",
-                        SAMPLERS)
+    sampler: str = knob("clustered", "Batch sampler: how each global batch is drawn ('clustered': every global batch "
+                                     "from one cluster, the method; 'random': the global-shuffle baseline; the "
+                                     "others below). A new sampler is a module in clusterscale/train/samplers/ "
+                                     "(docs/extending.md).", SAMPLERS)
     cluster_weighting: str = knob("proportional", "How often each cluster is drawn: 'proportional' = every "
                                                   "full batch once per epoch; 'uniform' = clusters drawn equally "
                                                   "often (small ones repeat, large ones are subsampled).",
