@@ -363,7 +363,7 @@ def test_shuffle_bytes_are_the_rows_each_stage_moves(tmp_path):
     vectors = 2 * 384 * (2 if cfg.embed.side == "both" else 1)  # fp16, the bundled encoder's d
     assert semantic["dedup"] == pytest.approx(train_rows * (300 + vectors + 8))
     assert both["dedup"] == pytest.approx(2 * semantic["dedup"])
-    from clusterscale.stages.mine_search import ROUTED_ROW_BYTES
+    from clusterscale.io.sizing import ROUTED_ROW_BYTES
     assert semantic["mine"] == pytest.approx(train_rows * (1 + cfg.mine.nprobe) * (2 * 384 + ROUTED_ROW_BYTES))
     assert semantic["embed"] == semantic["fit"] == 0
 

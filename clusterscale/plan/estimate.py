@@ -17,10 +17,7 @@ from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, cluster
 from clusterscale.io.layout import HELDOUT_EMBEDDINGS
 from clusterscale.runtime.bounded_data import SHUFFLE_MAP_BATCH_BYTES
 from clusterscale.runtime.kmeans_core import FP16_CHECK_BLOCK_VALUES
-from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
-from clusterscale.stages.mine import QUERIES_PER_FILE
-from clusterscale.stages.mine_search import ROUTED_ROW_BYTES
-from clusterscale.stages.shards import writer_sizing
+from clusterscale.io.sizing import ASSIGN_UNIT_ROWS, QUERIES_PER_FILE, ROUTED_ROW_BYTES, writer_sizing
 from clusterscale.train.data import READ_THREADS
 from clusterscale.train.metrics import GPU_PEAK_TFLOPS
 from clusterscale.io.negatives import candidates_per_query, draws_for, mine_disk_bytes

@@ -13,9 +13,8 @@ from clusterscale.config import Config
 from clusterscale.io.layout import row_group_rows_for
 from clusterscale.plan.sizes import EXACT_ITEMS, SizeCounts, expected_uniform_unused, lognormal_sizes, scaled_sizes
 from clusterscale.runtime.vectors import EMBEDDINGS_ROW_GROUP_ROWS
-from clusterscale.stages.embed import auto_rows_per_unit
-from clusterscale.stages.kmeans import ASSIGN_UNIT_ROWS
-from clusterscale.stages.shards import GroupSizes, file_sizes, groups_per_shard, writer_sizing
+from clusterscale.io.sizing import (ASSIGN_UNIT_ROWS, GroupSizes, auto_rows_per_unit, file_sizes, groups_per_shard,
+                                    writer_sizing)
 from clusterscale.train import samplers, schedule
 
 DEFAULT_IMBALANCE = 1.5

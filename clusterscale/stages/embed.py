@@ -16,7 +16,6 @@ Run with `clusterscale embed [CONFIG] --run-dir R` (after `ingest`).
 """
 from __future__ import annotations
 
-import math
 import posixpath
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ from clusterscale.errors import UserError
 from clusterscale.modeling.tokens import TextTokenizer, Tokens, single_threaded
 from clusterscale.runtime.nodes import NODE, map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
+from clusterscale.io.sizing import auto_rows_per_unit
 from clusterscale.io.rundir import RunDir, StageResult
 from clusterscale.runtime.resources import ActorPlan, ClusterResources, Resources, plan_actors
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
@@ -66,17 +66,6 @@ def plan_units(run: RunDir, rows_per_unit: int, source: str = "pairs", out: str 
             units.append({"input": rel, "start": start, "stop": min(rows, start + rows_per_unit),
                           "output": f"{out}/{stem}-{i:05d}.parquet"})
     return units
-
-
-UNITS_PER_ACTOR = 4
-"""Automatic units are small enough for this many per actor. Not more: texts are sorted by length within
-a unit, so smaller units pad more (docstrings at 20k rows: +3% padded tokens at 4 units per actor,
-+13% at 16, against one sort of all rows)."""
-
-
-def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
-    """Whole pairs/ parts when there are plenty; otherwise small enough for UNITS_PER_ACTOR per actor."""
-    return max(1, min(rows_per_part, math.ceil(n_rows / (UNITS_PER_ACTOR * actors))))
 
 
 def make_plan(cfg: Config, actors: int, pairs_run: RunDir, n_rows: int, source: str = "pairs",

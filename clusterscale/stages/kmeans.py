@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import ray
 
 from clusterscale.config import Config
+from clusterscale.io.sizing import ASSIGN_UNIT_ROWS
 from clusterscale.io.layout import assign_dir, centroids_path, fit_stats_path
 from clusterscale.runtime.kmeans_core import (ClusteringError, LloydWorker, check_vectors, init_candidates, lloyd,
                                       lloyd_partials, pick_initial)
@@ -250,10 +251,7 @@ class AssignBatches:
             "cos", pa.array(sims[:, 0].astype(np.float32)))
 
 
-# Rows per assign work unit (and output file): consecutive row groups of one embeddings/ file. One actor call
-# holds one unit (its table, the assigned table and the written file), so the memory is O(this), not O(N).
-PLAN_FILE = "_plan.json"  # assign/k=<k>/'s units, fixed at the first attempt
-ASSIGN_UNIT_ROWS = 32_768
+PLAN_FILE = "_plan.json"  # assign/k=<k>/'s units, fixed at the first attempt (io/sizing.ASSIGN_UNIT_ROWS rows each)
 
 
 def assign_units(run: RunDir) -> list[dict]:

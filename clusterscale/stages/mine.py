@@ -46,6 +46,7 @@ from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (CANDIDATE_BYTES, DROP_REASONS, ROUTED_ROW_BYTES, SearchGroups,
                                              auto_group_bounds, cluster_counts, merge_candidates,
                                              queries_from_neighbours, route_rows, search_cluster)
+from clusterscale.io.sizing import QUERIES_PER_FILE
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
@@ -65,7 +66,6 @@ SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every b
 SEARCH_COLUMNS = ["bucket", "pair_id", "pos_score", "cand_scores", "cand_ids", "cand_flags"]
 SEARCH_ROW_BYTES = 28  # a search result row besides its candidates: bucket, pair_id, pos_score, 3 list offsets
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
-QUERIES_PER_FILE = 25_000  # queries per negatives/ file: bounds the memory of one merge group
 MIN_BUCKETS, MIN_BUCKET_QUERIES = 16, 1_000  # at least 16 files (of >= 1,000 queries): what a killed merge loses
 DEFAULT_TASK_MEMORY_BYTES = 2 * 1024**3  # a search task's memory where Ray reports none
 COUNTS_KEY = "clusterscale.mine.counts"  # a negatives/ file's counts, in its Parquet footer

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from clusterscale.config import MineConfig
 from clusterscale.runtime.vector_search import build_index as build_vector_index, top_k
 from clusterscale.runtime.hashing import splitmix64, text_hashes
+from clusterscale.io.sizing import ROUTED_ROW_BYTES
 from clusterscale.runtime.vectors import emb_matrix, truncated
 
 PASSAGE, QUERY = 0, 1  # the `kind` of a routed row
@@ -66,7 +67,6 @@ def apply_rule(scores: np.ndarray, rows: np.ndarray, flags: np.ndarray, pos_scor
 
 
 # --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
-ROUTED_ROW_BYTES = 40   # a routed row besides its vector: kind, group, pair_id, two text keys, pos_score
 CANDIDATE_BYTES = 13   # one candidate of a result row: score (4), pair_id (8) and its flag (1)
 TOPK_BYTES = 12        # one faiss hit of a query block: score (float32) and row (int64)
 

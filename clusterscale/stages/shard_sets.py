@@ -22,8 +22,8 @@ from clusterscale.config import Config
 from clusterscale.io.layout import TrainDataError, checked_manifest, shard_set_dir, shard_set_manifest_path, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.io.rundir import RunDir, StageResult
-from clusterscale.stages.shards import (GROUPS_DIR, LABELED_COLUMNS, SHARD_COLUMNS, GroupSizes, SetLayout,
-                                        file_sizes, write_groups)
+from clusterscale.io.sizing import GroupSizes, file_sizes
+from clusterscale.stages.shards import GROUPS_DIR, LABELED_COLUMNS, SHARD_COLUMNS, SetLayout, write_groups
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, shuffle_for
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.samplers import SetStrata, sampler as get_sampler

@@ -8,7 +8,6 @@ Run with `clusterscale shard [CONFIG] --run-dir R` (after `assign`; reads dedup/
 """
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -18,12 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.config import Config
 from clusterscale.stages.dedup import shard_input
 from clusterscale.stages.kmeans import ClusteringError, load_centroids
-from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, row_group_rows_for, shard_file, shards_dir
+from clusterscale.io.layout import DEDUP_KEPT, dedup_set_dir, shard_file, shards_dir
 from clusterscale.io.records import ShardEntry, ShardManifest
 from clusterscale.runtime.hashing import sub_groups
+from clusterscale.io.sizing import GroupSizes, file_sizes, groups_per_shard, writer_sizing
 from clusterscale.runtime.nodes import map_spread, node_stats, this_node, unit_delay_for_tests
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.bounded_data import bounded_shuffle_maps, read_row_groups, shuffle_for
@@ -38,8 +37,6 @@ from clusterscale.runtime.work_units import load_or_make_plan
 # the assignment's `cluster` and `cos` stay in assign/k=<k>/ (the manifest lists each shard's member clusters).
 SHARD_COLUMNS = ["pair_id", "query", "passage", "source"]
 LABELED_COLUMNS = ["negatives"]  # with data.negative_column: the labeled hard negatives, carried when present
-MIN_PARTITIONS = 200  # Ray Data's default hash-shuffle parallelism: enough tasks to keep every CPU busy
-ACTOR_MEMORY_FACTOR = 3  # a writer holds its partition block plus a sorted and a permuted copy of one group
 
 
 def mean_pairwise_cosine(vector_sum: np.ndarray, n: int) -> float | None:
@@ -169,11 +166,6 @@ def cluster_stats(run: RunDir, k: int, n_rows: int, folder: str, side: str = "pa
     return stats
 
 
-def groups_per_shard(shard_rows: np.ndarray, max_group_rows: int) -> np.ndarray:
-    """How many sub-groups each shard is split into: ceil(rows / max_group_rows), 0 for an empty shard."""
-    return -(-shard_rows // max_group_rows)
-
-
 def add_group_keys(batch: pa.Table, target: np.ndarray, num_groups: np.ndarray, seed: int) -> pa.Table:
     """Map step: the shard (after the small-cluster policy) and the sub-group of every row."""
     shard = target[batch.column("cluster").to_numpy()]
@@ -263,24 +255,6 @@ def _drop_written(batch: pa.Table, done: np.ndarray) -> pa.Table:
     return batch.filter(pa.array(~np.isin(keys, done)))
 
 
-@dataclass(frozen=True)
-class GroupSizes:
-    """How many rows a shard-set write moves and how they are grouped (sizes the writer actors)."""
-
-    rows: int
-    groups: int           # (shard, sub) keys
-    largest_group: int    # rows
-    max_group_rows: int   # shard.max_group_rows
-
-
-def writer_sizing(sizes: GroupSizes, row_bytes: float) -> tuple[int, int]:
-    """(hash partitions, memory bytes of one writer actor) of a shard-set write: a writer holds its partition's
-    rows or its largest group, whichever is more, ACTOR_MEMORY_FACTOR times (clusterscale plan sizes with this)."""
-    partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
-    rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
-    return partitions, int(ACTOR_MEMORY_FACTOR * row_bytes * rows_held)
-
-
 def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, columns: list[str],
                  sizes: GroupSizes, input_files: list[str], what: str, need: Resources) -> dict[int, list[dict]]:
     """Write a dataset keyed by (shard, sub) with WriteClusterShard, one actor call per key (each asking for
@@ -333,20 +307,6 @@ def write_shards(ctx: StageContext, target: np.ndarray, shard_rows: np.ndarray, 
                        pool_id)
     sizes = GroupSizes(n_rows, int(num_groups.sum()), largest_group, sc.max_group_rows)
     return write_groups(ds, run, k, layout, columns, sizes, files, "shard", ctx.resources)
-
-
-def file_sizes(cfg: Config) -> tuple[int, int]:
-    """(rows per shard file, rows per Parquet row group) of every shard set: row groups sized so a global batch
-    is whole groups (io/layout.row_group_rows_for); files of shard.batches_per_file global batches (at most
-    shard.target_rows_per_file rows), whole row groups.
-
-    A training rank reads the footer of each file it takes a row group from, and a footer describes every row
-    group of its file: files sized from the global batch, not from the cluster or N, bound the footer bytes per
-    row read (the formula: benchmarks/RESULTS.md, "Shard files of one global batch")."""
-    batch = cfg.train.schedule.global_batch_size
-    row_group_rows = row_group_rows_for(batch)
-    rows = min(cfg.shard.batches_per_file * batch, cfg.shard.target_rows_per_file)
-    return max(1, rows // row_group_rows) * row_group_rows, row_group_rows
 
 
 def shard_entry(shard: int, groups: list[dict], members: np.ndarray, sums: ClusterStats,
