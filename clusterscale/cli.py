@@ -184,8 +184,8 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
                             "local:FOLDER (BEIR files corpus.jsonl, queries.jsonl, qrels/test.tsv).")
     elif verb == "compare":
         p.add_argument("--samplers", "--arms", dest="samplers", default="clustered,random",
-                       help="Comma-separated arms: train.sampler values (clustered, random, random_clusters, source, "
-                            "curriculum), any of them with mined negatives (e.g. clustered+mined, random+mined), "
+                       help=f"Comma-separated arms: train.sampler values ({', '.join(experiments.ARM_SAMPLERS)}), "
+                            "any of them with mined negatives (e.g. clustered+mined, random+mined), "
                             "or named arms (mined, clustered_mined, clp, moe, recluster; see docs/training.md). "
                             "Default: clustered,random.")
         p.add_argument("--arm", dest="custom_arms", action="append", default=[], metavar="NAME:train.key=value,...",
