@@ -15,6 +15,7 @@ A stage several arms need ran once for all of them: each arm's figures count it,
 """
 from __future__ import annotations
 
+from clusterscale import pipeline
 from clusterscale.config import Config, variant
 from clusterscale.stages.dedup import dedup_applied
 from clusterscale.train.samplers import CLUSTERED, sampler as get_sampler
@@ -25,9 +26,18 @@ HOUR_S = 3600.0
 
 
 def stage_order() -> tuple[str, ...]:
-    """Every preprocessing cost key in pipeline order, the shard sets of every registered sampler included."""
+    """Every preprocessing cost key in pipeline order (pipeline.STAGES' preprocessing stages, a registered one
+    included), the shard sets of every registered sampler after shard, then mining's."""
     sets = [f"shard:{name}" for name in SAMPLERS if get_sampler(name).writes_set()]
-    return ("ingest", "embed", "fit", "assign", "dedup", "shard", "shard:dedup", *sets, "mine:embed", "mine")
+    shared = [name for name, stage in pipeline.STAGES.items() if stage.shared and name != "embed_heldout"]
+    at = shared.index("shard") + 1 if "shard" in shared else len(shared)
+    return (*shared[:at], "shard:dedup", *sets, *shared[at:], "mine:embed", "mine")
+
+
+def pairs_stages() -> set[str]:
+    """The registered stages that stand in for pairs/ (Stage.replaces="pairs", e.g. a filter after ingest): every
+    arm trains on their output, so every arm needs them."""
+    return {name for name, stage in pipeline.STAGES.items() if stage.replaces == "pairs"}
 
 
 def arm_stages(cfg: Config) -> list[str]:
@@ -35,7 +45,7 @@ def arm_stages(cfg: Config) -> list[str]:
     sampler's (train/samplers: the clustering when it needs_clustering, each set it reads besides the clustered
     shards), then dedup's and mining's."""
     tc, sampler = cfg.train, get_sampler(cfg.train.schedule.sampler)
-    needs = {"ingest"} | {f"shard:{name}" for name in sampler.sets if name != CLUSTERED}
+    needs = {"ingest", *pairs_stages()} | {f"shard:{name}" for name in sampler.sets if name != CLUSTERED}
     if sampler.needs_clustering:
         needs |= set(CLUSTERING)
     if tc.shards.dedup:

@@ -183,6 +183,14 @@ def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path):
     assert "measured in" in row["time_from"] and 100 < row["wall_s"] < 300  # ~2 s per 950 pairs, at 100x
 
 
+def test_every_compare_arm_counts_a_registered_filter_of_the_pairs(registered):
+    """The cost report's per-arm preprocessing: a stage standing in for pairs/ is needed by every arm (they all
+    train on its output), in pipeline order."""
+    assert arm_costs.arm_stages(config.load(None, [])) == ["ingest", "length_filter", "embed", "fit", "assign", "shard"]
+    assert arm_costs.arm_stages(config.load(None, ["train.sampler=random"])) == ["ingest", "length_filter",
+                                                                                  "shard:random"]
+
+
 def test_without_the_registration_every_stage_is_wired_as_before():
     cfg = config.load(None, [])
     for stage in pipeline.STAGES.values():
