@@ -8,7 +8,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import ray
 
 from clusterscale.io.layout import TrainDataError
 from clusterscale.io.records import ShardManifest
@@ -49,6 +48,8 @@ def count_sources(batch: dict, run_uri: str) -> pa.Table:
 def source_counts(run: RunDir, files: list[str]) -> tuple[list[str], np.ndarray]:
     """(sorted source names, rows of each): Ray tasks count the values of batches of files (many small files:
     a task reads a batch of them), the driver adds the counts up (O(sources))."""
+    import ray  # here, not at import: looking a sampler up (the config's check) imports this module
+
     schema = pq.read_schema(run.fs.open_input_file(run.path(files[0])))
     if "source" not in schema.names:
         raise TrainDataError("train.sampler=source needs a `source` column in the shards, and they have none: "
