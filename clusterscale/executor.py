@@ -155,6 +155,14 @@ class Stage:
     """A folder this stage stands in for: the stages after it in the list that read that folder read this stage's
     output instead, and their fingerprints cover this stage's (pipeline.wire). A filter between ingest and embed
     reads pairs/, writes its own folder and replaces "pairs"."""
+    config: type | None = None
+    """A config section of its own: a knobs.Section subclass (in the stage's module) named like the stage, so its
+    keys are `<name>.<key>` in YAML and --set, `clusterscale config` lists them and the stage reads them as
+    ctx.cfg.<name>.<key>; its fingerprint covers the section (pipeline hands the sections to config)."""
+
+    def __post_init__(self) -> None:
+        if self.config is not None and self.name not in self.sections:
+            object.__setattr__(self, "sections", (*self.sections, self.name))
 
     @property
     def per_k(self) -> bool:

@@ -160,6 +160,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 PREPROCESS = tuple(name for name, s in STAGES.items() if s.shared)  # what compare and sweep share across arms
 PER_K_STAGES = tuple(name for name, s in STAGES.items() if s.per_k)
 STAGE_VERBS = tuple(name for name, s in STAGES.items() if s.in_run is not None)  # `run`'s steps and CLI verbs
+# A stage's own config section (Stage.config) is a section of every config made while the stage is in the list.
+config_mod.set_stage_sections(lambda: {s.name: s.config for s in STAGES.values() if s.config is not None})
 
 
 def execute(stage: Stage, cfg: Config, run: RunDir, **options: Any) -> StageResult:
@@ -172,8 +174,8 @@ def execute(stage: Stage, cfg: Config, run: RunDir, **options: Any) -> StageResu
 def wire(stage: Stage, cfg: Config) -> tuple[Stage, dict[str, str]]:
     """(the stage with its inputs wired, the folder of each input by its declared name). A stage earlier in STAGES
     that runs for cfg and `replaces` a folder the stage reads sends it to its own output instead: the Input then
-    names that stage (its verb, its folder), and the fingerprint covers that stage's (itself wired), so a changed
-    filter invalidates what was made from its output. Without such a stage the stage is returned as it is (every
+    names that stage (its verb, its folder), and the fingerprint covers what that stage's covers (itself wired: its
+    sections and extra values), so a changed filter invalidates what was made from its output, by key. Without such a stage the stage is returned as it is (every
     built-in stage: their fingerprints are unchanged)."""
     standing_in: dict[str, Stage] = {}
     for name, earlier in STAGES.items():
@@ -187,14 +189,17 @@ def wire(stage: Stage, cfg: Config) -> tuple[Stage, dict[str, str]]:
         return stage, {}
     inputs = tuple(dataclasses.replace(need, folder=via[need.folder].output, verb=via[need.folder].name)
                    if need.folder in via else need for need in stage.inputs)
+    producers = [wire(producer, cfg)[0] for producer in via.values()]  # each itself wired: a chain is covered whole
     own_extra = stage.extra
 
     def extra(cfg: Config, run: RunDir) -> dict:
-        chained = {f"via {producer.name}": str(wire(producer, cfg)[0].fingerprint_of(cfg, run))
-                   for producer in via.values()}
+        chained = {f"via {p.name}": p.extra(cfg, run) if p.extra else None for p in producers}
         return (own_extra(cfg, run) or {}) | chained if own_extra else chained
 
-    wired = dataclasses.replace(stage, inputs=inputs, extra=extra)
+    # The producers' sections and extra values join the stage's: the refusal of an output made from another filter
+    # then names the filter's changed key.
+    sections = tuple(dict.fromkeys((*stage.sections, *(name for p in producers for name in p.sections))))
+    wired = dataclasses.replace(stage, inputs=inputs, extra=extra, sections=sections)
     return wired, {folder: executor.resolve(producer.output, cfg) for folder, producer in via.items()}
 
 

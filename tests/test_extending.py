@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import posixpath
 import sys
-from typing import Iterator
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from clusterscale import arm_costs, config, experiments, pipeline
 from clusterscale.executor import Input, Stage
 from clusterscale.io.layout import checked_manifest
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
+from clusterscale.knobs import POSITIVE, Section, knob
 from clusterscale.runtime.hashing import SeededPermutation
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train import schedule
@@ -30,17 +32,21 @@ from clusterscale.train.schedule import GlobalBatch
 from clusterscale.train.schedule_config import SAMPLERS
 from tests.conftest import make_pairs, tiny_overrides
 
-MIN_CHARS = {"passage": 150}  # the filter's setting (a config key would be a knob in a section of its own)
+@dataclass
+class LengthFilterConfig(Section):
+    """The filter's own config section: `length_filter.min_passage_chars` in YAML and --set."""
+    section: ClassVar[str] = "length_filter"
+    min_passage_chars: int = knob(150, "Pairs whose passage has fewer characters are rejected.", bounds=POSITIVE)
 
 
 def run_length_filter(ctx: StageContext) -> StageResult:
-    """Keep the pairs whose passage has at least MIN_CHARS characters in long_pairs/; the others go to
-    long_pairs/_rejected-<part>.parquet with their reason (files named `_*` are not data: readers skip them)."""
+    """Keep the pairs whose passage has at least length_filter.min_passage_chars characters in long_pairs/; the others
+    go to long_pairs/_rejected-<part>.parquet with their reason (files named `_*` are not data: readers skip them)."""
     kept = rejected = 0
     for path in ctx.source.files(ctx.input("pairs")):
         with ctx.source.fs.open_input_file(path) as f:
             table = pq.read_table(f)
-        long = pc.greater_equal(pc.utf8_length(table.column("passage")), MIN_CHARS["passage"])
+        long = pc.greater_equal(pc.utf8_length(table.column("passage")), ctx.cfg.length_filter.min_passage_chars)
         name = posixpath.basename(path)
         ctx.run.write_parquet(f"long_pairs/{name}", table.filter(long))
         short = table.filter(pc.invert(long))
@@ -52,8 +58,7 @@ def run_length_filter(ctx: StageContext) -> StageResult:
 
 LENGTH_FILTER = Stage("length_filter", "Drop pairs whose passage is short.", run_length_filter, "long_pairs",
                       inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data",),
-                      extra=lambda cfg, run: {"min_passage_chars": MIN_CHARS["passage"]}, replaces="pairs",
-                      shared=True)
+                      config=LengthFilterConfig, replaces="pairs", shared=True)
 
 
 class Sequential(Sampler):
@@ -155,12 +160,34 @@ def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequent
     costs = run.read_json("report/costs.json")  # its cost recorded and counted as preprocessing
     assert costs["length_filter"]["preprocess"] and costs["length_filter"]["rejected"] > 0
     assert pipeline.run_stages(cfg, run, ("embed",))["embed"].stats  # reused as it is
-    MIN_CHARS["passage"] = 100
-    try:
-        with pytest.raises(ConfigMismatchError):
-            pipeline.run_stages(cfg, run, ("embed",))  # made from another filter: refused, --replace to redo
-    finally:
-        MIN_CHARS["passage"] = 150
+    changed = config.load(None, keys + ["length_filter.min_passage_chars=100"])
+    with pytest.raises(ConfigMismatchError, match="length_filter.min_passage_chars"):
+        pipeline.run_stages(changed, run, ("embed",))  # made from another filter: refused by key, --replace redoes it
+
+
+def test_a_stage_declares_its_own_config_section(registered):
+    """Stage.config: the section is a section of the config while the stage is registered (YAML, --set, defaults,
+    bounds by key, `clusterscale config`), the stage's fingerprint covers it, and without the registration the key is
+    unknown, the built-in fingerprints unchanged."""
+    cfg = config.load(None, ["length_filter.min_passage_chars=90"])
+    assert cfg.length_filter.min_passage_chars == 90 and config.load(None, []).length_filter.min_passage_chars == 150
+    assert cfg.to_dict()["length_filter"] == {"min_passage_chars": 90}
+    assert config.from_dict(cfg.to_dict()).length_filter.min_passage_chars == 90  # a run's config.yaml reads back
+    with pytest.raises(config.ConfigError, match="length_filter.min_passage_chars"):
+        config.load(None, ["length_filter.min_passage_chars=0"])
+    with pytest.raises(config.ConfigError, match="allowed keys in length_filter: min_passage_chars"):
+        config.load(None, ["length_filter.min_chars=90"])
+    assert "length_filter:\n  min_passage_chars: 150" in config.describe()
+    stage, run = pipeline.STAGES["length_filter"], RunDir("/tmp/unused")
+    assert stage.fingerprint_of(cfg, run) != stage.fingerprint_of(config.load(None, []), run)
+    assert stage.fingerprint_of(config.load(None, ["train.steps=7"]), run) == stage.fingerprint_of(
+        config.load(None, []), run)
+
+
+def test_a_stage_section_is_unknown_without_its_stage():
+    with pytest.raises(config.ConfigError, match="Unknown config section 'length_filter'.*pipeline.STAGES"):
+        config.load(None, ["length_filter.min_passage_chars=90"])
+    assert "length_filter" not in config.describe() and "length_filter" not in config.load(None, []).to_dict()
 
 
 def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path):

@@ -5,7 +5,8 @@ section composed of component configs that live next to their code (config/train
 fingerprints the whole, config/load.py reads files, --set overrides and a run's config.yaml. Torch-free."""
 from clusterscale.config.load import (KEYWORDS, MODEL_PATH_KEYS, absolute_paths, load, parse_override, parse_yaml,
                                       to_yaml)
-from clusterscale.config.root import SECTIONS, Config, Fingerprint, describe, describe_markdown, from_dict, variant
+from clusterscale.config.root import (SECTIONS, Config, Fingerprint, all_sections, describe, describe_markdown, from_dict,
+                                      registered_sections, set_stage_sections, variant)
 from clusterscale.config.sections import (ClusterConfig, DataConfig, DedupConfig, EmbedConfig, EvalConfig, MineConfig,
                                           RayConfig, ShardConfig)
 from clusterscale.config.train import TrainConfig
@@ -13,5 +14,6 @@ from clusterscale.knobs import Bounds, ComposedSection, ConfigError, Section, kn
 
 __all__ = ["KEYWORDS", "MODEL_PATH_KEYS", "SECTIONS", "Bounds", "ClusterConfig", "ComposedSection", "Config",
            "ConfigError", "DataConfig", "DedupConfig", "EmbedConfig", "EvalConfig", "Fingerprint", "MineConfig",
-           "RayConfig", "Section", "ShardConfig", "TrainConfig", "absolute_paths", "describe", "describe_markdown",
-           "from_dict", "knob", "load", "output_keys", "parse_override", "parse_yaml", "to_yaml", "variant"]
+           "RayConfig", "Section", "ShardConfig", "TrainConfig", "absolute_paths", "all_sections", "describe",
+           "describe_markdown", "from_dict", "knob", "load", "output_keys", "parse_override", "parse_yaml",
+           "registered_sections", "set_stage_sections", "to_yaml", "variant"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from clusterscale.config.root import SECTIONS, Config, _key_text, from_dict
+from clusterscale.config.root import Config, _key_text, all_sections, from_dict
 from clusterscale.config.sections import DataConfig
 from clusterscale.errors import bounded_repr
 from clusterscale.knobs import ConfigError, check_text, output_keys, refuse_control_characters
@@ -174,7 +174,7 @@ def _check_agrees(run_config: dict, file_raw: dict, path: str) -> None:
     run_cfg, file_cfg = absolute_paths(from_dict(run_config)), absolute_paths(from_dict(_merged(run_config, file_raw)))
     differing = []
     for section, values in file_raw.items():
-        if section not in SECTIONS or not isinstance(values, dict):
+        if section not in all_sections() or not isinstance(values, dict):
             continue
         outputs, file_section = output_keys(getattr(run_cfg, section)), getattr(file_cfg, section)
         for key in values:

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from clusterscale.config.sections import (ClusterConfig, DataConfig, DedupConfig, EmbedConfig, EvalConfig, MineConfig,
                                           RayConfig, ShardConfig)
@@ -36,10 +36,23 @@ class Config:
     mine: MineConfig = field(default_factory=MineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    stage_sections: dict = field(default_factory=dict, repr=False)
+    """The sections of registered stages (executor.Stage.config), by stage name: read as cfg.<name> like a built-in."""
+
+    def __post_init__(self) -> None:
+        for name, section in registered_sections().items():
+            self.stage_sections.setdefault(name, section())
+
+    def __getattr__(self, name: str) -> Any:
+        """A registered stage's section (one registered after this config was made gets its defaults)."""
+        sections = registered_sections() if not name.startswith("_") and name != "stage_sections" else {}
+        if name not in sections:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.__dict__.setdefault("stage_sections", {}).setdefault(name, sections[name]())
 
     def to_dict(self) -> dict:
         """{section: {key: value}}, flat under each section as in YAML (the train components' keys merged)."""
-        return {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)}
+        return {name: getattr(self, name).to_dict() for name in all_sections()}
 
     def fingerprint(self, sections: tuple[str, ...], extra: dict | None = None) -> Fingerprint:
         """Hash of the output-affecting keys of `sections`: equal fingerprints = reusable outputs."""
@@ -51,11 +64,11 @@ class Config:
         return Fingerprint(hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16], payload)
 
     def hash(self) -> str:
-        return str(self.fingerprint(SECTIONS))
+        return str(self.fingerprint(all_sections()))
 
     def validate(self) -> None:
         """Each section checks its own keys (the first error raises ConfigError naming the key)."""
-        for name in SECTIONS:
+        for name in all_sections():
             getattr(self, name).validate()
         if self.cluster.side != "passage" and self.embed.side != "both":
             raise ConfigError(f"cluster.side={self.cluster.side} clusters the query vectors (`emb_query`), which "
@@ -74,7 +87,33 @@ class Config:
         return schedule.name or f"{schedule.sampler}-seed{schedule.seed}"
 
 
-SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "stage_sections")  # the built-in ones
+
+# The sections stages declare next to their code (executor.Stage.config, named like the stage). The pipeline hands
+# them over (set_stage_sections; config sits below it) as a function read at every lookup, so they follow
+# pipeline.STAGES as it is when a config is made.
+_stage_sections: Callable[[], dict[str, type]] = dict
+
+
+def set_stage_sections(provider: Callable[[], dict[str, type]]) -> None:
+    """provider() -> {stage name: its Section class}, for every stage that declares one."""
+    global _stage_sections
+    _stage_sections = provider
+
+
+def registered_sections() -> dict[str, type]:
+    """The registered stages' sections, by name; a name taken by a built-in section is refused."""
+    sections = _stage_sections()
+    taken = sorted(set(sections) & set(SECTIONS))
+    if taken:
+        raise ConfigError(f"A stage's config section is named like the built-in section(s) {', '.join(taken)}: name "
+                          "the stage otherwise (its section takes the stage's name).")
+    return sections
+
+
+def all_sections() -> tuple[str, ...]:
+    """The built-in sections, then the registered stages' in pipeline order."""
+    return SECTIONS + tuple(registered_sections())
 
 
 def _key_text(key: Any) -> str:
@@ -87,14 +126,15 @@ def from_dict(raw: dict | None) -> Config:
     cfg = Config()
     raw = raw or {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"The config must be a mapping of sections ({', '.join(SECTIONS)}), got "
+        raise ConfigError(f"The config must be a mapping of sections ({', '.join(all_sections())}), got "
                           f"{type(raw).__name__}.")
     for section, values in raw.items():
         if section == "config_hash":  # present in a RUN/config.yaml fed back in
             continue
-        if section not in SECTIONS:
+        if section not in all_sections():
             raise ConfigError(f"Unknown config section {bounded_repr(section)}; allowed sections: "
-                              f"{', '.join(SECTIONS)}.")
+                              f"{', '.join(all_sections())} (a stage's own section is known while the stage is in "
+                              "pipeline.STAGES).")
         if values is None:
             continue
         if not isinstance(values, dict):
@@ -126,7 +166,7 @@ def _choices(f) -> str:
 def describe() -> str:
     """Every key with its default and doc: the reference printed by `clusterscale config`."""
     lines = []
-    for section in SECTIONS:
+    for section in all_sections():
         obj = getattr(Config(), section)
         lines.append(f"{section}:")
         for name, (owner, f) in obj.knobs().items():
@@ -144,7 +184,7 @@ def describe_markdown() -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
     lines = []
-    for section in SECTIONS:
+    for section in all_sections():
         obj = getattr(Config(), section)
         lines += [f"## `{section}`", "", "| key | default | meaning |", "|---|---|---|"]
         for name, (owner, f) in obj.knobs().items():
