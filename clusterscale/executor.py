@@ -94,6 +94,18 @@ class ExtraOutput:
     sections: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What a stage tells `plan` about a run of some shape (Stage.estimate): the bytes its largest task or actor and
+    the driver hold, what it writes (folder -> bytes) in how many files, and its CPU seconds per training pair (spread
+    over the cluster's CPUs; None: plan times it from a run's cost record with --run-dir, else says it has none)."""
+    task_bytes: float = 0.0
+    driver_bytes: float = 0.0
+    disk_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    files: int = 0
+    cpu_s_per_pair: float | None = None
+
+
 def _always(cfg: Config) -> bool:
     """always"""
     return True
@@ -159,6 +171,10 @@ class Stage:
     """A config section of its own: a knobs.Section subclass (in the stage's module) named like the stage, so its
     keys are `<name>.<key>` in YAML and --set, `clusterscale config` lists them and the stage reads them as
     ctx.cfg.<name>.<key>; its fingerprint covers the section (pipeline hands the sections to config)."""
+
+    estimate: Callable[[Config, object], Estimate] | None = None
+    """estimate(cfg, shape) -> Estimate for `plan` (shape: plan.shape.RunShape: train_rows, heldout_rows, k, dim). The
+    built-in stages' rules live in plan/estimate.py; a stage without either gets a row with no memory or disk."""
 
     def __post_init__(self) -> None:
         if self.config is not None and self.name not in self.sections:

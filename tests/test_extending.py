@@ -6,6 +6,7 @@ config, compare's arms, the cost report and `plan` accept, and with labeled hard
 (tests/test_labeled_negatives.py tests their rules)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import posixpath
 import sys
@@ -20,7 +21,7 @@ import pytest
 import ray.cloudpickle
 
 from clusterscale import arm_costs, config, experiments, pipeline
-from clusterscale.executor import Input, Stage
+from clusterscale.executor import Estimate, Input, Stage
 from clusterscale.io.layout import checked_manifest
 from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
 from clusterscale.knobs import POSITIVE, Section, knob
@@ -56,9 +57,16 @@ def run_length_filter(ctx: StageContext) -> StageResult:
     return StageResult({"rows": kept, "rejected": rejected})
 
 
+def estimate_length_filter(cfg: config.Config, shape) -> Estimate:
+    """What `plan` says of it: one part of pairs/ held at a time (~400 bytes of text a pair, twice: read and kept),
+    pairs/ written again, and ~20 us of CPU per pair."""
+    return Estimate(task_bytes=2 * 400.0 * cfg.data.rows_per_part, disk_bytes={"long_pairs": 400.0 * shape.train_rows},
+                    files=-(-shape.train_rows // cfg.data.rows_per_part), cpu_s_per_pair=2e-5)
+
+
 LENGTH_FILTER = Stage("length_filter", "Drop pairs whose passage is short.", run_length_filter, "long_pairs",
                       inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data",),
-                      config=LengthFilterConfig, replaces="pairs", shared=True)
+                      config=LengthFilterConfig, replaces="pairs", shared=True, estimate=estimate_length_filter)
 
 
 class Sequential(Sampler):
@@ -190,24 +198,34 @@ def test_a_stage_section_is_unknown_without_its_stage():
     assert "length_filter" not in config.describe() and "length_filter" not in config.load(None, []).to_dict()
 
 
-def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path):
-    """`plan` iterates pipeline.STAGES: the length filter has its row after ingest; without a measurement it has no
-    time (the sums and the ratio leave it out, saying so); with --run-dir of a run that ran it, its measured time
-    per pair is scaled to the planned size."""
+def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path, monkeypatch):
+    """`plan` iterates pipeline.STAGES: the length filter has its row after ingest, its memory, disk and time from its
+    own Stage.estimate; with --run-dir of a run that ran it, its measured time per pair is scaled to the planned size;
+    a stage that declares no estimate has no time without one (the sums and the ratio leave it out, saying so)."""
     from clusterscale.plan.build import PlanRequest, make_plan
 
-    plan = make_plan(PlanRequest(None, [], None, 100_000, [8], None, None, None, None, None, None, None, None))
+    def plan_of(run_dir, rows):
+        return make_plan(PlanRequest(None, [], run_dir, rows, [8], None, None, None, None, None, None, None, None))
+
+    plan = plan_of(None, 100_000)
     assert list(plan["stages"])[:3] == ["ingest", "length_filter", "embed"]
-    assert "no estimate" in plan["stages"]["length_filter"]["time_from"]
-    assert any("length_filter" in note for note in plan["notes"])
+    row, cfg = plan["stages"]["length_filter"], config.load(None, [])
+    train_rows = 100_000 - round(100_000 * cfg.data.heldout_fraction)
+    assert "Stage.estimate" in row["time_from"] and row["wall_s"] > 0
+    assert row["disk_bytes_by_folder"] == {"long_pairs": 400.0 * train_rows}
+    assert row["peak_task_mb"] >= 800.0 * cfg.data.rows_per_part / 2**20
     run = RunDir(str(tmp_path / "run"))
-    run.write_config(config.load(None, []))
+    run.write_config(cfg)
     run.write_json("report/costs.json", {"ingest": {"rows_in": 1000, "pairs": 950, "wall_s": 1.0},
                                          "length_filter": {"rows": 900, "wall_s": 2.0}})
-    plan = make_plan(PlanRequest(None, [], str(tmp_path / "run"), 95_000, [8], None, None, None, None, None, None,
-                                 None, None))
-    row = plan["stages"]["length_filter"]
+    row = plan_of(str(tmp_path / "run"), 95_000)["stages"]["length_filter"]
     assert "measured in" in row["time_from"] and 100 < row["wall_s"] < 300  # ~2 s per 950 pairs, at 100x
+    stages = dict(pipeline.STAGES)
+    stages["length_filter"] = dataclasses.replace(LENGTH_FILTER, estimate=None)
+    monkeypatch.setattr(pipeline, "STAGES", stages)
+    plan = plan_of(None, 100_000)
+    assert "no estimate" in plan["stages"]["length_filter"]["time_from"]
+    assert any("length_filter" in note for note in plan["notes"])
 
 
 def test_every_compare_arm_counts_a_registered_filter_of_the_pairs(registered):

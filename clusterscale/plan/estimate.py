@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from clusterscale import pipeline
 from clusterscale.config import Config
+from clusterscale.executor import Estimate
 from clusterscale.plan.cluster import GPU_MEMORY_GB, ClusterSpec
 from clusterscale.plan.rates import DATASHEET_MFU, Rates, k_terms_s
 from clusterscale.plan.shape import (RunShape, TrainShape, assign_files, cluster_dim, embed_files, fit_sample_rows,
@@ -131,11 +132,21 @@ class Planner:
         self.embedding_row_bytes = self.text_bytes + 2 * shape.dim * sides  # fp16 vectors (runtime/vectors)
 
     # --- time ---------------------------------------------------------------------------------------------------
+    def declared(self, stage: str) -> Estimate | None:
+        """A registered stage's own estimate (executor.Stage.estimate), None for the built-in stages (their rules are
+        here) and for a stage that declares none."""
+        estimate = pipeline.STAGES[stage].estimate
+        return estimate(self.cfg, self.shape) if stage not in ESTIMATED and estimate is not None else None
+
     def cpu_time(self, stage: str, work: float, cpus: int) -> tuple[float, str]:
         rate = self.rates.stages.get(stage)
+        declared = self.declared(stage)
+        if rate is None and declared is not None and declared.cpu_s_per_pair is not None:
+            return declared.cpu_s_per_pair * self.shape.train_rows / max(1, cpus), \
+                "the stage's own estimate (Stage.estimate: CPU seconds per pair)"
         if rate is None and stage not in ESTIMATED:  # a registered stage: its time per pair from a run's cost record
             return math.nan, ("no estimate: pass --run-dir of a run that ran it (its measured time per pair is "
-                              "scaled), or add its rules to plan/estimate.py")
+                              "scaled), or declare Stage.estimate")
         if rate is None:
             return math.nan, "not calibrated: run `clusterscale plan --calibrate`, or pass --run-dir of a run"
         return rate.fixed_s + rate.cpu_s_per_work * work / max(1, cpus), rate.source
@@ -212,7 +223,8 @@ class Planner:
             return self.rank_bytes(), 0.0
         if stage == "evaluate":  # the encoder's vectors; the driver: the eval set's texts (stages/eval_set.py)
             return self.eval_texts() * shape.dim * 4.0, self.eval_texts() * self.text_bytes
-        return 0.0, 0.0
+        declared = self.declared(stage)
+        return (declared.task_bytes, declared.driver_bytes) if declared else (0.0, 0.0)
 
     def rank_bytes(self) -> float:
         """A training rank: weights + grads + AdamW state, and the activations of the rows it embeds at once
@@ -261,7 +273,8 @@ class Planner:
             export = 4.0 * self.models.student_params  # safetensors fp32 model
             ckpt = 12.0 * self.models.student_params if cfg.train.checkpoint.keep_checkpoint else 0.0
             return {f"train/{cfg.train_name()}": export + ckpt}, 4
-        return {}, 0
+        declared = self.declared(stage)
+        return (dict(declared.disk_bytes), declared.files) if declared else ({}, 0)
 
     def embed_actors(self) -> int:
         if self.cfg.embed.num_actors:
