@@ -24,6 +24,7 @@ from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import TRAIN, eval_path
 from clusterscale.io.rundir import (ConfigMismatchError, RunDir, StageMissingError, StageResult, UnreadableFileError,
                                     changed_keys)
+from clusterscale import run_protocol
 from clusterscale.errors import UserError, user_error
 from clusterscale.runtime import interrupt, nodes
 from clusterscale.runtime.resources import Resources
@@ -231,7 +232,7 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
     ctx = StageContext(cfg, run, source, resources=stage.resources, run_stage=run_stage, resume=resume,
                        fail_at_step=fail_at_step, max_tasks_in_flight=max_tasks_in_flight, inputs=inputs)
     lost_node_said = _naming_lost_nodes(stage, run, alive, command)
-    with run.lock(stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said, \
+    with run_protocol.lock(run, stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said, \
             _naming_unreadable(stage, ctx):
         if replace == "always":
             _replace(run, stage.output_of(cfg))
@@ -257,7 +258,7 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
         record["started_unix"] = round(started, 3)  # when: per-stage GPU samples (benchmarks/gpu_pipeline.py)
         if stage.shared and key.split(":", 1)[0] == stage.name:  # not a re-clustering segment's (recluster:...)
             record["preprocess"] = True  # what costs and the report count as preprocessing
-        (costs_run or run).record_cost(key, record)
+        run_protocol.record_cost(costs_run or run, key, record)
     return result
 
 
@@ -310,7 +311,7 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
     _check_complete(ctx.source, stage, cfg)
     if not (stage.keeps_units or ctx.resume):  # an interrupted attempt's partial output
         for folder in (out, *(f for f, _, _ in extras)):
-            run.begin(folder)
+            run.clear(folder)
     result = stage.run(dataclasses.replace(ctx, fingerprint=fingerprint))
     if result.complete:
         for folder, extra_fingerprint, _ in extras:
@@ -382,7 +383,7 @@ def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) ->
 
 
 def _replace(run: RunDir, stage_dir: str) -> None:
-    removed = run.replace(stage_dir)
+    removed = run_protocol.replace(run, stage_dir)
     for folder in removed:  # a replaced model's cached evaluation goes with it
         if folder.startswith(f"{TRAIN}/"):
             run.remove(eval_path(folder.removeprefix(f"{TRAIN}/")))

@@ -26,7 +26,7 @@ from clusterscale.pipeline import STAGES
 from clusterscale.pipeline import STAGES
 from clusterscale.runtime import interrupt
 interrupt.RELEASE_TIMEOUT_S = 3600.0
-interrupt.release_held_locks = lambda: threading.Event().wait()
+interrupt.on_stop(lambda: threading.Event().wait())
 assert interrupt.install()
 with interrupt.saying(STAGES["train"].interrupted), interrupt.saying(""):
     print("ready", flush=True)
@@ -63,10 +63,11 @@ TERMINATED = """
 import sys, time
 from clusterscale.config import RayConfig
 from clusterscale.io.rundir import RunDir
+from clusterscale.run_protocol import lock
 from clusterscale.runtime import interrupt, session
 assert interrupt.install()
 session.init_ray(RayConfig())
-with RunDir(sys.argv[1]).lock("embeddings"):
+with lock(RunDir(sys.argv[1]), "embeddings"):
     print("ready", flush=True)
     try:
         time.sleep(3600)

@@ -46,7 +46,7 @@ def test_missing_embeddings(tmp_path):
 
 def test_empty_embeddings(tmp_path):
     run = RunDir(str(tmp_path / "run"))
-    run.begin("embeddings")
+    run.clear("embeddings")
     run.mark_done("embeddings", "x", {"rows": 0})
     with pytest.raises(ClusteringError, match="holds no rows"):
         run_stage("fit", cfg_with("cluster.k=2"), run)

@@ -18,8 +18,8 @@ COMPONENT_CONFIGS = [f"clusterscale.train.{name}_config" for name in
 LAYERS: list[tuple[str, list[str]]] = [
     ("entry points", ["clusterscale.cli", "jobs.*"]),
     # plan estimates a run from the stages' own rules (and plan.calibrate runs stages through the pipeline).
-    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.experiments",
-                       "clusterscale.arm_costs", "clusterscale.plan", "clusterscale.plan.*"]),
+    ("orchestration", ["clusterscale.pipeline", "clusterscale.executor", "clusterscale.run_protocol",
+                       "clusterscale.experiments", "clusterscale.arm_costs", "clusterscale.plan", "clusterscale.plan.*"]),
     ("stages", ["clusterscale.stages", "clusterscale.stages.*"]),
     ("trainer components", ["clusterscale.train", "clusterscale.train.*"]),
     ("modeling", ["clusterscale.modeling", "clusterscale.modeling.*"]),

@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from clusterscale import cli, pipeline
+from clusterscale import cli, pipeline, run_protocol
 from clusterscale.io.layout import manifest_path, read_manifest, shards_dir
 from clusterscale.io.rundir import RunDir, StageInputChangedError, UnreadableFileError
 from conftest import make_pairs, tiny_overrides
@@ -184,10 +184,10 @@ def test_unreadable_run_files_are_named_and_replace_still_works(tmp_path):
         run.check_complete("embeddings", "Embeddings", "embed")
     assert str(said.value).startswith(f"{run.path('embeddings/_DONE.json')}: not valid JSON (") and \
         f"Rebuild embeddings/ with `clusterscale embed --run-dir {run.uri} --replace`" in str(said.value)
-    assert run.replace("embeddings") == ["embeddings"] and not run.exists("embeddings")
+    assert run_protocol.replace(run, "embeddings") == ["embeddings"] and not run.exists("embeddings")
     run.write_bytes("report/costs.json", b"{")
     with pytest.raises(UnreadableFileError, match=r"costs.json: not valid JSON.*Move it aside"):
-        run.record_cost("fit", {"wall_s": 1.0})
+        run_protocol.record_cost(run, "fit", {"wall_s": 1.0})
     run.write_bytes("shards/k=4/manifest.json", b'{"k": 4}')
     with pytest.raises(UnreadableFileError, match=r"manifest.json: not a shard manifest .*`clusterscale shard --run"):
         read_manifest(run, manifest_path(4))

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from clusterscale import run_protocol
 from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.rundir import RunDir, local_copy
 from tests.s3_server import s3_server, s3_uri
@@ -98,35 +99,32 @@ def test_run_dir_atomic_files_and_child_uris(s3_endpoint):
 def test_stage_lock_is_a_lease_on_object_stores(s3_endpoint, monkeypatch):
     import time
 
-    from clusterscale.io import rundir
-
-    monkeypatch.setattr(rundir, "LOCK_SETTLE_S", 0.1)
+    monkeypatch.setattr(run_protocol, "LOCK_SETTLE_S", 0.1)
     run = RunDir(s3_uri(s3_endpoint, "lock-bucket/runs/r1"))
-    with run.lock("train/x"):
+    with run_protocol.lock(run, "train/x"):
         assert run.read_json("locks/train/x.json")["pid"] == os.getpid()
-        with pytest.raises(rundir.StageLockedError, match=f"pid {os.getpid()} on host"):
-            with run.lock("train/x"):
+        with pytest.raises(run_protocol.StageLockedError, match=f"pid {os.getpid()} on host"):
+            with run_protocol.lock(run, "train/x"):
                 pass
     assert not run.exists("locks/train/x.json")
     # A lease of another host that was not renewed in time is taken over.
     run.write_json("locks/train/x.json", {"id": "gone", "host": "elsewhere", "pid": 7, "since": "2026-01-01T00:00:00Z",
                                           "expires": time.time() - 1})
-    with run.lock("train/x"):
+    with run_protocol.lock(run, "train/x"):
         assert run.read_json("locks/train/x.json")["host"] != "elsewhere"
 
 
 def test_lock_settle_time_comes_from_the_environment(monkeypatch):
     from clusterscale.errors import UserError
-    from clusterscale.io import rundir
 
-    monkeypatch.delenv(rundir.LOCK_SETTLE_ENV, raising=False)
-    assert rundir.lock_settle_s() == rundir.LOCK_SETTLE_S
-    monkeypatch.setenv(rundir.LOCK_SETTLE_ENV, "0.25")
-    assert rundir.lock_settle_s() == 0.25
+    monkeypatch.delenv(run_protocol.LOCK_SETTLE_ENV, raising=False)
+    assert run_protocol.lock_settle_s() == run_protocol.LOCK_SETTLE_S
+    monkeypatch.setenv(run_protocol.LOCK_SETTLE_ENV, "0.25")
+    assert run_protocol.lock_settle_s() == 0.25
     for bad in ("soon", "-1", "nan", "1e9"):
-        monkeypatch.setenv(rundir.LOCK_SETTLE_ENV, bad)
+        monkeypatch.setenv(run_protocol.LOCK_SETTLE_ENV, bad)
         with pytest.raises(UserError, match=f"CLUSTERSCALE_LOCK_SETTLE_S='{bad}' is not a number of seconds"):
-            rundir.lock_settle_s()
+            run_protocol.lock_settle_s()
 
 
 def test_local_copy_downloads_a_folder(s3_endpoint, tmp_path):

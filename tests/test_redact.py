@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterscale import cli, config, pipeline
+from clusterscale import cli, config, pipeline, run_protocol
 from clusterscale.stages.ingest import IngestError
 from clusterscale.redact import redact_uri, redacted_output, uri_problem
 
@@ -49,7 +49,7 @@ def test_cli_never_prints_or_stores_credentials(tmp_path, monkeypatch, capsys):
         seen["path"] = cfg.data.path
         run.mark_done("pairs", cfg.fingerprint(("data",)), {"rows_in": 0, "input": cfg.data.path},
                       {"data": dataclasses.asdict(cfg.data)})
-        run.record_cost("ingest", {"input": cfg.data.path})
+        run_protocol.record_cost(run, "ingest", {"input": cfg.data.path})
         raise IngestError(f"No input files found at data.path {cfg.data.path!r}.")
 
     monkeypatch.setattr(clusterscale.runtime.session, "init_ray", lambda ray_cfg: None)

@@ -20,7 +20,8 @@ from clusterscale import config as config_mod
 from clusterscale.runtime import session
 from clusterscale.experiments import run_compare
 from clusterscale.io.layout import kmeans_dir, shards_dir
-from clusterscale.io.rundir import RunDir, StageLockedError, StageResult
+from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.run_protocol import StageLockedError, lock, replace
 from tests.test_jobs_local import run_job
 
 BASE = ["data.path=/data/pairs.parquet", "cluster.k=4", "cluster.niter=10", "train.steps=3"]
@@ -143,19 +144,19 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
 
     def second():
         try:
-            with run.lock("train/x"):
+            with lock(run, "train/x"):
                 pass
         except StageLockedError as exc:
             refused.append(exc)
 
-    with run.lock("train/x"):
+    with lock(run, "train/x"):
         worker = threading.Thread(target=second)
         worker.start()
         worker.join()
     assert len(refused) == 1
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in str(refused[0])
     assert not run.exists("locks/train/x.json")  # released
-    with run.lock("train/x"):
+    with lock(run, "train/x"):
         pass
 
 
@@ -163,8 +164,8 @@ def test_second_holder_is_refused_with_the_holder_named(tmp_path):
 def test_cli_refuses_a_stage_locked_by_another_process(existing_run, no_ray, capsys):
     run = existing_run
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from clusterscale.io.rundir import RunDir\n"
-        f"with RunDir({run.uri!r}).lock('kmeans/k=4'):\n"
+        "import sys, time; from clusterscale.io.rundir import RunDir; from clusterscale.run_protocol import lock\n"
+        f"with lock(RunDir({run.uri!r}), 'kmeans/k=4'):\n"
         "    print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
         env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     try:
@@ -187,10 +188,10 @@ def test_expired_lease_of_another_host_is_taken_over(tmp_path):
     lease = {"id": "other", "host": "elsewhere", "pid": 1, "since": "2026-01-01T00:00:00Z"}
     run.write_json("locks/embeddings.json", lease | {"expires": time.time() + 600})
     with pytest.raises(StageLockedError, match="pid 1 on host elsewhere, since 2026-01-01T00:00:00Z"):
-        with run.lock("embeddings"):
+        with lock(run, "embeddings"):
             pass
     run.write_json("locks/embeddings.json", lease | {"expires": time.time() - 1})
-    with run.lock("embeddings"):
+    with lock(run, "embeddings"):
         assert run.read_json("locks/embeddings.json")["pid"] == os.getpid()
 
 
@@ -230,5 +231,5 @@ def test_replace_removes_what_was_made_from_the_folder_not_its_inputs(tmp_path):
         run.write_json(f"{folder}/part.json", {})
         run.mark_done(folder, cfg.fingerprint(sections), {})
         run.write_json(f"{folder}/_DONE.json", run.read_json(f"{folder}/_DONE.json") | {"finished_at": at})
-    assert run.replace("assign/k=4") == ["shards/k=4", "assign/k=4"]
+    assert replace(run, "assign/k=4") == ["shards/k=4", "assign/k=4"]
     assert run.exists("kmeans/k=4", "_DONE.json") and not run.exists("shards/k=4")

@@ -3,25 +3,23 @@
 Stages write their files, then a `_DONE.json` marker carrying the fingerprint of the config that
 produced them and the values it covers. A stage is complete only when its marker exists; a rerun with
 the same fingerprint skips it, a rerun with another fingerprint refuses to mix outputs (naming the
-changed keys) unless told to replace them. A stage in progress holds a lock under RUN/locks/.
+changed keys) unless told to replace them. A stage in progress holds a lock under RUN/locks/. When a stage is
+locked, begun, marked done or replaced is the executor's protocol (clusterscale/run_protocol.py).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import os
 import posixpath
 import shlex
 import shutil
-import socket
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -93,31 +91,6 @@ class ConfigMismatchError(UserError, RuntimeError):
     def __init__(self, message: str, stage_dir: str = ""):
         super().__init__(message)
         self.stage_dir = stage_dir
-
-
-class StageLockedError(UserError, RuntimeError):
-    """Another process is writing the same stage output of the same run."""
-
-
-LOCK_TTL_S = 300.0  # a lease its holder stopped renewing for this long is stale (the holder is gone)
-LOCK_RENEW_S = 30.0
-LOCK_SETTLE_S = 2.0  # object stores: how long a new lease must stay ours before we trust it
-LOCK_SETTLE_ENV = "CLUSTERSCALE_LOCK_SETTLE_S"  # overrides it (docs/cli.md, "Locks")
-
-
-def lock_settle_s() -> float:
-    """Seconds a new lease on an object store must stay ours: LOCK_SETTLE_S, or CLUSTERSCALE_LOCK_SETTLE_S."""
-    text = os.environ.get(LOCK_SETTLE_ENV, "").strip()
-    if not text:
-        return LOCK_SETTLE_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0.0 <= seconds <= 60.0:
-        raise UserError(f"{LOCK_SETTLE_ENV}={text!r} is not a number of seconds from 0 to 60: set it to how long "
-                        f"a new stage lock on an object store must stay yours (default {LOCK_SETTLE_S}), or unset it.")
-    return seconds
 
 
 def join_uri(uri: str, *parts: str) -> str:
@@ -283,8 +256,8 @@ class RunDir:
             print(f"[{stage_dir}] reused (done at {done.finished_at})", flush=True)
         return True
 
-    def begin(self, stage_dir: str) -> None:
-        """Clear the leftovers of an interrupted attempt of an incomplete stage."""
+    def clear(self, stage_dir: str) -> None:
+        """An empty `stage_dir`: whatever it held is removed (the leftovers of an interrupted attempt)."""
         if self.exists(stage_dir):
             self.remove(stage_dir)
         self.makedirs(stage_dir)
@@ -348,30 +321,7 @@ class RunDir:
         return (f"rebuild {stage_dir}/ with `clusterscale {verb} --run-dir {shlex.quote(redact_uri(self.uri))} "
                 f"--replace` (plus any --set keys the run was made with; --replace also removes what was made from it)")
 
-    def replace(self, stage_dir: str) -> list[str]:
-        """Remove `stage_dir` and every output made from it; the removed folders, dependents first.
-
-        An output was made from `stage_dir` when its marker covers the same values for every config
-        section `stage_dir`'s marker covers (shards/k=4 was made from kmeans/k=4, not from kmeans/k=8) and was
-        finished no earlier than it: kmeans/k=4 covers what assign/k=4 covers, but is assign's input, not made from
-        it (`assign --replace` removed the fit it reads)."""
-        removed = []
-        covers = self._covers(stage_dir) if self.exists(stage_dir, DONE) else None
-        if covers:
-            since = self.done_marker(stage_dir).finished_at or ""
-            for other in self.files(suffix=DONE, include_private=True):
-                rel = posixpath.relpath(other, self.root)
-                other_dir = posixpath.dirname(rel)
-                if other_dir == stage_dir or other_dir.startswith(stage_dir + "/") or not self.exists(rel):
-                    continue  # inside the folder removed below, or inside a dependent removed already
-                if _made_from(self._covers(other_dir), covers) and \
-                        (self.done_marker(other_dir).finished_at or since) >= since:
-                    self.remove(other_dir)
-                    removed.append(other_dir)
-        self.remove(stage_dir)
-        return removed + [stage_dir]
-
-    def _covers(self, stage_dir: str) -> dict | None:
+    def covers(self, stage_dir: str) -> dict | None:
         """The covered values of `stage_dir`'s marker; None for one that does not parse (replace removes what it
         is asked to; what was made from an unreadable marker cannot be told)."""
         try:
@@ -406,119 +356,6 @@ class RunDir:
             return None
         return yaml.safe_load(self.read_bytes("config.yaml"))
 
-    # locks -------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self, stage_dir: str) -> Iterator[None]:
-        """Hold RUN/locks/<stage_dir>.json while writing `stage_dir`; a second holder is refused by name.
-
-        The lock is a lease (holder, host, pid, start, expiry) that a thread renews; a lease of a dead pid on
-        this host, or one not renewed for LOCK_TTL_S, is stale and taken over. Local folders create it
-        exclusively (atomic); object stores have no create-if-absent, so a new lease is re-read after
-        LOCK_SETTLE_S and given up when another writer's lease replaced it."""
-        rel = f"locks/{stage_dir}.json"
-        me = self._acquire(rel, stage_dir)
-        stop = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(rel, me, stop), daemon=True)
-        renewer.start()
-        _HELD_LOCKS[me["id"]] = (self, rel)
-        try:
-            yield
-        finally:
-            stop.set()
-            renewer.join()
-            self._release_lock(rel, me["id"])
-            _HELD_LOCKS.pop(me["id"], None)
-
-    def _release_lock(self, rel: str, lock_id: str) -> None:
-        if (self._read_lock(rel) or {}).get("id") == lock_id:
-            self.remove(rel)
-
-    def _acquire(self, rel: str, stage_dir: str) -> dict:
-        me = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "expires": time.time() + LOCK_TTL_S}
-        for _ in range(2):
-            if self._create_lock(rel, me):
-                return me
-            held = self._read_lock(rel)
-            if held and not _lock_is_stale(held):
-                raise StageLockedError(
-                    f"{self.path(stage_dir)} is being written by another clusterscale process: pid {held['pid']} "
-                    f"on host {held['host']}, since {held['since']} (lock {self.path(rel)}). Wait for it to "
-                    f"finish. If that process is gone, its lock is taken over by the next attempt (at once on "
-                    f"{held['host']}, elsewhere after {time.strftime('%H:%M:%SZ', time.gmtime(held['expires']))}), "
-                    f"or delete the lock file yourself.")
-            self._drop_stale_lock(rel)
-        raise StageLockedError(f"{self.path(stage_dir)}: another process took the lock {self.path(rel)} at the "
-                               f"same moment; run the command again once it has finished.")
-
-    def _create_lock(self, rel: str, me: dict) -> bool:
-        """Write `me` at `rel` unless a lock is there; True when `me` holds it."""
-        self.makedirs(posixpath.dirname(rel))
-        if self.is_local:
-            # Written whole under a temporary name, then linked: the link is atomic and fails when a lock exists,
-            # so no reader ever sees a lock without its holder.
-            staged = f"{self.path(rel)}.{me['id']}"
-            with open(staged, "w") as f:
-                json.dump(me, f)
-            try:
-                os.link(staged, self.path(rel))
-                return True
-            except FileExistsError:
-                return False
-            finally:
-                os.remove(staged)
-        if self.exists(rel):
-            return False
-        self.write_json(rel, me)
-        time.sleep(lock_settle_s())
-        return (self._read_lock(rel) or {}).get("id") == me["id"]
-
-    def _read_lock(self, rel: str) -> dict | None:
-        try:
-            return self.read_json(rel)
-        except (OSError, ValueError):  # gone (released or taken over), or torn
-            return None
-
-    def _drop_stale_lock(self, rel: str) -> None:
-        if not self.is_local:
-            self.remove(rel)
-            return
-        aside = f"{self.path(rel)}.stale-{uuid.uuid4().hex}"
-        try:  # a rename, so that of two processes taking over the same stale lock only one succeeds
-            os.rename(self.path(rel), aside)
-        except FileNotFoundError:
-            return
-        os.remove(aside)
-
-    def _renew(self, rel: str, me: dict, stop: threading.Event) -> None:
-        while not stop.wait(LOCK_RENEW_S):
-            if (self._read_lock(rel) or {}).get("id") != me["id"]:
-                print(f"warning: lost the lock {self.path(rel)} (taken over as stale?)", flush=True)
-                return
-            self.write_json(rel, me | {"expires": time.time() + LOCK_TTL_S})
-
-    # costs -------------------------------------------------------------------------------------
-    def record_cost(self, key: str, record: dict) -> None:
-        """Merge one stage's cost record into RUN/report/costs.json (driver-only, so no races)."""
-        costs = self.read_json(COSTS) if self.exists(COSTS) else {}
-        costs[key] = record
-        self.write_json(COSTS, costs)
-
-
-# The locks this process holds now ({lock id: (run, lock file)}), for a process that ends without unwinding.
-_HELD_LOCKS: dict[str, tuple[RunDir, str]] = {}
-
-
-def release_held_locks() -> None:
-    """Give back every lock this process holds (Ctrl-C ends the process with os._exit, which runs no `finally`):
-    a rerun on another host would otherwise wait LOCK_TTL_S for the lease to expire. Best effort."""
-    for lock_id, (run, rel) in list(_HELD_LOCKS.items()):
-        try:
-            run._release_lock(rel, lock_id)
-        except Exception:  # noqa: BLE001 - the process is ending; an unreleased lease still expires
-            pass
-
-
 def _refuse_file_in_the_way(root: str) -> None:
     """A local run directory (or a folder above it) that is a file cannot hold a run: say so before any write."""
     path = root
@@ -540,18 +377,6 @@ def _default_advice(rel: str) -> str:
     return "delete it and rerun the command that wrote it"
 
 
-def _lock_is_stale(held: dict) -> bool:
-    if held.get("host") == socket.gethostname():
-        try:
-            os.kill(int(held["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, owned by another user
-            return False
-        return False
-    return time.time() > float(held.get("expires", 0))
-
-
 def changed_keys(old: dict | None, new: dict | None) -> str:
     """'section.key old -> new, ...' between two fingerprints' covered values."""
     if not old or not new:
@@ -563,12 +388,6 @@ def changed_keys(old: dict | None, new: dict | None) -> str:
 
 def _flatten(values: dict) -> dict:
     return {f"{section}.{key}": v for section, keys in values.items() for key, v in (keys or {}).items()}
-
-
-def _made_from(covers: dict | None, base: dict) -> bool:
-    """True when an output covering `covers` used the same values as `base` for all of base's sections."""
-    sections = [s for s in base if s != "extra"]
-    return bool(covers) and all(covers.get(s) == base[s] for s in sections)
 
 
 def _json_default(o):

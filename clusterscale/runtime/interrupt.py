@@ -31,9 +31,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
-
-from clusterscale.io.rundir import release_held_locks
+from collections.abc import Callable, Iterator
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -45,6 +43,18 @@ FLUSH_TIMEOUT_S = 1.0  # the most it waits for buffered output (a full pipe must
 _messages = [MESSAGE]  # the line the first SIGINT prints: the innermost `saying` in force
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # kept referenced: the C handler writes to it
 _stopping = threading.Event()  # set by the first SIGINT; the main thread must not end the process meanwhile
+_on_stop: list[Callable[[], None]] = []  # what the stop does before it exits (run_protocol: give the stage locks back)
+
+
+def on_stop(work: Callable[[], None]) -> None:
+    """Have the first SIGINT / SIGTERM run `work` (bounded by RELEASE_TIMEOUT_S, with the others) before it exits."""
+    if work not in _on_stop:
+        _on_stop.append(work)
+
+
+def _run_on_stop() -> None:
+    for work in list(_on_stop):
+        work()
 
 
 def install() -> bool:
@@ -126,7 +136,7 @@ def _stop(code: int = EXIT_INTERRUPTED) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)  # the one line is the last: nothing the main thread prints after it
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    _bounded(release_held_locks, RELEASE_TIMEOUT_S)
+    _bounded(_run_on_stop, RELEASE_TIMEOUT_S)
     os._exit(code)
 
 

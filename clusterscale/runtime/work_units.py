@@ -30,7 +30,7 @@ def load_or_make_plan(run: RunDir, out_dir: str, plan_rel: str, fingerprint: str
                 f"{changed_keys(plan.get('covers'), getattr(fingerprint, 'values', None))}. Outputs are never "
                 f"mixed: rerun with that config to finish it.", out_dir)
         return plan
-    run.begin(out_dir)
+    run.clear(out_dir)
     plan = {"fingerprint": fingerprint, "covers": getattr(fingerprint, "values", None)} | make_plan()
     run.write_json(plan_rel, plan)
     return plan

@@ -386,7 +386,7 @@ def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict
     load_or_make_plan(run, "pairs", PLAN, ctx.fingerprint, "ingest", lambda: {"inputs": digest, "units": len(units)})
     if fresh:
         for folder in OUTPUTS[1:]:
-            run.begin(folder)
+            run.clear(folder)
         return {}
     for folder in OUTPUTS:  # the temp files of writes a kill cut short
         split_done(run, folder, [])

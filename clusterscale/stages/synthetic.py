@@ -105,7 +105,7 @@ def write_embeddings_stage(run: RunDir, x: np.ndarray, rows_per_file: int = 50_0
     """RUN/embeddings/part-*.parquet (pair columns + emb fp16, and emb_query from `queries` as embed.side=both
     writes it) and its done marker, like `embed` writes."""
     n = len(x)
-    run.begin("embeddings")
+    run.clear("embeddings")
     for part, start in enumerate(range(0, n, rows_per_file)):
         stop = min(n, start + rows_per_file)
         ids = np.arange(first_id + start, first_id + stop, dtype=np.int64)
