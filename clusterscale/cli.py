@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPLACEABLE = ("run", *(name for name in STAGE_VERBS if STAGES[name].sections), "compare", "sweep")
+REPLACEABLE = ("run", *(name for name in STAGE_VERBS if STAGES[name].marks_done), "compare", "sweep")
 
 
 def add_replace_argument(p: argparse.ArgumentParser) -> None:

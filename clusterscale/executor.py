@@ -82,6 +82,10 @@ class Input:
     reads_every_file: bool = True
     """The stage reads every Parquet file in the folder (a listing), so a stray one added there is refused with the
     files its marker lists (RunDir.check_complete); False: it reads the files a manifest names (the shards)."""
+    covers: bool = True
+    """The reading stage's fingerprint covers what the producer's covers (pipeline.chain). False where the output
+    does not depend on the producer's keys (mine requires the shards but reads its vectors from assign/), or does
+    through `extra` only when it applies (shard's dedup input)."""
 
     def describe(self, cfg: Config) -> str:
         return f"{self.what} for k={cfg.cluster.k}" if isinstance(self.folder, PerK) else self.what
@@ -124,8 +128,12 @@ class Stage:
     """The folder it writes (locked while it runs, marked done after)."""
     inputs: tuple[Input, ...] = ()
     sections: tuple[str, ...] = ()
-    """The config sections the output's fingerprint covers; () = the stage writes no done marker (evaluate caches
-    per model, report is rewritten each time)."""
+    """The config sections of its own that the output depends on. In pipeline.STAGES the fingerprint covers them and,
+    through each Input that `covers`, what that input's producer covers (pipeline.chain): embed declares ("embed",)
+    and covers ("data", "embed") through pairs/."""
+    marks_done: bool = True
+    """False: the stage writes no done marker and runs every time (evaluate caches per model, report is rewritten
+    each time)."""
     extra: Callable[[Config, RunDir], dict | None] | None = None
     """Values beyond `sections` that the fingerprint covers (the shards: the global batch size)."""
     extra_outputs: tuple[ExtraOutput, ...] = ()
@@ -295,7 +303,7 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
     cfg, run = ctx.cfg, ctx.run
     for need in stage.inputs:
         ctx.source.require(resolve(need.folder, cfg), need.verb, need.describe(cfg))
-    if not stage.sections:  # no marker: it runs every time, reusing what it cached (its inputs maybe unread)
+    if not stage.marks_done:  # no marker: it runs every time, reusing what it cached (its inputs maybe unread)
         return stage.run(ctx)
     out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
     extras = [(resolve(e.folder, cfg), cfg.fingerprint(e.sections), e.sections == stage.sections)
@@ -344,7 +352,7 @@ def _naming_unreadable(stage: Stage, ctx: StageContext) -> Iterator[None]:
         if not getattr(exc, "generic", False):  # its reader said what rebuilds it (or it crossed a Ray task)
             raise
         writers = [(ctx.source, resolve(need.folder, ctx.cfg), need.verb) for need in stage.inputs]
-        if stage.in_run is not None and stage.sections:  # a verb of its own, whose --replace redoes the output
+        if stage.in_run is not None and stage.marks_done:  # a verb of its own, whose --replace redoes the output
             writers.append((ctx.run, stage.output_of(ctx.cfg), stage.name))
         for run, folder, verb in writers:
             if exc.rel.startswith(f"{folder}/"):

@@ -33,7 +33,7 @@ from clusterscale.stages.shard_sets import run_shard_set
 from clusterscale.stages.shards import run_dedup_shards, run_shard
 from clusterscale.stages.synthetic import run_synth
 from clusterscale.stages.train import after_training, run_train
-from clusterscale.io.negatives import MINE_SECTIONS, mine_extra, mine_fingerprint
+from clusterscale.io.negatives import mine_extra, mine_fingerprint
 
 __all__ = ["STAGES", "STAGE_VERBS", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK",
            "PerConfigFolder", "execute", "run_stage", "run_stages", "pipeline", "open_run", "summary",
@@ -94,9 +94,7 @@ def _deduplicating(cfg: Config) -> bool:
     return cfg.dedup.enabled
 
 
-_CLUSTERING = ("data", "embed", "cluster")
-_DEDUP = (*_CLUSTERING, "dedup")  # dedup/ (one clustering at a time): its semantic pass is per cluster
-_SHARDS = (*_CLUSTERING, "shard")
+_DEDUP = ("data", "embed", "cluster", "dedup")  # what dedup/kept/ is made with (dedup/ holds one clustering at a time)
 _ON_GPU = Resources(gpus=1)  # one actor per GPU; on a CPU cluster the stage's own rule (a CPU count, or a share)
 _HALF_CPU = Resources(cpus=0.5)  # fractional: Ray Data's read and shuffle tasks keep CPUs on small nodes
 _PARTS_WRITTEN = (ExtraOutput("heldout", ("data",)), ExtraOutput("quarantine", ("data",)))
@@ -108,8 +106,21 @@ _ASSIGNED = Input(PerK(assign_dir), "assign", "Cluster assignments")
 _SHARDED = Input(PerK(shards_dir), "shard", "Shards", reads_every_file=False)  # read through its manifest
 _TRAINED = PerConfigFolder(_train_dir, f"{train_dir('<name>')}/")
 
+def chain(stages: dict[str, Stage]) -> dict[str, Stage]:
+    """The stages with their fingerprints chained through their inputs: each covers its own sections and, through
+    every Input that `covers`, what the input's producer (an earlier stage) covers, in that order. So fit, declaring
+    ("cluster",), covers ("data", "embed", "cluster") through embeddings/; the built-in stages cover what they always
+    did (tests/test_config_compat.py: every fingerprint of a run made before is unchanged)."""
+    chained: dict[str, Stage] = {}
+    for name, stage in stages.items():
+        inherited = [section for need in stage.inputs if need.covers and need.verb in chained
+                     for section in chained[need.verb].sections] if stage.marks_done else []
+        chained[name] = dataclasses.replace(stage, sections=tuple(dict.fromkeys((*inherited, *stage.sections))))
+    return chained
+
+
 # The stages in pipeline order: the one list of them.
-STAGES: dict[str, Stage] = {s.name: s for s in (
+STAGES: dict[str, Stage] = chain({s.name: s for s in (
     Stage("synth", "Write a synthetic run in place of ingest + embed.", run_synth, "pairs", sections=("data",),
           extra_outputs=(*_PARTS_WRITTEN, ExtraOutput("embeddings", ("data", "embed"))),
           refusal_hint="Write the synthetic run into a new --run-dir.", in_run=None),
@@ -117,46 +128,49 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           "pairs", sections=("data",), extra_outputs=_PARTS_WRITTEN, shared=True, check_reuse=refuse_changed_inputs,
           keeps_units=True),
     Stage("embed", "Embed the configured side of every pair with the frozen encoder (Ray Data actor pool).",
-          run_embed, "embeddings", inputs=(_PAIRS,), sections=("data", "embed"), keeps_units=True,
+          run_embed, "embeddings", inputs=(_PAIRS,), sections=("embed",), keeps_units=True,
           resources=_ON_GPU, shared=True),
     Stage("embed_heldout", "Embed the held-out pairs with the frozen encoder (the vectors of dedup's leak check).",
-          run_embed_heldout, HELDOUT_EMBEDDINGS, inputs=(_HELDOUT,), sections=("data", "embed"), keeps_units=True,
+          run_embed_heldout, HELDOUT_EMBEDDINGS, inputs=(_HELDOUT,), sections=("embed",), keeps_units=True,
           resources=_ON_GPU, shared=True, in_run=None, run_by="dedup"),
     Stage("fit", "Fit spherical k-means (faiss) on a seeded sample of the embeddings.", run_fit, PerK(kmeans_dir),
-          inputs=(_EMBEDDINGS,), sections=_CLUSTERING, resources=_ON_GPU, shared=True),
+          inputs=(_EMBEDDINGS,), sections=("cluster",), resources=_ON_GPU, shared=True),
     Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).", run_assign,
-          PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"), _EMBEDDINGS), sections=_CLUSTERING,
+          PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"), _EMBEDDINGS),
           resources=Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), shared=True, keeps_units=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
-          run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=_DEDUP,
+          run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=("dedup",),
           extra_outputs=(ExtraOutput(DEDUP_KEPT, _DEDUP),), shared=True, one_clustering=True, in_run=_deduplicating,
           keeps_units=True),
     Stage("shard", "Write one shuffled Parquet shard set per cluster and the manifest.", run_shard, PerK(shards_dir),
           inputs=(_ASSIGNED, Input(PerConfigFolder(shard_input, f"{DEDUP_KEPT}/ (dedup on)"), "dedup",
-                                   "Deduplicated pairs (dedup is on)", made_with=_dedup_sections_when_applied)),
-          sections=_SHARDS, extra=_shard_extra, resources=_HALF_CPU, shared=True, keeps_units=True),
+                                   "Deduplicated pairs (dedup is on)", made_with=_dedup_sections_when_applied,
+                                   covers=False)),
+          sections=("shard",), extra=_shard_extra, resources=_HALF_CPU, shared=True, keeps_units=True),
     Stage("shard_set", "Write the shards of train.sampler random, random_clusters or source from the clustered ones.",
           run_shard_set, PerConfigFolder(_shard_set_dir, f"{shard_set_dir('<k>', '<sampler>')}/"),
-          inputs=(_SHARDED,), sections=_SHARDS, extra=_shard_set_extra,
+          inputs=(_SHARDED,), extra=_shard_set_extra,
           resources=_HALF_CPU, cost_key=_shard_set_cost_key, in_run=None),
     Stage("dedup_shards", "Write the clustered shards of the deduplicated pairs (train.dedup).", run_dedup_shards,
-          PerK(dedup_set_dir), inputs=(_SHARDED, Input(DEDUP_KEPT, "dedup", "Deduplicated pairs", made_with=_DEDUP)),
-          sections=_SHARDS, extra=_dedup_shards_extra, resources=_HALF_CPU, cost_key=f"shard:{DEDUP_SET}",
+          PerK(dedup_set_dir), inputs=(_SHARDED, Input(DEDUP_KEPT, "dedup", "Deduplicated pairs", made_with=_DEDUP,
+                                                       covers=False)),
+          extra=_dedup_shards_extra, resources=_HALF_CPU, cost_key=f"shard:{DEDUP_SET}",
           in_run=None),
     Stage("mine", "Mine hard negatives for every training query (faiss over the training passages, Ray Data pass).",
-          run_mine, NEGATIVES, inputs=(_EMBEDDINGS, _ASSIGNED, _SHARDED), sections=MINE_SECTIONS, extra=mine_extra,
+          run_mine, NEGATIVES, inputs=(_EMBEDDINGS, _ASSIGNED, dataclasses.replace(_SHARDED, covers=False)),
+          sections=("mine",), extra=mine_extra,
           keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining,
           changes_after_done=("rows/",)),  # each training writes the sidecars of its draw and shard sets
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
-          inputs=(_SHARDED,), sections=(*_SHARDS, "train"), extra=_train_extra, resources=_ON_GPU,
+          inputs=(_SHARDED,), sections=("train",), extra=_train_extra, resources=_ON_GPU,
           cost_key=_train_cost_key, after_done=after_training, changes_after_done=("ray/", "model/README.md"),
           interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and "
                       "--run-dir) continues from train's latest checkpoint (train.checkpoint_every_steps)"),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.", run_evaluate, EVAL,
-          inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU),
+          inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU, marks_done=False),
     Stage("report", "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
-          run_report, "report", cost_key=""),
-)}
+          run_report, "report", cost_key="", marks_done=False),
+)})
 PREPROCESS = tuple(name for name, s in STAGES.items() if s.shared)  # what compare and sweep share across arms
 PER_K_STAGES = tuple(name for name, s in STAGES.items() if s.per_k)
 STAGE_VERBS = tuple(name for name, s in STAGES.items() if s.in_run is not None)  # `run`'s steps and CLI verbs

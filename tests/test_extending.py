@@ -65,8 +65,7 @@ def estimate_length_filter(cfg: config.Config, shape) -> Estimate:
 
 
 LENGTH_FILTER = Stage("length_filter", "Drop pairs whose passage is short.", run_length_filter, "long_pairs",
-                      inputs=(Input("pairs", "ingest", "Ingested pairs"),), sections=("data",),
-                      config=LengthFilterConfig, replaces="pairs", shared=True, estimate=estimate_length_filter)
+                      inputs=(Input("pairs", "ingest", "Ingested pairs"),), config=LengthFilterConfig, replaces="pairs", shared=True, estimate=estimate_length_filter)
 
 
 class Sequential(Sampler):
@@ -115,7 +114,7 @@ def registered(monkeypatch):
     order = list(stages)
     order.insert(order.index("ingest") + 1, "length_filter")
     stages["length_filter"] = LENGTH_FILTER
-    monkeypatch.setattr(pipeline, "STAGES", {name: stages[name] for name in order})
+    monkeypatch.setattr(pipeline, "STAGES", pipeline.chain({name: stages[name] for name in order}))
     monkeypatch.setattr(pipeline, "STAGE_VERBS", tuple(n for n in order if stages[n].in_run is not None))
 
 
@@ -192,6 +191,14 @@ def test_a_stage_declares_its_own_config_section(registered):
         config.load(None, []), run)
 
 
+def test_fingerprints_chain_through_the_inputs(registered):
+    """The filter declares only its own section; through pairs/ it covers ingest's (data), and embed, reading its
+    output, covers both. The built-in stages declare their own sections and cover what they always did."""
+    assert pipeline.STAGES["length_filter"].sections == ("data", "length_filter")
+    assert set(pipeline.wire(pipeline.STAGES["embed"], config.load(None, []))[0].sections) == {
+        "data", "embed", "length_filter"}
+
+
 def test_a_stage_section_is_unknown_without_its_stage():
     with pytest.raises(config.ConfigError, match="Unknown config section 'length_filter'.*pipeline.STAGES"):
         config.load(None, ["length_filter.min_passage_chars=90"])
@@ -221,7 +228,7 @@ def test_plan_lists_a_registered_stage_in_its_place(registered, tmp_path, monkey
     row = plan_of(str(tmp_path / "run"), 95_000)["stages"]["length_filter"]
     assert "measured in" in row["time_from"] and 100 < row["wall_s"] < 300  # ~2 s per 950 pairs, at 100x
     stages = dict(pipeline.STAGES)
-    stages["length_filter"] = dataclasses.replace(LENGTH_FILTER, estimate=None)
+    stages["length_filter"] = dataclasses.replace(stages["length_filter"], estimate=None)
     monkeypatch.setattr(pipeline, "STAGES", stages)
     plan = plan_of(None, 100_000)
     assert "no estimate" in plan["stages"]["length_filter"]["time_from"]

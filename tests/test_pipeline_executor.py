@@ -48,7 +48,8 @@ def test_a_reuse_without_a_marker_keeps_the_cost_of_the_work(tmp_path):
     cost record of the invocation that evaluated (a compare rerun once recorded 0.04 s for 50 s evaluations)."""
     run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, [])
     stats = [{"wall_s": 50.0, "worker_s": 50.0}, {"wall_s": 0.04, "worker_s": 0.04, "reused": True}]
-    stage = pipeline.Stage("toy", "A stage without a marker.", lambda call: StageResult(stats.pop(0)), "toy")
+    stage = pipeline.Stage("toy", "A stage without a marker.", lambda call: StageResult(stats.pop(0)), "toy",
+                           marks_done=False)
     pipeline.execute(stage, cfg, run)
     pipeline.execute(stage, cfg, run)
     assert run.read_json("report/costs.json")["toy"]["wall_s"] == 50.0 and not stats
