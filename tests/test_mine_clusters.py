@@ -269,3 +269,50 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     assert run.read_json("shards/k=5/manifest.json")["clusters"] == clusters and not os.path.exists(records)
     assert {f: os.stat(run.path(f)).st_mtime_ns for f in kept} == kept  # the kept groups' files untouched
     assert {f: open(run.path(f), "rb").read() for f in files} == files
+
+
+@pytest.mark.unit
+def test_merge_ranks_each_query_on_its_own_in_blocks(monkeypatch):
+    """merge_candidates against a per-query reference: a query's candidates from all its rows (arriving in any order,
+    some rows short, some queries with many rows) ranked by score then pair_id, cut at range_max, the rule applied;
+    the same whatever the block of queries ranked at once, and on a sliced table (list offsets not from 0)."""
+    from clusterscale.stages import mine_search
+
+    rng = np.random.default_rng(11)
+    mc = MineConfig(range_min=2, range_max=8, margin=0.9)
+    rows = []
+    for q in range(60):
+        for r in range(1 + q % 5):
+            n = int(rng.integers(0, 9))
+            scores = np.round(rng.random(n), 1).astype(np.float32)  # ties within and across rows
+            ids = rng.choice(10_000, n, replace=False) + 10_000 * r  # disjoint across a query's rows
+            order = np.lexsort((ids, -scores))
+            rows.append({"bucket": 0, "pair_id": 5 * q + 1, "pos_score": float(rng.random()),
+                         "cand_scores": scores[order].tolist(), "cand_ids": ids[order].tolist(),
+                         "cand_flags": rng.choice([0, 0, 0, 1, 2], n).tolist()})
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    pos = {}
+    for row in rows:
+        pos.setdefault(row["pair_id"], row["pos_score"])
+    for row in rows:
+        row["pos_score"] = pos[row["pair_id"]]
+    table = pa.Table.from_pylist(rows, pa.schema([("bucket", pa.int32()), ("pair_id", pa.int64()),
+                                                  ("pos_score", pa.float32()),
+                                                  ("cand_scores", pa.list_(pa.float32())),
+                                                  ("cand_ids", pa.list_(pa.int64())),
+                                                  ("cand_flags", pa.list_(pa.int8()))]))
+    expected = {}
+    for q in sorted(pos):
+        cands = sorted(((s, i, f) for row in rows if row["pair_id"] == q
+                        for s, i, f in zip(row["cand_scores"], row["cand_ids"], row["cand_flags"])),
+                       key=lambda c: (-np.float32(c[0]), c[1]))[:mc.range_max]
+        limit = mc.margin * np.float32(pos[q])
+        expected[q] = [i for rank, (s, i, f) in enumerate(cands)
+                       if rank >= mc.range_min and f == 0 and np.float32(s) <= limit]
+    for block in (4096, 7):
+        monkeypatch.setattr(mine_search, "MERGE_QUERY_BLOCK", block)
+        out, _ = merge_candidates(table, mc)
+        assert dict(zip(out.column("pair_id").to_pylist(), out.column("neg_pair_ids").to_pylist())) == expected
+        sliced, _ = merge_candidates(table.slice(40), mc)
+        kept = set(table.slice(40).column("pair_id").to_pylist())
+        assert sliced.column("pair_id").to_pylist() == sorted(kept)

@@ -69,6 +69,7 @@ def apply_rule(scores: np.ndarray, rows: np.ndarray, flags: np.ndarray, pos_scor
 # --- search groups: a cluster's passages x the queries probing it, in bounded parts -------------------------
 CANDIDATE_BYTES = 13   # one candidate of a result row: score (4), pair_id (8) and its flag (1)
 TOPK_BYTES = 12        # one faiss hit of a query block: score (float32) and row (int64)
+MERGE_QUERY_BLOCK = 4096  # queries merge_candidates ranks at once: their candidates padded to the widest one's
 
 
 def auto_group_bounds(memory_bytes: float, dim: int, stored_bytes: int, nprobe: int, query_block: int,
@@ -299,31 +300,55 @@ def merge_candidates(group: pa.Table, mc: MineConfig) -> tuple[pa.Table, dict]:
 
     group: search_cluster rows of some queries (one per search group they were routed to). A query's candidates
     from all its groups are ranked together (score, then pair_id), cut at mine.range_max and filtered by
-    apply_rule (with the flags search_cluster set), so with every cluster probed the result is exact search."""
+    apply_rule (with the flags search_cluster set), so with every cluster probed the result is exact search. The
+    ranking runs per query, MERGE_QUERY_BLOCK queries at a time (each row of a (queries, widest) matrix sorted on
+    its own), never over all of the group's candidates at once."""
     pair_ids = group.column("pair_id").to_numpy()
-    queries, first_row = np.unique(pair_ids, return_index=True)
-    of_query = np.searchsorted(queries, pair_ids)
-    lists = group.column("cand_ids").combine_chunks()
-    parent = of_query[np.asarray(pc.list_parent_indices(lists))]
-    flat = {name: np.asarray(pc.list_flatten(group.column(name).combine_chunks()))
-            for name in ("cand_ids", "cand_scores", "cand_flags")}
-    order = np.lexsort((flat["cand_ids"], -flat["cand_scores"], parent))
-    parent, flat = parent[order], {name: v[order] for name, v in flat.items()}
-    rank = np.arange(len(parent)) - np.searchsorted(parent, parent)  # position within the query's run
-    cut = rank < mc.range_max
-    b, m = len(queries), len(parent)
+    queries, first_row, of_query = np.unique(pair_ids, return_index=True, return_inverse=True)
+    columns = {name: group.column(name).combine_chunks() for name in ("cand_ids", "cand_scores", "cand_flags")}
+    offsets = np.asarray(columns["cand_ids"].offsets)
+    flat = {name: np.asarray(pc.list_flatten(col)) for name, col in columns.items()}
+    starts = offsets[:-1] - offsets[0]  # (a sliced list array's flat values begin at offsets[0])
+    lengths = np.diff(offsets)
+    rows = np.argsort(of_query, kind="stable")  # each query's rows together, queries in pair_id order
+    per_query = np.bincount(of_query, weights=lengths, minlength=len(queries)).astype(np.int64)
+    query_end = np.cumsum(per_query)
+    b = len(queries)
     table_rows = np.full((b, mc.range_max), -1, np.int64)
     table_scores = np.zeros((b, mc.range_max), np.float32)
     table_flags = np.zeros((b, mc.range_max), np.int8)
-    table_rows[parent[cut], rank[cut]] = np.arange(m)[cut]
-    table_scores[parent[cut], rank[cut]] = flat["cand_scores"][cut]
-    table_flags[parent[cut], rank[cut]] = flat["cand_flags"][cut]
+    # The candidates in query order: positions into the flat arrays (a ragged gather of each row's slice).
+    row_lengths = lengths[rows]
+    take = np.repeat(starts[rows] - np.cumsum(row_lengths) + row_lengths, row_lengths) + np.arange(row_lengths.sum())
+    for q0 in range(0, b, MERGE_QUERY_BLOCK):
+        q1 = min(b, q0 + MERGE_QUERY_BLOCK)
+        lo, hi = (query_end[q0 - 1] if q0 else 0), query_end[q1 - 1]
+        counts = per_query[q0:q1]
+        width = int(counts.max()) if len(counts) else 0
+        if width == 0:
+            continue
+        owner = np.repeat(np.arange(q1 - q0), counts)
+        slot = np.arange(hi - lo) - np.repeat(np.cumsum(counts) - counts, counts)
+        where = take[lo:hi]
+        scores = np.full((q1 - q0, width), -np.inf, np.float32)
+        ids = np.full((q1 - q0, width), np.iinfo(np.int64).max, np.int64)
+        source = np.full((q1 - q0, width), -1, np.int64)
+        scores[owner, slot], ids[owner, slot], source[owner, slot] = \
+            flat["cand_scores"][where], flat["cand_ids"][where], where
+        depth = min(mc.range_max, width)
+        order = np.lexsort((ids, -scores), axis=-1)[:, :depth]  # best first; equal scores: lower pair_id first
+        best = np.take_along_axis(source, order, 1)
+        table_rows[q0:q1, :depth] = best
+        hit = best >= 0
+        table_scores[q0:q1, :depth] = np.where(hit, np.take_along_axis(scores, order, 1), 0.0)
+        table_flags[q0:q1, :depth] = np.where(hit, flat["cand_flags"][np.maximum(best, 0)], 0)
     pos = group.column("pos_score").to_numpy()[first_row]
     keep, drops = apply_rule(table_scores, table_rows, table_flags, pos, mc)
-    offsets = pa.array(np.r_[0, np.cumsum(keep.sum(1))].astype(np.int32))  # row-major: each query's best first
+    offsets_out = pa.array(np.r_[0, np.cumsum(keep.sum(1))].astype(np.int32))  # row-major: each query's best first
     out = pa.table({"pair_id": pa.array(queries, pa.int64()),
-                    "neg_pair_ids": pa.ListArray.from_arrays(offsets, pa.array(flat["cand_ids"][table_rows[keep]],
-                                                                               pa.int64())),
-                    "neg_scores": pa.ListArray.from_arrays(offsets, pa.array(table_scores[keep], pa.float32())),
+                    "neg_pair_ids": pa.ListArray.from_arrays(offsets_out, pa.array(flat["cand_ids"][table_rows[keep]],
+                                                                                   pa.int64())),
+                    "neg_scores": pa.ListArray.from_arrays(offsets_out, pa.array(table_scores[keep], pa.float32())),
                     "pos_score": pa.array(pos.astype(np.float32))})
     return out, drops
+
