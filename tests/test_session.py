@@ -246,3 +246,22 @@ def test_a_killed_drivers_watcher_ends_what_its_raylet_left(tmp_path):
         for proc in (left, other):
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.unit
+def test_a_killed_runs_shuffle_files_go_once_no_ray_runs_here(tmp_path, monkeypatch):
+    """reaper.remove_orphaned_shuffle_files: Ray Data's disk-shuffle folders in the temporary folder are removed when
+    no raylet runs on the machine (none can be in use), kept while one does; nothing else there is touched."""
+    from clusterscale.runtime import reaper
+
+    for name in ("ray_shuffle_disk_0123abcd_map", "ray_shuffle_disk_0123abcd_reduce"):
+        (tmp_path / name / "part").mkdir(parents=True)
+        (tmp_path / name / "part" / "0.arrow").write_bytes(b"x" * 100)
+    (tmp_path / "someone_elses").mkdir()
+    monkeypatch.setattr(reaper, "raylets_alive", lambda: True)
+    assert reaper.remove_orphaned_shuffle_files(str(tmp_path)) == []
+    assert len(list(tmp_path.iterdir())) == 3
+    monkeypatch.setattr(reaper, "raylets_alive", lambda: False)
+    assert sorted(p.rsplit("/", 1)[1] for p in reaper.remove_orphaned_shuffle_files(str(tmp_path))) == [
+        "ray_shuffle_disk_0123abcd_map", "ray_shuffle_disk_0123abcd_reduce"]
+    assert [p.name for p in tmp_path.iterdir()] == ["someone_elses"]

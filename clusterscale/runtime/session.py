@@ -200,6 +200,11 @@ def init_ray(cfg: RayConfig) -> None:
         os.environ.setdefault("RAY_num_workers_soft_limit", str(max(IDLE_WORKERS, cfg.num_cpus or os.cpu_count() or 1)))
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
+        from clusterscale.runtime.reaper import remove_orphaned_shuffle_files
+
+        if removed := remove_orphaned_shuffle_files():  # a killed run's, when no Ray runs here
+            print(f"[ray] removed the disk-shuffle files of {len(removed)} shuffles of killed runs from "
+                  f"{os.path.dirname(removed[0])}", flush=True)
         if cfg.object_store_mib is not None:
             kwargs["object_store_memory"] = cfg.object_store_mib * 1024 * 1024
     for attempt in range(3 if address is None else 1):
