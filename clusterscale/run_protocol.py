@@ -1,7 +1,7 @@
-"""The executor's protocol on a run directory: the lock a stage holds while it writes its folder, clearing an
-interrupted attempt, replacing an output and everything made from it, and the cost record. The run directory's
-contract (its files, the `_DONE.json` markers every reader checks) stays in io/rundir.py; when a stage is locked,
-begun, marked done or replaced is decided here, by the executor alone."""
+"""The executor's protocol on a run directory: the lock a stage holds while it writes its folder, replacing an output
+and everything made from it, and the cost record. The run directory's contract (its files, the `_DONE.json` markers
+written and checked, RunDir.clear) stays in io/rundir.py; when a stage is locked, cleared, marked done or replaced is
+the executor's decision alone (executor.py, with this module)."""
 from __future__ import annotations
 
 import contextlib
