@@ -229,8 +229,8 @@ def test_stage_on_a_synth_run_with_split_groups_equals_one_process(tmp_path, ray
     searched = run.path(mine_stage.SEARCH_DIR)
     address = ray_local.get_runtime_context().gcs_address
     _kill_midway(["mine", "--run-dir", run_dir, "--replace", "--set", *keys], address, {"mine": 0.3}, searched,
-                 "group-", 3)  # per search group (and bucket): the kill lands mid-search
-    before = [f for f in os.listdir(searched) if f.startswith("group-")]
+                 "searched-", 3)  # per search chunk (and bucket): the kill lands mid-search
+    before = [f for f in os.listdir(searched) if f.startswith("searched-")]
     plan = run.read_json("negatives/_plan.json")["groups"]
     groups = mine_stage.SearchGroups(np.asarray(plan["passage_parts"]), np.asarray(plan["query_parts"])).num_groups
     assert 3 <= len(before) < groups and not run.exists("negatives/_DONE.json")
@@ -316,3 +316,48 @@ def test_merge_ranks_each_query_on_its_own_in_blocks(monkeypatch):
         sliced, _ = merge_candidates(table.slice(40), mc)
         kept = set(table.slice(40).column("pair_id").to_pylist())
         assert sliced.column("pair_id").to_pylist() == sorted(kept)
+
+
+@pytest.mark.unit
+def test_a_search_task_keeps_the_chunks_an_earlier_attempt_wrote(pairs, tmp_path, monkeypatch):
+    """mine's search task writes a group's results a chunk of queries per file, then the group's marker; run again on
+    the same rows (a retry, or a rerun after a kill) it searches only the chunks not written, and the chunks together
+    are search_cluster's rows for the whole group."""
+    import os
+
+    import ray
+
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages import mine as mine_stage
+
+    table, centroids = pairs
+    mc = MineConfig(nprobe=K, range_max=10, query_batch_size=16)
+    routed = route_rows(table, centroids, mc.nprobe, True)
+    group = routed.filter(pa.array(routed.column("group").to_numpy() == 2))
+    monkeypatch.setattr(mine_stage, "SEARCH_CHUNK_QUERIES", 40)  # whole blocks: 48 queries a chunk
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    run, keys = RunDir(str(tmp_path / "run")), np.array([-1, -1, 2])  # shuffle keys: group 2 keeps its id
+
+    def search() -> dict[str, int]:
+        mine_stage._search(group, run.uri, mc, 3, keys)
+        folder = run.path(mine_stage.search_folder(2))
+        return {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in sorted(os.listdir(folder))}
+
+    first = search()
+    queries = int((group.column("kind").to_numpy() == 1).sum())
+    assert len(first) == -(-queries // 48) >= 3 and run.exists(mine_stage.searched_marker(2))
+    got = pa.concat_tables([pq_read(run, mine_stage.search_folder(2), name) for name in first])
+    assert got.equals(search_cluster(group, mc, 3))
+    lost = list(first)[1]
+    run.remove(mine_stage.search_folder(2), lost)
+    run.remove(mine_stage.searched_marker(2))
+    second = search()
+    assert second.keys() == first.keys()
+    assert [name for name in first if second[name] != first[name]] == [lost]  # only the lost chunk again
+    assert pa.concat_tables([pq_read(run, mine_stage.search_folder(2), name) for name in second]).equals(got)
+
+
+def pq_read(run, folder: str, name: str) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(run.path(folder, name))

@@ -45,7 +45,7 @@ from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
 from clusterscale.stages.mine_search import (CANDIDATE_BYTES, DROP_REASONS, ROUTED_ROW_BYTES, SearchGroups,
                                              auto_group_bounds, cluster_counts, merge_candidates,
-                                             queries_from_neighbours, route_rows, search_cluster)
+                                             queries_from_neighbours, route_rows, search_chunks)
 from clusterscale.io.sizing import QUERIES_PER_FILE
 from clusterscale.io.layout import NEGATIVES, assign_dir, model_dir
 from clusterscale.runtime.progress import ProgressLine
@@ -63,6 +63,7 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
 SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every bucket is merged
+SEARCH_CHUNK_QUERIES = 32_768  # a search group's queries per results file: the most a lost search task costs
 SEARCH_COLUMNS = ["bucket", "pair_id", "pos_score", "cand_scores", "cand_ids", "cand_flags"]
 SEARCH_ROW_BYTES = 28  # a search result row besides its candidates: bucket, pair_id, pos_score, 3 list offsets
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
@@ -229,9 +230,10 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
 # The shuffles group by a stand-in of the group / bucket id that lands in a partition of its own
 # (bounded_data.one_key_per_partition): a reduce task then holds one search group or one bucket, whatever N.
-# Each search group's results go to negatives/_search/group-<g>.parquet and each bucket to its file, both written
-# whole: a rerun (or Ray's retry) searches only the groups not yet written and merges only the buckets not yet
-# written, and the result is the same files (SEARCH_DIR goes once every bucket is written).
+# Each search group's results go to negatives/_search/group-<g>/part-<c>.parquet, a chunk of SEARCH_CHUNK_QUERIES of
+# its queries per file, then searched-<g> says the group is done; each bucket goes to its file, written whole: a rerun
+# (or Ray's retry) searches only the groups not done, in them only the chunks not written, and merges only the
+# buckets not yet written, and the result is the same files (SEARCH_DIR goes once every bucket is written).
 def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups,
            group_keys: np.ndarray) -> pa.Table:
     """Route a block's rows to the search groups still to do (group_keys: the group's shuffle key, -1 when done)."""
@@ -242,14 +244,22 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
 
 def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray,
             backend: str = "faiss") -> pa.Table:
-    """Search one group and write its results (one row per routed query: its bucket and top candidates)."""
-    unit_delay_for_tests("mine")
+    """Search one group and write its results (one row per routed query: its bucket and top candidates), a chunk of
+    its queries per file; the chunks an earlier attempt wrote are kept."""
     faiss_index.set_threads(1)  # one CPU per task: Ray runs one task per CPU
     index = int(np.flatnonzero(group_keys == group.column("group")[0].as_py())[0])
-    out = search_cluster(group, mine, buckets, backend, bool(ray.get_gpu_ids()))
-    RunDir(run_uri).write_parquet(search_file(index), out, compression="zstd")
+    run, folder = RunDir(run_uri), search_folder(index)
+    written = frozenset(int(name[5:10]) for name in (run.listdir(folder) if run.exists(folder) else [])
+                        if name.startswith("part-") and name.endswith(".parquet"))
+    queries = 0
+    for chunk, out in search_chunks(group, mine, buckets, backend, bool(ray.get_gpu_ids()), SEARCH_CHUNK_QUERIES,
+                                    written):
+        unit_delay_for_tests("mine")
+        run.write_parquet(f"{folder}/part-{chunk:05d}.parquet", out, compression="zstd")
+        queries += out.num_rows
+    run.write_bytes(searched_marker(index), b"")  # after every chunk: the group is done
     release_freed_memory()
-    return pa.table({"queries": [out.num_rows]})
+    return pa.table({"queries": [queries]})
 
 
 def _to_merge(batch: pa.Table, bucket_keys: np.ndarray) -> pa.Table:
@@ -273,8 +283,12 @@ def _merge_and_write(group: pa.Table, run_uri: str, mine: MineConfig, bucket_key
     return pa.table({**{k: [v] for k, v in counts.items()}, "node": [this_node()]})
 
 
-def search_file(group: int) -> str:
-    return f"{SEARCH_DIR}/group-{group:05d}.parquet"
+def search_folder(group: int) -> str:
+    return f"{SEARCH_DIR}/group-{group:05d}"
+
+
+def searched_marker(group: int) -> str:
+    return f"{SEARCH_DIR}/searched-{group:05d}"
 
 
 def keys_for(todo: list[int], total: int) -> np.ndarray:
@@ -341,7 +355,7 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
     searched = f"{SEARCH_DIR}/_SEARCHED.json"
     if not run.exists(searched):
         listed = set(run.listdir(SEARCH_DIR)) if run.exists(SEARCH_DIR) else set()
-        left = [g for g in range(groups.num_groups) if posixpath.basename(search_file(g)) not in listed]
+        left = [g for g in range(groups.num_groups) if posixpath.basename(searched_marker(g)) not in listed]
         if len(left) < groups.num_groups:
             print(f"[mine] resuming: {groups.num_groups - len(left)} of {groups.num_groups} search groups were "
                   f"searched by an earlier attempt", flush=True)
@@ -363,9 +377,7 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
         run.write_json(searched, {"groups": groups.num_groups})
         embedded = n_rows if embeds_queries else 0
     indices = [int(posixpath.basename(u["output"])[5:10]) for u in todo]  # part-<bucket>.parquet
-    files = [run.path(search_file(g)) for g in range(groups.num_groups)]
-    present = set(run.listdir(SEARCH_DIR))
-    files = [f for f in files if posixpath.basename(f) in present]  # a group no row reached wrote none
+    files = run.files(SEARCH_DIR)  # every chunk of every group (a group no row reached wrote none)
     if not files:
         return [], embedded
     with bounded_shuffle_maps(merge_shuffle):

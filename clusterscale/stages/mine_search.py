@@ -10,6 +10,7 @@ the queries such a group is sized for.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -258,6 +259,17 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int, backend: str =
     """The top mine.range_max passages of this search group for each query routed here, best first (equal scores:
     lower pair_id first; vector_search.top_k, the same on every backend), each with its candidate_flags against the
     query's pair; one output row per routed query, lists maybe empty."""
+    return next(search_chunks(group, mc, buckets, backend, gpu))[1]
+
+
+def search_chunks(group: pa.Table, mc: MineConfig, buckets: int, backend: str = "faiss", gpu: bool = False,
+                  chunk_queries: int | None = None, skip: frozenset[int] = frozenset()
+                  ) -> Iterator[tuple[int, pa.Table]]:
+    """search_cluster's rows a chunk at a time: (chunk, its rows) for each run of chunk_queries of the group's queries
+    in pair_id order (all of them in chunk 0 when None; rounded up to whole blocks of mine.query_batch_size, so every
+    query block is the one an unchunked search forms), but the chunks in `skip`. The index over the group's passages
+    is built once. A chunk is a fixed set of queries given the group's rows: mine writes each as a file of its own, and
+    a rerun searches only those not written."""
     kind, pair_ids = group.column("kind").to_numpy(), group.column("pair_id").to_numpy()
     # Passages by pair_id: the index order is independent of arrival. Queries too: BLAS may round a row's
     # scores differently by its position in the batch, so a fixed order makes reruns equal. The queries stay in
@@ -265,17 +277,31 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int, backend: str =
     p_rows, q_rows = (np.flatnonzero(kind == side) for side in (PASSAGE, QUERY))
     p_rows, q_rows = (r[np.argsort(pair_ids[r], kind="stable")] for r in (p_rows, q_rows))
     passages = group.take(pa.array(p_rows))
-    b, n = len(q_rows), passages.num_rows
-    depth = min(mc.range_max, n)
-    scores, rows = np.zeros((b, depth), np.float32), np.zeros((b, depth), np.int64)
-    if b and depth:
-        base = emb_matrix(passages.column("vec"))
-        index = build_index(base, mc, backend, gpu)
-        for start in range(0, b, mc.query_batch_size):  # one block of float32 query vectors at a time
-            sl = slice(start, start + mc.query_batch_size)
-            scores[sl], rows[sl] = top_k(index, base, emb_matrix(group.column("vec").take(pa.array(q_rows[sl]))),
-                                         depth)
+    depth = min(mc.range_max, passages.num_rows)
+    size = max(1, len(q_rows)) if not chunk_queries else -(-chunk_queries // mc.query_batch_size) * mc.query_batch_size
     ids = passages.column("pair_id").to_numpy()
+    qk, pk = passages.column("query_key").to_numpy(), passages.column("passage_key").to_numpy()
+    index = base = None
+    for chunk, first in enumerate(range(0, max(1, len(q_rows)), size)):
+        if chunk in skip:
+            continue
+        rows = q_rows[first:first + size]
+        scores, found_rows = np.zeros((len(rows), depth), np.float32), np.zeros((len(rows), depth), np.int64)
+        if len(rows) and depth:
+            if index is None:
+                base = emb_matrix(passages.column("vec"))
+                index = build_index(base, mc, backend, gpu)
+            for start in range(0, len(rows), mc.query_batch_size):  # one block of float32 query vectors at a time
+                sl = slice(start, start + mc.query_batch_size)
+                scores[sl], found_rows[sl] = top_k(index, base, emb_matrix(group.column("vec").take(
+                    pa.array(rows[sl]))), depth)
+        yield chunk, _result_rows(group, rows, pair_ids, ids, qk, pk, scores, found_rows, depth, buckets)
+
+
+def _result_rows(group: pa.Table, q_rows: np.ndarray, pair_ids: np.ndarray, ids: np.ndarray, qk: np.ndarray,
+                 pk: np.ndarray, scores: np.ndarray, rows: np.ndarray, depth: int, buckets: int) -> pa.Table:
+    """One result row per query of q_rows: its hits sorted (score, then pair_id), cut where an approximate index ran
+    out, flagged against the query's pair."""
     # An approximate (IVF) index may return fewer than `depth` hits (-1): they sort last and are cut below.
     hit_ids = np.where(rows >= 0, ids[np.maximum(rows, 0)], np.iinfo(np.int64).max)
     order = np.lexsort((hit_ids, -np.where(rows >= 0, scores, -np.inf)), axis=-1)
@@ -283,7 +309,6 @@ def search_cluster(group: pa.Table, mc: MineConfig, buckets: int, backend: str =
     found = (rows >= 0).sum(1)
     keep = np.arange(depth)[None, :] < found[:, None]
     safe = np.maximum(rows, 0)
-    qk, pk = passages.column("query_key").to_numpy(), passages.column("passage_key").to_numpy()
     own = {name: group.column(name).to_numpy()[q_rows] for name in ("query_key", "passage_key", "pos_score")}
     flags = candidate_flags(qk[safe], pk[safe], own["query_key"][:, None], own["passage_key"][:, None])
     offsets = pa.array(np.r_[0, np.cumsum(found)].astype(np.int32))
