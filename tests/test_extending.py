@@ -199,6 +199,20 @@ def test_fingerprints_chain_through_the_inputs(registered):
         "data", "embed", "length_filter"}
 
 
+def test_built_in_stages_cover_what_they_always_did():
+    """pipeline.chain gives every built-in stage the sections it declared by hand before (the old-run test checks the
+    fingerprints themselves); mine's equal the ones training checks negatives/ against (io/negatives.MINE_SECTIONS)."""
+    from clusterscale.io.negatives import MINE_SECTIONS
+
+    clustering = ("data", "embed", "cluster")
+    assert {name: stage.sections for name, stage in pipeline.STAGES.items()} == {
+        "synth": ("data",), "ingest": ("data",), "embed": ("data", "embed"), "embed_heldout": ("data", "embed"),
+        "fit": clustering, "assign": clustering, "dedup": (*clustering, "dedup"), "shard": (*clustering, "shard"),
+        "shard_set": (*clustering, "shard"), "dedup_shards": (*clustering, "shard"), "mine": MINE_SECTIONS,
+        "train": (*clustering, "shard", "train"), "evaluate": (), "report": ()}
+    assert [name for name, stage in pipeline.STAGES.items() if not stage.marks_done] == ["evaluate", "report"]
+
+
 def test_a_stage_section_is_unknown_without_its_stage():
     with pytest.raises(config.ConfigError, match="Unknown config section 'length_filter'.*pipeline.STAGES"):
         config.load(None, ["length_filter.min_passage_chars=90"])
