@@ -3,6 +3,8 @@ pyarrow and numpy (the lent GPU machine has no Ray and no faiss):
 
   - the encoder forward in bf16: passages/s and MFU of MiniLM-L6 and BERT-base at 256 tokens (randomly
     initialised from their configs: the FLOPs are the weights', not their values);
+  - the embed stage's encoder core (clusterscale Encoder) on BERT-base at 40-160-token passages, padded and packed
+    (embed.packing; issue 52's goal: >= 40% MFU);
   - the training step: InfoNCE (clusterscale.train.loss) with GradCache (clusterscale.train.gradcache) on a
     BERT-base student, AdamW, bf16 autocast: pairs/s and MFU;
   - assignment as a torch matmul + argmax against k centroids: rows/s.
@@ -98,6 +100,45 @@ def encoder_rate(name: str, shape: dict, device, tokens: int, batch: int, second
             "mfu": flops_per_s / peak if peak else None}
 
 
+def encoder_core_rates(shape: dict, device, texts: int, seconds: float, peak) -> dict:
+    """What the embed stage's GPU actors run (clusterscale Encoder.encode_tokens: length-sorted token-budget batches)
+    on ~100-token passages of varied length (40-160 tokens, like real passages), padded and packed
+    (embed.packing): passages/s and MFU of each, and which attention kernel packing used."""
+    import tempfile
+
+    import numpy as np
+
+    from clusterscale.modeling.encoder import Encoder, save_sentence_transformers_dir
+    from clusterscale.modeling.model_files import resolve_model_path
+    from clusterscale.modeling.tokens import Tokens
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("bundled"))
+    folder = tempfile.mkdtemp(prefix="gpu-check-encoder-")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **shape))  # as AutoModel loads
+    save_sentence_transformers_dir(model, tokenizer, folder, "cls", 256)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(40, 161, size=texts)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(1000, 30000, size=int(offsets[-1])).astype(np.int32)
+    tokens = Tokens(ids, offsets, np.zeros(texts, dtype=bool))
+    out = {"texts": texts, "mean_tokens": float(lengths.mean())}
+    for mode in ("padded", "packed"):
+        try:
+            encoder = Encoder(folder, device=str(device), packing=mode)
+        except Exception as exc:  # noqa: BLE001 - packing refused by this model or machine: say so, go on
+            out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        per_call, iters = timed(lambda: encoder.encode_tokens(tokens, batch_size=1024), device, seconds)
+        params = params_of(encoder.model)
+        flops_per_s = 2.0 * params * float(lengths.sum()) / per_call
+        out[mode] = {"batching": encoder.batching, "passages_per_s": texts / per_call, "iters": iters,
+                     "mfu": flops_per_s / peak if peak else None}
+        del encoder
+    return out
+
+
 def train_rate(shape: dict, device, batch: int, chunk: int, q_tokens: int, p_tokens: int, seconds: float,
                peak) -> dict:
     model = bert(shape, device).train()
@@ -163,6 +204,13 @@ def main() -> None:
                                             4 if args.quick else 512, seconds, peak)
         print(f"encoder {name}: {out['encoder'][name]['passages_per_s']:,.0f} passages/s, MFU "
               f"{out['encoder'][name]['mfu']}", flush=True)
+    out["encoder_core"] = encoder_core_rates(TINY if args.quick else ENCODERS["bert-base"], device,
+                                             64 if args.quick else 40_000, seconds, peak)
+    for mode in ("padded", "packed"):
+        core = out["encoder_core"][mode]
+        print(f"encoder core, BERT-base shape, {mode}: " + (core["error"] if "error" in core else
+              f"{core['passages_per_s']:,.0f} passages/s at {out['encoder_core']['mean_tokens']:.0f} tokens, "
+              f"MFU {core['mfu']} ({core['batching']})"), flush=True)
     out["train_step"] = train_rate(TINY if args.quick else ENCODERS["bert-base"], device, 8 if args.quick else 512,
                                    4 if args.quick else 128, 8 if args.quick else 32, 16 if args.quick else 256,
                                    seconds, peak)

@@ -195,6 +195,7 @@ def measure(args, rows: int, out: str, run: str, encoder: str, pairs: str) -> No
                "pipeline_keys": keys,
                "plan_wall_s": round(sum(s["wall_s"] or 0 for s in plan.get("stages", {}).values()), 1),
                "embed_pipeline": {"texts_per_s": round(texts_per_s, 1), "mean_tokens": tokens, "params": params,
+                                  "batching": embed.get("batching"),
                                   "mfu": round(2 * params * tokens * texts_per_s / peak, 3) if peak else None},
                "machine": {"python": platform.python_version(), "host": platform.node(),
                            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
@@ -204,7 +205,7 @@ def measure(args, rows: int, out: str, run: str, encoder: str, pairs: str) -> No
     for name, s in stages.items():
         print(f"| {name} | {s['device']} | {s['wall_s']} | {s['gpu_busy']} | {s['rows_per_s']} | {s['plan_wall_s']} |")
     print(f"\nrun {run_wall:.0f}s; embed {texts_per_s:.0f} texts/s at {tokens:.0f} tokens (passages {passage_chars:.0f} "
-          f"chars), MFU {result['embed_pipeline']['mfu']}; {os.path.join(out, 'gpu_pipeline.json')}", flush=True)
+          f"chars), MFU {result['embed_pipeline']['mfu']}, {embed.get('batching')} batches; {os.path.join(out, 'gpu_pipeline.json')}", flush=True)
 
 
 def mean_tokens(encoder: str, pairs: str, sample: int = 2000) -> float:

@@ -45,7 +45,8 @@ def snapshot(load, section: str | None = None) -> dict:
 
 def test_describe_prints_the_same_keys_docs_and_defaults():
     """The snapshot's keys, docs and defaults (its sampler line updated for the curriculum sampler and the sampler registry, embed.batch_size's
-    help for the H200 measurement, shard.batches_per_file's for a results file that never existed), and the keys added
+    help for the H200 measurement, shard.batches_per_file's for a results file that never existed,
+    embed.max_tokens_per_batch's for packed batches), and the keys added
     since: each marked added, so that at its default it changes no fingerprint."""
     printed, added = [], set()
     for line in config_mod.describe().splitlines():

@@ -76,9 +76,15 @@ class EmbedConfig(Section):
     batch_size: int = knob(256, "Most texts per forward pass. On CPUs the token budget below binds first; on a "
                                 "GPU this does for ~100-token texts (1024: MiniLM 29% faster on an H200).",
                            affects_output=False, bounds=POSITIVE)
-    max_tokens_per_batch: int = knob(0, "Token budget per forward pass (texts x longest text, after sorting by "
-                                        "length); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False,
+    max_tokens_per_batch: int = knob(0, "Token budget per forward pass (padded: texts x longest text, after "
+                                        "sorting by length; packed: their tokens); 0 = 8192 on CPU, 65536 on GPU.", affects_output=False,
                                    bounds=zero_means("automatic"))
+    packing: str = knob("auto", "How a forward pass holds its texts: 'packed' lays them end to end (no padding; "
+                                "attention within each text by a variable-length kernel: flash-attn, else "
+                                "torch's varlen_attn), 'padded' pads them to the longest. 'auto' packs on a GPU "
+                                "that has such a kernel, pads elsewhere; packing is first checked against "
+                                "padding on the model's own weights (a model that differs is padded).",
+                        ("auto", "packed", "padded"), affects_output=False, added=True)
     rows_per_unit: int = knob(0, "Rows per restartable work unit (a row range of a pairs/ part); 0 = whole "
                                  "parts, or smaller so every actor gets >= 4 units. Fixed for a run at its first "
                                  "attempt.", affects_output=False, bounds=zero_means("automatic"))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from clusterscale.modeling.model_files import (BUNDLED, EncoderLoadError, _read_model_file,  # noqa: F401 (re-exported)
                                                folder_prompts, frozen_prompts, resolve_model_path, with_prompt)
+from clusterscale.modeling import packing
 from clusterscale.modeling.moe import moe_layers
 from clusterscale.modeling.tokens import TextTokenizer, Tokens
 
@@ -112,10 +113,14 @@ class Encoder:
     """A frozen encoder: texts -> L2-normalised float32 vectors (fp32 on CPU, bf16 autocast on GPU).
 
     Texts are tokenised once, sorted by length and batched by a token budget; vectors come back in
-    the input order."""
+    the input order. packing (embed.packing): 'auto' packs a batch's texts end to end (no padding, a
+    variable-length attention kernel; modeling/packing.py) on a GPU that has such a kernel and pads them
+    elsewhere; 'packed' packs wherever it runs (on a CPU: exact, slower); 'padded' never packs. Packing is
+    checked against padding on the model's own weights first, and a model that does not pack alike is padded."""
 
     def __init__(self, model: str, pooling: str = "auto", max_length: int = 256, device: str | None = None,
-                 trust_remote_code: bool = False, threads: int | None = None, max_tokens_per_batch: int = 0):
+                 trust_remote_code: bool = False, threads: int | None = None, max_tokens_per_batch: int = 0,
+                 packing: str = "auto"):
         if threads:
             torch.set_num_threads(threads)
         path = resolve_model_path(model)
@@ -132,6 +137,52 @@ class Encoder:
         self.text_tokenizer = TextTokenizer(self.tokenizer, max_length)  # max_length lives here (see the property)
         self.truncated = 0  # texts cut at max_length, counted for the stage stats
         self.last_truncated = np.zeros(0, dtype=bool)  # per text of the latest encode() call
+        self.batching = self._choose_batching(packing)  # 'padded', or 'packed (<attention kernel>)'
+
+    @property
+    def packed(self) -> bool:
+        return self.batching != "padded"
+
+    def _choose_batching(self, mode: str) -> str:
+        """'padded' or 'packed (<kernel>)': packing where the mode asks for it and the model packs alike."""
+        if mode not in packing.MODES:
+            raise ValueError(f"packing must be one of {', '.join(packing.MODES)}, not {mode!r}")
+        if mode == "padded":
+            return "padded"
+        kernel = packing.kernel_for(self.device)
+        if mode == "auto" and kernel is None:
+            return "padded"
+        self.position_offset = packing.position_offset(self.model)
+        padded_attention = self.model.config._attn_implementation
+        try:
+            self.model.set_attn_implementation(packing.PACKED)
+            mismatch = self._packing_mismatch(padded_attention)
+        except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot give a custom attention
+            mismatch = f"{type(exc).__name__}: {exc}"
+        if mismatch is None:
+            return f"packed ({kernel or 'one attention call per text'})"
+        self.model.set_attn_implementation(padded_attention)
+        if mode == "packed":
+            raise EncoderLoadError(f"embed.packing=packed: this model's packed batches differ from its padded ones "
+                                   f"({mismatch}); set embed.packing=padded (or auto).")
+        print(f"[encoder] padded batches: this model's packed batches differ from its padded ones ({mismatch})",
+              flush=True)
+        return "padded"
+
+    def _packing_mismatch(self, padded_attention: str) -> str | None:
+        """None when a few texts of different lengths embed alike packed and padded; else what differed."""
+        tokens = self.tokenize(["a", "the quick brown fox jumps over the lazy dog", "packing check, three"])
+        packed = self._encode_packed(tokens, len(tokens), self.max_tokens_per_batch)
+        self.model.set_attn_implementation(padded_attention)
+        try:
+            padded = self._encode_padded(tokens, len(tokens), self.max_tokens_per_batch)
+        finally:
+            self.model.set_attn_implementation(packing.PACKED)
+        # fp32 on a CPU agrees to rounding; bf16 on a GPU to its 8-bit mantissa
+        cosine = float((packed * padded).sum(1).min())
+        if cosine < (0.999 if self.device.type == "cuda" else 1 - 1e-5):
+            return f"cosine {cosine:.5f} between a text's two vectors"
+        return None
 
     @property
     def max_length(self) -> int:
@@ -161,11 +212,29 @@ class Encoder:
             return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
         return batch
 
-    @torch.inference_mode()
     def encode_tokens(self, tokens: Tokens, batch_size: int = 64, max_tokens_per_batch: int | None = None) -> np.ndarray:
         """Vectors of already tokenised texts, in their order."""
-        out = torch.empty((len(tokens), self.dim), dtype=torch.float32, device=self.device)
         budget = max_tokens_per_batch or self.max_tokens_per_batch
+        if self.packed:
+            return self._encode_packed(tokens, batch_size, budget)
+        return self._encode_padded(tokens, batch_size, budget)
+
+    @torch.inference_mode()
+    def _encode_packed(self, tokens: Tokens, batch_size: int, budget: int) -> np.ndarray:
+        """Each pass: texts end to end, at most `budget` real tokens."""
+        out = torch.empty((len(tokens), self.dim), dtype=torch.float32, device=self.device)
+        for rows in packing.packed_batches(tokens.lengths, batch_size, budget):
+            batch = packing.pack(tokens.ids, tokens.offsets, rows, self.position_offset)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                hidden = packing.forward(self.model, batch, self.device)
+            vec = F.normalize(packing.pool(hidden.float(), batch, self.pooling), dim=-1)
+            out[torch.from_numpy(rows).to(self.device)] = vec
+        return out.cpu().numpy()
+
+    @torch.inference_mode()
+    def _encode_padded(self, tokens: Tokens, batch_size: int, budget: int) -> np.ndarray:
+        """Each pass: texts of about one length, padded to the longest, at most `budget` padded tokens."""
+        out = torch.empty((len(tokens), self.dim), dtype=torch.float32, device=self.device)
         for rows in token_budget_batches(tokens.lengths, batch_size, budget):
             batch = self._collate(tokens, rows)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):

@@ -81,6 +81,7 @@ def make_plan(cfg: Config, actors: int, pairs_run: RunDir, n_rows: int, source: 
 UNIT = "_unit"  # the unit's output path, on every row of it while it travels
 UNIT_ROWS = "_unit_rows"  # the unit's row count, so that a writer can check it holds the whole unit
 ENCODE_S = "_encode_s"  # each row's share of the encoder's busy seconds
+BATCHING = "_batching"  # how the encoder held its texts: 'padded' or 'packed (<attention kernel>)' (Encoder.batching)
 TOKENS = "_tokens"  # + the side's suffix: token ids, list<int32>
 
 CPU_ACTOR_SPARE = 0.25
@@ -133,7 +134,7 @@ class EncodeTokens:
         self.cfg = embed
         self.encoder = Encoder(self.cfg.model, pooling=self.cfg.pooling, max_length=self.cfg.max_length,
                                trust_remote_code=self.cfg.trust_remote_code, threads=threads,
-                               max_tokens_per_batch=self.cfg.max_tokens_per_batch)
+                               max_tokens_per_batch=self.cfg.max_tokens_per_batch, packing=self.cfg.packing)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         unit_delay_for_tests("embed")
@@ -145,6 +146,7 @@ class EncodeTokens:
             batch = batch.drop_columns([f"{TOKENS}{suffix}"]).append_column(f"emb{suffix}", emb_array(vectors))
         share = (time.time() - started) / max(1, batch.num_rows)
         batch = batch.append_column(ENCODE_S, pa.array(np.full(batch.num_rows, share)))
+        batch = batch.append_column(BATCHING, pa.array([self.encoder.batching] * batch.num_rows, pa.string()))
         return batch.append_column(NODE, pa.array([this_node()] * batch.num_rows, pa.string()))
 
 
@@ -167,18 +169,18 @@ class WriteUnits:
             self.run.write_parquet(output, output_table(rows, self.side), row_group_size=EMBEDDINGS_ROW_GROUP_ROWS)
             results.append({"rows": rows.num_rows, "truncated": int(np.asarray(rows.column("truncated")).sum()),
                             "busy_s": float(np.asarray(rows.column(ENCODE_S)).sum()),
-                            "node": rows.column(NODE)[0].as_py()})
+                            "node": rows.column(NODE)[0].as_py(), "batching": rows.column(BATCHING)[0].as_py()})
         return pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
 
 
 RESULT_SCHEMA = pa.schema([("rows", pa.int64()), ("truncated", pa.int64()), ("busy_s", pa.float64()),
-                           ("node", pa.string())])
+                           ("node", pa.string()), ("batching", pa.string())])
 
 
 def output_table(rows: pa.Table, side: str) -> pa.Table:
     """The embeddings/ file layout: the pair columns, then emb<suffix> and truncated<suffix> per side."""
     added = [name for _, suffix in output_columns(side) for name in (f"emb{suffix}", f"truncated{suffix}")]
-    internal = {UNIT, UNIT_ROWS, ENCODE_S, NODE}
+    internal = {UNIT, UNIT_ROWS, ENCODE_S, NODE, BATCHING}
     pair_columns = [c for c in rows.column_names if c not in internal and c not in added]
     return rows.select(pair_columns + added)
 
@@ -244,12 +246,14 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs
     tokenizer = TextTokenizer(load_tokenizer(resolve_model_path(cfg.embed.model), cfg.embed.trust_remote_code),
                               cfg.embed.max_length)
     ds = embed_dataset(run, cfg, todo, pool, pairs_run, tokenizer, frozen_prompts(cfg.embed))
-    progress = ProgressLine("embed", sum(u["stop"] - u["start"] for u in todo))
+    sides = len(output_columns(cfg.embed.side))
+    unit = {"passage": "passages", "query": "queries"}.get(cfg.embed.side, "texts")  # texts/s: what a GPU sustains
+    progress = ProgressLine("embed", sides * sum(u["stop"] - u["start"] for u in todo), unit=unit)
     results = []
     try:
         for result in ds.iter_rows():
             results.append(result)
-            progress.advance(result["rows"])
+            progress.advance(sides * result["rows"])
     except Exception as exc:  # surface our own error (NaN rows) without Ray Data's wrapping
         marker = "EmbeddingError: "
         text = str(exc)
@@ -313,10 +317,11 @@ def embed_folder(ctx: StageContext, source: str, out: str, expected: int) -> Sta
              "actors": min(pool.actors, len(todo)), "wall_s": round(wall, 3),
              "rows_per_s": round(embedded / wall, 2) if wall > 0 else 0.0, "worker_s": round(worker_s, 3),
              "busy_s": round(sum(r["busy_s"] for r in results), 3), "device": device,
+             "batching": ", ".join(sorted({r["batching"] for r in results})) or "none (every unit reused)",
              **node_stats(r["node"] for r in results)}
     if device == "gpu":
         stats["gpu_s"] = stats["worker_s"]
     print(f"[embed] {embedded} rows in {wall:.1f}s ({stats['rows_per_s']:.1f} rows/s, {stats['actors']} actor(s), "
-          f"{worker_s:.0f} {device}-actor-seconds, {stats['busy_s']:.0f} busy); {len(done)} unit(s) reused; "
+          f"{worker_s:.0f} {device}-actor-seconds, {stats['busy_s']:.0f} busy, {stats['batching']} batches); {len(done)} unit(s) reused; "
           f"{stats['truncated']} texts truncated at {cfg.embed.max_length} tokens", flush=True)
     return StageResult(stats, config={"embed": cfg.embed.to_dict(), "rows_per_unit": plan["rows_per_unit"]})

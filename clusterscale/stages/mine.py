@@ -125,7 +125,8 @@ class EncodeQueries:
         torch.set_num_threads(threads)
         self.batch_size = ec.batch_size
         self.encoder = Encoder(ec.model, pooling=ec.pooling, max_length=ec.max_length,
-                               trust_remote_code=ec.trust_remote_code, max_tokens_per_batch=ec.max_tokens_per_batch)
+                               trust_remote_code=ec.trust_remote_code, max_tokens_per_batch=ec.max_tokens_per_batch,
+                               packing=ec.packing)
         self.prompt = frozen_prompts(ec)[0]
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -1,0 +1,133 @@
+"""Packed (unpadded) forward passes: a batch's texts laid end to end in one row, attention within each text.
+
+A padded batch computes every layer on rows x longest tokens; a packed one on the real tokens only, and its
+attention needs no mask, so on a GPU it runs a variable-length flash kernel (flash-attn's
+`flash_attn_varlen_func` when installed, else torch's `torch.nn.attention.varlen.varlen_attn`). The attention
+reaches the model through transformers' own extension point (`AttentionInterface`, registered as PACKED): the
+model's code is not copied; its embeddings get restarting `position_ids` and its attention the texts' bounds
+(`cu_seq_lens_q`), which transformers passes down to the attention function. Where no kernel runs (CPU, or a GPU
+without one) the attention is one SDPA call per text: exact, slow, for checks.
+
+Whether a model packs correctly is checked on its own weights when an Encoder chooses packing (`check`): an
+architecture whose positions or attention do not follow this layout falls back to padded batches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+PACKED = "clusterscale_packed"  # the attention implementation's name in transformers' AttentionInterface
+MODES = ("auto", "packed", "padded")
+
+
+def varlen_kernel():
+    """(name, fn(q, k, v, cu_seq, max_len, scale) -> out), q/k/v (tokens, heads, dim) on CUDA; None without one."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        return "flash-attn", lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=False)
+    except ImportError:
+        pass
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return "torch-varlen", lambda q, k, v, cu, longest, scale: varlen_attn(q, k, v, cu, cu, longest, longest,
+                                                                            scale=scale)
+
+
+def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: torch.Tensor | None = None,
+                     max_length_q: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature on one packed row: query/key/value (1, heads, tokens, dim) -> (1, tokens,
+    heads, dim), each text attending to itself only (cu_seq_lens_q: the texts' bounds, int32)."""
+    if cu_seq_lens_q is None:
+        raise ValueError(f"The {PACKED} attention needs cu_seq_lens_q (clusterscale.modeling.packing.forward).")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+    kernel = _KERNEL if query.is_cuda else None
+    if kernel is not None:
+        out = kernel[1](q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, int(max_length_q), scaling)
+        return out.unsqueeze(0), None
+    out = torch.empty_like(q)
+    bounds = cu_seq_lens_q.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):  # the reference path: one text at a time
+        part = [t[start:stop].transpose(0, 1) for t in (q, k, v)]
+        out[start:stop] = F.scaled_dot_product_attention(*part, scale=scaling).transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+_KERNEL = None
+
+
+def register() -> str | None:
+    """Register PACKED with transformers (once); the name of the GPU kernel it will use, None if there is none."""
+    global _KERNEL
+    from transformers import AttentionInterface
+
+    if PACKED not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED, packed_attention)
+        _KERNEL = varlen_kernel() if torch.cuda.is_available() else None
+    return _KERNEL[0] if _KERNEL else None
+
+
+def kernel_for(device: torch.device) -> str | None:
+    """Register PACKED; the variable-length kernel's name when `device` is a GPU that has one, else None."""
+    name = register()
+    return name if device.type == "cuda" else None
+
+
+def packed_batches(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[np.ndarray]:
+    """Row indices per packed pass, longest first: at most batch_size texts and max_tokens real tokens each (a text
+    longer than the budget goes alone)."""
+    order = np.argsort(-lengths, kind="stable")
+    ends = np.cumsum(lengths[order])
+    batches, start = [], 0
+    while start < len(order):
+        before = int(ends[start - 1]) if start else 0
+        fits = int(np.searchsorted(ends, before + max_tokens, side="right"))
+        stop = min(start + batch_size, max(start + 1, fits))
+        batches.append(order[start:stop])
+        start = stop
+    return batches
+
+
+def pack(ids: np.ndarray, offsets: np.ndarray, rows: np.ndarray, position_offset: int = 0) -> dict[str, np.ndarray]:
+    """The texts `rows` of a flat token array (ids, offsets) end to end: input_ids and position_ids (1, tokens),
+    their bounds cu (texts + 1, int32), each text's segment id per token and its length."""
+    lengths = (offsets[rows + 1] - offsets[rows]).astype(np.int64)
+    cu = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lengths)
+    return {"input_ids": ids[np.repeat(offsets[rows], lengths) + within].astype(np.int64)[None],
+            "position_ids": (within + position_offset)[None], "cu": cu.astype(np.int32),
+            "segments": np.repeat(np.arange(len(rows)), lengths), "lengths": lengths}
+
+
+def position_offset(model: torch.nn.Module) -> int:
+    """First position id of a text: RoBERTa-style embeddings count from padding_idx + 1, BERT's from 0."""
+    embeddings = getattr(model, "embeddings", None)
+    padding_idx = getattr(embeddings, "padding_idx", None)
+    return int(padding_idx) + 1 if padding_idx is not None else 0
+
+
+def forward(model: torch.nn.Module, packed: dict[str, np.ndarray], device: torch.device) -> torch.Tensor:
+    """Last hidden states (tokens, hidden) of one packed row; the model's attention must be PACKED."""
+    cu = torch.from_numpy(packed["cu"]).to(device)
+    longest = int(packed["lengths"].max())
+    out = model(input_ids=torch.from_numpy(packed["input_ids"]).to(device),
+                position_ids=torch.from_numpy(packed["position_ids"]).to(device),
+                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return out.last_hidden_state[0]
+
+
+def pool(hidden: torch.Tensor, packed: dict[str, np.ndarray], pooling: str) -> torch.Tensor:
+    """(texts, hidden): each text's first token (cls) or the mean of its tokens (mean)."""
+    starts = torch.from_numpy(packed["cu"][:-1].astype(np.int64)).to(hidden.device)
+    if pooling == "cls":
+        return hidden[starts]
+    segments = torch.from_numpy(packed["segments"]).to(hidden.device)
+    sums = torch.zeros((len(starts), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    sums.index_add_(0, segments, hidden)
+    return sums / torch.from_numpy(packed["lengths"]).to(hidden.device, hidden.dtype).unsqueeze(1)

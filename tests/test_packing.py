@@ -1,0 +1,81 @@
+"""Packed (unpadded) encoder batches: the same vectors as padded ones, the packing itself, the fallbacks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clusterscale.modeling import packing
+from clusterscale.modeling.encoder import Encoder, EncoderLoadError
+from tests.test_embed import mixed_texts
+
+
+def test_pack_lays_texts_end_to_end_with_restarting_positions():
+    ids = np.arange(100, 112, dtype=np.int32)  # texts: [100..102], [103..106], [107..111]
+    offsets = np.array([0, 3, 7, 12])
+    out = packing.pack(ids, offsets, np.array([2, 0]), position_offset=2)
+    assert out["input_ids"].tolist() == [[107, 108, 109, 110, 111, 100, 101, 102]]
+    assert out["position_ids"].tolist() == [[2, 3, 4, 5, 6, 2, 3, 4]]
+    assert out["cu"].tolist() == [0, 5, 8] and out["cu"].dtype == np.int32
+    assert out["segments"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert out["lengths"].tolist() == [5, 3]
+
+
+def test_packed_batches_cover_every_row_once_within_the_token_budget():
+    lengths = np.random.default_rng(0).integers(1, 120, size=500)
+    lengths[7] = 900  # longer than the budget: alone in its pass
+    batches = packing.packed_batches(lengths, batch_size=64, max_tokens=1000)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(500))
+    assert batches[0].tolist() == [7]
+    for b in batches:
+        assert len(b) <= 64 and (len(b) == 1 or lengths[b].sum() <= 1000)
+    # real tokens, not rows x longest: a pass holds more texts than a padded one under the same budget
+    assert np.mean([lengths[b].sum() for b in batches[1:-1]]) > 0.85 * 1000 or max(map(len, batches)) == 64
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_packed_vectors_equal_padded_ones(tiny_model, pooling):
+    texts = mixed_texts(40)  # short queries, passages and texts cut at max_length, in mixed order
+    padded = Encoder(tiny_model, pooling=pooling, max_length=64, device="cpu", packing="padded")
+    packed = Encoder(tiny_model, pooling=pooling, max_length=64, device="cpu", packing="packed")
+    assert padded.batching == "padded" and packed.batching == "packed (one attention call per text)"
+    expected = padded.encode(texts, batch_size=16, max_tokens_per_batch=512)
+    got = packed.encode(texts, batch_size=16, max_tokens_per_batch=512)
+    assert np.abs(got - expected).max() < 1e-5
+    assert packed.last_truncated.tolist() == padded.last_truncated.tolist()
+    one_pass = packed.encode(texts, batch_size=1000, max_tokens_per_batch=100_000)  # every text in one row
+    assert np.abs(one_pass - expected).max() < 1e-5
+
+
+def test_auto_pads_on_a_cpu(tiny_model):
+    """'auto' packs only on a GPU with a variable-length kernel: one attention call per text is slower on CPUs."""
+    assert Encoder(tiny_model, max_length=32, device="cpu").batching == "padded"
+
+
+def test_a_model_that_does_not_pack_alike_is_padded_or_refused(tiny_model, monkeypatch, capsys):
+    """Positions counted from the wrong start (as if the model were RoBERTa-like) change the vectors: the check on
+    the model's own weights catches it; 'auto' pads and says why, 'packed' refuses naming the key."""
+    monkeypatch.setattr(packing, "kernel_for", lambda device: "test-kernel")  # as on a GPU with a kernel
+    assert Encoder(tiny_model, max_length=32, device="cpu").batching == "packed (test-kernel)"
+    monkeypatch.setattr(packing, "position_offset", lambda model: 2)
+    assert Encoder(tiny_model, max_length=32, device="cpu").batching == "padded"
+    assert "packed batches differ from its padded ones (cosine" in capsys.readouterr().out
+    with pytest.raises(EncoderLoadError, match="embed.packing=padded"):
+        Encoder(tiny_model, max_length=32, device="cpu", packing="packed")
+
+
+def test_the_packed_attention_keeps_texts_apart():
+    """Each text attends to itself only: the packed attention of two texts equals each one's own attention."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 4) for _ in range(3))
+    out, _ = packing.packed_attention(None, q, k, v, None, scaling=0.5,
+                                      cu_seq_lens_q=torch.tensor([0, 3, 7], dtype=torch.int32), max_length_q=4)
+    assert out.shape == (1, 7, 2, 4)
+    for start, stop in ((0, 3), (3, 7)):
+        alone = F.scaled_dot_product_attention(q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :],
+                                               scale=0.5)
+        assert torch.allclose(out[0, start:stop], alone[0].transpose(0, 1), atol=1e-6)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        packing.packed_attention(None, q, k, v, None)
