@@ -31,11 +31,21 @@ def varlen_kernel():
     except ImportError:
         pass
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
     except ImportError:
         return None
-    return "torch-varlen", lambda q, k, v, cu, longest, scale: varlen_attn(q, k, v, cu, cu, longest, longest,
-                                                                            scale=scale)
+    import inspect
+
+    if "scale" in inspect.signature(varlen_attn).parameters:  # torch >= 2.11
+        return "torch-varlen", lambda q, k, v, cu, longest, scale: varlen_attn(q, k, v, cu, cu, longest, longest,
+                                                                                scale=scale)
+
+    def default_scale_only(q, k, v, cu, longest, scale):  # torch 2.10: 1/sqrt(head dim) only
+        if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+            raise ValueError(f"torch {torch.__version__}'s varlen_attn has no scale argument (this model's {scale})")
+        return varlen_attn(q, k, v, cu, cu, longest, longest)
+
+    return "torch-varlen", default_scale_only
 
 
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
