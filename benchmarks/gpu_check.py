@@ -205,7 +205,7 @@ def main() -> None:
         print(f"encoder {name}: {out['encoder'][name]['passages_per_s']:,.0f} passages/s, MFU "
               f"{out['encoder'][name]['mfu']}", flush=True)
     out["encoder_core"] = encoder_core_rates(TINY if args.quick else ENCODERS["bert-base"], device,
-                                             64 if args.quick else 40_000, seconds, peak)
+                                             64 if args.quick else 20_000, seconds, peak)
     for mode in ("padded", "packed"):
         core = out["encoder_core"][mode]
         print(f"encoder core, BERT-base shape, {mode}: " + (core["error"] if "error" in core else
