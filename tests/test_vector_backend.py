@@ -43,7 +43,9 @@ def test_torch_index_searches_in_blocks_like_one_product(monkeypatch):
     monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", (500 + 16) * 13)  # blocks of 13 queries
     blocks = TorchIPIndex(base).search(queries, 7)
     np.testing.assert_array_equal(blocks[1], whole[1])
-    np.testing.assert_array_equal(blocks[0], whole[0])
+    # float32 products agree to rounding: BLAS may sum a 2-row block in another order than a 301-row product (one
+    # ulp on some CPUs); top_k rescores its candidates in float64, so what a stage keeps does not depend on it
+    np.testing.assert_allclose(blocks[0], whole[0], rtol=0, atol=1e-6)
 
 
 def test_backend_choice_follows_the_tasks_gpu_and_the_key():

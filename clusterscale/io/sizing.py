@@ -22,6 +22,9 @@ QUERIES_PER_FILE = 25_000  # mine: queries per negatives/ file; bounds the memor
 ROUTED_ROW_BYTES = 40   # mine: a routed row besides its vector (kind, group, pair_id, two text keys, pos_score)
 MIN_PARTITIONS = 200  # shard: Ray Data's default hash-shuffle parallelism, enough tasks to keep every CPU busy
 ACTOR_MEMORY_FACTOR = 3  # shard: a writer holds its partition block plus a sorted and a permuted copy of one group
+# A Ray worker's own memory before any rows (Python, pyarrow, Ray): a shard writer measured 128-134 MiB USS here, and
+# Ray Data warns of an actor that uses more than 1/1.25 of its memory request.
+WORKER_PROCESS_BYTES = 192 * 2**20
 
 
 def auto_rows_per_unit(n_rows: int, actors: int, rows_per_part: int) -> int:
@@ -47,10 +50,10 @@ def groups_per_shard(shard_rows: np.ndarray, max_group_rows: int) -> np.ndarray:
 
 def writer_sizing(sizes: GroupSizes, row_bytes: float) -> tuple[int, int]:
     """(hash partitions, memory bytes of one writer actor) of a shard-set write: a writer holds its partition's
-    rows or its largest group, whichever is more, ACTOR_MEMORY_FACTOR times."""
+    rows or its largest group, whichever is more, ACTOR_MEMORY_FACTOR times, beside its process's own memory."""
     partitions = min(sizes.groups, max(MIN_PARTITIONS, math.ceil(2 * sizes.rows / sizes.max_group_rows)))
     rows_held = max(sizes.largest_group, math.ceil(sizes.rows / partitions))
-    return partitions, int(ACTOR_MEMORY_FACTOR * row_bytes * rows_held)
+    return partitions, int(WORKER_PROCESS_BYTES + ACTOR_MEMORY_FACTOR * row_bytes * rows_held)
 
 
 def file_sizes(cfg: Config) -> tuple[int, int]:
