@@ -58,7 +58,7 @@ def test_a_model_that_does_not_pack_alike_is_padded_or_refused(tiny_model, monke
     assert Encoder(tiny_model, max_length=32, device="cpu").batching == "packed (test-kernel)"
     monkeypatch.setattr(packing, "position_offset", lambda model: 2)
     assert Encoder(tiny_model, max_length=32, device="cpu").batching == "padded"
-    assert "packed batches differ from its padded ones (cosine" in capsys.readouterr().out
+    assert "packed passes differ from its padded ones (cosine" in capsys.readouterr().out
     with pytest.raises(EncoderLoadError, match="embed.packing=padded"):
         Encoder(tiny_model, max_length=32, device="cpu", packing="packed")
 
@@ -79,3 +79,47 @@ def test_the_packed_attention_keeps_texts_apart():
         assert torch.allclose(out[0, start:stop], alone[0].transpose(0, 1), atol=1e-6)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         packing.packed_attention(None, q, k, v, None)
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_a_packed_training_step_gives_the_padded_gradients(tiny_model, chunk):
+    """train.packing=packed: the student's loss and gradients equal the padded step's (with GradCache too), and the
+    step counts the texts' own tokens, not the padding."""
+    import torch
+
+    from clusterscale.modeling.student import choose_packing
+    from clusterscale.train.step import contrastive_backward
+    from tests.test_train_grad import _grads, _model, _rel, _settings, _texts
+
+    queries, passages = _texts()
+    results = {}
+    for mode in ("padded", "packed"):
+        model, tokenizer = _model(tiny_model, dropout=False)
+        batching = choose_packing(model, tokenizer, "mean", mode, 32, "cpu")
+        assert batching == ("padded" if mode == "padded" else "packed (one attention call per text)")
+        loss, stats = contrastive_backward(model, tokenizer, queries, passages, _settings(grad_cache_chunk=chunk),
+                                           torch.device("cpu"))
+        results[mode] = float(loss), _grads(model), stats["tokens"]
+    (ref_loss, ref_grads, padded_tokens), (loss, grads, packed_tokens) = results["padded"], results["packed"]
+    assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss) and _rel(grads, ref_grads) < 1e-4
+    cut = [len(ids) for ids in tokenizer(queries, truncation=True, max_length=16)["input_ids"]] + \
+          [len(ids) for ids in tokenizer(passages, truncation=True, max_length=32)["input_ids"]]
+    assert packed_tokens == sum(cut) < padded_tokens  # (GradCache's second forward is in flops_per_param_token)
+
+
+def test_auto_packs_the_student_on_a_cpu_and_pads_on_a_gpu_without_a_kernel(tiny_model, monkeypatch):
+    """A training batch is not sorted by length: 'auto' packs it on CPUs (one attention call per text); on a GPU
+    without a variable-length kernel it pads. The check leaves the student in the mode it was in."""
+    import torch
+
+    from clusterscale.modeling import packing
+    from clusterscale.modeling.student import choose_packing
+    from tests.test_train_grad import _model
+
+    model, tokenizer = _model(tiny_model, dropout=True)
+    assert choose_packing(model, tokenizer, "mean", "auto", 32, "cpu") == "packed (one attention call per text)"
+    assert packing.is_packed(model) and model.training
+    model, tokenizer = _model(tiny_model, dropout=True)
+    assert choose_packing(model, tokenizer, "mean", "padded", 32, "cpu") == "padded" and not packing.is_packed(model)
+    monkeypatch.setattr(packing, "kernel_for", lambda device: None)  # as on a GPU without a kernel
+    assert packing.choose(model, "auto", torch.device("cuda"), None, None, "train.packing", auto_on_cpu=True) == "padded"

@@ -144,45 +144,16 @@ class Encoder:
         return self.batching != "padded"
 
     def _choose_batching(self, mode: str) -> str:
-        """'padded' or 'packed (<kernel>)': packing where the mode asks for it and the model packs alike."""
-        if mode not in packing.MODES:
-            raise ValueError(f"packing must be one of {', '.join(packing.MODES)}, not {mode!r}")
-        if mode == "padded":
-            return "padded"
-        kernel = packing.kernel_for(self.device)
-        if mode == "auto" and kernel is None:
-            return "padded"
+        """'padded' or 'packed (<kernel>)' (packing.choose, on a few texts of different lengths)."""
         self.position_offset = packing.position_offset(self.model)
-        padded_attention = self.model.config._attn_implementation
+        tokens = self.tokenize(packing.PROBE_TEXTS)
         try:
-            self.model.set_attn_implementation(packing.PACKED)
-            mismatch = self._packing_mismatch(padded_attention)
-        except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot give a custom attention
-            mismatch = f"{type(exc).__name__}: {exc}"
-        if mismatch is None:
-            return f"packed ({kernel or 'one attention call per text'})"
-        self.model.set_attn_implementation(padded_attention)
-        if mode == "packed":
-            raise EncoderLoadError(f"embed.packing=packed: this model's packed batches differ from its padded ones "
-                                   f"({mismatch}); set embed.packing=padded (or auto).")
-        print(f"[encoder] padded batches: this model's packed batches differ from its padded ones ({mismatch})",
-              flush=True)
-        return "padded"
-
-    def _packing_mismatch(self, padded_attention: str) -> str | None:
-        """None when a few texts of different lengths embed alike packed and padded; else what differed."""
-        tokens = self.tokenize(["a", "the quick brown fox jumps over the lazy dog", "packing check, three"])
-        packed = self._encode_packed(tokens, len(tokens), self.max_tokens_per_batch)
-        self.model.set_attn_implementation(padded_attention)
-        try:
-            padded = self._encode_padded(tokens, len(tokens), self.max_tokens_per_batch)
-        finally:
-            self.model.set_attn_implementation(packing.PACKED)
-        # fp32 on a CPU agrees to rounding; bf16 on a GPU to its 8-bit mantissa
-        cosine = float((packed * padded).sum(1).min())
-        if cosine < (0.999 if self.device.type == "cuda" else 1 - 1e-5):
-            return f"cosine {cosine:.5f} between a text's two vectors"
-        return None
+            return packing.choose(
+                self.model, mode, self.device, key="embed.packing",
+                packed=lambda: torch.from_numpy(self._encode_packed(tokens, len(tokens), self.max_tokens_per_batch)),
+                padded=lambda: torch.from_numpy(self._encode_padded(tokens, len(tokens), self.max_tokens_per_batch)))
+        except packing.PackingError as exc:
+            raise EncoderLoadError(str(exc)) from None
 
     @property
     def max_length(self) -> int:

@@ -13,6 +13,8 @@ architecture whose positions or attention do not follow this layout falls back t
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,57 @@ def kernel_for(device: torch.device) -> str | None:
     """Register PACKED; the variable-length kernel's name when `device` is a GPU that has one, else None."""
     name = register()
     return name if device.type == "cuda" else None
+
+
+def choose(model: torch.nn.Module, mode: str, device: torch.device, packed: Callable[[], torch.Tensor],
+           padded: Callable[[], torch.Tensor], key: str, auto_on_cpu: bool = False) -> str:
+    """Switch `model` to packed passes where `mode` (auto | packed | padded, the config key `key`) asks for them and
+    they embed alike: 'packed (<kernel>)' with the model's attention set to PACKED, else 'padded' (and the model as it
+    was). packed() / padded(): a few texts' L2-normalised vectors each way (called with the attention set for it);
+    'auto' packs on a GPU with a variable-length kernel (and, with auto_on_cpu, on a CPU: one attention call per
+    text), and pads, saying why, a model whose vectors differ."""
+    if mode not in MODES:
+        raise ValueError(f"{key} must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "padded":
+        return "padded"
+    kernel = kernel_for(device)
+    if mode == "auto" and kernel is None and not (auto_on_cpu and device.type == "cpu"):
+        return "padded"
+    padded_attention = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(PACKED)
+        a = packed()
+        model.set_attn_implementation(padded_attention)
+        b = padded()
+        cosine = float((a.float() * b.float()).sum(-1).min())
+        # fp32 on a CPU agrees to rounding; bf16 on a GPU to its 8-bit mantissa
+        mismatch = None if cosine >= (0.999 if device.type == "cuda" else 1 - 1e-5) else \
+            f"cosine {cosine:.5f} between a text's two vectors"
+    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot give a custom attention
+        mismatch = f"{type(exc).__name__}: {exc}"
+    if mismatch is None:
+        model.set_attn_implementation(PACKED)
+        return f"packed ({kernel or 'one attention call per text'})"
+    model.set_attn_implementation(padded_attention)
+    if mode == "packed":
+        raise PackingError(f"{key}=packed: this model's packed passes differ from its padded ones ({mismatch}); set "
+                           f"{key}=padded (or auto).")
+    print(f"[{key.split('.')[0]}] padded batches: this model's packed passes differ from its padded ones ({mismatch})",
+          flush=True)
+    return "padded"
+
+
+class PackingError(ValueError):
+    """A model asked to pack (embed.packing / train.packing = packed) whose packed passes differ from padded ones."""
+
+
+PROBE_TEXTS = ["a", "the quick brown fox jumps over the lazy dog", "packing check, three"]
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the module a DDP wrapper holds) runs PACKED attention (choose)."""
+    inner = getattr(model, "module", model)
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == PACKED
 
 
 def packed_batches(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[np.ndarray]:

@@ -1,12 +1,16 @@
 """The student encoder: fine-tuned from an HF model/folder, or a BERT built from scratch."""
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from clusterscale.config import TrainConfig
 from clusterscale.modeling.moe_config import MoeConfig
 from clusterscale.modeling.student_config import StudentConfig
+from clusterscale.modeling import packing
 from clusterscale.modeling.encoder import detect_pooling, load_model, load_tokenizer, pool, resolve_model_path
 from clusterscale.runtime.hashing import text_hashes
 from clusterscale.modeling.moe import add_moe, freeze_all_but_intermediate, moe_layers
@@ -60,12 +64,47 @@ def apply_moe_options(model: torch.nn.Module, cfg: MoeConfig, seed: int) -> None
 
 def embed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device,
           counters: dict | None = None) -> torch.Tensor:
-    """L2-normalised pooled embeddings; adds the padded token count to counters["tokens"] when given."""
+    """L2-normalised pooled embeddings; adds the token count the forward computed (padded, or packed: the texts'
+    own) to counters["tokens"] when given. A model set to packed passes (choose_packing) gets the texts end to end."""
+    if texts and packing.is_packed(model):
+        return embed_packed(model, tokenizer, texts, max_length, pooling, device, counters)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
     if counters is not None:
         counters["tokens"] = counters.get("tokens", 0) + int(batch["input_ids"].numel())
     hidden = model(**batch).last_hidden_state
     return F.normalize(pool(hidden.float(), batch["attention_mask"], pooling), dim=-1)
+
+
+def embed_packed(model, tokenizer, texts: list[str], max_length: int, pooling: str, device,
+                 counters: dict | None = None) -> torch.Tensor:
+    """embed's vectors from one packed pass: no padding tokens (modeling/packing.py)."""
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(row) for row in ids], out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(offsets[-1]))
+    batch = packing.pack(flat, offsets, np.arange(len(ids)), packing.position_offset(getattr(model, "module", model)))
+    if counters is not None:
+        counters["tokens"] = counters.get("tokens", 0) + int(offsets[-1])
+    hidden = packing.forward(model, batch, torch.device(device))
+    return F.normalize(packing.pool(hidden.float(), batch, pooling), dim=-1)
+
+
+def choose_packing(model: torch.nn.Module, tokenizer, pooling: str, mode: str, max_length: int, device) -> str:
+    """train.packing on the student (before DDP wraps it): 'packed (<kernel>)' or 'padded' (packing.choose, checked
+    on a few texts in eval mode, so that dropout does not tell the two apart). 'auto' packs on CPUs too: a training
+    batch is not sorted by length, and one attention call per text beat padding there (1.8x faster steps on the
+    bundled data, benchmarks/RESULTS.md)."""
+    device = torch.device(device)
+    was_training = model.training
+    model.to(device).eval()
+
+    def vectors() -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            return embed(model, tokenizer, packing.PROBE_TEXTS, max_length, pooling, device)
+    try:
+        return packing.choose(model, mode, device, vectors, vectors, "train.packing", auto_on_cpu=True)
+    finally:
+        model.train(was_training)
 
 
 def text_keys(texts: list[str]) -> torch.Tensor:

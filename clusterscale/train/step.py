@@ -70,8 +70,8 @@ def contrastive_backward(model: torch.nn.Module, tokenizer, queries: list[str], 
     stats: pos_cos, neg_cos_mean, neg_cos_max, masked_false_negatives, mined_neg_cos_mean,
     masked_mined_negatives, clp_penalty (tensors; clp_penalty is the global mean, 0 without CLP);
     mined_negatives, clp_skipped (ints: this rank's negatives, and those without a usable q*);
-    tokens (int, padded tokens of this rank's texts) and flops_per_param_token (6, or 8 with
-    GradCache's extra forward). The returned loss is this rank's share: its mean over ranks is the
+    tokens (int, the tokens this rank's forwards computed: padded, or the texts' own when packed) and
+    flops_per_param_token (6, or 8 with GradCache's extra forward). The returned loss is this rank's share: its mean over ranks is the
     global loss.
     """
     objective, student = tc.objective, tc.student

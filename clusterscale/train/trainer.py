@@ -25,7 +25,7 @@ from clusterscale.errors import storage_error, user_error
 from clusterscale.io.records import ShardManifest
 from clusterscale.io.rundir import RunDir
 from clusterscale.io.layout import shard_set_manifest, train_dir
-from clusterscale.modeling.student import build_student, matmul_params
+from clusterscale.modeling.student import build_student, choose_packing, matmul_params
 from clusterscale.runtime.nodes import this_node, unit_delay_for_tests
 from clusterscale.train import schedule
 from clusterscale.train.checkpoint import Checkpointer, ModelExport
@@ -212,6 +212,10 @@ class Trainer:
         self.device = rt_torch.get_device()
         self.data = TrainData(job)
         model, self.tokenizer, pooling = build_student(tc)
+        self.batching = choose_packing(model, self.tokenizer, pooling, tc.compute.packing,
+                                       tc.student.passage_max_length, self.device)
+        if rank == 0 and self.batching != "padded":
+            print(f"[train] {self.batching} passes: a batch's texts end to end, no padding (train.packing)", flush=True)
         self.flops_params = matmul_params(model)
         self.model = rt_torch.prepare_model(model)  # MoE: idle experts stay in the graph (moe.py), no unused parameters
         self.optimizer, self.scheduler = build_optimizer(self.model, tc.optimizer, job.num_steps)
