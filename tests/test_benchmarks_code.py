@@ -146,3 +146,27 @@ def test_bench_matryoshka_measures_agreement_and_runs_its_cores():
     rows = bench.cores(64, [16], 30_000)
     assert [r["dims"] for r in rows] == [64, 16] and rows[0]["fit_vs_full"] == 1.0
     assert set(rows[1]) >= {"fit_s", "dedup_semantic_s", "mine_search_s", "mine_search_vs_full"}
+
+
+def test_bench_packing_times_both_ways_with_the_modes_it_names(tiny_model):
+    """bench_packing's training step and encoder core, padded then packed, at a tiny size: each entry ran in the
+    mode it says, and a packed step computes fewer tokens than a padded one."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, BENCH)
+    bench = load("bench_packing")
+    from tests.conftest import make_pairs
+
+    pairs = make_pairs(32)
+    queries, passages = pairs.column("q").to_pylist(), pairs.column("p").to_pylist()
+    threads = torch.get_num_threads()
+    try:
+        step = bench.train_steps(tiny_model, queries, passages, 32, steps=1, batch=8)
+        core = bench.encoder_core(tiny_model, passages, 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert step["padded"]["batching"] == "padded" and step["packed"]["batching"].startswith("packed")
+    assert len(step["packed"]["step_s"]) == 2 and step["packed"]["tokens_per_step"] < step["padded"]["tokens_per_step"]
+    assert core["packed"]["batching"].startswith("packed") and core["packed_over_padded"] > 0
