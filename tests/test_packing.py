@@ -54,7 +54,8 @@ def test_auto_pads_on_a_cpu(tiny_model):
 def test_a_model_that_does_not_pack_alike_is_padded_or_refused(tiny_model, monkeypatch, capsys):
     """Positions counted from the wrong start (as if the model were RoBERTa-like) change the vectors: the check on
     the model's own weights catches it; 'auto' pads and says why, 'packed' refuses naming the key."""
-    monkeypatch.setattr(packing, "kernel_for", lambda device: "test-kernel")  # as on a GPU with a kernel
+    kernel = packing.Kernel("test-kernel", None, dropout=True)
+    monkeypatch.setattr(packing, "kernel_for", lambda device: kernel)  # as on a GPU with a kernel
     assert Encoder(tiny_model, max_length=32, device="cpu").batching == "packed (test-kernel)"
     monkeypatch.setattr(packing, "position_offset", lambda model: 2)
     assert Encoder(tiny_model, max_length=32, device="cpu").batching == "padded"
@@ -123,3 +124,72 @@ def test_auto_packs_the_student_on_a_cpu_and_pads_on_a_gpu_without_a_kernel(tiny
     assert choose_packing(model, tokenizer, "mean", "padded", 32, "cpu") == "padded" and not packing.is_packed(model)
     monkeypatch.setattr(packing, "kernel_for", lambda device: None)  # as on a GPU without a kernel
     assert packing.choose(model, "auto", torch.device("cuda"), None, None, "train.packing", auto_on_cpu=True) == "padded"
+
+
+def test_packed_attention_applies_the_models_attention_dropout():
+    """In train mode BERT hands its attention dropout to the attention function: the packed one applies it (the
+    same masks as one SDPA call per text under the same seed), and none in eval (dropout 0)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 2, 7, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    plain, _ = packing.packed_attention(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=4)
+    torch.manual_seed(5)
+    dropped, _ = packing.packed_attention(None, q, k, v, None, dropout=0.5, cu_seq_lens_q=cu, max_length_q=4)
+    assert not torch.allclose(dropped, plain)
+    torch.manual_seed(5)
+    for start, stop in ((0, 3), (3, 7)):
+        alone = F.scaled_dot_product_attention(*(t[..., start:stop, :] for t in (q, k, v)), dropout_p=0.5)
+        assert torch.allclose(dropped[0, start:stop], alone[0].transpose(0, 1), atol=1e-6)
+
+
+def test_gradcache_replays_the_dropout_of_packed_passes(tiny_model):
+    """With dropout on, a packed GradCache step equals packed chunks forwarded with autograd under the same seed."""
+    import torch
+
+    from clusterscale.modeling.student import choose_packing
+    from clusterscale.train.step import contrastive_backward
+    from tests import test_train_grad as grad
+
+    def packed_model(path, dropout):
+        model, tokenizer = unpacked(path, dropout)
+        assert choose_packing(model, tokenizer, "mean", "packed", 32, "cpu").startswith("packed")
+        return model, tokenizer
+    unpacked = grad._model
+    try:
+        grad._model = packed_model
+        reference = grad._chunked_with_grad(tiny_model, 4, seed=11)
+        model, tokenizer = grad._model(tiny_model, dropout=True)
+        queries, passages = grad._texts()
+        torch.manual_seed(11)
+        contrastive_backward(model, tokenizer, queries, passages, grad._settings(grad_cache_chunk=4),
+                             torch.device("cpu"))
+        assert grad._rel(grad._grads(model), reference) < 1e-5
+        assert grad._rel(grad._chunked_with_grad(tiny_model, 4, seed=12), reference) > 1e-3  # masks matter
+    finally:
+        grad._model = unpacked
+
+
+def test_a_kernel_without_dropout_does_not_pack_a_student_that_trains_with_it(tiny_model, monkeypatch, capsys):
+    """torch's varlen_attn has no attention dropout: a student in train mode with dropout stays padded under 'auto'
+    and is refused under 'packed'; a failure of the padded pass is raised, not taken for a packing mismatch."""
+    import torch
+
+    from clusterscale.modeling.student import choose_packing
+    from tests.test_train_grad import _model
+
+    monkeypatch.setattr(packing, "kernel_for", lambda device: packing.Kernel("torch-varlen", None, dropout=False))
+    model, tokenizer = _model(tiny_model, dropout=True)
+    assert choose_packing(model, tokenizer, "mean", "auto", 32, "cpu") == "padded" and not packing.is_packed(model)
+    assert "torch-varlen has no attention dropout" in capsys.readouterr().out
+    with pytest.raises(packing.PackingError, match="train.packing=padded"):
+        choose_packing(model, tokenizer, "mean", "packed", 32, "cpu")
+    model.eval()  # no dropout: the same kernel packs it
+    assert choose_packing(model, tokenizer, "mean", "auto", 32, "cpu") == "packed (torch-varlen)"
+
+    def broken() -> torch.Tensor:
+        raise MemoryError("the padded pass failed")
+    with pytest.raises(MemoryError):
+        packing.choose(model, "auto", torch.device("cpu"), lambda: torch.ones(1, 2), broken, "train.packing",
+                       auto_on_cpu=True)

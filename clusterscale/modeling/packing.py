@@ -13,7 +13,8 @@ architecture whose positions or attention do not follow this layout falls back t
 """
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -23,13 +24,21 @@ PACKED = "clusterscale_packed"  # the attention implementation's name in transfo
 MODES = ("auto", "packed", "padded")
 
 
-def varlen_kernel():
-    """(name, fn(q, k, v, cu_seq, max_len, scale) -> out), q/k/v (tokens, heads, dim) on CUDA; None without one."""
+class Kernel(NamedTuple):
+    """A variable-length attention kernel on CUDA: fn(q, k, v, cu_seq, max_len, scale, dropout) -> out, q/k/v
+    (tokens, heads, dim); `dropout`: whether it applies attention dropout (training with it needs one that does)."""
+    name: str
+    fn: Callable
+    dropout: bool
+
+
+def varlen_kernel() -> Kernel | None:
+    """flash-attn's kernel when installed (it has attention dropout), else torch's varlen_attn (none), else None."""
     try:
         from flash_attn import flash_attn_varlen_func
 
-        return "flash-attn", lambda q, k, v, cu, longest, scale: flash_attn_varlen_func(
-            q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=False)
+        return Kernel("flash-attn", lambda q, k, v, cu, longest, scale, dropout: flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale, causal=False), True)
     except ImportError:
         pass
     try:
@@ -38,65 +47,72 @@ def varlen_kernel():
         return None
     import inspect
 
-    if "scale" in inspect.signature(varlen_attn).parameters:  # torch >= 2.11
-        return "torch-varlen", lambda q, k, v, cu, longest, scale: varlen_attn(q, k, v, cu, cu, longest, longest,
-                                                                                scale=scale)
+    with_scale = "scale" in inspect.signature(varlen_attn).parameters  # torch >= 2.11
 
-    def default_scale_only(q, k, v, cu, longest, scale):  # torch 2.10: 1/sqrt(head dim) only
-        if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+    def torch_varlen(q, k, v, cu, longest, scale, dropout):
+        if dropout:
+            raise ValueError(f"torch {torch.__version__}'s varlen_attn has no attention dropout ({dropout})")
+        if with_scale:
+            return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale)
+        if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:  # torch 2.10: 1/sqrt(head dim) only
             raise ValueError(f"torch {torch.__version__}'s varlen_attn has no scale argument (this model's {scale})")
         return varlen_attn(q, k, v, cu, cu, longest, longest)
 
-    return "torch-varlen", default_scale_only
+    return Kernel("torch-varlen", torch_varlen, False)
 
 
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: torch.Tensor | None = None,
                      max_length_q: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature on one packed row: query/key/value (1, heads, tokens, dim) -> (1, tokens,
-    heads, dim), each text attending to itself only (cu_seq_lens_q: the texts' bounds, int32)."""
+    heads, dim), each text attending to itself only (cu_seq_lens_q: the texts' bounds, int32), with the attention
+    dropout the model asks for (`dropout`: its probability in train mode, 0 in eval)."""
     if cu_seq_lens_q is None:
         raise ValueError(f"The {PACKED} attention needs cu_seq_lens_q (clusterscale.modeling.packing.forward).")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
     kernel = _KERNEL if query.is_cuda else None
     if kernel is not None:
-        out = kernel[1](q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, int(max_length_q), scaling)
+        out = kernel.fn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, int(max_length_q), scaling,
+                        dropout)
         return out.unsqueeze(0), None
     out = torch.empty_like(q)
     bounds = cu_seq_lens_q.tolist()
     for start, stop in zip(bounds[:-1], bounds[1:]):  # the reference path: one text at a time
         part = [t[start:stop].transpose(0, 1) for t in (q, k, v)]
-        out[start:stop] = F.scaled_dot_product_attention(*part, scale=scaling).transpose(0, 1)
+        out[start:stop] = F.scaled_dot_product_attention(*part, dropout_p=dropout, scale=scaling).transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-_KERNEL = None
+_KERNEL: Kernel | None = None
+_REGISTER_LOCK = threading.Lock()
 
 
-def register() -> str | None:
-    """Register PACKED with transformers (once); the name of the GPU kernel it will use, None if there is none."""
+def register() -> Kernel | None:
+    """Register PACKED with transformers (once per process); the GPU kernel it will use, None if there is none."""
     global _KERNEL
     from transformers import AttentionInterface
 
-    if PACKED not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED, packed_attention)
-        _KERNEL = varlen_kernel() if torch.cuda.is_available() else None
-    return _KERNEL[0] if _KERNEL else None
+    with _REGISTER_LOCK:  # the kernel is known before the name is: no caller sees PACKED without it
+        if PACKED not in AttentionInterface._global_mapping:
+            _KERNEL = varlen_kernel() if torch.cuda.is_available() else None
+            AttentionInterface.register(PACKED, packed_attention)
+    return _KERNEL
 
 
-def kernel_for(device: torch.device) -> str | None:
-    """Register PACKED; the variable-length kernel's name when `device` is a GPU that has one, else None."""
-    name = register()
-    return name if device.type == "cuda" else None
+def kernel_for(device: torch.device) -> Kernel | None:
+    """Register PACKED; the variable-length kernel when `device` is a GPU that has one, else None."""
+    kernel = register()
+    return kernel if device.type == "cuda" else None
 
 
 def choose(model: torch.nn.Module, mode: str, device: torch.device, packed: Callable[[], torch.Tensor],
-           padded: Callable[[], torch.Tensor], key: str, auto_on_cpu: bool = False) -> str:
+           padded: Callable[[], torch.Tensor], key: str, auto_on_cpu: bool = False, dropout: float = 0.0) -> str:
     """Switch `model` to packed passes where `mode` (auto | packed | padded, the config key `key`) asks for them and
     they embed alike: 'packed (<kernel>)' with the model's attention set to PACKED, else 'padded' (and the model as it
-    was). packed() / padded(): a few texts' L2-normalised vectors each way (called with the attention set for it);
-    'auto' packs on a GPU with a variable-length kernel (and, with auto_on_cpu, on a CPU: one attention call per
-    text), and pads, saying why, a model whose vectors differ."""
+    was). packed() / padded(): a few texts' L2-normalised vectors each way (called with the attention set for it; an
+    error in packed() counts against packing, one in padded() is raised). 'auto' packs on a GPU with a variable-length
+    kernel (and, with auto_on_cpu, on a CPU: one attention call per text), and pads, saying why, a model whose vectors
+    differ. dropout: the attention dropout training will apply; a kernel without dropout does not pack it."""
     if mode not in MODES:
         raise ValueError(f"{key} must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "padded":
@@ -105,21 +121,25 @@ def choose(model: torch.nn.Module, mode: str, device: torch.device, packed: Call
     if mode == "auto" and kernel is None and not (auto_on_cpu and device.type == "cpu"):
         return "padded"
     padded_attention = model.config._attn_implementation
-    try:
-        model.set_attn_implementation(PACKED)
-        a = packed()
-        model.set_attn_implementation(padded_attention)
-        b = padded()
-        cosine = float((a.float() * b.float()).sum(-1).min())
+    vectors, mismatch = None, None
+    if kernel is not None and dropout and not kernel.dropout:
+        mismatch = f"{kernel.name} has no attention dropout, which this model trains with ({dropout})"
+    else:
+        try:
+            model.set_attn_implementation(PACKED)
+            vectors = packed()
+        except Exception as exc:  # noqa: BLE001 - an architecture or kernel that cannot run packed passes
+            mismatch = f"{type(exc).__name__}: {exc}"
+        finally:
+            model.set_attn_implementation(padded_attention)
+    if vectors is not None:
+        cosine = float((vectors.float() * padded().float()).sum(-1).min())
         # fp32 on a CPU agrees to rounding; bf16 on a GPU to its 8-bit mantissa
-        mismatch = None if cosine >= (0.999 if device.type == "cuda" else 1 - 1e-5) else \
-            f"cosine {cosine:.5f} between a text's two vectors"
-    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot give a custom attention
-        mismatch = f"{type(exc).__name__}: {exc}"
+        if cosine < (0.999 if device.type == "cuda" else 1 - 1e-5):
+            mismatch = f"cosine {cosine:.5f} between a text's two vectors"
     if mismatch is None:
         model.set_attn_implementation(PACKED)
-        return f"packed ({kernel or 'one attention call per text'})"
-    model.set_attn_implementation(padded_attention)
+        return f"packed ({kernel.name if kernel else 'one attention call per text'})"
     if mode == "packed":
         raise PackingError(f"{key}=packed: this model's packed passes differ from its padded ones ({mismatch}); set "
                            f"{key}=padded (or auto).")
@@ -193,4 +213,5 @@ def pool(hidden: torch.Tensor, packed: dict[str, np.ndarray], pooling: str) -> t
     segments = torch.from_numpy(packed["segments"]).to(hidden.device)
     sums = torch.zeros((len(starts), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
     sums.index_add_(0, segments, hidden)
-    return sums / torch.from_numpy(packed["lengths"]).to(hidden.device, hidden.dtype).unsqueeze(1)
+    lengths = torch.from_numpy(packed["lengths"]).to(hidden.device, hidden.dtype).clamp(min=1)
+    return sums / lengths.unsqueeze(1)

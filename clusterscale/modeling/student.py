@@ -91,18 +91,27 @@ def embed_packed(model, tokenizer, texts: list[str], max_length: int, pooling: s
 
 def choose_packing(model: torch.nn.Module, tokenizer, pooling: str, mode: str, max_length: int, device) -> str:
     """train.packing on the student (before DDP wraps it): 'packed (<kernel>)' or 'padded' (packing.choose, checked
-    on a few texts in eval mode, so that dropout does not tell the two apart). 'auto' packs on CPUs too: a training
-    batch is not sorted by length, and one attention call per text beat padding there (1.8x faster steps on the
-    bundled data, benchmarks/RESULTS.md)."""
+    on a few texts in eval mode, so that dropout does not tell the two apart, with a backward pass through the packed
+    forward: a kernel without one would fail at the first step). 'auto' packs on CPUs too: a training batch is not
+    sorted by length, and one attention call per text beat padding there (a step 0.53x as long on the bundled data,
+    benchmarks/RESULTS.md). A GPU kernel without attention dropout (torch's varlen_attn) does not pack a student
+    that trains with it."""
     device = torch.device(device)
     was_training = model.training
+    dropout = float(getattr(model.config, "attention_probs_dropout_prob", 0.0) or 0.0) if was_training else 0.0
     model.to(device).eval()
 
-    def vectors() -> torch.Tensor:
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            return embed(model, tokenizer, packing.PROBE_TEXTS, max_length, pooling, device)
+    def vectors(backward: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(backward), \
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = embed(model, tokenizer, packing.PROBE_TEXTS, max_length, pooling, device)
+        if backward:
+            out.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        return out.detach()
     try:
-        return packing.choose(model, mode, device, vectors, vectors, "train.packing", auto_on_cpu=True)
+        return packing.choose(model, mode, device, lambda: vectors(True), lambda: vectors(False), "train.packing",
+                              auto_on_cpu=True, dropout=dropout)
     finally:
         model.train(was_training)
 
