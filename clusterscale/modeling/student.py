@@ -93,7 +93,7 @@ def choose_packing(model: torch.nn.Module, tokenizer, pooling: str, mode: str, m
     """train.packing on the student (before DDP wraps it): 'packed (<kernel>)' or 'padded' (packing.choose, checked
     on a few texts in eval mode, so that dropout does not tell the two apart, with a backward pass through the packed
     forward: a kernel without one would fail at the first step). 'auto' packs on CPUs too: a training batch is not
-    sorted by length, and one attention call per text beat padding there (a step 0.53x as long on the bundled data,
+    sorted by length, and one attention call per text beat padding there (a step 0.59x as long on the bundled data,
     benchmarks/RESULTS.md). A GPU kernel without attention dropout (torch's varlen_attn) does not pack a student
     that trains with it."""
     device = torch.device(device)

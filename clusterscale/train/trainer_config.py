@@ -20,7 +20,7 @@ class ComputeConfig(Section):
     packing: str = knob("auto", "How the student's forward holds a batch's texts: 'packed' end to end (no "
                                 "padding; attention within each text by a variable-length kernel: flash-attn, "
                                 "else torch's varlen_attn; on a CPU one attention call per text), 'padded' to the "
-                                "longest. 'auto' packs on CPUs (1.8x faster steps than padding on the bundled data) "
+                                "longest. 'auto' packs on CPUs (1.7x faster steps than padding on the bundled data) "
                                 "and on a GPU that has such a kernel, pads on one that has none; packing is first "
                                 "checked against padding on the student's own weights (a model that differs is "
                                 "padded). The same gradients to rounding; MFU then counts real tokens, not padding.",
