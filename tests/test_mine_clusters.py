@@ -334,7 +334,7 @@ def test_a_search_task_keeps_the_chunks_an_earlier_attempt_wrote(pairs, tmp_path
     mc = MineConfig(nprobe=K, range_max=10, query_batch_size=16)
     routed = route_rows(table, centroids, mc.nprobe, True)
     group = routed.filter(pa.array(routed.column("group").to_numpy() == 2))
-    monkeypatch.setattr(mine_stage, "SEARCH_CHUNK_QUERIES", 40)  # whole blocks: 48 queries a chunk
+    monkeypatch.setattr(mine_stage, "SEARCH_CHUNK_QUERIES", (40, 40))  # whole blocks: 48 queries a chunk
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     run, keys = RunDir(str(tmp_path / "run")), np.array([-1, -1, 2])  # shuffle keys: group 2 keeps its id
 
@@ -355,6 +355,23 @@ def test_a_search_task_keeps_the_chunks_an_earlier_attempt_wrote(pairs, tmp_path
     assert second.keys() == first.keys()
     assert [name for name in first if second[name] != first[name]] == [lost]  # only the lost chunk again
     assert pa.concat_tables([pq_read(run, mine_stage.search_folder(2), name) for name in second]).equals(got)
+
+
+@pytest.mark.unit
+def test_search_chunks_are_cut_by_work_within_their_bounds():
+    """A chunk is about SEARCH_CHUNK_MACS multiply-adds of search (what a lost search task costs), never fewer than
+    16,384 queries (files) nor more than 32,768; a plan written before the rule was recorded keeps its 32,768."""
+    from clusterscale.stages import mine as mine_stage
+
+    rule = mine_stage.chunk_rule()
+    assert mine_stage.chunk_queries(rule, 24_000, 384) == 16_384  # a group of a 200k-pair run, k = 8: ~15k by work
+    assert mine_stage.chunk_queries(rule, 1_000_000, 768) == 16_384
+    assert mine_stage.chunk_queries(rule, 5_000, 384) == 32_768  # small groups: few files
+    between = mine_stage.chunk_queries(rule, 8_000, 768)
+    assert 16_384 < between < 32_768 and between * 8_000 * 768 <= rule["macs"] < (between + 1) * 8_000 * 768
+    assert mine_stage.chunk_queries(mine_stage.UNRECORDED_CHUNKS, 24_000, 384) == 32_768
+    plan = mine_stage.plan_units(100, config_mod.load(None, []), SearchGroups.one_per_cluster(2), (10, 40))
+    assert plan["search_chunks"] == rule  # recorded: a rerun by a later version cuts the chunks this one cut
 
 
 def pq_read(run, folder: str, name: str) -> pa.Table:

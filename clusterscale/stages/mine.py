@@ -43,7 +43,7 @@ import ray
 from clusterscale.config import Config, ConfigError, EmbedConfig, MineConfig, variant
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.stages.mine_rows import sidecars_for_training
-from clusterscale.stages.mine_search import (CANDIDATE_BYTES, DROP_REASONS, ROUTED_ROW_BYTES, SearchGroups,
+from clusterscale.stages.mine_search import (CANDIDATE_BYTES, DROP_REASONS, PASSAGE, ROUTED_ROW_BYTES, SearchGroups,
                                              auto_group_bounds, cluster_counts, merge_candidates,
                                              queries_from_neighbours, route_rows, search_chunks)
 from clusterscale.io.sizing import QUERIES_PER_FILE
@@ -63,7 +63,13 @@ from clusterscale.stages.synthetic import synthetic_embeddings
 
 PLAN = f"{NEGATIVES}/_plan.json"
 SEARCH_DIR = f"{NEGATIVES}/_search"  # each search group's results until every bucket is merged
-SEARCH_CHUNK_QUERIES = 32_768  # a search group's queries per results file: the most a lost search task costs
+# A search group's queries per results file, the most a lost search task costs: about SEARCH_CHUNK_MACS multiply-adds
+# (queries x the group's passages x d: a few seconds of one CPU core), within SEARCH_CHUNK_QUERIES (the lower bound
+# keeps the files few: ~24k at 100M pairs with nprobe 4). The plan records the rule (a rerun cuts the chunks an
+# earlier attempt cut); a plan without it chunks as before it was recorded (32,768 queries).
+SEARCH_CHUNK_MACS = 2**37
+SEARCH_CHUNK_QUERIES = (16_384, 32_768)
+UNRECORDED_CHUNKS = {"macs": 0, "min": 32_768, "max": 32_768}
 SEARCH_COLUMNS = ["bucket", "pair_id", "pos_score", "cand_scores", "cand_ids", "cand_flags"]
 SEARCH_ROW_BYTES = 28  # a search result row besides its candidates: bucket, pair_id, pos_score, 3 list offsets
 ENCODER_RUN = "mine_encoder"  # child run directory holding the re-embedding of a non-frozen encoder
@@ -231,8 +237,8 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
 # --- the three steps as Ray Data tasks ---------------------------------------------------------------------
 # The shuffles group by a stand-in of the group / bucket id that lands in a partition of its own
 # (bounded_data.one_key_per_partition): a reduce task then holds one search group or one bucket, whatever N.
-# Each search group's results go to negatives/_search/group-<g>/part-<c>.parquet, a chunk of SEARCH_CHUNK_QUERIES of
-# its queries per file, then searched-<g> says the group is done; each bucket goes to its file, written whole: a rerun
+# Each search group's results go to negatives/_search/group-<g>/part-<c>.parquet, a chunk of its queries per file
+# (chunk_rule), then searched-<g> says the group is done; each bucket goes to its file, written whole: a rerun
 # (or Ray's retry) searches only the groups not done, in them only the chunks not written, and merges only the
 # buckets not yet written, and the result is the same files (SEARCH_DIR goes once every bucket is written).
 def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, groups: SearchGroups,
@@ -243,18 +249,29 @@ def _route(batch: pa.Table, centroids: np.ndarray, nprobe: int, by_query: bool, 
                              pa.array(group_keys[routed.column("group").to_numpy()]))
 
 
+def chunk_rule() -> dict:
+    """How search groups are cut into chunks of queries (recorded in the plan)."""
+    return {"macs": SEARCH_CHUNK_MACS, "min": SEARCH_CHUNK_QUERIES[0], "max": SEARCH_CHUNK_QUERIES[1]}
+
+
+def chunk_queries(rule: dict, passages: int, dim: int) -> int:
+    """Queries per chunk of a group of `passages` vectors of `dim`: rule["macs"] multiply-adds, within its bounds."""
+    return int(min(rule["max"], max(rule["min"], rule["macs"] // max(1, passages * dim))))
+
+
 def _search(group: pa.Table, run_uri: str, mine: MineConfig, buckets: int, group_keys: np.ndarray,
-            backend: str = "faiss") -> pa.Table:
+            backend: str = "faiss", chunks: dict | None = None) -> pa.Table:
     """Search one group and write its results (one row per routed query: its bucket and top candidates), a chunk of
-    its queries per file; the chunks an earlier attempt wrote are kept."""
+    its queries per file (chunks: the plan's chunk_rule); the chunks an earlier attempt wrote are kept."""
     faiss_index.set_threads(1)  # one CPU per task: Ray runs one task per CPU
     index = int(np.flatnonzero(group_keys == group.column("group")[0].as_py())[0])
     run, folder = RunDir(run_uri), search_folder(index)
     written = frozenset(int(name[5:10]) for name in (run.listdir(folder) if run.exists(folder) else [])
                         if name.startswith("part-") and name.endswith(".parquet"))
+    passages = int((group.column("kind").to_numpy() == PASSAGE).sum())
+    size = chunk_queries(chunks or chunk_rule(), passages, group.schema.field("vec").type.list_size)
     queries = 0
-    for chunk, out in search_chunks(group, mine, buckets, backend, bool(ray.get_gpu_ids()), SEARCH_CHUNK_QUERIES,
-                                    written):
+    for chunk, out in search_chunks(group, mine, buckets, backend, bool(ray.get_gpu_ids()), size, written):
         unit_delay_for_tests("mine")
         run.write_parquet(f"{folder}/part-{chunk:05d}.parquet", out, compression="zstd")
         queries += out.num_rows
@@ -370,7 +387,8 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
         gpus = {"num_gpus": 1} if wants_gpus(cfg.ray.vector_backend, ClusterResources.current().gpus) else {}
         ds = ds.groupby("group", num_partitions=max(1, len(left))).map_groups(
             _search, fn_kwargs={"run_uri": run.uri, "mine": mine, "buckets": len(plan["units"]),
-                                "group_keys": keys_for(left, groups.num_groups), "backend": cfg.ray.vector_backend},
+                                "group_keys": keys_for(left, groups.num_groups), "backend": cfg.ray.vector_backend,
+                                "chunks": plan.get("search_chunks", UNRECORDED_CHUNKS)},
             batch_format="pyarrow", **env, **gpus)
         progress = ProgressLine("mine", len(left), unit="search groups")
         for _ in ds.iter_rows():
@@ -402,7 +420,7 @@ def plan_units(n_rows: int, cfg: Config, groups: SearchGroups, bounds: tuple[int
     buckets = max(1, math.ceil(n_rows / QUERIES_PER_FILE), min(MIN_BUCKETS, n_rows // MIN_BUCKET_QUERIES))
     return {"mine": cfg.mine.to_dict(), "units": [{"output": bucket_file(b)} for b in range(buckets)],
             "groups": {"passage_parts": groups.passage_parts.tolist(), "query_parts": groups.query_parts.tolist()},
-            "bounds": list(bounds)}
+            "bounds": list(bounds), "search_chunks": chunk_rule()}
 
 
 def write_empty_buckets(run: RunDir, plan: dict) -> None:
