@@ -9,8 +9,8 @@ written from the clustered shards, but a user's random baseline only shuffles); 
   source           ingest, its set (shard:source)
   clustered        ingest, embed, fit, assign, shard (dedup and its set with train.dedup)
   curriculum       the clustered arm's stages and the random shuffle
-  ... + mined      and embed, fit, assign, shard (mining searches each query's nearest clusters), mine (and
-                   mine:embed, the re-embedding, when mine.encoder is not the frozen one)
+  ... + mined      and embed, fit, assign, shard (mining searches each query's nearest clusters), mine (whose
+                   record includes the re-embedding when mine.encoder is not the frozen one)
 A stage several arms need ran once for all of them: each arm's figures count it, the compare total counts it once.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def stage_order() -> tuple[str, ...]:
     sets = [f"shard:{name}" for name in SAMPLERS if get_sampler(name).writes_set()]
     shared = [name for name, stage in pipeline.STAGES.items() if stage.shared and name != "embed_heldout"]
     at = shared.index("shard") + 1 if "shard" in shared else len(shared)
-    return (*shared[:at], "shard:dedup", *sets, *shared[at:], "mine:embed", "mine")
+    return (*shared[:at], "shard:dedup", *sets, *shared[at:], "mine")
 
 
 def pairs_stages() -> set[str]:
@@ -51,7 +51,7 @@ def arm_stages(cfg: Config) -> list[str]:
     if tc.shards.dedup:
         needs |= {"dedup", "shard:dedup"}
     if tc.objective.negatives_per_query:
-        needs |= set(CLUSTERING) | {"mine"} | ({"mine:embed"} if cfg.mine.encoder != "frozen" else set())
+        needs |= set(CLUSTERING) | {"mine"}
     if "shard" in needs and dedup_applied(cfg):  # dedup.apply_to_shards: the clustered shards come after it
         needs.add("dedup")
     return [s for s in stage_order() if s in needs]

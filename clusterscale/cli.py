@@ -180,8 +180,8 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
     """Options of the evaluate, compare and sweep verbs."""
     if verb == "evaluate":
         p.add_argument("--mteb", metavar="TASK[,TASK...]",
-                       help="Also run MTEB retrieval tasks: MTEB task names (data from the HF hub) or "
-                            "local:FOLDER (BEIR files corpus.jsonl, queries.jsonl, qrels/test.tsv).")
+                       help="Also run MTEB tasks: retrieval or STS task names (data from the HF hub) or local:FOLDER "
+                            "(BEIR files corpus.jsonl, queries.jsonl, qrels/test.tsv; or sts.tsv / sts.jsonl).")
     elif verb == "compare":
         p.add_argument("--samplers", "--arms", dest="samplers", default="clustered,random",
                        help=f"Comma-separated arms: train.sampler values ({', '.join(experiments.ARM_SAMPLERS)}), "

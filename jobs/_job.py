@@ -36,7 +36,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         help="Override config keys, e.g. --set cluster.k=16 train.num_workers=8.")
     parser.add_argument("--replace", action="store_true",
                         help="Replace every output made with a different config, and every output made from it, "
-                             "instead of refusing (see README, Reruns).")
+                             "instead of refusing (see docs/cli.md, Reruns).")
     return parser
 
 

@@ -210,8 +210,8 @@ class MineConfig(Section):
     encoder: str = knob("frozen", "Encoder that retrieves negative candidates: 'frozen' reuses embeddings/ for the "
                                   "passages (queries: their `emb_query` when embed.side=both, else embedded with "
                                   "embed.model); 'train:<name>' uses that training run's exported model; or any "
-                                  "model id/folder. A non-frozen encoder re-embeds every training pair (the cost "
-                                  "is recorded as mine:embed).")
+                                  "model id/folder. A non-frozen encoder re-embeds every training pair (its cost "
+                                  "is part of mine's record: embed_worker_s, within worker_s).")
     range_min: int = knob(0, "Keep candidates from this retrieval rank on (0 = the top hit). Raise it to skip "
                              "the very top hits, which are the likeliest unlabeled positives.")
     range_max: int = knob(30, "Retrieve this many candidates per query; ranks [range_min, range_max) are kept "
@@ -267,8 +267,8 @@ class EvalConfig(Section):
 @dataclass
 class RayConfig(Section):
     section: ClassVar[str] = "ray"
-    address: str = knob("", "Ray cluster address; '' = start a local Ray (or 'auto' to join a running one).",
-                        affects_output=False)
+    address: str = knob("", "Ray cluster address; '' = $RAY_ADDRESS when set, else start a local Ray (or 'auto' "
+                            "to join a running one).", affects_output=False)
     num_cpus: int | None = knob(None, "CPUs of a local Ray; null = all.", affects_output=False)
     include_dashboard: bool = knob(False, "Start the dashboard of a local Ray (bound to 127.0.0.1).",
                                    affects_output=False)
@@ -288,8 +288,8 @@ class RayConfig(Section):
                                           "the object store instead: it holds them with room to spare, and no "
                                           "file servers start (~5-10 s a shuffle). 0 = every shuffle on disk.",
                                      affects_output=False, bounds=NON_NEGATIVE, added=True)
-    vector_backend: str = knob("auto", "The vector math of fit, assign, mine and evaluate (nearest centroids, nearest "
-                                       "passages): 'faiss' (its GPU index where faiss-gpu is installed and the task "
+    vector_backend: str = knob("auto", "The vector math of fit, assign, dedup, mine and evaluate (nearest centroids, "
+                                       "nearest passages, near-duplicates): 'faiss' (its GPU index where faiss-gpu is installed and the task "
                                        "has a GPU, else its CPU one), 'torch' (matmul + top-k on the task's GPU, "
                                        "else its CPU; exact search, the IVF keys aside), or 'auto' = faiss-gpu, "
                                        "else torch on a GPU, else faiss on the CPU. Every backend gives the same "
