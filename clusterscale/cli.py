@@ -92,7 +92,7 @@ def add_replace_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_synth_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, required=True, help="Pairs to generate (held-out ones included).")
+    p.add_argument("--rows", type=row_count, required=True, help="Pairs to generate (held-out ones included).")
     p.add_argument("--dim", type=int, default=384, help="Embedding dimension (default 384).")
     p.add_argument("--topics", type=int, default=100, help="Topics: vocabularies and vector directions (default 100).")
     p.add_argument("--heldout-fraction", type=float,
@@ -103,11 +103,27 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
                         "another), so one cluster holds them all (default 0).")
 
 
+def row_count(text: str) -> int:
+    """--rows: an integer, also as 1e9 or 100_000_000."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of rows (e.g. 100000000 or 1e8)")
+    return int(value)
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="Pipeline config YAML; omitted = the run's, or the embedded default.")
     p.add_argument("--run-dir", help="A finished run: its report/costs.json calibrates the rates, its clusters the "
                                      "sizes, its folders the bytes per row.")
-    p.add_argument("--rows", type=int, help="Pairs to plan for (default: counted in data.path).")
+    p.add_argument("--rows", type=row_count, help="Pairs to plan for, e.g. 100000000 or 1e8 (default: counted in "
+                                                  "data.path).")
     p.add_argument("--k", dest="k_values", help="Comma-separated cluster counts (default: cluster.k).")
     p.add_argument("--cluster", help="A Ray launcher YAML or KubeRay manifest (cluster_configs/).")
     p.add_argument("--gpus", type=int, help="GPUs in all (instead of --cluster).")

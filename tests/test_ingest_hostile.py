@@ -1,7 +1,9 @@
 """Ingest on hostile input, round 2 (issue 31): symlink loops and files reached twice, repeated column names,
 ragged CSV rows keeping their numbers, a mislabelled binary file, run directories inside the data folder and
 an oversized config; round 3 (issue 55): deeply nested JSON, a byte-order mark, control characters, an input
-file replaced after ingest. User faults exit 2 with one paragraph; every row is read once and kept or quarantined."""
+file replaced after ingest; round 4: compressed and suffix-less files of a folder, a JSON file whose first object
+lacks a mapped key, an empty --run-dir, paths and column names holding YAML's ` #` and `*`, every pair held out.
+User faults exit 2 with one paragraph; every row is read once and kept or quarantined."""
 from __future__ import annotations
 
 import io
@@ -302,3 +304,92 @@ def test_cli_input_file_replaced_after_ingest_refuses_reuse_naming_it(tmp_path, 
     run.write_json("pairs/_DONE.json", marker)
     code, out, err = _cli_ingest(capsys, run.uri, data)
     assert code == 0 and "[pairs] reused" in out, err
+
+
+def test_a_folder_s_compressed_files_are_read_and_a_file_of_unknown_format_is_named(tmp_path, ray_local, capsys):
+    """Round 4: a folder of compressed JSON lines and CSV is read whole (its README skipped and named); a part file
+    without a suffix stops ingest with its name (dropping it would lose its rows without a word), and is read as
+    the data.format that is set."""
+    import bz2
+    import gzip
+
+    def lines(start: int) -> bytes:
+        return "".join(json.dumps({"q": f"q{i}", "p": f"p{i}"}) + "\n" for i in range(start, start + 10)).encode()
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl.gz").write_bytes(gzip.compress(lines(0)))
+    (data / "b.json.gz").write_bytes(gzip.compress(lines(10)))
+    with pa.CompressedOutputStream(str(data / "c.ndjson.zst"), "zstd") as out:
+        out.write(lines(20))
+    (data / "d.csv.bz2").write_bytes(bz2.compress(("q,p\n" + "".join(f"q{i},p{i}\n" for i in range(30, 40))).encode()))
+    (data / "README.md").write_text("# my pairs\n")
+    run = RunDir(str(tmp_path / "run"))
+    code, out, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0, err
+    assert "4 input file(s)" in out and "README.md" in out
+    assert "1 documentation or config file(s) beside the data skipped" in out
+    stats = run.done_stats("pairs")
+    assert stats["rows_in"] == 40 == stats["pairs"] + stats["heldout"] and stats["docs_skipped"] == 1
+    assert sorted(r["query"] for r in _table_rows(run)) == sorted(f"q{i}" for i in range(40))
+
+    parts = tmp_path / "parts"  # a Hadoop-style output: one part without a suffix
+    parts.mkdir()
+    for name, start in (("part-00000.parquet", 0), ("part-00001", 10)):
+        pq.write_table(pa.table({"q": [f"q{i}" for i in range(start, start + 10)], "p": ["text"] * 10}), parts / name)
+    (parts / "LICENSE").write_text("CC-BY\n")
+    code, _, err = _cli_ingest(capsys, tmp_path / "run2", parts)
+    _user_fault(code, err)
+    assert "1 file(s) whose format their suffix does not tell" in err and "part-00001" in err
+    assert "data.format" in err and not (tmp_path / "run2" / "pairs").exists()
+    code, _, err = _cli_ingest(capsys, tmp_path / "run2", parts, "data.format=parquet")
+    assert code == 0, err
+    assert RunDir(str(tmp_path / "run2")).done_stats("pairs")["rows_in"] == 20
+
+    (tmp_path / "semi.csv").write_text("q;p\nquery;passage\n")  # a CSV separated by semicolons: said so
+    code, _, err = _cli_ingest(capsys, tmp_path / "run3", tmp_path / "semi.csv")
+    _user_fault(code, err)
+    assert "is one column holding a semicolon: the file is semicolon-separated" in err
+
+
+def test_a_json_file_whose_first_object_lacks_the_query_quarantines_that_row(tmp_path, ray_local, capsys):
+    """Round 4: JSON objects need not share their keys: the first object without the query is that row's fault
+    (quarantined), not a wrong mapping; a key that no object holds still is, named as such."""
+    data = tmp_path / "first.jsonl"
+    data.write_text(json.dumps({"p": "orphan"}) + "\n" + "".join(
+        json.dumps({"q": f"q{i}", "p": f"p{i}"}) + "\n" for i in range(30)))
+    run = RunDir(str(tmp_path / "run"))
+    code, _, err = _cli_ingest(capsys, run.uri, data)
+    assert code == 0, err
+    stats = run.done_stats("pairs")
+    assert stats["rows_in"] == 31 and stats["quarantine"] == 1 and stats["pairs"] + stats["heldout"] == 30
+    code, _, err = _cli_ingest(capsys, tmp_path / "run2", data, "data.query_column=question")
+    _user_fault(code, err)
+    assert "data.query_column='question' not found in any of its objects" in err and "'p', 'q'" in err
+
+
+def test_cli_text_keys_are_taken_as_typed_and_an_empty_run_dir_is_a_user_fault(tmp_path, ray_local, capsys,
+                                                                                 monkeypatch):
+    """Round 4: `--set data.path=...` holding ` #` (YAML's comment) or starting with `*` (YAML's alias) is the path
+    typed, a column named `yes` or `123` is that name; an empty --run-dir (an unset $RUN) and a run whose every
+    pair is held out are one paragraph each, exit 2."""
+    data = tmp_path / "run #2"
+    data.mkdir()
+    pq.write_table(pa.table({"yes": [f"q{i}" for i in range(20)], "123": ["text"] * 20}), data / "a.parquet")
+    code, _, err = _cli_ingest(capsys, tmp_path / "run", data / "a.parquet", "data.query_column=yes",
+                               "data.passage_column=123")
+    assert code == 0, err
+    assert RunDir(str(tmp_path / "run")).done_stats("pairs")["rows_in"] == 20
+    monkeypatch.chdir(data)  # a glob starting with *, relative to the working directory
+    code, _, err = _cli_ingest(capsys, tmp_path / "run_glob", "*.parquet", "data.query_column=yes",
+                               "data.passage_column=123")
+    assert code == 0, err
+
+    code, out, err = _cli_ingest(capsys, "", data)
+    _user_fault(code, err)
+    assert "--run-dir is empty" in err
+
+    code, _, err = _cli_ingest(capsys, tmp_path / "run_all_held", data, "data.query_column=yes",
+                               "data.passage_column=123", "data.heldout_fraction=0.9999999")
+    _user_fault(code, err)
+    assert "Every valid pair" in err and "was held out" in err and "Lower data.heldout_fraction" in err

@@ -52,6 +52,7 @@ def test_credentials_in_the_uri_query_are_used(s3_endpoint):
 
 def test_globs_in_a_uri_keep_its_query(s3_endpoint):
     from clusterscale.config import DataConfig
+    from clusterscale.io.input_files import IngestError
     from clusterscale.stages.ingest import list_input_files
 
     fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "glob-bucket"))
@@ -61,8 +62,12 @@ def test_globs_in_a_uri_keep_its_query(s3_endpoint):
             out.write(b"x")
     _, files = list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in/*.parquet")))
     assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet"]
-    _, files = list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in")))
-    assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet"]
+    # The folder: a file of no data format is named (not dropped without a word), with the glob that skips it.
+    with pytest.raises(IngestError, match="holds 1 file.s. whose format their suffix does not tell: 'notes.txt'") as e:
+        list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in")))
+    assert f"'{s3_uri(s3_endpoint, 'glob-bucket/in/*.parquet')}'" in str(e.value)
+    _, files = list_input_files(DataConfig(path=s3_uri(s3_endpoint, "glob-bucket/in"), format="parquet"))
+    assert files == ["glob-bucket/in/a.parquet", "glob-bucket/in/b.parquet", "glob-bucket/in/notes.txt"]
 
 
 def test_listing_skips_run_dirs_and_refuses_a_run_dir_inside_the_data(s3_endpoint):
@@ -79,6 +84,7 @@ def test_listing_skips_run_dirs_and_refuses_a_run_dir_inside_the_data(s3_endpoin
     walk = find_input_files(data).walk
     assert walk.files == ["walk-bucket/in/a.parquet", "walk-bucket/in/config_only/b.parquet"]
     assert walk.run_dirs_skipped == ["walk-bucket/in/old_run"] and walk.links_skipped == 0
+    assert walk.docs_skipped == ["walk-bucket/in/config_only/config.yaml"]  # a config beside data: named, not read
     with pytest.raises(IngestError, match="is inside data.path"):
         refuse_run_dir_in_data(data, s3_uri(s3_endpoint, "walk-bucket/in/runs/r1"))
     refuse_run_dir_in_data(data, s3_uri(s3_endpoint, "walk-bucket/runs/r1"))  # a sibling is fine

@@ -57,6 +57,21 @@ def test_numbers_out_of_range_are_user_faults(argv, said, capsys):
     assert said in err and not out
 
 
+def test_rows_in_exponent_form_and_gpus_left_idle_by_train_use_gpu(capsys):
+    """--rows takes 1e9 (the whole number it means, not argparse's refusal); a cluster with GPUs planned with
+    train.use_gpu=false says that training is planned on its CPUs, and how to plan it on the GPUs."""
+    code, out, err = _plan(capsys, "--rows", "1e9", "--k", "1000", "--gpus", "8", "--gpu-type", "H100")
+    assert code == 0, err
+    assert "Plan: 1,000,000,000 pairs" in out
+    assert "train.use_gpu is false: training is planned on the cluster's CPUs, not its 8 GPUs" in out
+    code, out, err = _plan(capsys, "--rows", "1e9", "--k", "1000", "--gpus", "8", "--gpu-type", "H100",
+                           "--set", "train.use_gpu=true")
+    assert code == 0 and "train.use_gpu is false" not in out, err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "--rows", "1.5"])
+    assert exit_.value.code == 2 and "'1.5' is not a whole number of rows" in capsys.readouterr().err
+
+
 def test_calibrate_rows_out_of_range_is_a_user_fault_before_any_timing(capsys):
     code, _, err = _plan(capsys, "--calibrate", "--calibrate-rows", "25000,0")
     _user_fault(code, err)

@@ -80,9 +80,10 @@ def _expanded_size(node, sizes: dict) -> int:
     return sizes[id(node)]
 
 
-def parse_yaml(data: bytes | str, source: str, aliases: bool = False) -> Any:
+def parse_yaml(data: bytes | str, source: str, aliases: bool = False, quote_hint: bool = False) -> Any:
     """YAML of a config file or a --set value (`source` names it in errors): UTF-8, at most MAX_CONFIG_BYTES,
-    no aliases (aliases=True: bounded ones, for cluster files), no duplicate keys."""
+    no aliases (aliases=True: bounded ones, for cluster files), no duplicate keys. quote_hint: a --set value, whose
+    error says how to quote it."""
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{source} is larger than {MAX_CONFIG_BYTES:,} bytes (1 MiB), the most a config may hold: "
                           f"a config is a few keys, and parsing this would take minutes and copy it into "
@@ -96,27 +97,45 @@ def parse_yaml(data: bytes | str, source: str, aliases: bool = False) -> Any:
     try:
         return yaml.load(data, Loader=_SharingLoader if aliases else _StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
+        hint = (" A value that is text, not a number, list or mapping, goes in quotes inside the shell's: "
+                f"--set '{source.removeprefix('--set ')}=\"...\"'.") if quote_hint else ""
+        raise ConfigError(f"{source} is not valid YAML: {exc}.{hint}") from None
     except (RecursionError, ValueError) as exc:  # nesting too deep; an integer beyond Python's 4300 digits
         raise ConfigError(f"{source} cannot be read as a config: {bounded_repr(str(exc))}.") from None
 
 
 PROMPT_SUFFIX = "_prompt"  # embed.query_prompt, train.passage_prompt, ...: --set takes their text as typed
+NULLS = ("null", "Null", "NULL", "~")  # YAML's nulls: what `--set data.source_column=null` means
+
+
+def _text_key(section: str, key: str) -> str | None:
+    """The type of a text knob ('str' or 'str | None': a path, a column or model name, a word), else None."""
+    try:
+        found = getattr(Config(), section).knobs().get(key)
+    except AttributeError:  # an unknown section: from_dict names the allowed ones
+        return None
+    kind = str(found[1].type) if found else None
+    return kind if kind in ("str", "str | None") else None
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """'section.key=value' -> (section, key, YAML-parsed value). A string value is checked here (check_text), so
-    that a command can refuse a wrong --set before it opens the run directory."""
+    """'section.key=value' -> (section, key, value). A text key's value is taken as typed (stripped; a prompt's not
+    even that), so that a path or column name holding ` #`, a leading `*` or `yes` stays what it says; quoted, it is
+    read as YAML; `null` for a key that may be null. Any other value is YAML. A string value is checked here
+    (check_text), so that a command can refuse a wrong --set before it opens the run directory."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"--set expects section.key=value, got {bounded_repr(text)} (e.g. --set cluster.k=16).")
     lhs, rhs = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     source = f"--set {_key_text(lhs)}"
     refuse_control_characters(source, rhs.strip())  # before YAML, which folds a newline into a space
+    text_kind = _text_key(section.strip(), key.strip())
     if key.strip().endswith(PROMPT_SUFFIX):  # verbatim: "query: " is a prompt, not a YAML mapping, and its space counts
         value = rhs
+    elif text_kind and not rhs.strip().startswith(("'", '"')):
+        value = None if text_kind == "str | None" and rhs.strip() in NULLS else rhs.strip()
     else:
-        value = parse_yaml(rhs, source) if rhs.strip() else ""
+        value = parse_yaml(rhs, source, quote_hint=True) if rhs.strip() else ""
     if isinstance(value, str):
         check_text(source, value)
     return section, key, value

@@ -34,9 +34,16 @@ from clusterscale.redact import redact_uri
 ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
 BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
-SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                  ".json": "jsonl", ".csv": "csv", ".jsonl.gz": "jsonl", ".csv.gz": "csv", ".arrow": "arrow"}
+TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".zst")  # what the text readers' compression="detect" decompresses by suffix
+SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", **TEXT_SUFFIXES,
+                  **{suffix + packed: fmt for suffix, fmt in TEXT_SUFFIXES.items() for packed in COMPRESSIONS}}
+# Files a data folder holds beside its data by convention (a dataset repository's card, license and configs):
+# skipped, and named in the log. Any other file whose format its suffix does not tell stops ingest (data.format=auto).
+DOC_SUFFIXES = (".md", ".rst", ".yaml", ".yml", ".toml")
+DOC_NAMES = ("readme", "license", "licence", "notice", "citation", "changelog")
 UTF8_BOM = b"\xef\xbb\xbf"
+OTHER_SEPARATORS = {";": "semicolon", "\t": "tab", "|": "pipe"}  # a one-column CSV header holding one: the cause
 FIRST_LINE_BYTES = 1 << 24  # a JSON file starting with `[` whose first line runs longer is taken for one array
 # Hugging Face `save_to_disk` writes these next to its .arrow shards; they describe the data, they are not data.
 HF_STATE, HF_SIDECARS, HF_DATASET_DICT = "state.json", ("dataset_info.json", "state.json"), "dataset_dict.json"
@@ -89,8 +96,7 @@ def find_input_files(data: DataConfig) -> InputListing:
         else:
             _refuse_dataset_dict(fs, root, path)
             walk = walk_files(fs, root)
-            walk.files = _hf_data_files(fs, [f for f in walk.files
-                                             if any(f.lower().endswith(s) for s in SUFFIX_FORMATS)])
+            walk.files = _hf_data_files(fs, _folder_data_files(walk, data.format, path, root))
     if not walk.files:
         raise IngestError(f"No input files found at data.path {path!r} (looked for "
                           f"{', '.join(sorted(set(SUFFIX_FORMATS)))}; files and folders named _* or .* are "
@@ -98,6 +104,37 @@ def find_input_files(data: DataConfig) -> InputListing:
     if len(walk.files) >= 1 << (63 - ROW_BITS):
         raise IngestError(f"{len(walk.files)} input files is more than pair_ids can number; merge them.")
     return InputListing(fs, walk)
+
+
+def _folder_data_files(walk: InputWalk, declared: str, path: str, root: str) -> list[str]:
+    """The files of a data folder to read: those whose suffix names a format, and with data.format set every other
+    one too; documentation and configs (README.md, LICENSE, *.yaml) are skipped and named in walk.docs_skipped.
+    With data.format=auto a file of any other name stops ingest: skipping it would drop its rows without a word (a
+    compressed or suffix-less part file)."""
+    known, docs, unknown = [], [], []
+    for f in walk.files:
+        name = posixpath.basename(f).lower()
+        if any(name.endswith(suffix) for suffix in SUFFIX_FORMATS):
+            known.append(f)
+        elif name.endswith(DOC_SUFFIXES) or name.split(".")[0] in DOC_NAMES:
+            docs.append(f)
+        else:
+            (known if declared != "auto" else unknown).append(f)
+    walk.docs_skipped = docs
+    if unknown:
+        raise IngestError(
+            f"data.path {redact_uri(path)!r} holds {len(unknown)} file(s) whose format their suffix does not tell: "
+            f"{bounded_names([posixpath.relpath(f, root) for f in unknown], 10)}. Set data.format (parquet, jsonl, "
+            f"csv or arrow) to read every file of the folder as that format, give the files a suffix "
+            f"({', '.join(sorted(SUFFIX_FORMATS))}), or point data.path at a glob of the files to read "
+            f"(e.g. {redact_uri(_with_glob(path, '*.parquet'))!r}).")
+    return known
+
+
+def _with_glob(path: str, pattern: str) -> str:
+    """The folder data.path with a glob pattern appended (a URI's query kept after it)."""
+    location, sep, query = path.partition("?") if "://" in path else (path, "", "")
+    return f"{location.rstrip('/')}/{pattern}{sep}{query}"
 
 
 def _listing_root(path: str) -> tuple[pafs.FileSystem, str, str | None]:
@@ -225,7 +262,15 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
         header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace")), None)
     if header is None:
         raise pa.ArrowInvalid("empty CSV file: no header line")
-    check_columns(header, path, data)
+    separator = next((name for char, name in OTHER_SEPARATORS.items() if len(header) == 1 and char in header[0]), None)
+    try:
+        check_columns(header, path, data)
+    except IngestError:
+        if separator is None:
+            raise
+        raise IngestError(f"{path}: its header line {bounded_names(header)} is one column holding a {separator}: the "
+                          f"file is {separator}-separated, and CSV input is read comma-separated. Save it with commas "
+                          f"(or as JSON lines or Parquet).") from None
     ragged: collections.deque[tuple[int, dict]] = collections.deque()
 
     def on_ragged(row) -> str:
@@ -337,24 +382,34 @@ def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data
 
 
 def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
-    """Row dicts in batches of BATCH_ROWS; the first object's keys are checked against the column mapping
-    (a mapped key named twice there is the file's shape, an error; in a later row, that row's fault)."""
-    rows, checked = [], False
+    """Row dicts in batches of BATCH_ROWS, the column mapping checked on the first batch: a mapped key named twice
+    in the file's first object is the file's shape, an error (in a later object, that row's fault); a mapped key
+    that no object of the first batch holds is a wrong mapping, an error (an object without it, among others with
+    it, is that row's fault: quarantined, as a JSON file's objects need not share their keys)."""
+    rows, first, keys = [], True, {}  # keys: of the first batch's objects, in order of appearance
     for row in records:
-        if not checked and ("__reason__" not in row or "__keys__" in row):
-            check_columns(row.pop("__keys__", None) or list(row), path, data)
-            checked = True
+        if first:
+            if "__keys__" in row and not keys:
+                check_columns(row["__keys__"], path, data)
+            if "__reason__" not in row:
+                keys.update(dict.fromkeys(row))
         row.pop("__keys__", None)
         rows.append(row)
         if len(rows) == BATCH_ROWS:
+            if first and keys:
+                check_columns(list(keys), path, data, scope=f" in any of its first {BATCH_ROWS:,} objects")
+            first = False
             yield rows
             rows = []
+    if first and keys:
+        check_columns(list(keys), path, data, scope=" in any of its objects")
     if rows:
         yield rows
 
 
-def check_columns(found: list[str], path: str, data: DataConfig) -> None:
-    """The mapped columns are in the file, each once (a name twice would read one of them, silently)."""
+def check_columns(found: list[str], path: str, data: DataConfig, scope: str = "") -> None:
+    """The mapped columns are in the file, each once (a name twice would read one of them, silently); scope: where
+    they were looked for, for the message (a JSON file's objects)."""
     wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
     if data.source_column:
         wanted["data.source_column"] = data.source_column
@@ -371,7 +426,7 @@ def check_columns(found: list[str], path: str, data: DataConfig) -> None:
             f"{'/'.join(keys)} to a column whose name appears once.")
     missing = [f"{key}={col!r}" for key, col in wanted.items() if col not in found]
     if missing:
-        raise IngestError(f"{path}: column(s) {', '.join(missing)} not found. Columns found: "
+        raise IngestError(f"{path}: column(s) {', '.join(missing)} not found{scope}. Columns found: "
                           f"{bounded_names(found)}. Set the data.*_column keys to match "
                           f"(e.g. --set data.query_column=question data.passage_column=answer).")
 

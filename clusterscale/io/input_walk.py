@@ -30,6 +30,7 @@ class InputWalk:
     what ingest records so that a rerun can tell an input file changed."""
     links_skipped: int = 0  # folders and files reached a second time (a symlink loop or two names of one thing)
     run_dirs_skipped: list[str] = field(default_factory=list)
+    docs_skipped: list[str] = field(default_factory=list)  # a data folder's README.md, LICENSE (input_files)
 
 
 def is_hidden(path: str, root: str) -> bool:

@@ -131,10 +131,15 @@ def local_copy(uri_or_path: str) -> str:
     return target
 
 
+class RunDirMissing(UserError, ValueError):
+    """No run directory was given (an empty --run-dir: e.g. an unset shell variable)."""
+
+
 class RunDir:
     def __init__(self, uri: str):
         if not uri:
-            raise ValueError("--run-dir is required: a local folder or a URI such as s3://bucket/run.")
+            raise RunDirMissing("--run-dir is empty: give a local folder or a URI such as s3://bucket/run (an unset "
+                                "shell variable in `--run-dir $RUN` gives an empty one).")
         self.fs, self.root = resolve_filesystem(uri)
         # Absolute, so that Ray workers (which run in their own working directory) find the same folder.
         self.uri = uri if "://" in uri else self.root

@@ -231,6 +231,10 @@ def make_plan(request: PlanRequest) -> dict:
     cluster = load_cluster(request.cluster, request.gpus, request.gpu_type, request.nodes)
     if cfg.train.compute.use_gpu and not cluster.gpus:
         rates.notes.append("train.use_gpu is true but the cluster has no GPUs: training is planned on its CPUs")
+    elif cluster.gpus and not cfg.train.compute.use_gpu:
+        rates.notes.append(f"train.use_gpu is false: training is planned on the cluster's CPUs, not its "
+                           f"{cluster.gpus:,} GPUs (--set train.use_gpu=true plans it on them; "
+                           f"cluster_configs/msmarco-paper.yaml and scale-100m.yaml set it)")
     if cluster.source != "this machine":
         rates.notes.append(f"CPU stages: the measured CPU-seconds spread over the cluster's {cluster.cpus:,} CPUs "
                            f"(assumed: the calibration machine's per-core speed, linear scaling); start-ups as "

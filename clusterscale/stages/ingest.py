@@ -332,10 +332,15 @@ def run_ingest(ctx: StageContext) -> StageResult:
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
     stats["run_dirs_skipped"] = [redact_uri(d) for d in listing.walk.run_dirs_skipped]
+    stats["docs_skipped"] = len(listing.walk.docs_skipped)
     if data.path != BUILTIN_DOCSTRINGS:  # the bundled dataset is named by its package versions
         stats["inputs"] = record_inputs(run, "pairs", listing.walk)
     if stats["bad_files"]:
         run.write_json(BAD_FILES, stats["bad_files"])
+    if stats["pairs"] == 0 and stats["heldout"]:
+        raise IngestError(f"Every valid pair of {redact_uri(data.path)} was held out: {stats['heldout']} of "
+                          f"{stats['rows_in']} rows went to heldout/ (data.heldout_fraction={data.heldout_fraction}), "
+                          f"none are left to train on. Lower data.heldout_fraction (the default is 0.05), or add pairs.")
     if stats["pairs"] == 0:
         raise IngestError(f"No valid pairs in {data.path}: {stats['rows_in']} rows read, "
                           f"{stats['quarantine']} quarantined ({stats['reasons']}), {len(stats['bad_files'])} "
@@ -364,6 +369,10 @@ def _print_skipped(walk) -> None:
         print(f"[ingest] {len(walk.run_dirs_skipped)} clusterscale run directory(ies) inside data.path skipped "
               f"(their files are a run's outputs, not input pairs): "
               f"{', '.join(redact_uri(d) for d in walk.run_dirs_skipped)}", flush=True)
+    if walk.docs_skipped:
+        print(f"[ingest] {len(walk.docs_skipped)} documentation or config file(s) beside the data skipped: "
+              f"{', '.join(redact_uri(d) for d in walk.docs_skipped[:10])}"
+              + (" ..." if len(walk.docs_skipped) > 10 else ""), flush=True)
 
 
 def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict[str, dict]:
