@@ -338,13 +338,20 @@ def test_a_folder_s_compressed_files_are_read_and_a_file_of_unknown_format_is_na
     for name, start in (("part-00000.parquet", 0), ("part-00001", 10)):
         pq.write_table(pa.table({"q": [f"q{i}" for i in range(start, start + 10)], "p": ["text"] * 10}), parts / name)
     (parts / "LICENSE").write_text("CC-BY\n")
+    (parts / "SHA256SUMS").write_text("0 part-00000.parquet\n")  # checksums beside the data: skipped, named
     code, _, err = _cli_ingest(capsys, tmp_path / "run2", parts)
     _user_fault(code, err)
-    assert "1 file(s) whose format their suffix does not tell" in err and "part-00001" in err
-    assert "data.format" in err and not (tmp_path / "run2" / "pairs").exists()
-    code, _, err = _cli_ingest(capsys, tmp_path / "run2", parts, "data.format=parquet")
+    assert "1 file(s) of no format ingest reads by their name: 'part-00001'" in err
+    assert "read as data.format when it is set" in err and f"'{parts}/*.parquet'" in err
+    assert not (tmp_path / "run2" / "pairs").exists()
+    code, out, err = _cli_ingest(capsys, tmp_path / "run2", parts, "data.format=parquet")
     assert code == 0, err
     assert RunDir(str(tmp_path / "run2")).done_stats("pairs")["rows_in"] == 20
+    assert "2 documentation or config file(s) beside the data skipped" in out
+    (parts / "more.tsv").write_text("q\tp\n")  # another format: named whatever data.format says
+    code, _, err = _cli_ingest(capsys, tmp_path / "run4", parts, "data.format=parquet")
+    _user_fault(code, err)
+    assert "'more.tsv'" in err and "Convert files of another format" in err
 
     (tmp_path / "semi.csv").write_text("q;p\nquery;passage\n")  # a CSV separated by semicolons: said so
     code, _, err = _cli_ingest(capsys, tmp_path / "run3", tmp_path / "semi.csv")

@@ -97,8 +97,8 @@ def parse_yaml(data: bytes | str, source: str, aliases: bool = False, quote_hint
     try:
         return yaml.load(data, Loader=_SharingLoader if aliases else _StrictLoader)
     except yaml.YAMLError as exc:
-        hint = (" A value that is text, not a number, list or mapping, goes in quotes inside the shell's: "
-                f"--set '{source.removeprefix('--set ')}=\"...\"'.") if quote_hint else ""
+        hint = (" A text key's value is taken as typed unless it starts with a quote: leave the quotes out, or "
+                "close them.") if quote_hint else ""
         raise ConfigError(f"{source} is not valid YAML: {exc}.{hint}") from None
     except (RecursionError, ValueError) as exc:  # nesting too deep; an integer beyond Python's 4300 digits
         raise ConfigError(f"{source} cannot be read as a config: {bounded_repr(str(exc))}.") from None
@@ -135,7 +135,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     elif text_kind and not rhs.strip().startswith(("'", '"')):
         value = None if text_kind == "str | None" and rhs.strip() in NULLS else rhs.strip()
     else:
-        value = parse_yaml(rhs, source, quote_hint=True) if rhs.strip() else ""
+        value = parse_yaml(rhs, source, quote_hint=bool(text_kind)) if rhs.strip() else ""
     if isinstance(value, str):
         check_text(source, value)
     return section, key, value

@@ -21,8 +21,10 @@ class DataConfig(Section):
                      "hdfs://, file://). 'builtin:docstrings' = the bundled real dataset (summary line -> body "
                      "of the docstrings of installed Python packages, source = package).")
     format: str = knob("auto", "Input format; 'auto' infers it from the file suffix (.parquet/.pq; .jsonl/"
-                               ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; .gz for JSONL "
-                               "and CSV; .arrow = Arrow IPC, as in a Hugging Face save_to_disk folder).",
+                               ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; JSON and CSV also "
+                               "as .gz, .bz2, .zst; .arrow/.feather = Arrow IPC, as in a Hugging Face "
+                               "save_to_disk folder). Set, every file is read as it, a folder's files without a "
+                               "suffix included.",
                        ("auto", "parquet", "jsonl", "csv", "arrow"))
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text.")

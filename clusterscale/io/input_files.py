@@ -38,10 +38,13 @@ TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv"
 COMPRESSIONS = (".gz", ".bz2", ".zst")  # what the text readers' compression="detect" decompresses by suffix
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", **TEXT_SUFFIXES,
                   **{suffix + packed: fmt for suffix, fmt in TEXT_SUFFIXES.items() for packed in COMPRESSIONS}}
-# Files a data folder holds beside its data by convention (a dataset repository's card, license and configs):
-# skipped, and named in the log. Any other file whose format its suffix does not tell stops ingest (data.format=auto).
-DOC_SUFFIXES = (".md", ".rst", ".yaml", ".yml", ".toml")
-DOC_NAMES = ("readme", "license", "licence", "notice", "citation", "changelog")
+# Files a data folder holds beside its data by convention (a dataset repository's card, license, configs, loading
+# script, checksums, DVC files): skipped, and named in the log. Any other file of no format ingest reads stops it.
+DOC_SUFFIXES = (".md", ".rst", ".yaml", ".yml", ".toml", ".cff", ".py", ".ipynb", ".sh", ".md5", ".sha1", ".sha256",
+                ".sha512", ".dvc", ".lock")
+DOC_NAMES = ("readme", "license", "licence", "copying", "notice", "citation", "changelog", "makefile", "md5sums",
+             "sha1sums", "sha256sums", "sha512sums")
+HUB_METADATA = ("dataset_infos.json", "dataset_info.json")  # a dataset repository's card data, not pairs
 UTF8_BOM = b"\xef\xbb\xbf"
 OTHER_SEPARATORS = {";": "semicolon", "\t": "tab", "|": "pipe"}  # a one-column CSV header holding one: the cause
 FIRST_LINE_BYTES = 1 << 24  # a JSON file starting with `[` whose first line runs longer is taken for one array
@@ -107,28 +110,41 @@ def find_input_files(data: DataConfig) -> InputListing:
 
 
 def _folder_data_files(walk: InputWalk, declared: str, path: str, root: str) -> list[str]:
-    """The files of a data folder to read: those whose suffix names a format, and with data.format set every other
-    one too; documentation and configs (README.md, LICENSE, *.yaml) are skipped and named in walk.docs_skipped.
-    With data.format=auto a file of any other name stops ingest: skipping it would drop its rows without a word (a
-    compressed or suffix-less part file)."""
+    """The files of a data folder to read: those whose suffix names a format, and with data.format set those without
+    a suffix too (a Hadoop part-00001); documentation, checksums and configs (README.md, LICENSE, *.yaml, *.sha256)
+    are skipped and named in walk.docs_skipped. Any other file stops ingest: skipping it would drop its rows without
+    a word (a .tsv, a Snappy-compressed part, a part without a suffix when data.format is auto)."""
     known, docs, unknown = [], [], []
     for f in walk.files:
         name = posixpath.basename(f).lower()
-        if any(name.endswith(suffix) for suffix in SUFFIX_FORMATS):
+        if any(name.endswith(suffix) for suffix in SUFFIX_FORMATS) and name not in HUB_METADATA:
             known.append(f)
-        elif name.endswith(DOC_SUFFIXES) or name.split(".")[0] in DOC_NAMES:
+        elif name.endswith(DOC_SUFFIXES) or name.startswith(DOC_NAMES) or name in HUB_METADATA:
             docs.append(f)
         else:
-            (known if declared != "auto" else unknown).append(f)
+            (known if declared != "auto" and "." not in name else unknown).append(f)
     walk.docs_skipped = docs
     if unknown:
+        names = [posixpath.relpath(f, root) for f in unknown]
+        bare = any("." not in posixpath.basename(n) for n in names)
+        other = any("." in posixpath.basename(n) for n in names)
+        suffixes = collections.Counter(_suffix(f) for f in known)
         raise IngestError(
-            f"data.path {redact_uri(path)!r} holds {len(unknown)} file(s) whose format their suffix does not tell: "
-            f"{bounded_names([posixpath.relpath(f, root) for f in unknown], 10)}. Set data.format (parquet, jsonl, "
-            f"csv or arrow) to read every file of the folder as that format, give the files a suffix "
-            f"({', '.join(sorted(SUFFIX_FORMATS))}), or point data.path at a glob of the files to read "
-            f"(e.g. {redact_uri(_with_glob(path, '*.parquet'))!r}).")
+            f"data.path {redact_uri(path)!r} holds {len(unknown)} file(s) of no format ingest reads by their name: "
+            f"{bounded_names(names, 10)}." +
+            (" A file without a suffix is read as data.format when it is set (parquet, jsonl, csv or arrow)."
+             if bare else "") +
+            (" Convert files of another format (a .tsv, Snappy-compressed text) to one it reads "
+             "(.parquet, .jsonl, .csv, .arrow; text also .gz, .bz2, .zst)." if other else "") +
+            (f" To read only the others, point data.path at a glob of them, e.g. "
+             f"{redact_uri(_with_glob(path, '*' + suffixes.most_common(1)[0][0]))!r}." if suffixes else ""))
     return known
+
+
+def _suffix(path: str) -> str:
+    """The format suffix a file's name ends with (the longest: .jsonl.gz before .gz)."""
+    name = path.lower()
+    return max((s for s in SUFFIX_FORMATS if name.endswith(s)), key=len, default="")
 
 
 def _with_glob(path: str, pattern: str) -> str:
@@ -382,11 +398,11 @@ def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data
 
 
 def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
-    """Row dicts in batches of BATCH_ROWS, the column mapping checked on the first batch: a mapped key named twice
-    in the file's first object is the file's shape, an error (in a later object, that row's fault); a mapped key
-    that no object of the first batch holds is a wrong mapping, an error (an object without it, among others with
-    it, is that row's fault: quarantined, as a JSON file's objects need not share their keys)."""
-    rows, first, keys = [], True, {}  # keys: of the first batch's objects, in order of appearance
+    """Row dicts in batches of BATCH_ROWS, the column mapping checked on the first batch that holds an object: a
+    mapped key named twice in the file's first object is the file's shape, an error (in a later object, that row's
+    fault); a mapped key that no object of that batch holds is a wrong mapping, an error (an object without it,
+    among others with it, is that row's fault: quarantined, as a JSON file's objects need not share their keys)."""
+    rows, first, keys = [], True, {}  # keys: of the checked batch's objects, in order of appearance
     for row in records:
         if first:
             if "__keys__" in row and not keys:
@@ -397,8 +413,9 @@ def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> It
         rows.append(row)
         if len(rows) == BATCH_ROWS:
             if first and keys:
-                check_columns(list(keys), path, data, scope=f" in any of its first {BATCH_ROWS:,} objects")
-            first = False
+                check_columns(list(keys), path, data,
+                              scope=f" in any of its first objects (a batch of {len(rows):,} rows)")
+                first = False
             yield rows
             rows = []
     if first and keys:

@@ -340,7 +340,9 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if stats["pairs"] == 0 and stats["heldout"]:
         raise IngestError(f"Every valid pair of {redact_uri(data.path)} was held out: {stats['heldout']} of "
                           f"{stats['rows_in']} rows went to heldout/ (data.heldout_fraction={data.heldout_fraction}), "
-                          f"none are left to train on. Lower data.heldout_fraction (the default is 0.05), or add pairs.")
+                          f"none are left to train on. Held-out pairs are chosen by a hash of the query: with few "
+                          f"distinct queries every pair can fall on one side. Lower data.heldout_fraction (0 holds "
+                          f"none out), or add pairs.")
     if stats["pairs"] == 0:
         raise IngestError(f"No valid pairs in {data.path}: {stats['rows_in']} rows read, "
                           f"{stats['quarantine']} quarantined ({stats['reasons']}), {len(stats['bad_files'])} "
