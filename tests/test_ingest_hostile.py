@@ -332,6 +332,17 @@ def test_a_folder_s_compressed_files_are_read_and_a_file_of_unknown_format_is_na
     stats = run.done_stats("pairs")
     assert stats["rows_in"] == 40 == stats["pairs"] + stats["heldout"] and stats["docs_skipped"] == 1
     assert sorted(r["query"] for r in _table_rows(run)) == sorted(f"q{i}" for i in range(40))
+    # A run made by a clusterscale that skipped b.json.gz: its rerun names the file it reads now, not "added".
+    from clusterscale.io.input_identity import INPUT_LISTING, listing_digest
+    listing = pq.read_table(run.path("pairs", INPUT_LISTING))
+    older = listing.filter(pa.array([not p.endswith("b.json.gz") for p in listing.column("path").to_pylist()]))
+    pq.write_table(older, run.path("pairs", INPUT_LISTING))
+    marker = run.read_json("pairs/_DONE.json")
+    marker["stats"]["inputs"] |= {"digest": listing_digest(older), "files": older.num_rows}
+    run.write_json("pairs/_DONE.json", marker)
+    code, _, err = _cli_ingest(capsys, run.uri, data)
+    _user_fault(code, err)
+    assert f"{data / 'b.json.gz'} is read now but was not then, though it was there" in err
 
     parts = tmp_path / "parts"  # a Hadoop-style output: one part without a suffix
     parts.mkdir()

@@ -79,11 +79,15 @@ def input_change(run: RunDir, folder: str, recorded: dict, walk: InputWalk) -> s
         return f"{now.num_rows} file(s) listed now, {recorded.get('files')} then, not the same"
     with run.fs.open_input_file(run.path(stored)) as f:
         before = {row["path"]: row for row in pq.read_table(f).to_pylist()}
+    recorded_at = run.fs.get_file_info(run.path(stored)).mtime_ns  # when the listing was recorded (None: unknown)
     after = {row["path"]: row for row in now.to_pylist()}
     changes = []
     for path in sorted(before.keys() | after.keys()):
         old, new = before.get(path), after.get(path)
-        if old is None:
+        if old is None and recorded_at and new["mtime_ns"] and new["mtime_ns"] < recorded_at:
+            changes.append(f"{redact_uri(path)} is read now but was not then, though it was there (a compressed, "
+                           f".feather or suffix-less file that an earlier clusterscale skipped without a word)")
+        elif old is None:
             changes.append(f"{redact_uri(path)} was added")
         elif new is None:
             changes.append(f"{redact_uri(path)} was removed")
