@@ -226,7 +226,7 @@ def mteb_specs(text: str) -> list[str]:
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
 
     if args.verb == "compare":
-        samplers = experiments.parse_list(args.samplers, "--samplers")
+        samplers = experiments.parse_list(args.samplers, "--arms", example="clustered,random")
         custom = dict(experiments.parse_arm(text) for text in args.custom_arms)
         summary = experiments.run_compare(cfg, run, samplers, args.seeds, custom, stage_options,
                                           mteb_specs(args.mteb) if args.mteb else None)
@@ -256,6 +256,8 @@ def saved_k(run) -> int:
 def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     """Print the cluster table of shards/k=<k>/ and write it as JSON (default RUN/shards/k=<k>/inspect.json)."""
 
+    if k is not None and k < 1:
+        raise config_mod.ConfigError(f"--k must be a number of clusters of at least 1, got {k}.")
     run = RunDir(run_dir)
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
     if json_folder and not os.path.isdir(json_folder):

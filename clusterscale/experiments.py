@@ -50,13 +50,13 @@ def check_arm_names(cfg: Config, names: list[str]) -> None:
                           f"would replace it: choose a train.name that does not start with 'compare-' or 'sweep-'.")
 
 
-def parse_list(text: str, what: str, cast=str) -> list:
+def parse_list(text: str, what: str, cast=str, example: str = "10,100") -> list:
     try:
         values = [cast(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError as exc:
         raise ConfigError(f"{what} must be a comma-separated list, got {text!r} ({exc}).") from exc
     if not values:
-        raise ConfigError(f"{what} is empty: give a comma-separated list, e.g. {what} 10,100.")
+        raise ConfigError(f"{what} is empty: give a comma-separated list, e.g. {what} {example}.")
     return values
 
 
@@ -124,7 +124,10 @@ def parse_arm(text: str) -> tuple[str, dict]:
         raise ConfigError(f"--arm expects NAME:train.key=value[,train.key=value...], got {text!r}.")
     keys = {}
     for item in body.split(","):
-        section, key, value = parse_override(item)
+        try:
+            section, key, value = parse_override(item)
+        except ConfigError as exc:
+            raise ConfigError(f"--arm {name}: {str(exc).replace('--set expects', 'each key expects')}") from None
         if section != "train":
             raise ConfigError(f"--arm {name}: only train.* keys may differ between arms (the shards are shared), "
                               f"got {section}.{key}.")

@@ -109,6 +109,30 @@ def test_input_made_with_another_config_is_refused_before_running(tmp_path):
     assert calls == [4, 8]
 
 
+def test_an_input_made_with_other_values_of_its_keys_is_refused_not_mixed(tmp_path):
+    """A stage run alone with an upstream key changed (`train --set embed.max_length=16` on embeddings made at 32)
+    refuses its input, naming the key and the verb that redoes the input: replacing only its own output (--replace)
+    would read the input made with the old value under a marker that records the new one."""
+    run, calls = RunDir(str(tmp_path / "run")), []
+
+    def read(call):
+        calls.append(call.run.done_stats("pairs")["rows"])
+        return StageResult({"rows": 1})
+    reader = pipeline.Stage("reader", "Reads pairs/.", read, "out", inputs=(pipeline.Input("pairs", "toy", "Toy rows"),),
+                            sections=("data", "train"))
+    pipeline.execute(_stage([]), config_mod.load(None, []), run)
+    pipeline.execute(reader, config_mod.load(None, ["train.steps=7"]), run)  # a key of the reader's own: fine
+    for replace in ("", "changed", "always"):
+        with pytest.raises(StageMissingError, match=r"pairs, which reader reads, was made with another config "
+                                                    r"\(changed: data.limit 4000 -> 5\).*`clusterscale toy --run-dir"):
+            pipeline.execute(reader, config_mod.load(None, ["data.limit=5", "train.steps=7"]), run, replace=replace)
+    assert calls == [3] and run.exists("out", "_DONE.json")  # the reader's output stayed
+    run.write_bytes("pairs/_DONE.json", b'{"fingerprint": "ab')  # an unreadable input: named before out/ goes
+    with pytest.raises(Exception, match="pairs/_DONE.json"):
+        pipeline.execute(reader, config_mod.load(None, ["train.steps=8"]), run, replace="always")
+    assert run.exists("out", "_DONE.json")
+
+
 def test_incomplete_result_writes_no_marker(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     result = pipeline.execute(_stage([], complete=False), config_mod.load(None, []), run)
@@ -198,3 +222,14 @@ def test_a_failure_after_a_lost_node_is_one_paragraph_naming_it_and_the_rerun(tm
     with pytest.raises(RuntimeError, match="ActorDiedError") as bug:
         pipeline.execute(stage, cfg, run)
     assert not isinstance(bug.value, executor.NodeLostError)
+
+
+def test_a_report_at_a_k_the_run_was_not_clustered_at_is_refused(tmp_path):
+    """`report --set cluster.k=7` on a run clustered at k=4 only would credit k=7 with k=4's costs and overwrite the
+    right report: refused, naming the k the run holds; the report as it was stays."""
+    run = RunDir(str(tmp_path / "run"))
+    run.makedirs("kmeans/k=4")
+    run.write_text("report/report.md", "the k=4 report")
+    with pytest.raises(config_mod.ConfigError, match=r"no clustering at k=7, only k=4: report on one of them"):
+        pipeline.run_stage("report", config_mod.load(None, ["cluster.k=7"]), run)
+    assert run.read_bytes("report/report.md") == b"the k=4 report"

@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from clusterscale.stages import report_plots
-from clusterscale.config import Config
+from clusterscale.config import Config, ConfigError
 from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, PREDICTION_PATH, TRAIN, collapse_path,
                                     eval_by_cluster_path, manifest_path, read_manifest)
@@ -393,8 +393,15 @@ def prediction_table(prediction: dict, costs: dict) -> str:
 
 
 def run_report(ctx: StageContext) -> StageResult:
-    """The report stage: report/report.md rewritten from what the run holds now (no done marker)."""
-    return StageResult({}, outputs={"report": write_report(ctx.cfg, ctx.run)})
+    """The report stage: report/report.md rewritten from what the run holds now (no done marker). A run clustered at
+    other k only is refused: a report at this k would credit it with their costs and overwrite the right one."""
+    k, run = ctx.cfg.cluster.k, ctx.run
+    made = sorted(name for name in (run.listdir("kmeans") if run.exists("kmeans") else []) if name.startswith("k="))
+    if made and f"k={k}" not in made:
+        raise ConfigError(f"cluster.k={k}: this run holds no clustering at k={k}, only {', '.join(made)}: report on "
+                          f"one of them (--set cluster.k=...), or run `clusterscale fit`, `assign` and `shard` "
+                          f"--set cluster.k={k} first.")
+    return StageResult({}, outputs={"report": write_report(ctx.cfg, run)})
 
 
 def write_report(cfg: Config, run: RunDir) -> str:
