@@ -248,7 +248,7 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
         try:
             result = _run_once(stage, ctx)
         except ConfigMismatchError as exc:
-            _check_inputs(stage, ctx)  # an input made with other values of this config's keys: that is what to redo
+            _check_inputs(stage, ctx)  # a missing or unreadable input is what to fix, not this output
             if stage.refusal_hint:
                 raise ConfigMismatchError(f"{exc} {stage.refusal_hint}", exc.stage_dir) from None
             if exc.stage_dir and not replace and _other_clustering(stage, cfg, run, exc.stage_dir):
@@ -318,7 +318,6 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
         return StageResult(run.done_stats(out))
     for need in stage.inputs:
         _check_made_with(ctx.source, need, cfg)
-        _check_input_config(ctx.source, need, cfg, stage.name)
     _check_complete(ctx.source, stage, cfg)
     if not (stage.keeps_units or ctx.resume):  # an interrupted attempt's partial output
         for folder in (out, *(f for f, _, _ in extras)):
@@ -335,12 +334,13 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
 
 
 def _check_inputs(stage: Stage, ctx: StageContext) -> None:
-    """Every input there, readable, and made with this config's values of its keys (else the error that names the
-    verb to run): checked before an output is replaced or a refusal advises replacing it."""
+    """Every input there, its marker readable, and (a one-config folder) made with this config (else the error that
+    names the verb to run): checked before an output is replaced or a refusal advises replacing it."""
     for need in stage.inputs:
-        ctx.source.require(resolve(need.folder, ctx.cfg), need.verb, need.describe(ctx.cfg))
+        folder = resolve(need.folder, ctx.cfg)
+        ctx.source.require(folder, need.verb, need.describe(ctx.cfg))
+        ctx.source.done_marker(folder)  # a marker that does not parse is named with the command that rebuilds it
         _check_made_with(ctx.source, need, ctx.cfg)
-        _check_input_config(ctx.source, need, ctx.cfg, stage.name)
 
 
 def _check_complete(source: RunDir, stage: Stage, cfg: Config) -> None:
@@ -385,28 +385,6 @@ def _check_made_with(source: RunDir, need: Input, cfg: Config) -> None:
             f"{source.path(folder)} holds the output of another config (changed: "
             f"{changed_keys(done.covers, expected.values)}), not of this one: run `clusterscale {need.verb}` "
             f"with the same config and --run-dir first (it replaces that output).")
-
-
-def _check_input_config(source: RunDir, need: Input, cfg: Config, reader: str) -> None:
-    """Refuse an input folder made with other values of keys this config covers for it (`train --set
-    embed.max_length=16` on embeddings made at 32): reading it would mix outputs, and replacing only the reader's
-    output would not help. Compared key by key over what the input's marker covers (need.covers only)."""
-    if not need.covers:
-        return
-    folder = resolve(need.folder, cfg)
-    old = source.done_marker(folder).covers or {}
-    sections = tuple(s for s in old if isinstance(old[s], dict) and s in cfg.to_dict())
-    if not sections:
-        return
-    new = json.loads(json.dumps(cfg.fingerprint(sections).values))
-    differing = {s: {k: v for k, v in old[s].items() if k in new.get(s, {}) and new[s][k] != v} for s in sections}
-    if any(differing.values()):
-        now = {s: {k: new[s][k] for k in keys} for s, keys in differing.items()}
-        raise StageMissingError(
-            f"{source.path(folder)}, which {reader} reads, was made with another config (changed: "
-            f"{changed_keys(differing, now)}): {reader} on it would mix outputs. Redo it first, with what was made "
-            f"from it: `clusterscale {need.verb} --run-dir {source.uri} [this config and --set keys] --replace` (or "
-            f"`clusterscale run ... --replace`), or use a new --run-dir for this config.")
 
 
 def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) -> bool:
