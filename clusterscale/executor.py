@@ -17,9 +17,11 @@ import contextlib
 import dataclasses
 import gc
 import json
+import shlex
 import time
 from typing import Callable, Iterator
 
+from clusterscale import config as config_mod
 from clusterscale.config import Config, Fingerprint
 from clusterscale.io.layout import TRAIN, eval_path
 from clusterscale.io.rundir import (ConfigMismatchError, RunDir, StageMissingError, StageResult, UnreadableFileError,
@@ -86,6 +88,10 @@ class Input:
     """The reading stage's fingerprint covers what the producer's covers (pipeline.chain). False where the output
     does not depend on the producer's keys (mine requires the shards but reads its vectors from assign/), or does
     through `extra` only when it applies (shard's dedup input)."""
+    not_made_with: tuple[str, ...] = ()
+    """Keys ('section.key') the producer's fingerprint covers but its output does not depend on (fit's centroids:
+    cluster.assign_index and cluster.ivf_nprobe, which only assign reads); a reader at other values of them is not
+    refused (_check_input_config)."""
 
     def describe(self, cfg: Config) -> str:
         return f"{self.what} for k={cfg.cluster.k}" if isinstance(self.folder, PerK) else self.what
@@ -243,12 +249,12 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
     with run_protocol.lock(run, stage.output_of(cfg)), interrupt.saying(stage.interrupted), lost_node_said, \
             _naming_unreadable(stage, ctx):
         if replace == "always":
-            _check_inputs(stage, ctx)  # before anything is removed: a replace that cannot run destroys nothing
+            _check_inputs(stage, ctx, command)  # before anything is removed: a replace that cannot run destroys nothing
             _replace(run, stage.output_of(cfg))
         try:
-            result = _run_once(stage, ctx)
+            result = _run_once(stage, ctx, command)
         except ConfigMismatchError as exc:
-            _check_inputs(stage, ctx)  # a missing or unreadable input is what to fix, not this output
+            _check_inputs(stage, ctx, command)  # a missing or unreadable input is what to fix, not this output
             if stage.refusal_hint:
                 raise ConfigMismatchError(f"{exc} {stage.refusal_hint}", exc.stage_dir) from None
             if exc.stage_dir and not replace and _other_clustering(stage, cfg, run, exc.stage_dir):
@@ -260,7 +266,7 @@ def _execute(stage: Stage, cfg: Config, run: RunDir, *, run_stage: RunStage | No
                     f"every output made from it: {again} --replace", exc.stage_dir) from None
             else:
                 _replace(run, exc.stage_dir)
-            result = _run_once(stage, ctx)
+            result = _run_once(stage, ctx, command)
     key = resolve(stage.name if stage.cost_key is None else stage.cost_key, cfg) if cost_key is None else cost_key
     if key and not result.stats.get("reused"):  # a reuse keeps the record of the work
         record = {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str))}
@@ -300,7 +306,7 @@ def _naming_lost_nodes(stage: Stage, run: RunDir, alive: dict[str, str], command
                             f"could not finish the stage without it ({reason}). {rerun}") from exc
 
 
-def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
+def _run_once(stage: Stage, ctx: StageContext, command: str) -> StageResult:
     """Inputs, then reuse, or clear + run + mark done."""
     cfg, run = ctx.cfg, ctx.run
     for need in stage.inputs:
@@ -318,11 +324,16 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
         return StageResult(run.done_stats(out))
     for need in stage.inputs:
         _check_made_with(ctx.source, need, cfg)
+        _check_input_config(ctx.source, need, cfg, stage.name, command)
     _check_complete(ctx.source, stage, cfg)
     if not (stage.keeps_units or ctx.resume):  # an interrupted attempt's partial output
         for folder in (out, *(f for f, _, _ in extras)):
             run.clear(folder)
-    result = stage.run(dataclasses.replace(ctx, fingerprint=fingerprint))
+    try:
+        result = stage.run(dataclasses.replace(ctx, fingerprint=fingerprint))
+    except BaseException:
+        _drop_empty(run, (out, *(f for f, _, _ in extras)))  # a stage refused before it wrote: no empty train/<name>/
+        raise
     if result.complete:
         for folder, extra_fingerprint, _ in extras:
             marker = result.outputs[folder]
@@ -333,7 +344,15 @@ def _run_once(stage: Stage, ctx: StageContext) -> StageResult:
     return result
 
 
-def _check_inputs(stage: Stage, ctx: StageContext) -> None:
+def _drop_empty(run: RunDir, folders: tuple[str, ...]) -> None:
+    """Remove each folder that holds no file (one listing each), leaving the failure that got here to be said."""
+    for folder in folders:
+        with contextlib.suppress(Exception):
+            if run.exists(folder) and not run.files(folder, suffix="", include_private=True):
+                run.remove(folder)
+
+
+def _check_inputs(stage: Stage, ctx: StageContext, command: str) -> None:
     """Every input there, its marker readable, and (a one-config folder) made with this config (else the error that
     names the verb to run): checked before an output is replaced or a refusal advises replacing it."""
     for need in stage.inputs:
@@ -341,6 +360,7 @@ def _check_inputs(stage: Stage, ctx: StageContext) -> None:
         ctx.source.require(folder, need.verb, need.describe(ctx.cfg))
         ctx.source.done_marker(folder)  # a marker that does not parse is named with the command that rebuilds it
         _check_made_with(ctx.source, need, ctx.cfg)
+        _check_input_config(ctx.source, need, ctx.cfg, stage.name, command)
 
 
 def _check_complete(source: RunDir, stage: Stage, cfg: Config) -> None:
@@ -385,6 +405,41 @@ def _check_made_with(source: RunDir, need: Input, cfg: Config) -> None:
             f"{source.path(folder)} holds the output of another config (changed: "
             f"{changed_keys(done.covers, expected.values)}), not of this one: run `clusterscale {need.verb}` "
             f"with the same config and --run-dir first (it replaces that output).")
+
+
+def _check_input_config(source: RunDir, need: Input, cfg: Config, reader: str, command: str) -> None:
+    """Refuse an input folder made with other values of keys its producer's output depends on (`train --set
+    embed.max_length=16` on shards of embeddings made at 32): reading it would mix outputs, and replacing only the
+    reader's output (the --replace a refusal of it advises) would train on the old embeddings under a marker
+    recording 16. Compared key by key over the config sections the input's marker covers (a key absent there was
+    at its default), less need.not_made_with; an input that does not `cover` its producer's keys is left to
+    made_with. `clusterscale run` never meets it: the first stale stage refuses its own output first."""
+    if not need.covers:
+        return
+    folder = resolve(need.folder, cfg)
+    old = source.done_marker(folder).covers
+    if not old:  # a marker from before covered values were recorded: nothing to compare
+        return
+    sections = tuple(s for s in old if s in config_mod.all_sections())
+    if not sections:
+        return
+    new = json.loads(json.dumps(cfg.fingerprint(sections).values))
+    missing = object()
+    changed = sorted(f"{s}.{k}" for s in sections for k in (old[s] or {}).keys() | new[s].keys()
+                     if f"{s}.{k}" not in need.not_made_with
+                     and (old[s] or {}).get(k, missing) != new[s].get(k, missing))
+    if not changed:
+        return
+    flat = {s: {k: v for k, v in (old[s] or {}).items() if f"{s}.{k}" in changed} for s in sections}
+    now = {s: {k: v for k, v in new[s].items() if f"{s}.{k}" in changed} for s in sections}
+    words = shlex.split(command) if command.startswith(f"clusterscale {reader} ") else []
+    again = (shlex.join(["clusterscale", "run", *(w for w in words[2:] if w not in ("--replace", "--resume"))])
+             if words else f"clusterscale run --run-dir {source.uri} [this config and --set keys]")
+    raise StageMissingError(
+        f"{source.path(folder)}, which {reader} reads, was made with other values of keys it depends on (changed: "
+        f"{changed_keys(flat, now)}): {reader} on it would mix outputs, and replacing {reader}'s output alone "
+        f"would not help. Redo it and what was made from it first: `{again} --replace` (it redoes each stage "
+        f"made with other values, from {need.verb} or before, and keeps the rest), or use a new --run-dir.")
 
 
 def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) -> bool:

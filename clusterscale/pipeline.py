@@ -104,6 +104,8 @@ _HELDOUT = Input("heldout", "ingest", "Held-out pairs")
 _EMBEDDINGS = Input("embeddings", "embed", "Embeddings")
 _ASSIGNED = Input(PerK(assign_dir), "assign", "Cluster assignments")
 _SHARDED = Input(PerK(shards_dir), "shard", "Shards", reads_every_file=False)  # read through its manifest
+# fit's fingerprint covers assign's index keys (runs made before keep theirs); its centroids do not depend on them
+_CENTROIDS = Input(PerK(kmeans_dir), "fit", "Centroids", not_made_with=("cluster.assign_index", "cluster.ivf_nprobe"))
 _TRAINED = PerConfigFolder(_train_dir, f"{train_dir('<name>')}/")
 
 def chain(stages: dict[str, Stage]) -> dict[str, Stage]:
@@ -136,7 +138,7 @@ STAGES: dict[str, Stage] = chain({s.name: s for s in (
     Stage("fit", "Fit spherical k-means (faiss) on a seeded sample of the embeddings.", run_fit, PerK(kmeans_dir),
           inputs=(_EMBEDDINGS,), sections=("cluster",), resources=_ON_GPU, shared=True),
     Stage("assign", "Assign every embedded pair to its nearest centroid (Ray Data pass).", run_assign,
-          PerK(assign_dir), inputs=(Input(PerK(kmeans_dir), "fit", "Centroids"), _EMBEDDINGS),
+          PerK(assign_dir), inputs=(_CENTROIDS, _EMBEDDINGS),
           resources=Resources(cpus=0.5, gpus=1, cpus_with_gpu=None), shared=True, keeps_units=True),
     Stage("dedup", "Remove exact and semantic (per cluster) duplicates and held-out leaks before sharding (dedup.*).",
           run_dedup, DEDUP, inputs=(_ASSIGNED, _HELDOUT), sections=("dedup",),
@@ -250,20 +252,24 @@ def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = 
     """Run stages in order with the executor; returns {verb: StageResult}. `resume`: train only.
 
     cost_keys renames a verb's entry in report/costs.json (e.g. {"fit": "fit:k=100"} in a sweep);
-    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or when replacing: an
-    existing run's config is never rewritten otherwise; False keeps it as it is (experiments run variants).
+    write_config writes RUN/config.yaml for a new run (see RunDir.config_in_force) or, replacing, once the first
+    stage has run (a refused --replace leaves it as it was): an existing run's config is never rewritten otherwise;
+    False keeps it as it is (experiments run variants).
     replace and command: see execute."""
     if "ingest" in verbs:  # before the run writes its config.yaml and locks inside the data folder
         refuse_run_dir_in_data(cfg.data, run.uri)
     session.init_ray(cfg.ray)
     session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
-    if write_config and (replace or run.config_in_force() is None):
+    new_run = run.config_in_force() is None
+    if write_config and new_run:
         run.write_config(cfg)
     results = {}
     for verb in verbs:
         print(f"== {verb} ==", flush=True)
         results[verb] = execute(STAGES[verb], cfg, run, resume=resume and verb == "train", replace=replace,
                                 command=command, cost_key=(cost_keys or {}).get(verb))
+        if write_config and replace and not new_run and len(results) == 1:  # not before: a refused replace
+            run.write_config(cfg)  # left the run's config as it was (later commands without --set start from it)
     return results
 
 

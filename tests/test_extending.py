@@ -23,7 +23,7 @@ import ray.cloudpickle
 from clusterscale import arm_costs, config, experiments, pipeline
 from clusterscale.executor import Estimate, Input, Stage
 from clusterscale.io.layout import checked_manifest
-from clusterscale.io.rundir import ConfigMismatchError, RunDir, StageResult
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.knobs import POSITIVE, Section, knob
 from clusterscale.runtime.hashing import SeededPermutation
 from clusterscale.runtime.stage_context import StageContext
@@ -168,8 +168,14 @@ def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequent
     assert costs["length_filter"]["preprocess"] and costs["length_filter"]["rejected"] > 0
     assert pipeline.run_stages(cfg, run, ("embed",))["embed"].stats  # reused as it is
     changed = config.load(None, keys + ["length_filter.min_passage_chars=100"])
-    with pytest.raises(ConfigMismatchError, match="length_filter.min_passage_chars"):
-        pipeline.run_stages(changed, run, ("embed",))  # made from another filter: refused by key, --replace redoes it
+    # Made from another filter: refused by key, naming the run that redoes it first (embed --replace alone would embed
+    # the pairs the old filter kept under the new config).
+    for replace in ("", "always"):
+        with pytest.raises(StageMissingError, match=r"long_pairs, which embed reads, was made with other values of "
+                                                    r"keys it depends on \(changed: length_filter.min_passage_chars "
+                                                    r"150 -> 100\).*`clusterscale run --run-dir"):
+            pipeline.run_stages(changed, run, ("embed",), replace=replace)
+    assert run.exists("embeddings", "_DONE.json")  # nothing was removed
 
 
 def test_a_stage_declares_its_own_config_section(registered):

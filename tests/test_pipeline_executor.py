@@ -3,6 +3,7 @@ attempt, an early stop without a marker, cost records; and the rule that no stag
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,23 @@ def test_marks_reuses_and_records_cost(tmp_path, capsys):
     again = pipeline.execute(_stage(calls), cfg, run, cost_key="")
     assert len(calls) == 1 and again.stats["rows"] == 3
     assert capsys.readouterr().out.count("reused") == 1  # the extra output is said with its stage
+
+
+def test_a_stage_refused_before_it_wrote_leaves_no_empty_folder(tmp_path):
+    """A stage that fails before writing (a training refused by a check of its own) used to leave an empty
+    train/<name>/ behind; one that wrote something keeps it (its units are the rerun's)."""
+    run, cfg = RunDir(str(tmp_path / "run")), config_mod.load(None, [])
+
+    def refuse(call):
+        raise config_mod.ConfigError("refused by the stage")
+
+    def half(call):
+        call.run.write_json("out/b/unit-0.json", {})
+        raise RuntimeError("stopped halfway")
+    for run_fn, left in ((refuse, False), (half, True)):
+        with pytest.raises(Exception, match="refused by the stage|stopped halfway"):
+            pipeline.execute(pipeline.Stage("toy", "A toy stage.", run_fn, "out/b", sections=("data",)), cfg, run)
+        assert run.exists("out/b") == left
 
 
 def test_a_reuse_without_a_marker_keeps_the_cost_of_the_work(tmp_path):
@@ -107,6 +125,36 @@ def test_input_made_with_another_config_is_refused_before_running(tmp_path):
         pipeline.execute(reader, cfg4, run, replace="always")
     pipeline.execute(reader, cfg8, run)
     assert calls == [4, 8]
+
+
+def test_an_input_made_with_other_values_of_its_keys_is_refused_not_mixed(tmp_path):
+    """A stage run alone with an upstream key changed (`train --set embed.max_length=16` on shards of embeddings made
+    at 32) refuses its input, naming the key and the `run --replace` that redoes it: replacing only its own output (the
+    --replace its own refusal advised) read the input made with the old value under a marker recording the new one.
+    Keys the producer's fingerprint covers but its output does not depend on (Input.not_made_with: fit's centroids
+    and assign's index keys) are not refused; a key absent from the input's marker (at its default then) counts."""
+    run, calls = RunDir(str(tmp_path / "run")), []
+
+    def read(call):
+        calls.append(call.run.done_stats("pairs")["rows"])
+        return StageResult({"rows": 1})
+    toy_rows = pipeline.Input("pairs", "toy", "Toy rows")
+    reader = pipeline.Stage("reader", "Reads pairs/.", read, "out", inputs=(toy_rows,), sections=("data", "train"))
+    pipeline.execute(_stage([]), config_mod.load(None, []), run)
+    pipeline.execute(reader, config_mod.load(None, ["train.steps=7"]), run)  # a key of the reader's own: fine
+    command = "clusterscale reader --run-dir R --set data.limit=5 --replace"
+    for replace in ("", "changed", "always"):
+        with pytest.raises(StageMissingError, match=r"pairs, which reader reads, was made with other values of keys "
+                                                    r"it depends on \(changed: data.limit 4000 -> 5\).*"
+                                                    r"`clusterscale run --run-dir R --set data.limit=5 --replace`"):
+            pipeline.execute(reader, config_mod.load(None, ["data.limit=5", "train.steps=7"]), run,
+                             replace=replace, command=command)
+    assert calls == [3] and run.exists("out", "_DONE.json")  # the reader's output stayed
+    with pytest.raises(StageMissingError, match=r"changed: data.source_column None -> 'src'"):
+        pipeline.execute(reader, config_mod.load(None, ["data.source_column=src", "train.steps=7"]), run)
+    lenient = dataclasses.replace(reader, inputs=(dataclasses.replace(toy_rows, not_made_with=("data.limit",)),))
+    pipeline.execute(lenient, config_mod.load(None, ["data.limit=5", "train.steps=8"]), run, replace="always")
+    assert calls == [3, 3]
 
 
 def test_replace_checks_the_inputs_before_it_removes_anything(tmp_path):
@@ -228,3 +276,8 @@ def test_a_report_at_a_k_the_run_was_not_clustered_at_is_refused(tmp_path):
     with pytest.raises(config_mod.ConfigError, match=r"no clustering at k=7, only k=4: report on one of them"):
         pipeline.run_stage("report", config_mod.load(None, ["cluster.k=7"]), run)
     assert run.read_bytes("report/report.md") == b"the k=4 report"
+    run.remove("kmeans")
+    run.remove("report")
+    with pytest.raises(StageMissingError, match=r"holds no finished stage: nothing to report"):
+        pipeline.run_stage("report", config_mod.load(None, []), run)  # a mistyped --run-dir
+    assert not run.exists("report")
