@@ -219,8 +219,16 @@ def add_experiment_arguments(verb: str, p: argparse.ArgumentParser) -> None:
 
 def mteb_specs(text: str) -> list[str]:
     """--mteb's tasks; local:FOLDER made absolute (a Ray task reads it, in another working directory)."""
-    return [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
-            for s in experiments.parse_list(text, "--mteb")]
+    specs = [LOCAL_PREFIX + os.path.abspath(s.removeprefix(LOCAL_PREFIX)) if s.startswith(LOCAL_PREFIX) else s
+             for s in experiments.parse_list(text, "--mteb")]
+    for spec in specs:  # before Ray starts, and said as what it is (not a folder that "lacks corpus.jsonl")
+        folder = spec.removeprefix(LOCAL_PREFIX)
+        if spec.startswith(LOCAL_PREFIX) and not os.path.isdir(folder):
+            raise config_mod.ConfigError(f"--mteb {spec}: {folder} is not a folder here ("
+                                         f"{'a file' if os.path.exists(folder) else 'no such path'}); local:FOLDER "
+                                         f"names a folder of corpus.jsonl, queries.jsonl and qrels/test.tsv "
+                                         f"(retrieval) or sts.tsv (STS).")
+    return specs
 
 
 def run_experiment(args, cfg, run, stage_options: dict) -> None:
@@ -331,11 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done in {time.time() - started:.1f}s", flush=True)
             return 0
         verbs = pipeline.pipeline(cfg) if args.verb == "run" else (args.verb,)
+        specs = mteb_specs(args.mteb) if args.verb == "evaluate" and args.mteb else None
         started = time.time()
         results = pipeline.run_stages(cfg, run, verbs, resume=getattr(args, "resume", False), **stage_options)
-        if args.verb == "evaluate" and args.mteb:
-
-            run_mteb(cfg, run, mteb_specs(args.mteb))
+        if specs:
+            run_mteb(cfg, run, specs)
         if args.verb in ("run", "evaluate", "report"):
             print(pipeline.summary(cfg, run, results))
         print(f"done in {time.time() - started:.1f}s; run directory: {redact_uri(run.uri)}", flush=True)

@@ -57,6 +57,9 @@ def parse_list(text: str, what: str, cast=str, example: str = "10,100") -> list:
         raise ConfigError(f"{what} must be a comma-separated list, got {text!r} ({exc}).") from exc
     if not values:
         raise ConfigError(f"{what} is empty: give a comma-separated list, e.g. {what} {example}.")
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:  # `sweep --k 4,4` ran one point and reported two
+        raise ConfigError(f"{what} lists {', '.join(twice)} more than once ({text!r}): give each value once.")
     return values
 
 
@@ -394,6 +397,10 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
         # Writes config.yaml of a new run; an existing run's stays.
         run_stages(base, run, pipeline(base, last="embed"), **stage_options)
         rows = run.done_stats("embeddings")["rows"]
+        rows_in = run.done_stats("pairs").get("rows_in", 0)
+        if limits and rows_in < limit:  # a size that is the whole data (larger limits repeat it)
+            print(f"[sweep] --limit {limit}: the data holds {rows_in} pairs, fewer than the limit: this size is the "
+                  f"whole data ({rows} training pairs)", flush=True)
         trained_points: list[tuple[dict, Config]] = []  # evaluated once every k of this size has trained
         for k in ks:
             kcfg = variant(base, cluster={"k": k}, train={"name": arm_name("sweep", f"{batches.sampler}-k{k}",
@@ -442,6 +449,6 @@ def run_sweep(cfg: Config, run_dir: str, ks: list[int], limits: list[int] | None
             run.write_json("report/sweep.json", sweep)
         run_stage("report", trained.get(run.uri) or variant(cfg, data={"limit": limit}, cluster={"k": report_k}, train={
             "name": arm_name("sweep", f"{cfg.train.schedule.sampler}-k{report_k}", cfg.train.schedule.seed)}), run)
-    if len(sizes) > 1:
+    if limits:  # the table of every size, where the last line points (one --limit too)
         run_stage("report", variant(cfg, cluster={"k": report_k}), top)
     return sweep

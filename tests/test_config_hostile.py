@@ -64,3 +64,27 @@ def test_config_load_names_the_key_of_any_string_value():
         config.from_dict({"train": {"name": "a\nb"}})
     # a trailing newline YAML drops anyway (a value from `$(cat file)`-like pastes) is no mistake
     assert config.load(None, ["data.path=/data/x.parquet\n"]).data.path == "/data/x.parquet"
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["sweep", "--k", "4,8,4"], r"--k lists 4 more than once \('4,8,4'\): give each value once"),
+    (["sweep", "--k", "4", "--limit", "100,100"], r"--limit lists 100 more than once"),
+    (["compare", "--arms", "clustered,random,clustered"], r"--arms lists clustered more than once"),
+])
+def test_a_list_option_with_a_value_twice_is_refused(tmp_path, capsys, argv, shown):
+    """`sweep --k 4,4` ran one point and counted two in its report: a list option names the repeated value."""
+    import re
+
+    err = _refused(capsys, [argv[0], "--run-dir", str(tmp_path / "run"), *argv[1:]])
+    assert re.search(shown, err), err
+
+
+@pytest.mark.parametrize("verb", ["evaluate", "compare"])
+def test_mteb_local_folder_that_is_not_there_is_refused_before_ray(tmp_path, capsys, verb):
+    """`evaluate --mteb local:FOLDER` with a mistyped folder: said before Ray starts (it took ~15 s to an error), as
+    a path that is not there (it said the folder "lacks corpus.jsonl")."""
+    (tmp_path / "a-file.jsonl").write_text("{}\n")
+    err = _refused(capsys, [verb, "--run-dir", str(tmp_path / "run"), "--mteb", f"local:{tmp_path}/sts-tsak"])
+    assert f"--mteb local:{tmp_path}/sts-tsak: {tmp_path}/sts-tsak is not a folder here (no such path)" in err, err
+    err = _refused(capsys, [verb, "--run-dir", str(tmp_path / "run"), "--mteb", f"local:{tmp_path}/a-file.jsonl"])
+    assert "is not a folder here (a file)" in err, err

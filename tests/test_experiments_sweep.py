@@ -17,16 +17,19 @@ def data_path(tmp_path_factory):
 
 
 def test_preprocess_only_over_k_and_sizes(monkeypatch, tmp_path, data_path, tiny_model, ray_local, capsys):
-    """`clusterscale sweep --preprocess-only` over two sizes and two ks; then the same sweep as a Ray job
-    (jobs/sweep.py, the older space-separated --k) on its run directory reuses every size's embeddings and every
-    finished k, and prints one line per point and the run directory."""
+    """`clusterscale sweep --preprocess-only` over two sizes (the larger one more than the data) and two ks; then the
+    same sweep as a Ray job (jobs/sweep.py, the older space-separated --k) on its run directory reuses every size's
+    embeddings and every finished k, and prints one line per point and the run directory."""
     from clusterscale.io.rundir import RunDir
     from tests.test_jobs_local import run_job
 
     overrides = tiny_overrides(tiny_model, data_path) + ["eval.extrapolate_to_rows=100000"]
-    rc = cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,64", "--limit", "160,320",
+    rc = cli.main(["sweep", "--run-dir", str(tmp_path / "run"), "--k", "2,64", "--limit", "160,400",
                    "--preprocess-only", "--set", *overrides])
     assert rc == 0
+    # 400 is more than the data's 320 pairs: that size is the whole data, and the sweep says so.
+    assert "--limit 400: the data holds 320 pairs, fewer than the limit: this size is the whole data" in \
+        capsys.readouterr().out
     top = RunDir(str(tmp_path / "run"))
     sweep = top.read_json("report/sweep.json")
     ok = [p for p in sweep["points"] if "error" not in p]
@@ -35,7 +38,7 @@ def test_preprocess_only_over_k_and_sizes(monkeypatch, tmp_path, data_path, tiny
     skipped = [p for p in sweep["points"] if "error" in p]
     assert [p["k"] for p in skipped] == [64, 64] and "global batch" in skipped[0]["error"]
     embedded_at, manifest_written = {}, {}
-    for limit in (160, 320):
+    for limit in (160, 400):
         run = RunDir(str(tmp_path / "run" / f"limit={limit}"))
         assert run.read_json("pairs/_DONE.json")["config"]["data"]["limit"] == limit
         # One embedding pass per size: both ks read the same embeddings (k=64 is fitted and assigned, then refused).
@@ -59,11 +62,11 @@ def test_preprocess_only_over_k_and_sizes(monkeypatch, tmp_path, data_path, tiny
 
     # The job (preprocess-only unless --train) on the finished sweep: nothing is redone, the table is the same.
     capsys.readouterr()
-    assert run_job(monkeypatch, "sweep", "--run-dir", str(tmp_path / "run"), "--k", "2", "64", "--limit", "160,320",
+    assert run_job(monkeypatch, "sweep", "--run-dir", str(tmp_path / "run"), "--k", "2", "64", "--limit", "160,400",
                    "--set", *overrides) == 0
     out = capsys.readouterr().out
     assert out.count("== sweep: N=") == 4 and f"done; run directory: {tmp_path / 'run'}" in out
-    for limit in (160, 320):
+    for limit in (160, 400):
         run = RunDir(str(tmp_path / "run" / f"limit={limit}"))
         assert run.read_json("embeddings/_DONE.json")["finished_at"] == embedded_at[limit]
         assert (tmp_path / "run" / f"limit={limit}" / "shards" / "k=2" / "manifest.json").stat().st_mtime_ns \

@@ -80,6 +80,7 @@ def test_mteb_local_folder_is_absolute(existing_run, monkeypatch, tmp_path):
     monkeypatch.setitem(pipeline.STAGES, "evaluate", dataclasses.replace(
         pipeline.STAGES["evaluate"], run=lambda call: StageResult({}, {"results": {}}), inputs=()))
     monkeypatch.setattr(cli, "run_mteb", lambda cfg, run, specs: seen.extend(specs))
+    (tmp_path / "tasks" / "mine").mkdir(parents=True)  # a local task must be a folder (checked before Ray)
     assert cli.main(["evaluate", "--run-dir", existing_run.uri, "--mteb", "local:tasks/mine,SciFact"]) == 0
     assert seen == [f"local:{tmp_path}/tasks/mine", "SciFact"]
 

@@ -2,11 +2,15 @@
 calibration) and the cluster, then estimate every stage for each k, and N/4, N, 4N."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import posixpath
 from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from clusterscale import config as config_mod
@@ -24,6 +28,7 @@ from clusterscale.plan.shape import run_shape, shard_sizes, stage_work, train_sh
 BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
 BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
 SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in the first MiB of each file, scaled by the file size
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 MAX_ROWS = 10 ** 15
 """The most pairs a plan takes (a million times the largest run in benchmarks/): its integer figures stay exact
 through the table's 4 x N (< 2^53), and its memory and time do not grow with N or k (plan/sizes)."""
@@ -63,8 +68,8 @@ def load_config(request: PlanRequest) -> tuple[Config, RunDir | None, Config | N
 
 
 def count_input_rows(cfg: Config) -> tuple[int, str]:
-    """Rows of data.path: exact from Parquet footers; JSONL/CSV counted in a sample (the first MiB of each file)
-    and scaled by the file's size."""
+    """Rows of data.path: exact from Parquet footers and Arrow IPC files; JSONL/CSV (compressed ones decompressed)
+    and Arrow streams counted in a sample from the start of each file, scaled by the file's size."""
     if cfg.data.path.startswith(("builtin:", "synth://")):
         raise ConfigError(f"data.path {cfg.data.path} is not a file input: pass --rows N.")
     fs, files = list_input_files(cfg.data)
@@ -75,15 +80,74 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
             with fs.open_input_file(path) as f:
                 total += pq.ParquetFile(f).metadata.num_rows
             continue
-        exact = False
-        size = fs.get_file_info(path).size
-        with fs.open_input_stream(path) as f:
-            head = f.read(SAMPLE_BYTES)
-        lines = head.count(b"\n") - (1 if fmt == "csv" else 0)
-        total += max(1, lines) * size / max(1, len(head)) if head else 0
+        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt)
+        total += rows
+        exact = exact and whole
     if cfg.data.limit:
         total = min(total, cfg.data.limit)
-    return int(total), f"data.path ({len(files)} files, {'Parquet footers' if exact else 'a sample of each file'})"
+    return int(total), f"data.path ({len(files)} files, {'exact counts' if exact else 'a sample of each file'})"
+
+
+def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, bool]:
+    """Rows of a file from the rows in its first `consumed` bytes (on disk) of `size`."""
+    if whole or not consumed:
+        return rows, whole
+    return rows * size / consumed, False
+
+
+def _text_rows(fs, path: str, fmt: str) -> tuple[float, bool]:
+    """(rows, counted whole) of a JSONL/CSV file: lines in its first SAMPLE_BYTES, scaled by the file's size. A
+    compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
+    64 KiB, 256 KiB, ... up to SAMPLE_BYTES of compressed bytes, until that gives a MiB of text."""
+    size = fs.get_file_info(path).size
+    codec = _CODECS.get(posixpath.splitext(path.lower())[1])
+    with fs.open_input_file(path) as raw:  # never decompressed on its own
+        if not codec:
+            head = raw.read(SAMPLE_BYTES)
+            consumed = len(head)
+        else:
+            consumed = 1 << 16
+            while True:
+                raw.seek(0)
+                prefix = raw.read(min(consumed, size))
+                head = _decompressed(prefix, codec)
+                consumed = len(prefix)
+                if len(head) >= SAMPLE_BYTES or consumed >= min(size, SAMPLE_BYTES):
+                    break
+                consumed *= 4
+    if not head:
+        return 0.0, True
+    whole = consumed >= size
+    lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - (1 if fmt == "csv" else 0)
+    return _scaled(max(1, lines), consumed, size, whole)
+
+
+def _decompressed(prefix: bytes, codec: str) -> bytes:
+    """The text the first bytes of a compressed file hold (a truncated stream ends where its bytes do)."""
+    stream, out = pa.CompressedInputStream(pa.BufferReader(prefix), codec), []
+    with contextlib.suppress(OSError):  # "Truncated compressed stream": the prefix's end
+        while chunk := stream.read(1 << 16):
+            out.append(chunk)
+    return b"".join(out)
+
+
+def _arrow_rows(fs, path: str) -> tuple[float, bool]:
+    """(rows, counted whole) of an Arrow IPC file: exact from the file format's footer, else (the stream format of
+    Hugging Face datasets) the record batches in its first SAMPLE_BYTES, scaled by the file's size."""
+    try:
+        return float(pads.dataset([path], filesystem=fs, format="ipc").count_rows()), True  # batch headers only
+    except pa.ArrowInvalid:
+        pass
+    size, rows = fs.get_file_info(path).size, 0
+    with fs.open_input_file(path) as raw:
+        reader, whole = pa.ipc.open_stream(raw), True
+        for batch in reader:
+            rows += batch.num_rows
+            if raw.tell() >= SAMPLE_BYTES:
+                whole = False
+                break
+        consumed = raw.tell()
+    return _scaled(rows, consumed, size, whole)
 
 
 def run_measurements(run: RunDir, cfg: Config, rates: Rates) -> dict:

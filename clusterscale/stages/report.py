@@ -17,7 +17,7 @@ from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, devi
 from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, PREDICTION_PATH, TRAIN, collapse_path,
                                     eval_by_cluster_path, manifest_path, read_manifest)
 from clusterscale.io.records import ShardManifest
-from clusterscale.io.rundir import RunDir, StageResult
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.train.metrics import read_metrics
 
@@ -394,13 +394,19 @@ def prediction_table(prediction: dict, costs: dict) -> str:
 
 def run_report(ctx: StageContext) -> StageResult:
     """The report stage: report/report.md rewritten from what the run holds now (no done marker). A run clustered at
-    other k only is refused: a report at this k would credit it with their costs and overwrite the right one."""
+    other k only is refused: a report at this k would credit it with their costs and overwrite the right one; so is
+    a run directory that holds no finished stage (a mistyped --run-dir)."""
     k, run = ctx.cfg.cluster.k, ctx.run
     made = sorted(name for name in (run.listdir("kmeans") if run.exists("kmeans") else []) if name.startswith("k="))
     if made and f"k={k}" not in made:
         raise ConfigError(f"cluster.k={k}: this run holds no clustering at k={k}, only {', '.join(made)}: report on "
                           f"one of them (--set cluster.k=...), or run `clusterscale fit`, `assign` and `shard` "
                           f"--set cluster.k={k} first.")
+    if not any(run.exists(*path) for path in (("pairs", "_DONE.json"), ("embeddings", "_DONE.json"),
+                                              ("report", "costs.json"), ("report", "cost_points.json"),
+                                              ("report", "sweep.json"))):  # a sweep's top run: its table
+        raise StageMissingError(f"{run.uri} holds no finished stage: nothing to report. Check --run-dir, or run "
+                                f"`clusterscale run --run-dir {run.uri} ...` first.")
     return StageResult({}, outputs={"report": write_report(ctx.cfg, run)})
 
 
