@@ -14,7 +14,7 @@ from clusterscale import experiments, pipeline
 from clusterscale.errors import bounded_repr, user_message
 from clusterscale.io.layout import load_manifest, shards_dir
 from clusterscale.redact import redact_uri, redacted_command
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.knobs import check_text
 from clusterscale.pipeline import STAGE_VERBS, STAGES, execute, open_run
 from clusterscale.runtime import interrupt
@@ -267,6 +267,8 @@ def inspect_run(run_dir: str, k: int | None, json_path: str | None) -> None:
     if k is not None and k < 1:
         raise config_mod.ConfigError(f"--k must be a number of clusters of at least 1, got {k}.")
     run = RunDir(run_dir)
+    if not run.exists():  # a mistyped path: not a run whose shard stage is missing
+        raise StageMissingError(f"{run_dir}: no such run directory (check the path).")
     json_folder = os.path.dirname(os.path.abspath(json_path)) if json_path else None
     if json_folder and not os.path.isdir(json_folder):
         raise config_mod.ConfigError(f"--json {json_path}: the folder {json_folder} does not exist; create it or "

@@ -312,6 +312,8 @@ def _run_once(stage: Stage, ctx: StageContext, command: str) -> StageResult:
     for need in stage.inputs:
         ctx.source.require(resolve(need.folder, cfg), need.verb, need.describe(cfg))
     if not stage.marks_done:  # no marker: it runs every time, reusing what it cached (its inputs maybe unread)
+        for need in stage.inputs:  # evaluate --set train.lr=...: not the model it would evaluate and describe
+            _check_input_config(ctx.source, need, cfg, stage.name, command)
         return stage.run(ctx)
     out, fingerprint = stage.output_of(cfg), stage.fingerprint_of(cfg, run)
     extras = [(resolve(e.folder, cfg), cfg.fingerprint(e.sections), e.sections == stage.sections)
@@ -438,8 +440,9 @@ def _check_input_config(source: RunDir, need: Input, cfg: Config, reader: str, c
     raise StageMissingError(
         f"{source.path(folder)}, which {reader} reads, was made with other values of keys it depends on (changed: "
         f"{changed_keys(flat, now)}): {reader} on it would mix outputs, and replacing {reader}'s output alone "
-        f"would not help. Redo it and what was made from it first: `{again} --replace` (it redoes each stage "
-        f"made with other values, from {need.verb} or before, and keeps the rest), or use a new --run-dir.")
+        f"would not help. Drop those --set keys to read it as it is, or redo it and what was made from it first: "
+        f"`{again} --replace` (it redoes each stage made with other values, from {need.verb} or before, and keeps "
+        f"the rest), or use a new --run-dir.")
 
 
 def _other_clustering(stage: Stage, cfg: Config, run: RunDir, stage_dir: str) -> bool:

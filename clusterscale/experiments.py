@@ -32,7 +32,7 @@ from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import DONE, RunDir, join_uri
 from clusterscale.train.metrics import read_metrics
 from clusterscale.arm_costs import arm_preprocess, gain_per_hour
-from clusterscale.stages.train import stopped_attempt
+from clusterscale.stages.train import check_student, stopped_attempt
 from clusterscale.train.schedule_config import SAMPLERS
 
 ARM_SAMPLERS = SAMPLERS  # an arm named after a registered sampler (train/samplers/) trains with it
@@ -182,9 +182,15 @@ def run_compare(cfg: Config, run: RunDir, samplers: list[str], seeds: int, custo
     # Build (and so validate) every arm's config before any work: a typo fails in a second, not an hour.
     arms = compare_arms(cfg, samplers, seeds, custom_arms)
     seed_list = [a.train.schedule.seed for a in next(iter(arms.values()))]
-    for arm_cfgs in arms.values():  # e.g. train.dedup with dedup applied to the shared shards: refused now
+    for name, arm_cfgs in arms.items():  # e.g. train.dedup with dedup applied to the shared shards: refused now
         if arm_cfgs[0].train.shards.dedup:
             train_dedup_config(arm_cfgs[0])
+        arm_batch = arm_cfgs[0].train.schedule.global_batch_size
+        if arm_batch != cfg.train.schedule.global_batch_size:  # refused by its training, after the arms before it
+            raise ConfigError(f"--arm {name}: train.global_batch_size={arm_batch} differs from the run's "
+                              f"{cfg.train.schedule.global_batch_size}, but it sets the shards' batches, which "
+                              f"every arm shares: set it for the whole compare with --set instead.")
+        check_student(arm_cfgs[0].train)  # its model folder, tokenizer, Matryoshka dimensions
     started = time.time()
     mining = [a[0] for a in arms.values() if a[0].train.objective.negatives_per_query]
     stage_options = stage_options or {}

@@ -252,7 +252,10 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
     elif kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {bounded_repr(value)}.")
-        check_text(key, value)
+        if key.endswith("_prompt"):  # text put before texts, not a path: newlines and tabs are its own
+            refuse_control_characters(key, value, allowed=PROMPT_CONTROLS)
+        else:
+            check_text(key, value)
     elif kind is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {bounded_repr(value)}.")
@@ -266,11 +269,14 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
 _CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL character"}
 
 
-def refuse_control_characters(key: str, value: str) -> None:
-    """Refuse a newline, NUL or other control character in `value`: no path, URI, model id, name or column holds
-    one, so it is a paste mistake (YAML would even fold a newline into a space, naming a path that does not exist).
-    The message names `key` and shows the value escaped (repr), redacted."""
-    char = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+PROMPT_CONTROLS = "\n\t"  # what a prompt may hold ("Instruct: ...\nQuery: " of instruction-tuned embedders)
+
+
+def refuse_control_characters(key: str, value: str, allowed: str = "") -> None:
+    """Refuse a newline, NUL or other control character in `value` (but those in `allowed`): no path, URI, model
+    id, name or column holds one, so it is a paste mistake (YAML would even fold a newline into a space, naming a
+    path that does not exist). The message names `key` and shows the value escaped (repr), redacted."""
+    char = next((ch for ch in value if unicodedata.category(ch) == "Cc" and ch not in allowed), None)
     if char is None:
         return
     shown = redact_uri(repr(value))  # escaped first: the redaction of a URI's secret works line by line

@@ -94,6 +94,11 @@ def _deduplicating(cfg: Config) -> bool:
     return cfg.dedup.enabled
 
 
+def _holding_out(cfg: Config) -> bool:
+    """when data.heldout_fraction > 0"""
+    return cfg.data.heldout_fraction > 0
+
+
 _DEDUP = ("data", "embed", "cluster", "dedup")  # what dedup/kept/ is made with (dedup/ holds one clustering at a time)
 _ON_GPU = Resources(gpus=1)  # one actor per GPU; on a CPU cluster the stage's own rule (a CPU count, or a share)
 _HALF_CPU = Resources(cpus=0.5)  # fractional: Ray Data's read and shuffle tasks keep CPUs on small nodes
@@ -169,7 +174,8 @@ STAGES: dict[str, Stage] = chain({s.name: s for s in (
           interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and "
                       "--run-dir) continues from train's latest checkpoint (train.checkpoint_every_steps)"),
     Stage("evaluate", "Held-out retrieval metrics of the frozen encoder and the trained model.", run_evaluate, EVAL,
-          inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU, marks_done=False),
+          inputs=(_HELDOUT, Input(_TRAINED, "train", "Trained model")), resources=_ON_GPU, marks_done=False,
+          in_run=_holding_out),
     Stage("report", "Write report/report.md with PNG plots: clusters, costs, evaluation, experiments, curves.",
           run_report, "report", cost_key="", marks_done=False),
 )})

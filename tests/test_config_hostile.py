@@ -88,3 +88,23 @@ def test_mteb_local_folder_that_is_not_there_is_refused_before_ray(tmp_path, cap
     assert f"--mteb local:{tmp_path}/sts-tsak: {tmp_path}/sts-tsak is not a folder here (no such path)" in err, err
     err = _refused(capsys, [verb, "--run-dir", str(tmp_path / "run"), "--mteb", f"local:{tmp_path}/a-file.jsonl"])
     assert "is not a folder here (a file)" in err, err
+
+
+@pytest.mark.parametrize("arm, shown", [
+    ("x:train.global_batch_size=48", r"--arm x: train.global_batch_size=48 differs from the run's 32, but it sets "
+                                     r"the shards' batches"),
+    ("x:train.init=/no/such/model", r"train.init=/no/such/model: The folder /no/such/model does not exist"),
+])
+def test_a_compare_arm_that_cannot_train_is_refused_before_any_arm_trains(tmp_path, capsys, arm, shown):
+    """An arm refused by its own training was found only after the arms before it had trained (~30 s here, hours on
+    a cluster): every arm's batch size and student are checked first."""
+    import re
+
+    err = _refused(capsys, ["compare", "--run-dir", str(tmp_path / "run"), "--arms", "random,x", "--arm", arm])
+    assert re.search(shown, err), err
+
+
+def test_inspect_of_a_run_directory_that_is_not_there_says_so(tmp_path, capsys):
+    """It said to run `clusterscale shard` first, for a mistyped path."""
+    err = _refused(capsys, ["inspect", str(tmp_path / "nope"), "--k", "4"])
+    assert f"{tmp_path / 'nope'}: no such run directory" in err, err

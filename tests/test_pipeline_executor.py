@@ -152,9 +152,15 @@ def test_an_input_made_with_other_values_of_its_keys_is_refused_not_mixed(tmp_pa
     assert calls == [3] and run.exists("out", "_DONE.json")  # the reader's output stayed
     with pytest.raises(StageMissingError, match=r"changed: data.source_column None -> 'src'"):
         pipeline.execute(reader, config_mod.load(None, ["data.source_column=src", "train.steps=7"]), run)
+    # A stage without a marker (evaluate: `evaluate --set train.lr=1e-2` scored the model trained at 1e-3 and wrote
+    # 1e-2 into its model card) checks its inputs the same way.
+    unmarked = dataclasses.replace(reader, marks_done=False)
+    with pytest.raises(StageMissingError, match=r"pairs, which reader reads, .*changed: data.limit 4000 -> 5"):
+        pipeline.execute(unmarked, config_mod.load(None, ["data.limit=5"]), run)
+    pipeline.execute(unmarked, config_mod.load(None, ["train.steps=9"]), run)
     lenient = dataclasses.replace(reader, inputs=(dataclasses.replace(toy_rows, not_made_with=("data.limit",)),))
     pipeline.execute(lenient, config_mod.load(None, ["data.limit=5", "train.steps=8"]), run, replace="always")
-    assert calls == [3, 3]
+    assert calls == [3, 3, 3]
 
 
 def test_replace_checks_the_inputs_before_it_removes_anything(tmp_path):

@@ -13,7 +13,7 @@ import yaml
 from clusterscale.config.root import Config, _key_text, all_sections, from_dict
 from clusterscale.config.sections import DataConfig
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import ConfigError, check_text, output_keys, refuse_control_characters
+from clusterscale.knobs import PROMPT_CONTROLS, ConfigError, check_text, output_keys, refuse_control_characters
 from clusterscale.redact import redact_values
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "default.yaml"
@@ -128,15 +128,17 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     lhs, rhs = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     source = f"--set {_key_text(lhs)}"
-    refuse_control_characters(source, rhs.strip())  # before YAML, which folds a newline into a space
+    prompt = key.strip().endswith(PROMPT_SUFFIX)
+    # Before YAML, which folds a newline into a space (a prompt's own newlines and tabs stay: knobs.PROMPT_CONTROLS).
+    refuse_control_characters(source, rhs.strip(), allowed=PROMPT_CONTROLS if prompt else "")
     text_kind = _text_key(section.strip(), key.strip())
-    if key.strip().endswith(PROMPT_SUFFIX):  # verbatim: "query: " is a prompt, not a YAML mapping, and its space counts
+    if prompt:  # verbatim: "query: " is a prompt, not a YAML mapping, and its space counts
         value = rhs
     elif text_kind and not rhs.strip().startswith(("'", '"')):
         value = None if text_kind == "str | None" and rhs.strip() in NULLS else rhs.strip()
     else:
         value = parse_yaml(rhs, source, quote_hint=bool(text_kind)) if rhs.strip() else ""
-    if isinstance(value, str):
+    if isinstance(value, str) and not prompt:
         check_text(source, value)
     return section, key, value
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterscale.modeling.model_files import (BUNDLED, EncoderLoadError, _read_model_file,  # noqa: F401 (re-exported)
+                                               check_encoder_files, check_tokenizer_files, check_weights,
                                                folder_prompts, frozen_prompts, resolve_model_path, with_prompt)
 from clusterscale.modeling import packing
 from clusterscale.modeling.moe import moe_layers
@@ -68,29 +69,11 @@ def load_model(model_path: str, trust_remote_code: bool = False,
         raise EncoderLoadError(f"Cannot load encoder weights from {model_path!r} ({type(exc).__name__}: {exc}).") from exc
 
 
-def check_weights(model_path: str) -> None:
-    """A local folder must hold .safetensors weights: say so before any worker starts."""
-    local = Path(model_path)
-    if model_path.startswith((".", "/", "~")) and not local.exists():
-        raise EncoderLoadError(f"The encoder folder {model_path} does not exist: set embed.model to a model "
-                               f"folder, an HF id or 'bundled'.")
-    if local.is_dir() and not any(local.glob("*.safetensors")):
-        found = ", ".join(sorted(p.name for p in local.iterdir())) or "nothing"
-        raise EncoderLoadError(f"No safetensors weights in {model_path} (found: {found}). clusterscale loads "
-                               f"weights only from .safetensors files (pickled .bin files can run code); "
-                               f"convert them with `transformers` save_pretrained(safe_serialization=True).")
-
-
 def check_encoder(model: str, trust_remote_code: bool = False) -> None:
     """Fail fast in the driver (clear message, no dead actors) when the encoder cannot load."""
     path = resolve_model_path(model)
-    check_weights(path)
-    local = Path(path)
-    vocab_files = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
-    if local.is_dir() and not any((local / name).exists() for name in vocab_files):
-        found = ", ".join(sorted(p.name for p in local.iterdir()))
-        raise EncoderLoadError(f"No usable tokenizer at {path!r}: none of {', '.join(vocab_files)} is there "
-                               f"(found: {found}). Save the tokenizer into the folder (tokenizer.save_pretrained).")
+    check_weights(path)  # (its message names embed.model)
+    check_tokenizer_files(path)
     load_tokenizer(path, trust_remote_code)
 
 

@@ -65,3 +65,36 @@ def frozen_prompts(embed) -> tuple[str, str]:
 def with_prompt(prompt: str, texts: list[str]) -> list[str]:
     """texts with `prompt` before each (as sentence-transformers' prompt_name does); as they are when it is ''."""
     return [prompt + t for t in texts] if prompt else texts
+
+
+def check_weights(model_path: str) -> None:
+    """A local folder must hold .safetensors weights: say so before any worker starts."""
+    local = Path(model_path)
+    if model_path.startswith((".", "/", "~")) and not local.exists():
+        raise EncoderLoadError(f"The encoder folder {model_path} does not exist: set embed.model to a model "
+                               f"folder, an HF id or 'bundled'.")
+    if local.is_dir() and not any(local.glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in local.iterdir())) or "nothing"
+        raise EncoderLoadError(f"No safetensors weights in {model_path} (found: {found}). clusterscale loads "
+                               f"weights only from .safetensors files (pickled .bin files can run code); "
+                               f"convert them with `transformers` save_pretrained(safe_serialization=True).")
+
+
+def check_encoder_files(path: str) -> None:
+    """A local model folder: there, with a tokenizer's files and safetensors weights (offline, no load)."""
+    check_tokenizer_files(path)
+    check_weights(path)
+
+
+VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """A local folder must hold a tokenizer's vocabulary (an HF id is left to its load)."""
+    local = Path(path)
+    if path.startswith((".", "/", "~")) and not local.exists():
+        raise EncoderLoadError(f"The folder {path} does not exist: give a model folder, an HF id or 'bundled'.")
+    if local.is_dir() and not any((local / name).exists() for name in VOCAB_FILES):
+        found = ", ".join(sorted(p.name for p in local.iterdir()))
+        raise EncoderLoadError(f"No usable tokenizer at {path!r}: none of {', '.join(VOCAB_FILES)} is there "
+                               f"(found: {found}). Save the tokenizer into the folder (tokenizer.save_pretrained).")

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from clusterscale.io.rundir import RunDir
+from clusterscale.io.rundir import RunDir, StageMissingError
 from clusterscale.runtime.hashing import hash_unit
 from clusterscale.stages.ingest import heldout_key
 
@@ -127,8 +127,9 @@ def heldout_queries(run: RunDir, max_queries: int) -> tuple[pa.Table, list[list[
     first pair is known), and T is raised until max_queries candidates have a key <= T (or T covers all)."""
     work, total = units(run, "heldout")
     if total == 0:
-        raise ValueError("No held-out pairs: set data.heldout_fraction > 0 and rerun `clusterscale ingest` "
-                         "in a new --run-dir.")
+        raise StageMissingError(f"No held-out pairs in {run.path('heldout')} (data.heldout_fraction="
+                                f"{_heldout_fraction(run)}): nothing to evaluate on. To evaluate, ingest with "
+                                f"data.heldout_fraction > 0 in a new --run-dir.")
     threshold = min(1.0, SAFETY * max_queries / total)
     while True:
         wanted = None if threshold >= 1.0 else frozenset(
@@ -198,3 +199,8 @@ def distractor_passages(run: RunDir, num_distractors: int) -> list[str]:
         return []
     position = np.lexsort((best.column("row").to_numpy(), best.column("file").to_numpy()))
     return best.column("passage").take(pa.array(position)).to_pylist()
+
+
+def _heldout_fraction(run: RunDir):
+    """data.heldout_fraction as heldout/'s marker records it ('?' where it does not)."""
+    return ((run.done_marker("heldout").covers or {}).get("data") or {}).get("heldout_fraction", "?")

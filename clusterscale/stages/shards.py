@@ -56,6 +56,10 @@ def plan_small_clusters(counts: np.ndarray, centroids: np.ndarray, min_rows: int
     target = np.arange(k)
     small = (counts > 0) & (counts < min_rows)
     big = np.flatnonzero(counts >= min_rows)
+    if counts.sum() < min_rows:  # no policy gives a batch: pooling every pair still holds fewer than one
+        raise ClusteringError(f"The {int(counts.sum())} training pairs are fewer than one global batch "
+                              f"(train.global_batch_size={min_rows}): lower train.global_batch_size below "
+                              f"{int(counts.sum())}, or bring more data.")
     moved: dict[int, int] = {}
     pool_id = None
     if small.any():
@@ -342,12 +346,13 @@ def write_clustered_set(ctx: StageContext, source: str, folder: str) -> StageRes
     started = time.time()
     # An attempt with this fingerprint that stopped midway left the groups it wrote whole (write_groups keeps them);
     # another config's attempt is refused, a fresh plan clears the folder.
-    load_or_make_plan(run, folder, f"{folder}/{PLAN_FILE}", fingerprint, "sharding", lambda: {"units": []})
     n_assigned = run.done_stats(source).get("rows")  # dedup on: the kept rows
     sums = cluster_stats(run, k, n_assigned or 0, source, cfg.cluster.side, cfg.cluster.dims)
     counts = sums.rows
     centroids = load_centroids(run, k)
     plan = plan_small_clusters(counts, centroids, cfg.train.schedule.global_batch_size, cfg.shard.small_cluster_policy)
+    # After the check of the batch size: a refused config leaves no plan that would refuse the corrected one.
+    load_or_make_plan(run, folder, f"{folder}/{PLAN_FILE}", fingerprint, "sharding", lambda: {"units": []})
     target = plan["target"]
     shard_rows = np.bincount(target, weights=counts, minlength=k + 1).astype(np.int64)
     rows_per_file, row_group_rows = file_sizes(cfg)

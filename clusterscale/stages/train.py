@@ -14,12 +14,15 @@ import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 from clusterscale.config import Config, ConfigError, TrainConfig, variant
 from clusterscale.errors import UserError
 from clusterscale.io.layout import NEGATIVES, collapse_path, metrics_path, model_dir, shard_set_manifest, train_dir
+from clusterscale.modeling.model_files import (EncoderLoadError, check_encoder_files, check_tokenizer_files,
+                                               resolve_model_path)
 from clusterscale.modeling.model_card import write_model_card
-from clusterscale.io.rundir import RunDir, StageMissingError, StageResult
+from clusterscale.io.rundir import RunDir, StageMissingError, StageResult, changed_keys
 from clusterscale.runtime.nodes import node_stats
 from clusterscale.runtime.resources import plan_actors
 from clusterscale.runtime.stage_context import StageContext
@@ -67,8 +70,11 @@ def run_train(ctx: StageContext) -> StageResult:
             if set_cfg.train.schedule.sampler != samplers.CLUSTERED:
                 ctx.stage("shard_set", set_cfg, run)
     plan = plan_training(cfg, run, ctx.resume)
-    if not ctx.resume:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_attempt)
-        run.write_json(f"{train_dir(plan.name)}/{ATTEMPT}", {"fingerprint": str(ctx.fingerprint or "")})
+    if ctx.resume:
+        _check_resumed_config(run, plan.name, ctx.fingerprint)
+    else:  # which config this attempt trains: compare continues an attempt stopped midway (stopped_attempt)
+        run.write_json(f"{train_dir(plan.name)}/{ATTEMPT}", {"fingerprint": str(ctx.fingerprint or ""), "covers":
+                                                             getattr(ctx.fingerprint, "values", None)})
     if cfg.train.objective.negatives_per_query:  # the rows of the shard sets this sampler reads carry their negatives
         for set_cfg in set_configs(cfg):
             sidecars_for_training(set_cfg, run, run)
@@ -80,6 +86,18 @@ def run_train(ctx: StageContext) -> StageResult:
             recluster_s += time.time() - started
         result = train_segment(ctx, plan, segment, shards_uri, ctx.resume or segment > 0)
     return finish_training(cfg, run, plan, result, recluster_s)
+
+
+def _check_resumed_config(run: RunDir, name: str, fingerprint) -> None:
+    """`train --resume` continues the attempt of train/<name>/ only with the config it started with: another one
+    (train.lr changed) wrote a model no config describes (the checkpoint's schedule with the new values recorded)."""
+    attempt = run.read_json(f"{train_dir(name)}/{ATTEMPT}") if run.exists(train_dir(name), ATTEMPT) else {}
+    if not attempt.get("fingerprint") or not fingerprint or attempt["fingerprint"] == str(fingerprint):
+        return  # an attempt from before the record: its checkpoint's own check (check_cursor) stands
+    changed = changed_keys(attempt.get("covers"), json.loads(json.dumps(getattr(fingerprint, "values", None))))
+    raise ConfigError(f"--resume: {train_dir(name)} was started with another config (changed: {changed}); a "
+                      f"resumed training continues its checkpoint's schedule and weights, so it resumes only with the "
+                      f"config it started with: drop those --set keys, or start afresh without --resume.")
 
 
 def stopped_attempt(run: RunDir, name: str) -> str | None:
@@ -136,6 +154,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     if tc.logging.tensorboard and (not run.is_local or importlib.util.find_spec("tensorboard") is None):
         raise ConfigError("train.tensorboard=true needs the `tensorboard` package (`pip install tensorboard`) and a "
                           "local --run-dir; set train.tensorboard=false otherwise.")
+    check_student(tc)
     if tc.objective.negatives_per_query:
         _check_negatives(cfg, run)
     if tc.objective.labeled_negatives_per_query:
@@ -164,6 +183,34 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
           f"batch)", flush=True)
     return TrainPlan(name, num_steps, min(num_steps, tc.checkpoint.stop_after_steps or num_steps),
                      segment_bounds(num_steps, tc.shards.recluster_every), unused, time.time())
+
+
+def check_student(tc: TrainConfig) -> None:
+    """train.init (train.tokenizer from scratch) on the driver, before Ray Train starts its workers (~20 s): a
+    folder that is not there, holds no safetensors weights or no tokenizer files (AutoTokenizer then made a 5-token
+    vocabulary of such a folder and trained a useless model, exit 0); a Matryoshka dimension not below a local
+    model's own (hidden_size of its config.json)."""
+    student = tc.student
+    folder = student.tokenizer if student.init == "scratch" else student.init
+    key = tc.key("tokenizer" if student.init == "scratch" else "init")
+    path = resolve_model_path(folder)
+    try:
+        if student.init == "scratch":
+            check_tokenizer_files(path)
+        else:
+            check_encoder_files(path)
+    except EncoderLoadError as exc:
+        raise ConfigError(f"{key}={folder}: {exc}") from None
+    config = Path(path) / "config.json"
+    if student.init != "scratch" and config.is_file():
+        try:
+            hidden = json.loads(config.read_text()).get("hidden_size")
+        except (OSError, ValueError):
+            hidden = None  # the load says what is wrong with it
+        too_wide = [d for d in tc.objective.matryoshka_dims if isinstance(hidden, int) and d >= hidden]
+        if too_wide:
+            raise ConfigError(f"{tc.key('matryoshka_dims')} holds {too_wide[0]}, not below the {hidden} dimensions of "
+                              f"{key}={folder}: list only the nested ones (the full dimension always counts).")
 
 
 def segments_to_train(run: RunDir, plan: TrainPlan) -> list[int]:
@@ -254,9 +301,18 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
 
 
 def _check_negatives(cfg: Config, run: RunDir) -> None:
+    wanted = cfg.train.objective.negatives_per_query
     if not run.is_done(NEGATIVES, mine_fingerprint(cfg, run)):  # raises when mined with another config
-        raise StageMissingError(f"train.negatives_per_query={cfg.train.objective.negatives_per_query} needs mined "
+        raise StageMissingError(f"train.negatives_per_query={wanted} needs mined "
                                 f"negatives in {run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
+    mined = run.done_stats(NEGATIVES)
+    kept, rows = mined.get("negatives_per_query"), mined.get("rows") or 0
+    if kept is not None and kept < wanted:  # the rest are random passages of the padding pool, not hard ones
+        print(f"[train] warning: train.negatives_per_query={wanted}, but mine kept {kept:.1f} per query on average "
+              f"({mined.get('without_negatives', '?')} of {rows} queries with none; at most mine.range_max - "
+              f"mine.range_min = {cfg.mine.range_max - cfg.mine.range_min}): the rest of each query's {wanted} are "
+              f"random passages of the padding pool, and each step encodes them all. Lower "
+              f"train.negatives_per_query, or widen mine.range_max (then `clusterscale mine --replace`).", flush=True)
 
 
 def _fit(ctx: StageContext, name: str, num_steps: int, segment: tuple[int, int, int], shards_uri: str, resume: bool):

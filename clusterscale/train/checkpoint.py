@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_model, save_model
 
+from clusterscale.errors import UserError
 from clusterscale.modeling.encoder import save_sentence_transformers_dir
 
 WEIGHTS, OPTIMIZER, CURSOR = "weights.safetensors", "optimizer.pt", "cursor.json"
@@ -43,12 +44,17 @@ def load_state(directory: str, model: torch.nn.Module, optimizer, scheduler, dev
         return json.load(f)
 
 
+class CheckpointMismatchError(UserError, ValueError):
+    """A checkpoint of another schedule than this run's: one paragraph, not a worker's traceback."""
+
+
 def check_cursor(cursor: dict, expected: dict) -> None:
     """A checkpoint continues only the run it came from: same schedule, same number of steps."""
     for key, value in expected.items():
         if cursor.get(key) != value:
-            raise ValueError(f"The checkpoint to resume was made with {key}={cursor.get(key)!r}, this run has "
-                             f"{value!r}: resume with the original config, or start afresh without --resume.")
+            raise CheckpointMismatchError(f"The checkpoint to resume was made with {key}={cursor.get(key)!r}, this "
+                                          f"run has {value!r}: resume with the original config, or start afresh "
+                                          f"without --resume.")
 
 
 @dataclass(frozen=True)

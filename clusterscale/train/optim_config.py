@@ -16,7 +16,7 @@ class OptimizerConfig(Section):
     lr: float = knob(5e-5, "Peak learning rate of AdamW (paper, from scratch: 4e-4).", bounds=POSITIVE)
     final_lr: float = knob(5e-6, "Learning rate at the last step after linear decay (paper: 4e-5).")
     warmup_steps: int = knob(10, "Linear warmup steps from 0 to lr (paper: 50).", bounds=NON_NEGATIVE)
-    weight_decay: float = knob(0.01, "AdamW weight decay (PyTorch's default).")
+    weight_decay: float = knob(0.01, "AdamW weight decay (PyTorch's default).", bounds=NON_NEGATIVE)
     max_grad_norm: float = knob(1.0, "Gradient clipping norm.", bounds=POSITIVE)
 
     def check_rules(self) -> None:

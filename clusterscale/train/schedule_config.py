@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clusterscale.errors import bounded_repr
-from clusterscale.knobs import POSITIVE, Bounds, ConfigError, Registry, Section, knob, zero_means
+from clusterscale.knobs import NON_NEGATIVE, POSITIVE, Bounds, ConfigError, Registry, Section, knob, zero_means
 
 # train.sampler's choices: the classes that clusterscale/train/samplers/'s modules register (a new one is a module there).
 SAMPLERS = Registry("train.sampler", "clusterscale.train.samplers",
                     first=("clustered", "random", "random_clusters", "source", "curriculum"))
 MAX_GLOBAL_BATCH = 1 << 20  # 1,048,576 pairs: far past any contrastive recipe (CLIP: 32k), and plan's loops stay short
+
+
+FROZEN = "frozen"  # the frozen encoder's name in eval/ and the report (no training may take it)
 
 
 @dataclass
@@ -32,7 +35,7 @@ class ScheduleConfig(Section):
                                   bounds=Bounds(low=1, high=MAX_GLOBAL_BATCH + 1, note="at most 2^20 pairs"))
     steps: int | None = knob(None, "Stop after this many steps; null = run `epochs` full epochs.", bounds=POSITIVE)
     epochs: int = knob(1, "Epochs over the shards (paper: 3).", bounds=POSITIVE)
-    seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.")
+    seed: int = knob(0, "Seed of the batch schedule and of from-scratch weights.", bounds=NON_NEGATIVE)
     curriculum_start: float = knob(0.0, "train.sampler=curriculum: the probability that the first global batch "
                                         "comes from one cluster (else from the random shuffle), in [0, 1].",
                                    added=True)
@@ -46,6 +49,9 @@ class ScheduleConfig(Section):
     def check_rules(self) -> None:
         if self.name and ("/" in self.name or self.name.startswith(".")):
             raise ConfigError(f"{self.key('name')} must be a plain folder name, got {bounded_repr(self.name)}.")
+        if self.name == FROZEN:  # eval/frozen.json is the frozen encoder's: a model of that name overwrote it
+            raise ConfigError(f"{self.key('name')}={FROZEN} is the name of the frozen encoder's evaluation "
+                              f"(eval/{FROZEN}.json): choose another name.")
         for name in ("curriculum_start", "curriculum_end"):  # probabilities: both ends allowed
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"{self.key(name)} is the probability of a batch from one cluster: it must be in "
