@@ -264,6 +264,10 @@ def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = 
     replace and command: see execute."""
     if "ingest" in verbs:  # before the run writes its config.yaml and locks inside the data folder
         refuse_run_dir_in_data(cfg.data, run.uri)
+    if verbs:  # the first stage's inputs come from earlier commands: a missing one is said before Ray starts (~5 s)
+        first, _ = wire(STAGES[verbs[0]], cfg)
+        for need in first.inputs:
+            run.require(executor.resolve(need.folder, cfg), need.verb, need.describe(cfg))
     session.init_ray(cfg.ray)
     session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
     new_run = run.config_in_force() is None

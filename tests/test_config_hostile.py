@@ -108,3 +108,12 @@ def test_inspect_of_a_run_directory_that_is_not_there_says_so(tmp_path, capsys):
     """It said to run `clusterscale shard` first, for a mistyped path."""
     err = _refused(capsys, ["inspect", str(tmp_path / "nope"), "--k", "4"])
     assert f"{tmp_path / 'nope'}: no such run directory" in err, err
+
+
+@pytest.mark.parametrize("verb, said", [("evaluate", "Held-out pairs not found in"),
+                                        ("train", "Shards for k=8 not found in"),
+                                        ("mine", "Embeddings not found in")])
+def test_a_verb_whose_input_is_missing_says_so_before_ray_starts(tmp_path, capsys, verb, said):
+    """Its first stage's inputs come from earlier commands: said in a second, not after Ray's start (~5 s)."""
+    err = _refused(capsys, [verb, "--run-dir", str(tmp_path / "run"), "--set", "train.negatives_per_query=1"])
+    assert said in err and "first" in err, err
