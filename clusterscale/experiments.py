@@ -17,11 +17,12 @@ evaluation instead of training the same model again under the arm's name; so doe
 """
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 
-from clusterscale.config import Config, ConfigError, parse_override, variant
+from clusterscale.config import Config, ConfigError, output_keys, parse_override, variant
 from clusterscale.stages.costs import summarize
 from clusterscale.stages.dedup import train_dedup_config
 from clusterscale.stages.evaluate import evaluate_together
@@ -134,6 +135,9 @@ def parse_arm(text: str) -> tuple[str, dict]:
         if section != "train":
             raise ConfigError(f"--arm {name}: only train.* keys may differ between arms (the shards are shared), "
                               f"got {section}.{key}.")
+        if key in ("name", "seed"):  # compare sets both for every arm: the value was dropped without a word
+            raise ConfigError(f"--arm {name}: train.{key} is compare's own (each arm's runs are named "
+                              f"compare-<arm>-seed<s>, from train.seed and --seeds): leave it out of --arm.")
         keys[key] = value
     return name, keys
 
@@ -233,6 +237,14 @@ def compare_arms(cfg: Config, samplers: list[str], seeds: int, custom_arms: dict
     arms = {s: [variant(cfg, train=arm_keys(s, cfg, custom_arms) | {"seed": seed, "name": arm_name("compare", s, seed)})
                 for seed in seed_list] for s in list(dict.fromkeys(samplers + list(custom_arms)))}
     check_arm_names(cfg, [a.train_name() for arm_cfgs in arms.values() for a in arm_cfgs])
+    same: dict[str, str] = {}
+    for name, arm_cfgs in arms.items():  # an arm of another's keys: one training reported twice
+        keys = json.dumps({k: v for k, v in output_keys(arm_cfgs[0].train).items() if k != "name"}, sort_keys=True,
+                          default=str)
+        if keys in same:
+            raise ConfigError(f"Arms {same[keys]} and {name} train the same config (the same train keys): give "
+                              f"{name} keys of its own with --arm {name}:train.key=value, or leave it out.")
+        same[keys] = name
     return arms
 
 

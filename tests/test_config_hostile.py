@@ -94,6 +94,9 @@ def test_mteb_local_folder_that_is_not_there_is_refused_before_ray(tmp_path, cap
     ("x:train.global_batch_size=48", r"--arm x: train.global_batch_size=48 differs from the run's 32, but it sets "
                                      r"the shards' batches"),
     ("x:train.init=/no/such/model", r"train.init=/no/such/model: The folder /no/such/model does not exist"),
+    # compare names and seeds every arm's runs itself: these were dropped, and x was clustered reported twice
+    ("x:train.name=foo", r"--arm x: train.name is compare's own"),
+    ("x:train.sampler=random", r"Arms random and x train the same config"),
 ])
 def test_a_compare_arm_that_cannot_train_is_refused_before_any_arm_trains(tmp_path, capsys, arm, shown):
     """An arm refused by its own training was found only after the arms before it had trained (~30 s here, hours on

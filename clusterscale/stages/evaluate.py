@@ -254,6 +254,10 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
     run.write_json(rel, result)
     print(f"[evaluate] {eval_name}: NDCG@10 {metrics['ndcg_at_10']:.4f}  MRR@10 {metrics['mrr_at_10']:.4f}  "
           f"({len(eval_set['queries'])} queries, pool {len(eval_set['pool'])})", flush=True)
+    whole = [k for k in cfg.eval.k_values if k >= len(eval_set["pool"])]
+    if whole:  # Recall@1000 of a 132-passage pool was 1.0, said as a result
+        print(f"[evaluate] warning: Recall@{whole[0]} counts every passage of the pool of {len(eval_set['pool'])} "
+              f"(1.0 by construction): raise eval.num_distractors or list smaller eval.k_values.", flush=True)
     return result
 
 
