@@ -120,3 +120,15 @@ def test_a_verb_whose_input_is_missing_says_so_before_ray_starts(tmp_path, capsy
     """Its first stage's inputs come from earlier commands: said in a second, not after Ray's start (~5 s)."""
     err = _refused(capsys, [verb, "--run-dir", str(tmp_path / "run"), "--set", "train.negatives_per_query=1"])
     assert said in err and "first" in err, err
+
+
+def test_evaluate_of_a_stopped_training_names_the_resume(tmp_path, capsys):
+    """`evaluate` after `train --set train.stop_after_steps=N` said to run `clusterscale train` (which would start
+    afresh): it names `train --resume`. The held-out pairs are there; the model's folder holds only the attempt."""
+    from clusterscale.io.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    run.write_json("heldout/_DONE.json", {"fingerprint": "x", "finished_at": "", "stats": {}, "config": {}})
+    run.write_json("train/clustered-seed0/_ATTEMPT.json", {"fingerprint": "x"})
+    err = _refused(capsys, ["evaluate", "--run-dir", run.uri])
+    assert "Trained model not found in" in err and "`clusterscale train --resume` continues it" in err, err

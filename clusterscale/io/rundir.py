@@ -348,8 +348,13 @@ class RunDir:
 
     def require(self, stage_dir: str, verb: str, what: str) -> None:
         if not self.exists(stage_dir, DONE):
+            unfinished = self.exists(stage_dir) and self.listdir(stage_dir)  # an attempt that stopped midway
+            rerun = (" (its last attempt stopped before it finished: `clusterscale train --resume` continues it from "
+                     "its latest checkpoint)" if unfinished and verb == "train" else
+                     " (its last attempt stopped before it finished: the same command finishes it)" if unfinished
+                     else "")
             raise StageMissingError(f"{what} not found in {self.path(stage_dir)}: run `clusterscale {verb}` "
-                                    f"(with the same config and --run-dir) first.")
+                                    f"(with the same config and --run-dir) first{rerun}.")
 
     def write_config(self, cfg: Config) -> None:
         self.write_text("config.yaml", to_yaml(cfg))
