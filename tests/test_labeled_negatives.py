@@ -66,7 +66,10 @@ def test_training_with_labeled_negatives_on_shards_without_them_is_refused_by_na
     from clusterscale.stages.train import _check_labeled_negatives
 
     pq.write_table(make_pairs(4), tmp_path / "part.parquet")
-    cfg = config.load(None, ["train.labeled_negatives_per_query=2"])
     with pytest.raises(config.ConfigError, match="labeled_negatives_per_query=2 needs labeled negatives.*"
-                                                 "data.negative_column"):
+                                                 "data.negative_column"):  # at load, before Ray starts
+        config.load(None, ["train.labeled_negatives_per_query=2"])
+    cfg = config.load(None, ["train.labeled_negatives_per_query=2", "data.negative_column=neg"])
+    with pytest.raises(config.ConfigError, match="labeled_negatives_per_query=2 needs labeled negatives.*"
+                                                 "data.negative_column"):  # shards ingested without them
         _check_labeled_negatives(cfg, RunDir(str(tmp_path)), [SimpleNamespace(files=["part.parquet"])])

@@ -74,6 +74,12 @@ class Config:
             raise ConfigError(f"cluster.side={self.cluster.side} clusters the query vectors (`emb_query`), which "
                               f"embed.side={self.embed.side} does not write: set embed.side=both (a new --run-dir, or "
                               f"--replace of embeddings/), or cluster.side=passage.")
+        labeled = self.train.objective.labeled_negatives_per_query
+        if labeled and self.data.negative_column is None:  # known at load: it was found after Ray's start
+            raise ConfigError(f"{self.train.key('labeled_negatives_per_query')}={labeled} needs labeled negatives: "
+                              f"set data.negative_column to the input column that holds them (one text or a list "
+                              f"per row; a new --run-dir, or --replace of pairs/), or set "
+                              f"{self.train.key('labeled_negatives_per_query')}=0.")
         every = self.train.shards.recluster_every
         if every and self.dedup.enabled and self.dedup.apply_to_shards:
             raise ConfigError(f"{self.train.key('recluster_every')}={every} re-shards the pairs "
