@@ -132,3 +132,13 @@ def test_evaluate_of_a_stopped_training_names_the_resume(tmp_path, capsys):
     run.write_json("train/clustered-seed0/_ATTEMPT.json", {"fingerprint": "x"})
     err = _refused(capsys, ["evaluate", "--run-dir", run.uri])
     assert "Trained model not found in" in err and "`clusterscale train --resume` continues it" in err, err
+
+
+def test_training_with_mined_negatives_that_were_not_mined_is_refused_before_ray(tmp_path, capsys):
+    """The train stage's precheck (Stage.precheck), run before Ray starts when train is the command's first stage."""
+    from clusterscale.io.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    run.write_json("shards/k=8/_DONE.json", {"fingerprint": "x", "finished_at": "", "stats": {}, "config": {}})
+    err = _refused(capsys, ["train", "--run-dir", run.uri, "--set", "train.negatives_per_query=1"])
+    assert "train.negatives_per_query=1 needs mined negatives in" in err and "run `clusterscale mine`" in err, err

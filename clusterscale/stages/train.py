@@ -300,11 +300,17 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
                     f"new --run-dir, or set train.labeled_negatives_per_query=0.")
 
 
-def _check_negatives(cfg: Config, run: RunDir) -> None:
+def check_mined(cfg: Config, run: RunDir) -> None:
+    """With train.negatives_per_query, negatives/ made with this config (the train stage's precheck, before Ray)."""
     wanted = cfg.train.objective.negatives_per_query
-    if not run.is_done(NEGATIVES, mine_fingerprint(cfg, run)):  # raises when mined with another config
+    if wanted and not run.is_done(NEGATIVES, mine_fingerprint(cfg, run)):  # raises when mined with another config
         raise StageMissingError(f"train.negatives_per_query={wanted} needs mined "
                                 f"negatives in {run.path(NEGATIVES)}: run `clusterscale mine` with this config first.")
+
+
+def _check_negatives(cfg: Config, run: RunDir) -> None:
+    wanted = cfg.train.objective.negatives_per_query
+    check_mined(cfg, run)
     mined = run.done_stats(NEGATIVES)
     kept, rows = mined.get("negatives_per_query"), mined.get("rows") or 0
     if kept is not None and kept < wanted:  # the rest are random passages of the padding pool, not hard ones
