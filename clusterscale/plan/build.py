@@ -27,7 +27,7 @@ from clusterscale.plan.shape import run_shape, shard_sizes, stage_work, train_sh
 
 BERT_BASE_PARAMS = 109_482_240  # bert-base-uncased's count (the paper's encoder size), for a hub id not on disk
 BERT_BASE_EMBEDDING_TABLES = (30_522 + 512 + 2) * 768  # its vocab, position and token-type tables
-SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in the first MiB of each file, scaled by the file size
+SAMPLE_BYTES = 1 << 20  # JSONL/CSV inputs: rows counted in a MiB of each file, scaled by the file size
 _CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 MAX_ROWS = 10 ** 15
 """The most pairs a plan takes (a million times the largest run in benchmarks/): its integer figures stay exact
@@ -96,14 +96,17 @@ def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, 
 
 
 def _text_rows(fs, path: str, fmt: str) -> tuple[float, bool]:
-    """(rows, counted whole) of a JSONL/CSV file: lines in its first SAMPLE_BYTES, scaled by the file's size. A
-    compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
+    """(rows, counted whole) of a JSONL/CSV file: lines in SAMPLE_BYTES read at four places along it (the middles
+    of its quarters), scaled by the file's size. A compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
     64 KiB, 256 KiB, ... up to SAMPLE_BYTES of compressed bytes, until that gives a MiB of text."""
     size = fs.get_file_info(path).size
     codec = _CODECS.get(posixpath.splitext(path.lower())[1])
     with fs.open_input_file(path) as raw:  # never decompressed on its own
-        if not codec:
-            head = raw.read(SAMPLE_BYTES)
+        if not codec:  # a quarter MiB around 1/8, 3/8, 5/8 and 7/8 of the file: rows that grow along it count
+            piece = SAMPLE_BYTES // 4
+            pieces = [raw.read_at(piece, size * (2 * i + 1) // 8 - piece // 2) for i in range(4)] \
+                if size > SAMPLE_BYTES else [raw.read(SAMPLE_BYTES)]
+            head = b"".join(pieces)
             consumed = len(head)
         else:
             consumed = 1 << 16
