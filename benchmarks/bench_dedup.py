@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,6 +32,7 @@ from bench_scale import cli, machine, run_sampled, stage_wall_s  # noqa: E402
 
 from clusterscale.io.layout import DEDUP  # noqa: E402
 from clusterscale.io.rundir import RunDir  # noqa: E402
+from clusterscale.runtime.faiss_index import faiss  # noqa: E402  (its OpenBLAS on this CPU's kernels)
 from clusterscale.runtime.dedup_core import keep_order, keep_rank, normalised  # noqa: E402
 from clusterscale.runtime.vectors import emb_matrix  # noqa: E402
 from clusterscale.stages.dedup import removed_table  # noqa: E402

@@ -32,10 +32,12 @@ import time
 if "--omp-default" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# faiss through clusterscale's import, so faiss.Kmeans and the core run on the same OpenBLAS kernels (faiss_index)
+from clusterscale.runtime.faiss_index import faiss  # noqa: E402
 
 from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid  # noqa: E402
 from clusterscale.stages.synthetic import clustered_unit_vectors  # noqa: E402

@@ -129,9 +129,8 @@ def timed(fn, repeat: int = 2) -> float:
 
 
 def cores(width: int, dims: list[int], rows: int) -> list[dict]:
-    import faiss
-
     from clusterscale.runtime import dedup_core as core
+    from clusterscale.runtime.faiss_index import faiss
     from clusterscale.runtime.vectors import truncated
 
     faiss.omp_set_num_threads(os.cpu_count() or 1)

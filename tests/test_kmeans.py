@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +10,7 @@ import pytest
 
 from clusterscale import config as config_mod
 from clusterscale.pipeline import run_stage
+from clusterscale.runtime.faiss_index import faiss
 from clusterscale.stages.kmeans import load_centroids
 from clusterscale.io.layout import assign_dir, kmeans_dir
 from clusterscale.runtime.kmeans_core import (LloydWorker, Partials, fit_spherical_kmeans, lloyd_partials,

@@ -3,6 +3,8 @@ same rows, the same scores, ties broken the same way (runtime/vector_search.top_
 model: the stages' own functions on small arrays."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -159,6 +161,8 @@ def test_dedup_is_the_same_on_torch(rule):
 WITHOUT_FAISS = r"""
 import sys
 sys.modules["faiss"] = None  # `import faiss` raises ImportError: a GPU node with torch and no faiss
+import os
+
 import numpy as np
 from clusterscale.errors import UserError
 from clusterscale.runtime.kmeans_core import fit_spherical_kmeans, nearest_centroid
@@ -193,3 +197,34 @@ def test_without_faiss_auto_runs_on_torch_and_faiss_is_refused_by_name(tmp_path)
     centroids, _ = fit_spherical_kmeans(x, 5, 4, 0, backend="faiss")
     np.testing.assert_array_equal(np.load(tmp_path / "centroids.npy"), centroids)
     np.testing.assert_array_equal(np.load(tmp_path / "labels.npy")[0], nearest_centroid(x, centroids)[1])
+
+
+@pytest.mark.integration
+def test_faiss_openblas_runs_the_kernels_this_cpu_has(tmp_path):
+    """faiss-cpu's bundled OpenBLAS (0.3.15) takes an Ice Lake Xeon for a generic SSE3 CPU ("Prescott", ~5x slower
+    searches): faiss_index tells it the kernels the CPU's flags support, during faiss's import only, and leaves a
+    user's OPENBLAS_CORETYPE alone."""
+    import subprocess
+    import sys
+
+    from clusterscale.runtime.faiss_index import openblas_coretype
+
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, expected in [("fpu sse2 avx avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl", "SkylakeX"),
+                            ("fpu sse2 avx avx2 fma avx512f", "Haswell"), ("fpu sse2 avx", "Sandybridge"),
+                            ("fpu sse2", None)]:
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        assert openblas_coretype(str(cpuinfo)) == expected
+    assert openblas_coretype(str(tmp_path / "absent")) is None
+    pytest.importorskip("threadpoolctl")
+    probe = ("import os; from clusterscale.runtime import faiss_index; from threadpoolctl import threadpool_info; "
+             "print([i.get('architecture') for i in threadpool_info() if i.get('prefix') == 'libopenblas'], "
+             "os.environ.get('OPENBLAS_CORETYPE'))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    ours = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    expected = openblas_coretype()
+    if expected:  # an x86 Linux CPU: its kernels, and nothing left in the environment for child processes
+        assert ours.split() == [f"['{expected}']", "None"], ours
+    users = subprocess.run([sys.executable, "-c", probe], env={**env, "OPENBLAS_CORETYPE": "Sandybridge"},
+                           capture_output=True, text=True, check=True).stdout
+    assert users.split() == ["['Sandybridge']", "Sandybridge"], users

@@ -217,9 +217,11 @@ def cpu_encoder_mfu(texts: int = 256, words: tuple[int, int] = (4, 40)) -> float
 def faiss_search_seconds(rows: int = 20_000, k: int = 1024, dim: int = CALIBRATION_DIM) -> float:
     """CPU-seconds per (row x centroid x dim) of faiss's flat inner-product search on one thread: assign's search
     term, which the synth calibration (k=64) barely exercises."""
-    import faiss
     import numpy as np
 
+    from clusterscale.runtime.faiss_index import require_faiss
+
+    faiss = require_faiss()  # through clusterscale's import: its OpenBLAS on this CPU's kernels, as the stages run
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:
