@@ -155,10 +155,11 @@ class Stage:
     check_reuse: Callable[[StageContext, str], None] | None = None
     """Called with the output folder before a done output is reused; raises ConfigMismatchError to refuse it (ingest:
     an input file changed since), which --replace then replaces like an output made with another config."""
-    precheck: Callable[[Config, RunDir], None] | None = None
-    """Checks of what earlier commands wrote that need no Ray (train: the mined negatives its config asks for), run
-    before Ray starts when the stage is a command's first (pipeline.run_stages): a refusal in a second, not ~5 s
-    later. Its inputs are checked there too; the stage itself still checks whatever it needs."""
+    precheck: Callable[[Config, RunDir, bool], None] | None = None
+    """Checks of what earlier commands wrote that need no Ray, called with (cfg, run, resume) before Ray starts when
+    the stage is a command's first (pipeline.run_stages): a refusal in a second, not ~5 s later (train: the mined
+    negatives its config asks for; with --resume, an attempt to continue). Its inputs are checked there too; the
+    stage itself still checks whatever it needs."""
     changes_after_done: tuple[str, ...] = ()
     """Paths inside the output (a folder ends with '/') that change after its done marker is written, so the marker
     does not list them for its readers' check (train: the checkpoints after_done drops, the model card evaluate

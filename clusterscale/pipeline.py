@@ -32,7 +32,8 @@ from clusterscale.stages.report import run_report
 from clusterscale.stages.shard_sets import run_shard_set
 from clusterscale.stages.shards import run_dedup_shards, run_shard
 from clusterscale.stages.synthetic import run_synth
-from clusterscale.stages.train import after_training, check_mined, run_train
+from clusterscale.stages.train import after_training, run_train
+from clusterscale.stages.train import precheck as train_precheck
 from clusterscale.io.negatives import mine_extra, mine_fingerprint
 
 __all__ = ["STAGES", "STAGE_VERBS", "PREPROCESS", "PER_K_STAGES", "Stage", "Input", "ExtraOutput", "PerK",
@@ -169,7 +170,7 @@ STAGES: dict[str, Stage] = chain({s.name: s for s in (
           keeps_units=True, resources=Resources(gpus=1, cpus_with_gpu=None), in_run=_mining,
           changes_after_done=("rows/",)),  # each training writes the sidecars of its draw and shard sets
     Stage("train", "Train the student with Ray Train DDP, every global batch from one cluster.", run_train, _TRAINED,
-          inputs=(_SHARDED,), sections=("train",), extra=_train_extra, resources=_ON_GPU, precheck=check_mined,
+          inputs=(_SHARDED,), sections=("train",), extra=_train_extra, resources=_ON_GPU, precheck=train_precheck,
           cost_key=_train_cost_key, after_done=after_training, changes_after_done=("ray/", "model/README.md"),
           interrupted="interrupted: finished stages are kept; `clusterscale train --resume` (same config and "
                       "--run-dir) continues from train's latest checkpoint (train.checkpoint_every_steps)"),
@@ -269,7 +270,7 @@ def run_stages(cfg: Config, run: RunDir, verbs: tuple[str, ...], resume: bool = 
         for need in first.inputs:
             run.require(executor.resolve(need.folder, cfg), need.verb, need.describe(cfg))
         if first.precheck:
-            first.precheck(cfg, run)
+            first.precheck(cfg, run, resume)
     session.init_ray(cfg.ray)
     session.check_run_dir_shared(run, cfg.ray.shared_run_dir)
     new_run = run.config_in_force() is None

@@ -2,6 +2,8 @@
 and showing the value escaped, before anything is written."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from clusterscale import cli, config
@@ -142,3 +144,14 @@ def test_training_with_mined_negatives_that_were_not_mined_is_refused_before_ray
     run.write_json("shards/k=8/_DONE.json", {"fingerprint": "x", "finished_at": "", "stats": {}, "config": {}})
     err = _refused(capsys, ["train", "--run-dir", run.uri, "--set", "train.negatives_per_query=1"])
     assert "train.negatives_per_query=1 needs mined negatives in" in err and "run `clusterscale mine`" in err, err
+
+
+def test_train_resume_with_no_attempt_to_continue_is_refused_before_ray(tmp_path, capsys):
+    """`train --resume` where no training started: said by the precheck before Ray starts (it was after Ray's start)."""
+    from clusterscale.io.rundir import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    run.write_json("shards/k=8/_DONE.json", {"fingerprint": "x", "finished_at": "", "stats": {}, "config": {}})
+    err = _refused(capsys, ["train", "--run-dir", run.uri, "--resume"])
+    assert "--resume: no earlier run of train/clustered-seed0" in err and "start without --resume" in err, err
+    assert not os.path.exists(tmp_path / "run" / "train"), "refused before anything was written"

@@ -147,7 +147,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     """Check the shards, the negatives and the options against the config; print the warnings and the plan
     (run_train runs its segments with train_segment, then finish_training)."""
     tc, name = cfg.train, cfg.train_name()
-    batches, out = tc.schedule, train_dir(name)
+    batches = tc.schedule
     manifests = [shard_set_manifest(run, cfg.cluster.k, batches.global_batch_size, name)  # checked, each of them
                  for name in samplers.training_sets(batches.sampler, tc.shards.dedup)]
     manifest = manifests[-1]  # its strata set the epoch (the curriculum's: the random set's)
@@ -171,12 +171,7 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
     for warning in training_warnings(tc, num_steps, unused, sum(sizes)):
         print(f"[train] warning: {warning}", flush=True)
     if resume:
-        if not run.exists(out, "ray", RAY_RUN_NAME) and run.exists(out, "_DONE.json"):
-            raise StageMissingError(f"--resume: {out} finished earlier with another config and its checkpoints were "
-                                    f"deleted after the export (train.keep_checkpoint=false): start without --resume "
-                                    f"(it trains afresh), and set train.keep_checkpoint=true to keep them next time.")
-        if not run.exists(out, "ray", RAY_RUN_NAME):
-            raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
+        check_resumable(cfg, run)
     print(f"[train] {name}: {num_steps} steps x {batches.global_batch_size} pairs, sampler={batches.sampler} "
           f"({batches.cluster_weighting}), {tc.compute.num_workers} workers "
           f"({'GPU' if tc.compute.use_gpu else 'CPU'}); {unused} pairs unused per epoch (remainders < one global "
@@ -298,6 +293,26 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
                     f"train.labeled_negatives_per_query={wanted} needs labeled negatives, but the shards hold none: "
                     f"set data.negative_column to the input column that holds them (one text or a list per row) in a "
                     f"new --run-dir, or set train.labeled_negatives_per_query=0.")
+
+
+def check_resumable(cfg: Config, run: RunDir) -> None:
+    """`train --resume`: an earlier attempt of train/<name>/ whose checkpoints are there to continue."""
+    out = train_dir(cfg.train_name())
+    if run.exists(out, "ray", RAY_RUN_NAME):
+        return
+    if run.exists(out, "_DONE.json"):
+        raise StageMissingError(f"--resume: {out} finished earlier with another config and its checkpoints were "
+                                f"deleted after the export (train.keep_checkpoint=false): start without --resume "
+                                f"(it trains afresh), and set train.keep_checkpoint=true to keep them next time.")
+    raise StageMissingError(f"--resume: no earlier run of {out} in {run.path(out)}; start without --resume.")
+
+
+def precheck(cfg: Config, run: RunDir, resume: bool) -> None:
+    """The train stage's checks before Ray starts (Stage.precheck): the mined negatives it asks for and, with
+    --resume, an attempt to continue."""
+    check_mined(cfg, run)
+    if resume:
+        check_resumable(cfg, run)
 
 
 def check_mined(cfg: Config, run: RunDir) -> None:
