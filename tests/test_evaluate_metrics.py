@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from clusterscale.stages.costs import extrapolate
-from clusterscale.stages.evaluate import mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search
+from clusterscale.stages.evaluate import (mean_by_group, mrr_at_k, ndcg_at_k, recall_at_k, retrieval_metrics, search,
+                                         whole_pool_warning)
 from clusterscale.experiments import paired_difference, spread
 from clusterscale.stages.report_plots import rolling_mean
 
@@ -138,3 +139,11 @@ def test_paired_difference_interval_by_hand():
     assert d["mean"] == pytest.approx(0.01) and d["ci95"] == pytest.approx([0.01 - half, 0.01 + half], abs=1e-6)
     assert (d["n"], d["wins"]) == (3, 2)
     assert paired_difference([0.02])["ci95"] is None  # one seed: no interval
+
+
+def test_a_recall_at_k_over_the_whole_pool_is_said_not_reported_silently():
+    """Recall@k with k >= the pool's size is 1.0 by construction: evaluate warns, naming the first such k."""
+    assert whole_pool_warning([1, 10, 100], 132) is None
+    warning = whole_pool_warning([1, 10, 100, 1000], 100)
+    assert warning.startswith("Recall@100 counts every passage of the pool of 100"), warning
+    assert "eval.num_distractors" in warning

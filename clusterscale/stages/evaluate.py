@@ -254,11 +254,20 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
     run.write_json(rel, result)
     print(f"[evaluate] {eval_name}: NDCG@10 {metrics['ndcg_at_10']:.4f}  MRR@10 {metrics['mrr_at_10']:.4f}  "
           f"({len(eval_set['queries'])} queries, pool {len(eval_set['pool'])})", flush=True)
-    whole = [k for k in cfg.eval.k_values if k >= len(eval_set["pool"])]
-    if whole:  # Recall@1000 of a 132-passage pool was 1.0, said as a result
-        print(f"[evaluate] warning: Recall@{whole[0]} counts every passage of the pool of {len(eval_set['pool'])} "
-              f"(1.0 by construction): raise eval.num_distractors or list smaller eval.k_values.", flush=True)
+    warning = whole_pool_warning(cfg.eval.k_values, len(eval_set["pool"]))
+    if warning:
+        print(f"[evaluate] warning: {warning}", flush=True)
     return result
+
+
+def whole_pool_warning(k_values: list[int], pool_size: int) -> str | None:
+    """What to say when a Recall@k counts the whole pool (Recall@1000 of a 132-passage pool was 1.0, said as a
+    result), else None."""
+    whole = [k for k in k_values if k >= pool_size]
+    if not whole:
+        return None
+    return (f"Recall@{whole[0]} counts every passage of the pool of {pool_size} (1.0 by construction): raise "
+            f"eval.num_distractors or list smaller eval.k_values.")
 
 
 def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) -> list[int] | None:
