@@ -345,3 +345,19 @@ def test_rows_of_a_text_file_whose_rows_grow_are_counted_along_it(tmp_path):
     rows, how = count_input_rows(config.load(None, [f"data.path={tmp_path / 'grow.jsonl'}", "data.query_column=q",
                                                     "data.passage_column=p"]))
     assert abs(rows - 40_000) < 40_000 * 0.05 and "a sample of each file" in how, rows
+
+
+def test_rows_of_a_pretty_printed_json_array_are_its_elements_not_its_lines(tmp_path):
+    """A JSON array written with indent=2 spans 4 lines per element of {"q", "p"}: plan counted 159,985 rows of
+    40,000. An array is counted by its elements' query keys; JSON lines still by their lines."""
+    from clusterscale.plan.build import count_input_rows
+
+    rows = [{"q": f"query {i}", "p": "word " * (10 + i % 50)} for i in range(40_000)]
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "small.json").write_text(json.dumps(rows[:300], indent=2))
+    for name, exact in (("array.json", False), ("small.json", True)):
+        counted, how = count_input_rows(config.load(None, [f"data.path={tmp_path / name}", "data.query_column=q",
+                                                           "data.passage_column=p"]))
+        expected = 40_000 if name == "array.json" else 300
+        assert abs(counted - expected) <= expected * 0.02, (name, counted)
+        assert ("exact counts" if exact else "a sample of each file") in how, how

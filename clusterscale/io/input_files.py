@@ -249,7 +249,7 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
         yield from _csv_records(fs, path, columns, data)
     else:
         _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
-        if _is_json_array(fs, path):
+        if is_json_array(fs, path):
             yield from _json_array_records(fs, path, columns, data)
         else:
             yield from _jsonl_records(fs, path, columns, data)
@@ -356,7 +356,7 @@ class NotTextError(pa.ArrowInvalid):
     """A text-format file holds binary data (a mislabelled Parquet file, a compressed file without its suffix)."""
 
 
-def _is_json_array(fs: pafs.FileSystem, path: str) -> bool:
+def is_json_array(fs: pafs.FileSystem, path: str) -> bool:
     """Whether a (possibly compressed) JSON file is one array, not JSON lines: its first character (after a
     byte-order mark and blanks) is `[`, and its first line is not a whole value with more lines after it (a JSON
     line holding an array, however deep, is that row's fault). A file of one line starting with `[` is an array."""

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ import pyarrow.parquet as pq
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
 from clusterscale.errors import bounded_repr
-from clusterscale.io.input_files import infer_format, list_input_files
+from clusterscale.io.input_files import infer_format, is_json_array, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.plan.cluster import MAX_GPUS, MAX_NODES, load_cluster, this_machine
@@ -80,7 +81,9 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
             with fs.open_input_file(path) as f:
                 total += pq.ParquetFile(f).metadata.num_rows
             continue
-        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt)
+        # a JSON array (pretty-printed, an element spans lines) by its elements' query keys, not its lines
+        key = cfg.data.query_column if fmt == "jsonl" and is_json_array(fs, path) else None
+        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key)
         total += rows
         exact = exact and whole
     if cfg.data.limit:
@@ -95,9 +98,10 @@ def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, 
     return rows * size / consumed, False
 
 
-def _text_rows(fs, path: str, fmt: str) -> tuple[float, bool]:
+def _text_rows(fs, path: str, fmt: str, key: str | None = None) -> tuple[float, bool]:
     """(rows, counted whole) of a JSONL/CSV file: lines in SAMPLE_BYTES read at four places along it (the middles
-    of its quarters), scaled by the file's size. A compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
+    of its quarters), scaled by the file's size; with `key`, the occurrences of "key": (a JSON array's elements). A
+    compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
     64 KiB, 256 KiB, ... up to SAMPLE_BYTES of compressed bytes, until that gives a MiB of text."""
     size = fs.get_file_info(path).size
     codec = _CODECS.get(posixpath.splitext(path.lower())[1])
@@ -121,6 +125,9 @@ def _text_rows(fs, path: str, fmt: str) -> tuple[float, bool]:
     if not head:
         return 0.0, True
     whole = consumed >= size
+    if key is not None:
+        return _scaled(max(1, len(re.findall(b'"' + re.escape(key.encode()) + rb'"\s*:', head))), consumed, size,
+                       whole)
     lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - (1 if fmt == "csv" else 0)
     return _scaled(max(1, lines), consumed, size, whole)
 
