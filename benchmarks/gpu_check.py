@@ -7,7 +7,10 @@ pyarrow and numpy (the lent GPU machine has no Ray and no faiss):
     (embed.packing; issue 52's goal: >= 40% MFU);
   - the training step: InfoNCE (clusterscale.train.loss) with GradCache (clusterscale.train.gradcache) on a
     BERT-base student, AdamW, bf16 autocast: pairs/s and MFU;
-  - assignment as a torch matmul + argmax against k centroids: rows/s.
+  - assignment as a torch matmul + argmax against k centroids: rows/s;
+  - a mine search group's exact top-k (runtime/vector_search, the torch backend): queries/s with the float64
+    rescoring on the device (TorchIPIndex.top_k, as shipped) against the float32 search on the device and the
+    rescoring on one CPU core (top_k's CPU path, as before), and the rows both return compared.
 
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.json] [--quick] [--budget-s 420]
 
@@ -31,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from clusterscale.train.gradcache import grad_cache_backward  # noqa: E402  (torch-only cores)
 from clusterscale.train.loss import info_nce  # noqa: E402
+from clusterscale.runtime import vector_search  # noqa: E402  (numpy and torch; faiss only when asked for)
 
 FORMAT = "clusterscale-gpu-check/1"  # plan/rates.GPU_CALIBRATION_FORMAT
 # Shapes from the models' config.json files: all-MiniLM-L6-v2 and bert-base-uncased.
@@ -183,6 +187,35 @@ def assign_rate(device, rows: int, dim: int, k: int, seconds: float) -> dict:
             "rows_x_k_x_d_per_s": rows * k * dim / per_call}
 
 
+def search_rate(device, passages: int, queries: int, dim: int, k: int, seconds: float) -> dict:
+    """A mine search group (mine_search.search_chunks: one block of mine.query_batch_size queries against the group's
+    passages, range_max candidates): top_k with the rescoring on the device, against the float32 search there and
+    the float64 rescoring on the CPU (vector_search._rescore, one thread as a search task has)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((passages, dim), dtype=np.float32)
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    q = rng.standard_normal((queries, dim), dtype=np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    index = vector_search.TorchIPIndex(base, device.type)
+    wide = min(k + vector_search.RESCORE_MARGIN, passages)
+    torch.set_num_threads(1)
+    on_device, _ = timed(lambda: index.top_k(q, k), device, seconds)
+    search_only, _ = timed(lambda: index.search(q, wide), device, seconds)
+    rows = index.search(q, wide)[1]
+    started = time.perf_counter()
+    cpu_scores, cpu_rows = vector_search._rescore(q, base, rows, k)
+    rescore_cpu = time.perf_counter() - started
+    scores, found = index.top_k(q, k)
+    return {"passages": passages, "queries": queries, "dim": dim, "k": k,
+            "queries_per_s_rescored_on_device": queries / on_device,
+            "queries_per_s_rescored_on_cpu": queries / (search_only + rescore_cpu),
+            "search_s": search_only, "rescore_cpu_s": rescore_cpu, "top_k_on_device_s": on_device,
+            "same_rows": bool((found == cpu_rows).all()),
+            "max_score_diff": float(np.abs(scores - cpu_scores).max())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/gpu_check.json")
@@ -217,6 +250,12 @@ def main() -> None:
     print(f"train step: {out['train_step']['pairs_per_s']:,.0f} pairs/s, MFU {out['train_step']['mfu']}", flush=True)
     out["assign"] = [assign_rate(device, 1024 if args.quick else 1_000_000, 32 if args.quick else 768, k, seconds)
                      for k in ((8,) if args.quick else (1000, 10000))]
+    out["search"] = [search_rate(device, p, 512 if args.quick else 4096, 32 if args.quick else d, 30, seconds / 4)
+                     for p, d in (((600, 32),) if args.quick else ((25_000, 384), (100_000, 768)))]
+    for r in out["search"]:
+        print(f"mine search, {r['passages']:,} passages at d = {r['dim']}: {r['queries_per_s_rescored_on_device']:,.0f} "
+              f"queries/s rescored on the device, {r['queries_per_s_rescored_on_cpu']:,.0f} with the CPU's rescoring "
+              f"(same rows: {r['same_rows']})", flush=True)
     out["wall_s"] = time.time() - started
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU node checks, in one go (~5 min on one H200): the GPU rates that `clusterscale plan` reads
 # (gpu_check.py), bf16 embedding throughput of the embed stage's core against SentenceTransformer.encode
-# (bench_embed.py --gpu) and the GPU-marked tests (bf16 GradCache and MoE against their fp32/unchunked paths).
+# (bench_embed.py --gpu) and the GPU-marked tests (bf16 GradCache and MoE against their fp32/unchunked paths, the
+# search's top-k on the device against the CPU's).
 # Needs torch, transformers, sentence-transformers, pyarrow, numpy, pytest; no Ray or faiss (the tests that need
 # them are not GPU-marked).
 #   bash benchmarks/gpu_session.sh OUT_DIR [DOCSTRINGS.parquet]
@@ -27,4 +28,4 @@ sys.argv = ["benchmarks/bench_embed.py", "--gpu", "--rows", "20000", "--repeats"
 runpy.run_path("benchmarks/bench_embed.py", run_name="__main__")
 PY
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_moe.py tests/test_train_grad.py \
-  tests/test_train_grad_clp.py 2>&1 | tee "$out/pytest_gpu.log"
+  tests/test_train_grad_clp.py tests/test_vector_search_device.py 2>&1 | tee "$out/pytest_gpu.log"

@@ -1,0 +1,54 @@
+"""TorchIPIndex.top_k: the search and its float64 rescoring on the index's own device (a GPU node's mine, evaluate and
+assign then copy back only the k rows), against vector_search.top_k's rescoring on the CPU. torch and numpy only (no
+faiss, no Ray): benchmarks/gpu_session.sh runs the GPU test on a lent GPU node."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clusterscale.runtime import vector_search
+from clusterscale.runtime.vector_search import TorchIPIndex, top_k
+
+
+def unit_rows(n: int, d: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def cases() -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """(base, queries, k): exact duplicates (a tie whatever the rounding), a base smaller than k, d of a real
+    encoder."""
+    base, queries = unit_rows(3000, 48, 0), unit_rows(700, 48, 1)
+    base[11] = base[5]
+    queries[0] = base[5]
+    return [(base, queries, 12), (base[:3], queries[:9], 5), (base[:40], queries, 40),
+            (unit_rows(2500, 384, 2), unit_rows(300, 384, 3), 30)]
+
+
+def test_device_rescoring_gives_the_cpu_rescorings_rows_and_scores(monkeypatch):
+    for base, queries, k in cases():
+        expected = top_k(TorchIPIndex(base), base, queries, k)  # on a CPU: float32 search, numpy's float64 rescoring
+        got = TorchIPIndex(base).top_k(queries, k)
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_array_equal(got[0], expected[0])
+    base, queries, k = cases()[0]
+    assert got[1].dtype == np.int64 and got[0].dtype == np.float32
+    assert TorchIPIndex(base).top_k(queries, k)[1][0, :2].tolist() == [5, 11]  # the tie: the lower row first
+    small = TorchIPIndex(base[:3]).top_k(queries[:2], 5)
+    assert (small[1][:, 3:] == -1).all() and np.isinf(small[0][:, 3:]).all()
+    monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 1)  # one query per block: the same
+    np.testing.assert_array_equal(TorchIPIndex(base).top_k(queries[:50], k)[1], top_k(TorchIPIndex(base), base,
+                                                                                      queries[:50], k)[1])
+
+
+@pytest.mark.gpu
+def test_gpu_top_k_is_the_cpu_top_k():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for base, queries, k in cases():
+        expected = top_k(TorchIPIndex(base), base, queries, k)
+        got = top_k(TorchIPIndex(base, "cuda"), base, queries, k)  # top_k hands a CUDA index its own top_k
+        np.testing.assert_array_equal(got[1], expected[1])
+        np.testing.assert_allclose(got[0], expected[0], rtol=0, atol=1e-7)  # float64 sums in the GPU's order
