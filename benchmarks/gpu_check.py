@@ -253,7 +253,8 @@ def main() -> None:
     out["search"] = [search_rate(device, p, 512 if args.quick else 4096, 32 if args.quick else d, 30, seconds / 4)
                      for p, d in (((600, 32),) if args.quick else ((25_000, 384), (100_000, 768)))]
     for r in out["search"]:
-        print(f"mine search, {r['passages']:,} passages at d = {r['dim']}: {r['queries_per_s_rescored_on_device']:,.0f} "
+        print(f"mine search, {r['passages']:,} passages at d = {r['dim']}: "
+              f"{r['queries_per_s_rescored_on_device']:,.0f} "
               f"queries/s rescored on the device, {r['queries_per_s_rescored_on_cpu']:,.0f} with the CPU's rescoring "
               f"(same rows: {r['same_rows']})", flush=True)
     out["wall_s"] = time.time() - started

@@ -1,13 +1,14 @@
-"""TorchIPIndex.top_k: the search and its float64 rescoring on the index's own device (a GPU node's mine, evaluate and
-assign then copy back only the k rows), against vector_search.top_k's rescoring on the CPU. torch and numpy only (no
-faiss, no Ray): benchmarks/gpu_session.sh runs the GPU test on a lent GPU node."""
+"""The float64 rescoring of top_k on the index's own device (TorchIPIndex.top_k, and DeviceRescoredIndex for a
+faiss-gpu index: a GPU node's mine, evaluate and assign then copy back only the k rows), against vector_search.top_k's
+rescoring on the CPU, here with torch on the CPU. No Ray; faiss for the faiss-gpu wrapper's test only:
+benchmarks/gpu_session.sh runs the GPU test on a lent GPU node, which has no faiss."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from clusterscale.runtime import vector_search
-from clusterscale.runtime.vector_search import TorchIPIndex, top_k
+from clusterscale.runtime.vector_search import DeviceRescoredIndex, TorchIPIndex, top_k
 
 
 def unit_rows(n: int, d: int, seed: int) -> np.ndarray:
@@ -39,6 +40,26 @@ def test_device_rescoring_gives_the_cpu_rescorings_rows_and_scores(monkeypatch):
     monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 1)  # one query per block: the same
     np.testing.assert_array_equal(TorchIPIndex(base).top_k(queries[:50], k)[1], top_k(TorchIPIndex(base), base,
                                                                                       queries[:50], k)[1])
+
+
+def test_a_faiss_gpu_index_rescored_on_the_device_is_top_k():
+    """DeviceRescoredIndex around a faiss index (here a CPU one, torch on the CPU): flat, and IVF probing one list
+    (fewer hits than k: -1 rows, -inf scores, last); the faiss index's own attributes and search pass through."""
+    pytest.importorskip("faiss")
+    from clusterscale.runtime.faiss_index import build_ip_index
+
+    short = False
+    for base, queries, k in cases():
+        for kind in ("flat", "ivf"):
+            index = build_ip_index(base, kind, nlist=min(8, len(base)), nprobe=1)
+            expected = top_k(index, base, queries, k)
+            wrapped = DeviceRescoredIndex(index, base, "cpu")
+            got = top_k(wrapped, base, queries, k)
+            np.testing.assert_array_equal(got[1], expected[1])
+            np.testing.assert_array_equal(got[0], expected[0])
+            short |= bool((got[1] == -1).any())
+    assert short and wrapped.nprobe == 1 and wrapped.ntotal == len(base)
+    np.testing.assert_array_equal(wrapped.search(queries, 3)[1], index.search(queries, 3)[1])
 
 
 @pytest.mark.gpu

@@ -9,9 +9,10 @@ Two backends (or two BLAS libraries, or two CPU kinds) round float32 products di
 float32 search alone would flip near ties between them. `top_k` therefore searches k + RESCORE_MARGIN in float32 and
 rescores those candidates in float64, ordering by (score descending, row ascending): every backend then returns the
 same rows, scores and order, unless two candidates' float64 products differ by less than float32 rounding can move a
-row across the margin (never seen; the suite compares the backends on every change). On a GPU the torch index does
-both steps on the device (TorchIPIndex.top_k): rescoring on the CPU there took ~0.3 s per 4,096 queries of 34
-candidates at d = 384 on one core, about a hundred times the GPU's search of a mine group of 25k passages.
+row across the margin (never seen; the suite compares the backends on every change). On a GPU both steps run there
+(TorchIPIndex.top_k; a faiss-gpu index through DeviceRescoredIndex): the rescoring takes ~0.13 s per 4,096 queries of
+34 candidates at d = 384 on one CPU core, many times a GPU's search of a mine group (benchmarks/gpu_check.py measures
+both on a GPU node).
 """
 from __future__ import annotations
 
@@ -111,29 +112,81 @@ class TorchIPIndex:
 
 
     def top_k(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """vector_search.top_k on the device: k + RESCORE_MARGIN rows by float32 product, rescored in float64 and
-        ordered by (score descending, row ascending); the same rows and scores as top_k's CPU rescoring (products
-        summed in another order may differ in float64's last bit: never across a float32 rounding in the suite)."""
+        """vector_search.top_k on the device: k + RESCORE_MARGIN rows by float32 product, rescored there
+        (rescore_on_device)."""
         import torch
 
         q = np.ascontiguousarray(queries, dtype=np.float32)
-        n, wide = len(q), min(k + RESCORE_MARGIN, self.ntotal)
-        found = min(k, wide)
-        scores = np.full((n, k), -np.inf, np.float32)
-        rows = np.full((n, k), -1, np.int64)
-        if not found:
-            return scores, rows
+        wide = min(k + RESCORE_MARGIN, self.ntotal)
         step = self._block_rows(extra=3 * wide * self.d)  # the gathered candidates: float32, then float64
-        with torch.no_grad():
-            for start in range(0, n, step):
-                block = torch.from_numpy(np.array(q[start:start + step])).to(self.device)
-                candidates = torch.topk(block @ self.x.T, wide, dim=1).indices  # distinct rows per query
-                exact = torch.bmm(self.x[candidates].double(), block.double().unsqueeze(2)).squeeze(2)
-                by_row = torch.argsort(candidates, dim=1)  # then a stable sort by score: ties stay in row order
-                order = by_row.gather(1, torch.argsort(-exact.gather(1, by_row), dim=1, stable=True))[:, :found]
-                scores[start:start + len(block), :found] = exact.gather(1, order).float().cpu().numpy()
-                rows[start:start + len(block), :found] = candidates.gather(1, order).cpu().numpy()
+        return _blockwise(q, k, wide, step, lambda _, block: torch.topk(block @ self.x.T, wide, dim=1).indices,
+                          self.x)
+
+
+class DeviceRescoredIndex:
+    """A faiss GPU index (faiss-gpu's flat or IVF) whose top_k rescores on the same GPU through torch, with a torch
+    copy of its vectors: on the CPU the rescoring takes many times the GPU's search (module docstring). Every other
+    attribute is read from the faiss index."""
+
+    def __init__(self, index, vectors: np.ndarray, device: str = "cuda"):
+        import torch
+
+        self.index = index
+        self.x = torch.from_numpy(np.array(vectors, dtype=np.float32)).to(torch.device(device))
+        self.ntotal, self.d = self.x.shape
+
+    def __getattr__(self, name: str):
+        if name == "index":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.index, name)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search(queries, k)
+
+    def top_k(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """vector_search.top_k: k + RESCORE_MARGIN rows from faiss (-1 where an IVF index found fewer), rescored on
+        the device (rescore_on_device), RESCORE_BLOCK_VALUES of gathered values at a time."""
+        import torch
+
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        wide = min(k + RESCORE_MARGIN, self.ntotal)
+        step = max(1, RESCORE_BLOCK_VALUES // max(1, wide * self.d))
+        return _blockwise(q, k, wide, step, lambda queries, _: torch.from_numpy(
+            self.index.search(queries, wide)[1]).to(self.x.device), self.x)
+
+
+def _blockwise(q: np.ndarray, k: int, wide: int, step: int, candidates_of, x) -> tuple[np.ndarray, np.ndarray]:
+    """top_k's (scores, rows) for queries q, `step` queries at a time: candidates_of(the block, the block on x's
+    device) gives each query's `wide` candidate rows of x (-1: none), rescored by rescore_on_device."""
+    import torch
+
+    n, found = len(q), min(k, wide)
+    scores = np.full((n, k), -np.inf, np.float32)
+    rows = np.full((n, k), -1, np.int64)
+    if not found:
         return scores, rows
+    with torch.no_grad():
+        for start in range(0, n, step):
+            queries = np.array(q[start:start + step])
+            block = torch.from_numpy(queries).to(x.device)
+            best, best_rows = rescore_on_device(x, block, candidates_of(queries, block), found)
+            scores[start:start + len(block), :found] = best.cpu().numpy()
+            rows[start:start + len(block), :found] = best_rows.cpu().numpy()
+    return scores, rows
+
+
+def rescore_on_device(x, block, candidates, k: int):
+    """_rescore with torch on the tensors' device: the k best of each query's `candidates` (rows of x, -1: none) by
+    float64 product, ties to the lower row, -1 rows last; the same rows and scores as _rescore (products summed in
+    another order may differ in float64's last bit: never across a float32 rounding in the suite)."""
+    import torch
+
+    valid = candidates >= 0
+    exact = torch.bmm(x[torch.where(valid, candidates, 0)].double(), block.double().unsqueeze(2)).squeeze(2)
+    exact = torch.where(valid, exact, -torch.inf)
+    by_row = torch.argsort(torch.where(valid, candidates, torch.iinfo(torch.int64).max), dim=1, stable=True)
+    order = by_row.gather(1, torch.argsort(-exact.gather(1, by_row), dim=1, stable=True))[:, :k]
+    return exact.gather(1, order).float(), torch.where(valid, candidates, -1).gather(1, order)
 
 
 def build_index(vectors: np.ndarray, backend: str = "faiss", gpu: bool = False, kind: str = "flat", nlist: int = 1,
@@ -146,15 +199,16 @@ def build_index(vectors: np.ndarray, backend: str = "faiss", gpu: bool = False, 
     library, device = resolve(backend, gpu)
     if library == "torch":
         return TorchIPIndex(vectors, device)
-    return build_ip_index(vectors, kind, nlist=nlist, nprobe=nprobe, use_gpu=device == "gpu")
+    index = build_ip_index(vectors, kind, nlist=nlist, nprobe=nprobe, use_gpu=device == "gpu")
+    return DeviceRescoredIndex(index, vectors) if device == "gpu" and torch_cuda() else index
 
 
 def top_k(index, base: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(scores, rows) of each query's k best rows of `base` (which `index` holds, in order): k + RESCORE_MARGIN
     from the index in float32, rescored in float64 and ordered by (score descending, row ascending); scores are the
     float64 products rounded to float32. Rows -1 (score -inf) where the index returned fewer (IVF, a small base)."""
-    if isinstance(index, TorchIPIndex) and index.device.type == "cuda":
-        return index.top_k(queries, k)  # base is the index's own vectors: no copy back to the CPU
+    if isinstance(index, DeviceRescoredIndex) or (isinstance(index, TorchIPIndex) and index.device.type == "cuda"):
+        return index.top_k(queries, k)  # base is the index's own vectors, on its GPU
     q = np.ascontiguousarray(queries, dtype=np.float32)
     wide = min(k + RESCORE_MARGIN, max(1, len(base)))
     _, rows = index.search(q, wide)
