@@ -42,7 +42,7 @@ def test_device_rescoring_gives_the_cpu_rescorings_rows_and_scores(monkeypatch):
                                                                                       queries[:50], k)[1])
 
 
-def test_a_faiss_gpu_index_rescored_on_the_device_is_top_k():
+def test_a_faiss_gpu_index_rescored_on_the_device_is_top_k(monkeypatch):
     """DeviceRescoredIndex around a faiss index (here a CPU one, torch on the CPU): flat, and IVF probing one list
     (fewer hits than k: -1 rows, -inf scores, last); the faiss index's own attributes and search pass through."""
     pytest.importorskip("faiss")
@@ -60,6 +60,8 @@ def test_a_faiss_gpu_index_rescored_on_the_device_is_top_k():
             short |= bool((got[1] == -1).any())
     assert short and wrapped.nprobe == 1 and wrapped.ntotal == len(base)
     np.testing.assert_array_equal(wrapped.search(queries, 3)[1], index.search(queries, 3)[1])
+    monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 1)  # one query per block: the same
+    np.testing.assert_array_equal(top_k(wrapped, base, queries[:40], k)[1], expected[1][:40])
 
 
 @pytest.mark.gpu

@@ -10,9 +10,9 @@ float32 search alone would flip near ties between them. `top_k` therefore search
 rescores those candidates in float64, ordering by (score descending, row ascending): every backend then returns the
 same rows, scores and order, unless two candidates' float64 products differ by less than float32 rounding can move a
 row across the margin (never seen; the suite compares the backends on every change). On a GPU both steps run there
-(TorchIPIndex.top_k; a faiss-gpu index through DeviceRescoredIndex): the rescoring takes ~0.13 s per 4,096 queries of
+(TorchIPIndex.top_k; a faiss-gpu index through DeviceRescoredIndex): the rescoring takes ~0.1 s per 4,096 queries of
 34 candidates at d = 384 on one CPU core, many times a GPU's search of a mine group (benchmarks/gpu_check.py measures
-both on a GPU node).
+both on a GPU node). On a CPU it goes RESCORE_BLOCK_VALUES at a time: gathered rows that stay in cache.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ BACKENDS = ("auto", "faiss", "torch")
 RESCORE_MARGIN = 4  # candidates searched beyond k in float32 and ordered again in float64
 GPU_MEMORY_FRACTION = 0.5  # of a GPU's free memory one search block's products may take
 CPU_BLOCK_VALUES = 1 << 24  # one block's products on a CPU: 64 MiB of float32
-RESCORE_BLOCK_VALUES = 1 << 22  # values of the candidates' rows gathered at once (16 MiB of float32)
+RESCORE_BLOCK_VALUES = 1 << 20  # values of the candidates' rows gathered at once (4 MiB of float32: in cache)
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,14 +83,7 @@ class TorchIPIndex:
 
     def _block_rows(self, extra: int = 0) -> int:
         """Queries per block: a query row takes its products, its own vector and `extra` float32 values."""
-        import torch
-
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            values = int(free * GPU_MEMORY_FRACTION) // 4
-        else:
-            values = CPU_BLOCK_VALUES
-        return max(1, values // (self.ntotal + self.d + extra))
+        return block_rows(self.device, self.ntotal + self.d + extra)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -150,9 +143,22 @@ class DeviceRescoredIndex:
 
         q = np.ascontiguousarray(queries, dtype=np.float32)
         wide = min(k + RESCORE_MARGIN, self.ntotal)
-        step = max(1, RESCORE_BLOCK_VALUES // max(1, wide * self.d))
+        step = block_rows(self.x.device, self.d + 3 * wide * self.d)  # a query, its candidates: float32, float64
         return _blockwise(q, k, wide, step, lambda queries, _: torch.from_numpy(
             self.index.search(queries, wide)[1]).to(self.x.device), self.x)
+
+
+def block_rows(device, values_per_query: int) -> int:
+    """Queries per block on a torch device: GPU_MEMORY_FRACTION of a GPU's free memory, CPU_BLOCK_VALUES on a CPU, in
+    float32 values."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        values = int(free * GPU_MEMORY_FRACTION) // 4
+    else:
+        values = CPU_BLOCK_VALUES
+    return max(1, values // max(1, values_per_query))
 
 
 def _blockwise(q: np.ndarray, k: int, wide: int, step: int, candidates_of, x) -> tuple[np.ndarray, np.ndarray]:
