@@ -198,8 +198,8 @@ def rescore_on_device(x, block, candidates, k: int):
 def build_index(vectors: np.ndarray, backend: str = "faiss", gpu: bool = False, kind: str = "flat", nlist: int = 1,
                 nprobe: int = 1):
     """An inner-product index over `vectors` on `backend` in a task with or without a GPU (resolve): faiss's (flat or
-    IVF; build_ip_index), or torch's, which searches exactly whatever `kind` (IVF is faiss's way to be fast on a
-    CPU)."""
+    IVF; build_ip_index; a GPU one in a DeviceRescoredIndex where torch sees the GPU), or torch's, which searches
+    exactly whatever `kind` (IVF is faiss's way to be fast on a CPU)."""
     from clusterscale.runtime.faiss_index import build_ip_index
 
     library, device = resolve(backend, gpu)
