@@ -190,7 +190,7 @@ def assign_rate(device, rows: int, dim: int, k: int, seconds: float) -> dict:
 def search_rate(device, passages: int, queries: int, dim: int, k: int, seconds: float) -> dict:
     """A mine search group (mine_search.search_chunks: one block of mine.query_batch_size queries against the group's
     passages, range_max candidates): top_k with the rescoring on the device, against the float32 search there and
-    the float64 rescoring on the CPU (vector_search._rescore, one thread as a search task has)."""
+    the float64 rescoring on the CPU (vector_search.rescore, top_k's CPU path, one thread as a search task has)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -200,14 +200,15 @@ def search_rate(device, passages: int, queries: int, dim: int, k: int, seconds: 
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     index = vector_search.TorchIPIndex(base, device.type)
     wide = min(k + vector_search.RESCORE_MARGIN, passages)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     on_device, _ = timed(lambda: index.top_k(q, k), device, seconds)
     search_only, _ = timed(lambda: index.search(q, wide), device, seconds)
     rows = index.search(q, wide)[1]
-    started = time.perf_counter()
-    cpu_scores, cpu_rows = vector_search._rescore(q, base, rows, k)
-    rescore_cpu = time.perf_counter() - started
+    rescore_cpu, _ = timed(lambda: vector_search.rescore(q, base, rows, k), torch.device("cpu"), seconds)
+    cpu_scores, cpu_rows = vector_search.rescore(q, base, rows, k)  # top_k's CPU path, its blocks
     scores, found = index.top_k(q, k)
+    torch.set_num_threads(threads)
     return {"passages": passages, "queries": queries, "dim": dim, "k": k,
             "queries_per_s_rescored_on_device": queries / on_device,
             "queries_per_s_rescored_on_cpu": queries / (search_only + rescore_cpu),

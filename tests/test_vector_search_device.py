@@ -62,16 +62,22 @@ def test_a_faiss_gpu_index_rescored_on_the_device_is_top_k(monkeypatch):
     np.testing.assert_array_equal(wrapped.search(queries, 3)[1], index.search(queries, 3)[1])
     monkeypatch.setattr(vector_search, "CPU_BLOCK_VALUES", 1)  # one query per block: the same
     np.testing.assert_array_equal(top_k(wrapped, base, queries[:40], k)[1], expected[1][:40])
+    with pytest.raises(ValueError, match="pass the index's vectors"):  # the device path reads its own copy
+        top_k(wrapped, base[:10], queries, k)
 
 
 @pytest.mark.gpu
-def test_gpu_top_k_is_the_cpu_top_k():
+def test_gpu_top_k_is_the_cpu_top_k(monkeypatch):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    calls = []
+    on_device = TorchIPIndex.top_k
+    monkeypatch.setattr(TorchIPIndex, "top_k", lambda self, *a: calls.append(self.device.type) or on_device(self, *a))
     for base, queries, k in cases():
         expected = top_k(TorchIPIndex(base), base, queries, k)
         got = top_k(TorchIPIndex(base, "cuda"), base, queries, k)  # top_k hands a CUDA index its own top_k
         np.testing.assert_array_equal(got[1], expected[1])
         np.testing.assert_allclose(got[0], expected[0], rtol=0, atol=1e-7)  # float64 sums in the GPU's order
+    assert calls == ["cuda"] * len(cases())  # the rescoring ran on the GPU, not on the CPU

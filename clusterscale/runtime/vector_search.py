@@ -12,7 +12,9 @@ same rows, scores and order, unless two candidates' float64 products differ by l
 row across the margin (never seen; the suite compares the backends on every change). On a GPU both steps run there
 (TorchIPIndex.top_k; a faiss-gpu index through DeviceRescoredIndex): the rescoring takes ~0.1 s per 4,096 queries of
 34 candidates at d = 384 on one CPU core, many times a GPU's search of a mine group (benchmarks/gpu_check.py measures
-both on a GPU node). On a CPU it goes RESCORE_BLOCK_VALUES at a time: gathered rows that stay in cache.
+both on a GPU node). The GPU sums the float64 products in another order than numpy: the same rows and order, and a
+score one float32 step apart only where its float64 sum falls within ~1e-16 of a float32 rounding boundary (a few in a
+billion). On a CPU the rescoring goes RESCORE_BLOCK_VALUES at a time: gathered rows that stay in cache.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ RESCORE_MARGIN = 4  # candidates searched beyond k in float32 and ordered again 
 GPU_MEMORY_FRACTION = 0.5  # of a GPU's free memory one search block's products may take
 CPU_BLOCK_VALUES = 1 << 24  # one block's products on a CPU: 64 MiB of float32
 RESCORE_BLOCK_VALUES = 1 << 20  # values of the candidates' rows gathered at once (4 MiB of float32: in cache)
+GPU_RESCORE_BLOCK_VALUES = 1 << 27  # on a GPU beside a faiss index (512 MiB of float32: torch's cache keeps a block)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,12 +141,13 @@ class DeviceRescoredIndex:
 
     def top_k(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """vector_search.top_k: k + RESCORE_MARGIN rows from faiss (-1 where an IVF index found fewer), rescored on
-        the device (rescore_on_device), RESCORE_BLOCK_VALUES of gathered values at a time."""
+        the device (rescore_on_device), at most GPU_RESCORE_BLOCK_VALUES gathered values at a time."""
         import torch
 
         q = np.ascontiguousarray(queries, dtype=np.float32)
         wide = min(k + RESCORE_MARGIN, self.ntotal)
-        step = block_rows(self.x.device, self.d + 3 * wide * self.d)  # a query, its candidates: float32, float64
+        step = min(block_rows(self.x.device, self.d + 3 * wide * self.d),  # a query, its candidates: float32, float64
+                   max(1, GPU_RESCORE_BLOCK_VALUES // max(1, wide * self.d)))
         return _blockwise(q, k, wide, step, lambda queries, _: torch.from_numpy(
             self.index.search(queries, wide)[1]).to(self.x.device), self.x)
 
@@ -214,19 +218,28 @@ def top_k(index, base: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndar
     from the index in float32, rescored in float64 and ordered by (score descending, row ascending); scores are the
     float64 products rounded to float32. Rows -1 (score -inf) where the index returned fewer (IVF, a small base)."""
     if isinstance(index, DeviceRescoredIndex) or (isinstance(index, TorchIPIndex) and index.device.type == "cuda"):
+        if len(base) != index.ntotal:
+            raise ValueError(f"top_k: base has {len(base)} rows, the index {index.ntotal}: pass the index's vectors")
         return index.top_k(queries, k)  # base is the index's own vectors, on its GPU
     q = np.ascontiguousarray(queries, dtype=np.float32)
     wide = min(k + RESCORE_MARGIN, max(1, len(base)))
     _, rows = index.search(q, wide)
+    scores, found = rescore(q, base, rows, k)
+    if found.shape[1] < k:  # a base smaller than k
+        pad = k - found.shape[1]
+        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+        found = np.pad(found, ((0, 0), (0, pad)), constant_values=-1)
+    return scores, found
+
+
+def rescore(q: np.ndarray, base: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """top_k's rescoring on the CPU: _rescore over blocks of RESCORE_BLOCK_VALUES gathered values; (n, min(k, wide))."""
+    wide = rows.shape[1]
     scores, found = np.empty((len(q), min(k, wide)), np.float32), np.empty((len(q), min(k, wide)), np.int64)
     step = max(1, RESCORE_BLOCK_VALUES // max(1, wide * q.shape[1]))  # the gathered rows of a block
     for start in range(0, len(q), step):
         sl = slice(start, start + step)
         scores[sl], found[sl] = _rescore(q[sl], base, rows[sl], k)
-    if found.shape[1] < k:  # a base smaller than k
-        pad = k - found.shape[1]
-        scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-        found = np.pad(found, ((0, 0), (0, pad)), constant_values=-1)
     return scores, found
 
 
