@@ -9,6 +9,11 @@ from clusterscale.runtime.progress import ProgressLine, format_duration, format_
 def test_format_progress_line():
     assert format_progress("embed", 1200, 3781, 30.0) == "[embed] 1,200/3,781 rows (32%), 40.0 rows/s, ETA 1m05s"
     assert format_progress("assign", 0, 10, 0.0) == "[assign] 0/10 rows (0%), 0.0 rows/s, ETA ?"
+    # a slow unit: per minute, per hour (a mine search group of a large cluster takes minutes), never "0.0 .../s"
+    assert format_progress("mine", 1, 8, 45.0, "search groups") == \
+        "[mine] 1/8 search groups (12%), 1.3 search groups/min, ETA 5m15s"
+    assert format_progress("mine", 2, 500, 3600.0, "search groups") == \
+        "[mine] 2/500 search groups (0%), 2.0 search groups/h, ETA 249h00m"
     assert [format_duration(s) for s in (4.4, 65, 3725)] == ["4s", "1m05s", "1h02m"]
 
 

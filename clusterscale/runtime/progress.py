@@ -22,12 +22,21 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def format_rate(rate: float, unit: str) -> str:
+    """39.5 rows/s; below one a second, per minute or per hour (a mine search group takes minutes: not 0.0/s)."""
+    if rate >= 1 or rate <= 0:
+        return f"{rate:,.1f} {unit}/s"
+    if rate * 60 >= 1:
+        return f"{rate * 60:,.1f} {unit}/min"
+    return f"{rate * 3600:,.1f} {unit}/h"
+
+
 def format_progress(stage: str, done: int, total: int, elapsed_s: float, unit: str = "rows") -> str:
     """`[embed] 1,200/3,781 rows (32%), 39.5 rows/s, ETA 1m05s`; ETA ? until a rate is known."""
     rate = done / elapsed_s if elapsed_s > 0 else 0.0
     eta = format_duration((total - done) / rate) if rate > 0 else "?"
     share = f"{done / total:.0%}" if total else "-"
-    return f"[{stage}] {done:,}/{total:,} {unit} ({share}), {rate:,.1f} {unit}/s, ETA {eta}"
+    return f"[{stage}] {done:,}/{total:,} {unit} ({share}), {format_rate(rate, unit)}, ETA {eta}"
 
 
 class ProgressLine:
