@@ -13,3 +13,40 @@ def test_scratch_param_count_equals_the_built_student():
     model, _, _ = build_student(cfg.train)
     assert student_param_count(cfg) == sum(p.numel() for p in model.parameters())
     assert model.config.max_position_embeddings == 600 and model.config.hidden_size == 32
+
+
+def test_mean_tokens_caps_long_documents_as_the_stages_do_without_the_indexing_warning(tmp_path):
+    """A passage far longer than the model's maximum is counted at the caps (the embed and training lengths), as
+    untruncated tokenising would count it, and transformers does not warn that it "will result in indexing errors"."""
+    import logging
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
+    from clusterscale.stages.costs import mean_tokens
+
+    queries = ["short query", "a somewhat longer query about tokens"]
+    passages = ["word " * 3000, "a short passage"]  # ~3,000 tokens: past the bundled model's 512
+    (tmp_path / "pairs").mkdir()
+    pq.write_table(pa.table({"query": queries, "passage": passages}), tmp_path / "pairs" / "part-00000.parquet")
+    cfg = config_mod.load(None, ["embed.side=both", "embed.max_length=256", "train.query_max_length=8",
+                                 "train.passage_max_length=600"])
+    warned: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: warned.append(record.getMessage())
+    hf = logging.getLogger("transformers")  # its own handler (propagate off): record what reaches it
+    hf.addHandler(keep)
+    try:
+        tokens = mean_tokens(RunDir(str(tmp_path)), cfg)
+    finally:
+        hf.removeHandler(keep)
+    full = load_tokenizer(resolve_model_path(cfg.embed.model))
+    q = np.array([len(full(t, verbose=False)["input_ids"]) for t in queries])
+    p = np.array([len(full(t, verbose=False)["input_ids"]) for t in passages])
+    assert p[0] > 2_000
+    assert tokens["embed"] == np.minimum(q, 256).mean() + np.minimum(p, 256).mean()
+    assert tokens["train_query"] == np.minimum(q, 8).mean() and tokens["train_passage"] == np.minimum(p, 600).mean()
+    assert not [m for m in warned if "indexing errors" in m], warned

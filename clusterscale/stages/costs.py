@@ -83,7 +83,11 @@ def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     except Exception:
         return None
     table = pads.dataset(files, filesystem=run.fs, format="parquet").head(TOKEN_SAMPLE_ROWS, columns=["query", "passage"])
-    lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist())["input_ids"]])
+    # Cut at the longest cap used below (a count above it is capped anyway): a long document costs no more than that,
+    # and transformers does not warn that a text longer than the model's maximum "will result in indexing errors".
+    most = max(cfg.embed.max_length, cfg.train.student.query_max_length, cfg.train.student.passage_max_length)
+    lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist(), truncation=True,
+                                                             max_length=most, verbose=False)["input_ids"]])
                for side in ("query", "passage")}
     sides = ("query", "passage") if cfg.embed.side == "both" else (cfg.embed.side,)  # embed.side=both: each pair twice
     return {"embed": float(sum(np.minimum(lengths[side], cfg.embed.max_length).mean() for side in sides)),
