@@ -411,3 +411,24 @@ def test_cli_text_keys_are_taken_as_typed_and_an_empty_run_dir_is_a_user_fault(t
                                "data.passage_column=123", "data.heldout_fraction=0.9999999")
     _user_fault(code, err)
     assert "Every valid pair" in err and "was held out" in err and "Lower data.heldout_fraction" in err
+
+
+def test_cli_a_text_column_that_barely_varies_is_warned_of_naming_it(tmp_path, ray_local, capsys):
+    """A passage column holding one text (a label, a source or a constant picked by mistake) is ingested, with a
+    warning naming the key to check; the query column, distinct per row, is not warned of."""
+    from clusterscale.stages.ingest import few_distinct_warnings
+
+    pq.write_table(pa.table({"q": [f"question {i} about topic {i % 7}" for i in range(300)], "p": ["label"] * 300}),
+                   tmp_path / "pairs.parquet")
+    code, out, _ = _cli_ingest(capsys, tmp_path / "run", tmp_path / "pairs.parquet")
+    assert code == 0
+    warned = [line for line in out.splitlines() if line.startswith("[ingest] warning:")]
+    assert len(warned) == 1 and "only 1 distinct passage text(s) (data.passage_column=p)" in warned[0], out
+    stats = RunDir(str(tmp_path / "run")).done_stats("pairs")
+    assert stats["distinct_sample"] == {"rows": stats["pairs"], "query": stats["pairs"], "passage": 1}
+    # The rule: at most 1% of the sample distinct, and fewer than a global batch.
+    cfg = cli.config_mod.load(None, ["data.query_column=q", "data.passage_column=p"])
+    assert few_distinct_warnings({"rows": 10_000, "query": 10_000, "passage": 100}, 4096, cfg.data)
+    assert not few_distinct_warnings({"rows": 10_000, "query": 10_000, "passage": 100}, 64, cfg.data)
+    assert not few_distinct_warnings({"rows": 10_000, "query": 10_000, "passage": 101}, 4096, cfg.data)
+    assert not few_distinct_warnings({"rows": 1, "query": 1, "passage": 1}, 16, cfg.data)

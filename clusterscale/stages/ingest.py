@@ -52,6 +52,7 @@ BAD_FILES = "quarantine/bad_files.json"
 PLAN = "pairs/_plan.json"  # the attempt's input listing digest and config fingerprint (a rerun finishes it)
 UNITS_DIR = "pairs/_units"  # one marker per finished work unit: its counts and the parts it wrote
 OUTPUTS = ("pairs", "heldout", "quarantine")
+DISTINCT_SAMPLE_ROWS = 10_000  # pairs read back to check that each text column varies (few_distinct_warnings)
 FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
 # C0/C1 control characters (NUL included) except tab, line feed and carriage return: they break tokenizers and
 # terminals. Spaces in every format, raw or escaped (a JSON "\u0000" too: json_input reads raw ones alike).
@@ -354,8 +355,34 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
+    stats["distinct_sample"] = distinct_sample(run)
+    for line in few_distinct_warnings(stats["distinct_sample"], cfg.train.schedule.global_batch_size, data):
+        print(line, flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def distinct_sample(run: RunDir) -> dict:
+    """Distinct query and passage texts among the first DISTINCT_SAMPLE_ROWS pairs of pairs/ (one bounded read)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(run.files("pairs"), filesystem=run.fs, format="parquet").head(
+        DISTINCT_SAMPLE_ROWS, columns=["query", "passage"])
+    return {"rows": table.num_rows, **{side: len(pc.unique(table.column(side))) for side in ("query", "passage")}}
+
+
+def few_distinct_warnings(sample: dict, global_batch: int, data: DataConfig) -> list[str]:
+    """A warning per side whose texts barely vary in the sample: at most 1% of its rows distinct and fewer than a
+    global batch (most often a column that is not the text: a label, a source, a constant). Training masks an
+    in-batch negative that repeats the positive's text, so such a side leaves a batch with almost no negatives."""
+    column = {"query": data.query_column, "passage": data.passage_column}
+    return [f"[ingest] warning: the first {sample['rows']:,} pairs hold only {sample[side]:,} distinct {side} "
+            f"text(s) (data.{side}_column={column[side]}): a global batch of {global_batch:,} pairs would then have "
+            f"almost no in-batch negatives (training masks a candidate with the positive's passage text or the same "
+            f"query as another positive). Check that data.{side}_column names the {side} text."
+            for side in ("query", "passage")
+            if sample["rows"] >= 2 and sample[side] <= max(1, sample["rows"] // 100) and sample[side] < global_batch]
 
 
 def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
