@@ -146,4 +146,9 @@ def test_a_recall_at_k_over_the_whole_pool_is_said_not_reported_silently():
     assert whole_pool_warning([1, 10, 100], 132) is None
     warning = whole_pool_warning([1, 10, 100, 1000], 100)
     assert warning.startswith("Recall@100 counts every passage of the pool of 100"), warning
+    # A pool of one passage (every held-out pair has the same passage text) scores NDCG@10 1.0: said too.
+    one = whole_pool_warning([100], 1)
+    assert one.startswith("Recall@100 counts every passage of the pool of 1 ") and "NDCG@10 and MRR@10" in one
+    assert "same passage text" in one and whole_pool_warning([], 10).startswith("NDCG@10 and MRR@10 rank every")
+    assert whole_pool_warning([5], 11) is None
     assert "eval.num_distractors" in warning

@@ -262,12 +262,19 @@ def evaluate_model(ctx: StageContext, encoders: EvalEncoders, eval_name: str, mo
 
 def whole_pool_warning(k_values: list[int], pool_size: int) -> str | None:
     """What to say when a Recall@k counts the whole pool (Recall@1000 of a 132-passage pool was 1.0, said as a
-    result), else None."""
+    result), or the printed NDCG@10 and MRR@10 rank all of it (a pool of one passage scored 1.0), else None."""
+    said = []
     whole = [k for k in k_values if k >= pool_size]
-    if not whole:
+    if whole:
+        said.append(f"Recall@{whole[0]} counts every passage of the pool of {pool_size} (1.0 by construction)")
+    if pool_size <= 10:
+        said.append(f"NDCG@10 and MRR@10 rank every passage of the pool of {pool_size}"
+                    + (" (1.0 by construction: every held-out pair has the same passage text)" if pool_size == 1
+                       else ""))
+    if not said:
         return None
-    return (f"Recall@{whole[0]} counts every passage of the pool of {pool_size} (1.0 by construction): raise "
-            f"eval.num_distractors or list smaller eval.k_values.")
+    return "; ".join(said) + ": raise eval.num_distractors or list smaller eval.k_values (the pool holds distinct " \
+                             "passage texts only)."
 
 
 def heldout_clusters(ctx: StageContext, encoders: EvalEncoders, eval_set: dict) -> list[int] | None:
