@@ -45,10 +45,10 @@ class ProgressLine:
     Nothing is printed at completion: the stage's own summary line follows."""
 
     def __init__(self, stage: str, total: int, unit: str = "rows", interval_s: float = 10.0,
-                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic, on_tty: bool = False):
         self.stage, self.total, self.unit, self.interval_s = stage, total, unit, interval_s
         self.stream = stream or sys.stdout
-        self.enabled = not self.stream.isatty()
+        self.enabled = on_tty or not self.stream.isatty()  # on_tty: work without Ray Data's bars (plain tasks)
         self.clock = clock
         self.started = self.last_printed = clock()
         self.done = 0

@@ -55,17 +55,50 @@ def output_columns(side: str) -> list[tuple[str, str]]:
 # work units -------------------------------------------------------------------------------------
 def plan_units(run: RunDir, rows_per_unit: int, source: str = "pairs", out: str = "embeddings") -> list[dict]:
     """Row ranges of every part file of `source` (pairs/, or heldout/ for embed_heldout), at most rows_per_unit rows
-    each, in file order; each unit's file in `out`."""
-    units = []
+    each, in file order; each unit's file in `out`. Consecutive whole files smaller than a unit (an input of many
+    small files: ingest keeps one part per file) share one unit of at most rows_per_unit rows, its pieces listed in
+    "inputs" (unit_pieces), so embeddings/ and every later stage get files of about a unit each, not one per input
+    file; a unit of one file keeps "input", "start" and "stop" (the plans written before)."""
+    units, group, group_rows = [], [], 0
     files = run.files(source)
+
+    def close_group() -> None:
+        nonlocal group, group_rows
+        if len(group) == 1:
+            units.append({**group[0], "output": _output(out, group[0]["input"], 0)})
+        elif group:
+            units.append({"inputs": group, "output": _output(out, group[0]["input"], 0)})
+        group, group_rows = [], 0
+
     for path, footer in zip(files, run.footers(files)):  # in parallel; one that does not parse is named
         rel = posixpath.relpath(path, run.root)
-        stem = posixpath.basename(rel)[:-len(".parquet")]
         rows = footer.num_rows
+        if 0 < rows < rows_per_unit:
+            if group_rows + rows > rows_per_unit:
+                close_group()
+            group.append({"input": rel, "start": 0, "stop": rows})
+            group_rows += rows
+            continue
+        close_group()
         for i, start in enumerate(range(0, rows, rows_per_unit)):
             units.append({"input": rel, "start": start, "stop": min(rows, start + rows_per_unit),
-                          "output": f"{out}/{stem}-{i:05d}.parquet"})
+                          "output": _output(out, rel, i)})
+    close_group()
     return units
+
+
+def _output(out: str, rel: str, index: int) -> str:
+    """The unit's file in `out`: named by its (first) input file and its place in it."""
+    return f"{out}/{posixpath.basename(rel)[:-len('.parquet')]}-{index:05d}.parquet"
+
+
+def unit_pieces(unit: dict) -> list[tuple[str, int, int]]:
+    """(input file, first row, end row) of each piece of a unit, in order."""
+    return [(piece["input"], piece["start"], piece["stop"]) for piece in unit.get("inputs") or [unit]]
+
+
+def unit_rows(unit: dict) -> int:
+    return sum(stop - start for _, start, stop in unit_pieces(unit))
 
 
 def make_plan(cfg: Config, actors: int, pairs_run: RunDir, n_rows: int, source: str = "pairs",
@@ -109,8 +142,11 @@ class TokenizeUnits:
         return pa.concat_tables([self.tokenize_unit(unit) for unit in units.to_pylist()])
 
     def tokenize_unit(self, unit: dict) -> pa.Table:
-        with self.pairs_run.fs.open_input_file(self.pairs_run.path(unit["input"])) as f:
-            table = pq.read_table(f).slice(unit["start"], unit["stop"] - unit["start"])
+        pieces = []
+        for rel, start, stop in unit_pieces(unit):
+            with self.pairs_run.fs.open_input_file(self.pairs_run.path(rel)) as f:
+                pieces.append(pq.read_table(f).slice(start, stop - start))
+        table = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
         for text, suffix in output_columns(self.side):
             prompt = self.prompts[text]
             texts = table.column(text).to_pylist()
@@ -219,7 +255,10 @@ def embed_dataset(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, p
     Each stage streams into the next, so reading, tokenising and writing overlap the forward passes. A
     unit is one block from read to write (no block size limit on this dataset), so its writer holds it
     whole; the three operators are actor pools of their own, so Ray Data does not fuse them."""
-    ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+    # Every item in one form (its pieces, then its file), so every block has the same columns.
+    items = [{"inputs": [{"input": rel, "start": start, "stop": stop} for rel, start, stop in unit_pieces(unit)],
+              "output": unit["output"]} for unit in todo]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds.context.target_max_block_size = None
     tokenise_pool, cpus = cpu_stage_pool(pool, len(todo))
     ds = ds.map_batches(TokenizeUnits, fn_constructor_args=(pairs_run.uri, tokenizer, cfg.embed.side, prompts),
@@ -248,7 +287,7 @@ def run_units(run: RunDir, cfg: Config, todo: list[dict], pool: ActorPlan, pairs
     ds = embed_dataset(run, cfg, todo, pool, pairs_run, tokenizer, frozen_prompts(cfg.embed))
     sides = len(output_columns(cfg.embed.side))
     unit = {"passage": "passages", "query": "queries"}.get(cfg.embed.side, "texts")  # texts/s: what a GPU sustains
-    progress = ProgressLine("embed", sides * sum(u["stop"] - u["start"] for u in todo), unit=unit)
+    progress = ProgressLine("embed", sides * sum(unit_rows(u) for u in todo), unit=unit)
     results = []
     try:
         for result in ds.iter_rows():

@@ -38,6 +38,7 @@ from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotT
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult, changed_keys
+from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
 from clusterscale.runtime.work_units import load_or_make_plan, split_done
@@ -450,15 +451,19 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
         return ray.get(task.remote(run.uri, fs, unit, data, budget))
 
     accepted, start = _Accepted(run, data.limit), 0
+    # At most one line every 10 s, on a terminal too (plain tasks: no Ray Data bars); not one per unit (an input of
+    # thousands of files printed thousands of lines).
+    progress = ProgressLine("ingest", len(units), unit="work units", on_tty=True)
     while start < len(units) and not accepted.full():
         batch = speculative_batch(units[start:], accepted.remaining(), width)
         recorded = [finished.get(unit_marker(unit)) for unit, _ in batch]
         refs = {i: task.remote(run.uri, fs, unit, data, budget)
                 for i, ((unit, budget), found) in enumerate(zip(batch, recorded)) if found is None}
+        progress.advance(len(batch) - len(refs))
         pending = list(refs.values())
         while pending:
-            _, pending = ray.wait(pending, num_returns=1)
-            print(f"[ingest] units done: {start + len(batch) - len(pending)}/{len(units)}", flush=True)
+            done, pending = ray.wait(pending, num_returns=1)
+            progress.advance(len(done))
         results = dict(zip(refs, ray.get(list(refs.values()))))
         for i, ((unit, budget), found) in enumerate(zip(batch, recorded)):
             if found is None:
