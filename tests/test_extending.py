@@ -149,6 +149,9 @@ def test_a_stage_and_a_sampler_registered_feed_the_whole_run(registered, sequent
     results = pipeline.run_stages(cfg, run, verbs)
     kept = pq.read_table(run.path("long_pairs")).to_pylist()
     assert 0 < len(kept) < results["ingest"].stats["pairs"]
+    given = [len(n) for n in pq.read_table(run.files("pairs"), columns=["negatives"]).column("negatives").to_pylist()]
+    assert results["ingest"].stats["labeled_negatives"] == sum(given)  # what training can draw, counted by ingest
+    assert results["ingest"].stats["without_labeled_negatives"] == given.count(0) > 0
     assert results["length_filter"].stats["rejected"] == results["ingest"].stats["pairs"] - len(kept)
     embedded = set(pq.read_table(run.files("embeddings"), columns=["pair_id"]).column("pair_id").to_pylist())
     assert embedded == {row["pair_id"] for row in kept}  # embed read the filter's output, not pairs/

@@ -73,3 +73,26 @@ def test_training_with_labeled_negatives_on_shards_without_them_is_refused_by_na
     with pytest.raises(config.ConfigError, match="labeled_negatives_per_query=2 needs labeled negatives.*"
                                                  "data.negative_column"):  # shards ingested without them
         _check_labeled_negatives(cfg, RunDir(str(tmp_path)), [SimpleNamespace(files=["part.parquet"])])
+
+
+@pytest.mark.unit
+def test_fewer_labeled_negatives_than_asked_for_are_said_at_the_start_of_training(tmp_path, capsys):
+    """Ingest counts the labeled negatives of the training pairs; training that asks for more per query than they
+    carry on average says so (the missing ones are masked slots), and is quiet when they suffice."""
+    from types import SimpleNamespace
+
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.train import _check_labeled_negatives
+
+    table = make_pairs(4).append_column("negatives", pa.array([["a"], [], ["b", "c"], []], pa.list_(pa.string())))
+    pq.write_table(table, tmp_path / "part.parquet")
+    run, manifests = RunDir(str(tmp_path)), [SimpleNamespace(files=["part.parquet"])]
+    run.mark_done("pairs", "fp", {"pairs": 4, "labeled_negatives": 3, "without_labeled_negatives": 2})
+    cfg = config.load(None, ["train.labeled_negatives_per_query=1", "data.negative_column=neg"])
+    _check_labeled_negatives(cfg, run, manifests)
+    out = capsys.readouterr().out
+    assert "labeled_negatives_per_query=1, but the training pairs carry 0.8 labeled negatives each on average " \
+           "(2 of 4 pairs with none; data.negative_column=neg)" in out, out
+    run.mark_done("pairs", "fp", {"pairs": 4, "labeled_negatives": 4, "without_labeled_negatives": 2})
+    _check_labeled_negatives(cfg, run, manifests)
+    assert "warning" not in capsys.readouterr().out

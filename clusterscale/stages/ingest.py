@@ -230,6 +230,10 @@ def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfi
                 counts["reasons"][reason] = counts["reasons"].get(reason, 0) + 1
             writer.add(kind, out)
             counts[kind] += 1
+            if kind == "pairs" and data.negative_column:  # what training can draw (train.labeled_negatives_per_query)
+                given = len(out[NEGATIVES_COLUMN])
+                counts["labeled_negatives"] = counts.get("labeled_negatives", 0) + given
+                counts["without_labeled_negatives"] = counts.get("without_labeled_negatives", 0) + (given == 0)
         row_index += len(records)
         writer.flush()
     writer.flush(final=True)
@@ -557,6 +561,9 @@ def _total(results: list[tuple[IngestUnit, dict]]) -> dict:
     for unit, r in results:
         for key in ("rows_in", "pairs", "heldout", "quarantine"):
             stats[key] += r[key]
+        for key in ("labeled_negatives", "without_labeled_negatives"):  # with data.negative_column
+            if key in r:
+                stats[key] = stats.get(key, 0) + r[key]
         for reason, n in r["reasons"].items():
             stats["reasons"][reason] = stats["reasons"].get(reason, 0) + n
         if "bad_file" in r:

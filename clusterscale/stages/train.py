@@ -293,6 +293,15 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
                     f"train.labeled_negatives_per_query={wanted} needs labeled negatives, but the shards hold none: "
                     f"set data.negative_column to the input column that holds them (one text or a list per row) in a "
                     f"new --run-dir, or set train.labeled_negatives_per_query=0.")
+    ingested = run.done_stats("pairs") if run.exists("pairs", "_DONE.json") else {}
+    given, pairs = ingested.get("labeled_negatives"), ingested.get("pairs") or 0
+    wanted = cfg.train.objective.labeled_negatives_per_query
+    if given is not None and pairs and given < wanted * pairs:  # the empty slots are masked: fewer negatives a step
+        print(f"[train] warning: train.labeled_negatives_per_query={wanted}, but the training pairs carry "
+              f"{given / pairs:.1f} labeled negatives each on average ({ingested.get('without_labeled_negatives', '?')}"
+              f" of {pairs} pairs with none; data.negative_column={cfg.data.negative_column}): a query's missing "
+              f"ones are empty slots, masked, so each step has fewer hard negatives than asked for (the metrics' "
+              f"labeled_negatives_empty counts them).", flush=True)
 
 
 def check_resumable(cfg: Config, run: RunDir) -> None:
