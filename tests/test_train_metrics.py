@@ -97,6 +97,20 @@ def test_records_printed_lines_and_collapse(tmp_path, capsys):
     assert processor.report(6)["loss"] == pytest.approx(math.log(4)) and processor.report(6)["step"] == 6
 
 
+def test_a_step_without_an_in_batch_negative_is_said_once(tmp_path, capsys):
+    """Every off-diagonal candidate of a global batch of 4 masked (4 x 3 = 12): one warning naming the step and the
+    text columns, not one per step; a step with one candidate left says nothing."""
+    tc = TrainConfig.of(global_batch_size=4, log_every_steps=10, warmup_steps=0)
+    processor = MetricsProcessor(RunDir(str(tmp_path)), "t", tc, rank=0, world=1, peak=None, resume_step=None,
+                                 num_steps=4, stop_step=4, segment=0)
+    for step, masked in enumerate((11.0, 12.0, 12.0, 0.0)):
+        result = _result(step, 0.0, 0.1)
+        result.figures.sums["masked_false_negatives"] = masked
+        processor.log(result)
+    said = [line for line in capsys.readouterr().out.splitlines() if "every in-batch negative" in line]
+    assert len(said) == 1 and said[0].startswith("[train] warning: step 2: ") and "data.passage_column" in said[0]
+
+
 def test_mfu_formula_and_an_impossible_one_is_unknown(tmp_path, capsys):
     """MFU = achieved FLOP/s / (peak per worker x workers); a step that beats its peak proves the peak wrong."""
     assert model_flops_utilization(4e9, 4e9, 2) == pytest.approx(0.5)

@@ -299,6 +299,7 @@ class MetricsProcessor:
         self.progress: dict = {}  # the latest figures, for Ray's reports
         self.started = self.last_print = time.time()
         self.waited_s = 0.0  # waited for data since the last printed line (the ranks' mean)
+        self.said_no_negatives = False  # a step without one in-batch negative is said once per run
 
     def log(self, result: StepResult) -> None:
         """Append a step to the logs; rank 0 flushes and prints every train.log_every_steps and at the stop."""
@@ -311,6 +312,7 @@ class MetricsProcessor:
             return
         record = self.record(result)
         self.metrics.append(record)
+        self._say_if_no_negatives(record)
         self.waited_s += figures.means.get("data_wait_s", 0.0)
         if self.board is not None:
             self.board.log(record)
@@ -330,6 +332,20 @@ class MetricsProcessor:
         if tc.shards.recluster_every:
             record["segment"] = self.segment
         return record
+
+    def _say_if_no_negatives(self, record: dict) -> None:
+        """Once per run: a step whose every in-batch candidate was masked (each other passage of the batch repeats a
+        query's positive text, or its pair has the same query) had no in-batch negative to learn from: its InfoNCE
+        loss is 0. Most often a text column that barely varies (ingest's distinct_sample)."""
+        b = self.tc.schedule.global_batch_size
+        if self.said_no_negatives or b < 2 or record.get("masked_false_negatives", 0) < b * (b - 1):
+            return
+        self.said_no_negatives = True
+        print(f"[train] warning: step {record['step'] + 1}: every in-batch negative of every query was masked (each "
+              f"other passage of the batch has a positive's text or the same query), so the step learned nothing "
+              f"from in-batch negatives (loss {record['loss']:.4f}). Check data.query_column and "
+              f"data.passage_column: ingest's distinct_sample (pairs/_DONE.json) counts their distinct texts.",
+              flush=True)
 
     def _print(self, record: dict) -> None:
         now = time.time()
