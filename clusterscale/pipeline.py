@@ -25,7 +25,7 @@ from clusterscale.stages.dedup import dedup_applied, run_dedup, shard_input, tra
 from clusterscale.stages.embed import run_embed, run_embed_heldout
 from clusterscale.stages.evaluate import run_evaluate
 from clusterscale.io.input_files import refuse_run_dir_in_data
-from clusterscale.stages.ingest import refuse_changed_inputs, run_ingest
+from clusterscale.stages.ingest import more_pairs, refuse_changed_inputs, run_ingest
 from clusterscale.stages.kmeans import run_assign, run_fit
 from clusterscale.stages.mine import run_mine
 from clusterscale.stages.report import run_report
@@ -292,7 +292,7 @@ def summary(cfg: Config, run: RunDir, results: dict[str, StageResult]) -> str:
         s = run.done_stats("pairs")
         manifest = manifest_path(cfg.cluster.k)
         shard_rows = read_manifest(run, manifest).stats if run.exists(manifest) else None
-        lines.append(f"rows in {s['rows_in']} | quarantined {s['quarantine']} | held out {s['heldout']} | "
+        lines.append(f"rows in {s['rows_in']}{more_pairs(s)} | quarantined {s['quarantine']} | held out {s['heldout']} | "
                      f"sharded {shard_rows['rows'] if shard_rows else '-'}")
         if shard_rows:
             lines.append(f"k={cfg.cluster.k}: {shard_rows['shards']} shards, sizes {shard_rows['min_rows']}.."

@@ -46,7 +46,7 @@ def snapshot(load, section: str | None = None) -> dict:
 def test_describe_prints_the_same_keys_docs_and_defaults():
     """The snapshot's keys, docs and defaults (its sampler line updated for the curriculum sampler and the sampler registry, embed.batch_size's
     help for the H200 measurement, shard.batches_per_file's for a results file that never existed,
-    embed.max_tokens_per_batch's for packed batches, mine.encoder's, ray.address's and data.format's for what the code does), and the keys added
+    embed.max_tokens_per_batch's for packed batches, mine.encoder's, ray.address's, data.format's and data.passage_column's for what the code does), and the keys added
     since: each marked added, so that at its default it changes no fingerprint."""
     printed, added = [], set()
     for line in config_mod.describe().splitlines():

@@ -31,10 +31,11 @@ def _ingest(tmp_path, data_path, *extra) -> tuple[dict, list[dict]]:
 
 
 def _conserved(run: RunDir, counts: list[dict]) -> dict:
-    """The output rows per folder, after checking rows_in == pairs + heldout + quarantine, ids unique."""
+    """The output rows per folder, after checking rows_in (+ the pairs of records' further passages) == pairs +
+    heldout + quarantine, ids unique."""
     tables = {k: pads.dataset(run.files(k), format="parquet").to_table().to_pylist() if run.files(k) else []
               for k in KINDS}
-    rows_in = sum(c["rows_in"] for c in counts)
+    rows_in = sum(c["rows_in"] + c.get("extra_positives", 0) for c in counts)
     assert rows_in == sum(len(rows) for rows in tables.values())
     for kind in KINDS:
         assert sum(c[kind] for c in counts) == len(tables[kind])

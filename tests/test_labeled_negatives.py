@@ -17,18 +17,18 @@ def test_a_rows_negatives_are_a_text_or_a_list_normalised_and_a_bad_one_is_quara
     data = config.load(None, ["data.negative_column=neg", "data.heldout_fraction=0"]).data
     kept = {"a neg": ["a neg"], (" x\u0000y ", None, "", "  "): ["x y"], None: [], (): []}
     for value, texts in kept.items():
-        kind, row = _route_record({"query": "q", "passage": "p", "neg": list(value) if isinstance(value, tuple)
-                                   else value}, 1, data)
+        [(kind, row)] = _route_record({"query": "q", "passage": "p", "neg": list(value) if isinstance(value, tuple)
+                                       else value}, 1, data)
         assert kind == "pairs" and row["negatives"] == texts, value
     for value, reason in ((5, "negative_not_string:int"), ([1], "negative_not_string:int"),
                           ({"a": 1}, "negative_not_string:dict"), (["ok", "z" * 200_000], "over_long_negative"),
                           ([b"\xff"], "negative_invalid_utf8")):
-        kind, row = _route_record({"query": "q", "passage": "p", "neg": value}, 1, data)
+        [(kind, row)] = _route_record({"query": "q", "passage": "p", "neg": value}, 1, data)
         assert kind == "quarantine" and row["reason"] == reason and row["negatives"], value  # kept, as text
     assert normalise_negatives(pa.array([["u", "v"]])[0].values.to_numpy(zero_copy_only=False), 10) == (["u", "v"],
                                                                                                           None)
     plain = config.load(None, ["data.heldout_fraction=0"]).data
-    assert "negatives" not in _route_record({"query": "q", "passage": "p"}, 1, plain)[1]  # unset: pairs/ unchanged
+    assert "negatives" not in _route_record({"query": "q", "passage": "p"}, 1, plain)[0][1]  # unset: pairs/ unchanged
 
 
 def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):

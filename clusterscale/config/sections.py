@@ -27,7 +27,8 @@ class DataConfig(Section):
                                "suffix included.",
                        ("auto", "parquet", "jsonl", "csv", "arrow"))
     query_column: str = knob("query", "Column holding the query (anchor) text.")
-    passage_column: str = knob("passage", "Column holding the passage (positive) text.")
+    passage_column: str = knob("passage", "Column holding the passage (positive) text, or a list of positive texts "
+                               "(one pair each, as FlagEmbedding's `pos`).")
     source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
     negative_column: str | None = knob(None, "Optional column of labeled hard negatives: one text or a list of "
                                              "texts per row (kept as `negatives`, each normalised like the query "

@@ -31,7 +31,7 @@ from clusterscale.io.input_walk import InputWalk, file_stamp, walk_files
 from clusterscale.io.json_input import brackets_balance, is_encodable, json_array_records, jsonl_records
 from clusterscale.redact import redact_uri
 
-ROW_BITS = 40  # up to 2**40 rows per file, 2**23 files
+ROW_BITS = 40  # up to 2**39 rows per file (ingest.EXTRA_POSITIVE_BIT is the 40th), 2**23 files
 BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
 TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}

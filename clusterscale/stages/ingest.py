@@ -5,7 +5,8 @@ footers, so one big Parquet file is read by many tasks), or a whole file of the 
 can only be numbered by reading them). Every input row ends in exactly one of pairs/, heldout/ or
 quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped whole
 and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in the
-file: stable, unique and independent of how the work is split.
+file: stable, unique and independent of how the work is split. A passage column of lists (FlagEmbedding's `pos`)
+gives one pair per text: the first keeps the row's pair_id, the others get extra_positive_id's.
 
 data.limit: Parquet units get their exact row budget from the footers and all run at once. A unit of
 unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
@@ -53,6 +54,9 @@ BAD_FILES = "quarantine/bad_files.json"
 PLAN = "pairs/_plan.json"  # the attempt's input listing digest and config fingerprint (a rerun finishes it)
 UNITS_DIR = "pairs/_units"  # one marker per finished work unit: its counts and the parts it wrote
 OUTPUTS = ("pairs", "heldout", "quarantine")
+# A passage column of lists: at most this many texts (positives) per record, each a pair (extra_positive_id).
+MAX_POSITIVES = 256
+EXTRA_POSITIVE_BIT = 1 << (ROW_BITS - 1)  # in the pair_ids of a list's second and later texts only
 DISTINCT_SAMPLE_ROWS = 10_000  # pairs read back to check that each text column varies (few_distinct_warnings)
 FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
 # C0/C1 control characters (NUL included) except tab, line feed and carriage return: they break tokenizers and
@@ -223,17 +227,20 @@ def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfi
         if not records:
             break
         for row, rec in enumerate(records, start=unit.row_start + row_index):
-            kind, out = _route_record(rec, (unit.file_index << ROW_BITS) | row, data)
-            if kind == "quarantine":
-                out.update(input_file=unit.path, input_row=row)
-                reason = out["reason"].split(":")[0]
-                counts["reasons"][reason] = counts["reasons"].get(reason, 0) + 1
-            writer.add(kind, out)
-            counts[kind] += 1
-            if kind == "pairs" and data.negative_column:  # what training can draw (train.labeled_negatives_per_query)
-                given = len(out[NEGATIVES_COLUMN])
-                counts["labeled_negatives"] = counts.get("labeled_negatives", 0) + given
-                counts["without_labeled_negatives"] = counts.get("without_labeled_negatives", 0) + (given == 0)
+            routed = _route_record(rec, (unit.file_index << ROW_BITS) | row, data)
+            if len(routed) > 1:  # a list of passages: pairs beyond the record's one
+                counts["extra_positives"] = counts.get("extra_positives", 0) + len(routed) - 1
+            for kind, out in routed:
+                if kind == "quarantine":
+                    out.update(input_file=unit.path, input_row=row)
+                    reason = out["reason"].split(":")[0]
+                    counts["reasons"][reason] = counts["reasons"].get(reason, 0) + 1
+                writer.add(kind, out)
+                counts[kind] += 1
+                if kind == "pairs" and data.negative_column:  # what training can draw (labeled_negatives_per_query)
+                    given = len(out[NEGATIVES_COLUMN])
+                    counts["labeled_negatives"] = counts.get("labeled_negatives", 0) + given
+                    counts["without_labeled_negatives"] = counts.get("without_labeled_negatives", 0) + (given == 0)
         row_index += len(records)
         writer.flush()
     writer.flush(final=True)
@@ -241,19 +248,22 @@ def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfi
     return counts
 
 
-def _route_record(rec: dict, pair_id: int, data: DataConfig) -> tuple[str, dict]:
-    """(output folder, row) of one input record."""
+def _route_record(rec: dict, pair_id: int, data: DataConfig) -> list[tuple[str, dict]]:
+    """[(output folder, row)] of one input record: one row, or one pair per text of a list of passages (the first
+    with the record's pair_id, the others with extra_positive_id's)."""
     reason = rec.get("__reason__")
     raw_q, raw_p = rec.get(data.query_column), rec.get(data.passage_column)
     raw_s = rec.get(data.source_column) if data.source_column else None
     source = _repr(raw_s)
-    query = passage = None
+    query, passages = None, []
     if reason is None:
         query, why_q = normalise_text(raw_q)
-        passage, why_p = normalise_text(raw_p)
+        passages, why_p = normalise_passages(raw_p)
         reason = f"query_{why_q}" if why_q else f"passage_{why_p}" if why_p else None
-    if reason is None and max(len(query), len(passage)) > data.max_text_chars:
-        reason = "over_long_query" if len(query) > data.max_text_chars else "over_long_passage"
+    if reason is None and len(query) > data.max_text_chars:
+        reason = "over_long_query"
+    if reason is None and max(map(len, passages)) > data.max_text_chars:
+        reason = "over_long_passage"
     negatives, labeled = [], {}
     if data.negative_column:
         raw_n = rec.get(data.negative_column)
@@ -261,38 +271,83 @@ def _route_record(rec: dict, pair_id: int, data: DataConfig) -> tuple[str, dict]
             negatives, reason = normalise_negatives(raw_n, data.max_text_chars)
         labeled = {NEGATIVES_COLUMN: negatives} if reason is None else {NEGATIVES_COLUMN: _repr(raw_n)}
     if reason is not None:
-        return "quarantine", {"pair_id": pair_id, "reason": reason, "query": _repr(raw_q, rec),
-                              "passage": _repr(raw_p), "source": source, **labeled}
+        return [("quarantine", {"pair_id": pair_id, "reason": reason, "query": _repr(raw_q, rec),
+                                "passage": _repr(raw_p), "source": source, **labeled})]
     kind = "heldout" if is_heldout(query, data.heldout_fraction) else "pairs"
-    return kind, {"pair_id": pair_id, "query": query, "passage": passage, "source": source, **labeled}
+    return [(kind, {"pair_id": pair_id if i == 0 else extra_positive_id(pair_id, i), "query": query,
+                    "passage": passage, "source": source, **labeled}) for i, passage in enumerate(passages)]
 
 
-def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:
-    """(clean texts, None) or ([], reason) for a row's labeled negatives: a text or a list of texts (a NumPy or Arrow
-    list read from Parquet too); null, an empty list and texts that normalise to nothing are no negatives. A value
-    of another type, or an element that is not text, quarantines the row (negative_not_string:<type>), as an
-    element longer than data.max_text_chars does (over_long_negative)."""
-    if value is None:
-        return [], None
-    if isinstance(value, (str, bytes)):
-        value = [value]
-    elif hasattr(value, "tolist") and not isinstance(value, dict):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)):
-        return [], f"negative_not_string:{type(value).__name__}"
+def as_list(value) -> list | None:
+    """A list value as a Python list (a JSON array, a NumPy or Arrow list read from Parquet); None for a text, a
+    scalar or an object."""
+    if isinstance(value, (str, bytes, dict)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    listed = value.tolist() if hasattr(value, "tolist") else None
+    return listed if isinstance(listed, list) else None
+
+
+def normalise_texts(items: list, max_chars: int | None = None) -> tuple[list[str], str | None]:
+    """(clean texts, None) or ([], reason) for a list of texts: null elements and texts that normalise to nothing are
+    skipped; the reason of the first element that is not text (normalise_text's), or `over_long` past max_chars."""
     texts = []
-    for item in value:
+    for item in items:
         if item is None:
             continue
         text, why = normalise_text(item)
         if why == "empty":
             continue
         if why is not None:
-            return [], f"negative_{why}"
-        if len(text) > max_chars:
-            return [], "over_long_negative"
+            return [], why
+        if max_chars is not None and len(text) > max_chars:
+            return [], "over_long"
         texts.append(text)
     return texts, None
+
+
+def normalise_passages(value) -> tuple[list[str], str | None]:
+    """([clean texts], None) or ([], reason) for a record's passage: a text, or a list of texts (FlagEmbedding's
+    `pos`), each a positive of the query (normalise_texts). A list left with no text is `empty`, more than
+    MAX_POSITIVES texts `too_many_texts`."""
+    items = as_list(value)
+    if items is None:
+        text, why = normalise_text(value)
+        return ([text], None) if why is None else ([], why)
+    texts, why = normalise_texts(items)
+    if why is None and not texts:
+        why = "empty"
+    elif why is None and len(texts) > MAX_POSITIVES:
+        why = "too_many_texts"
+    return (texts, None) if why is None else ([], why)
+
+
+def extra_positive_id(pair_id: int, i: int) -> int:
+    """The pair_id of the i-th (i >= 1) text of a record's list of passages, the record's own pair_id being
+    (file index << ROW_BITS) | row: (file index << ROW_BITS) | EXTRA_POSITIVE_BIT | row << 8 | (i - 1). The file
+    index stays in the high bits and no row of a file reaches EXTRA_POSITIVE_BIT."""
+    row = pair_id & ((1 << ROW_BITS) - 1)
+    if row >= 1 << (ROW_BITS - 9):
+        raise IngestError(f"Row {row} of an input file has a list of passages: pair_ids number such rows up to row "
+                          f"{(1 << (ROW_BITS - 9)) - 1} of a file. Split the file.")
+    return (pair_id - row) | EXTRA_POSITIVE_BIT | (row << 8) | (i - 1)
+
+
+def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:
+    """(clean texts, None) or ([], reason) for a row's labeled negatives: a text or a list of texts (as_list);
+    null, an empty list and texts that normalise to nothing are no negatives. A value of another type, or an element
+    that is not text, quarantines the row (negative_not_string:<type>), as an element longer than
+    data.max_text_chars does (over_long_negative)."""
+    if value is None:
+        return [], None
+    items = [value] if isinstance(value, (str, bytes)) else as_list(value)
+    if items is None:
+        return [], f"negative_not_string:{type(value).__name__}"
+    texts, why = normalise_texts(items, max_chars)
+    if why == "over_long":
+        return [], "over_long_negative"
+    return (texts, None) if why is None else ([], f"negative_{why}")
 
 
 def _repr(value, rec: dict | None = None) -> str | None:
@@ -355,8 +410,9 @@ def run_ingest(ctx: StageContext) -> StageResult:
                           f"unreadable file(s) skipped; see {run.path('quarantine')}.")
     stats["wall_s"] = round(time.time() - started, 3)
     stats["worker_s"] = stats["wall_s"]
-    print(f"[ingest] rows in {stats['rows_in']}: pairs {stats['pairs']}, held out {stats['heldout']}, "
-          f"quarantined {stats['quarantine']}" + (f" {stats['reasons']}" if stats["reasons"] else ""), flush=True)
+    reasons = f" {stats['reasons']}" if stats["reasons"] else ""
+    print(f"[ingest] rows in {stats['rows_in']}{more_pairs(stats)}: pairs {stats['pairs']}, held out "
+          f"{stats['heldout']}, quarantined {stats['quarantine']}{reasons}", flush=True)
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
@@ -365,6 +421,13 @@ def run_ingest(ctx: StageContext) -> StageResult:
         print(line, flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def more_pairs(stats: dict) -> str:
+    """What the summary lines add to "rows in N" when records listed several passages: rows in + extra_positives =
+    pairs + held out + quarantined."""
+    extra = stats.get("extra_positives", 0)
+    return f" (+{extra} pairs from the records' further passages)" if extra else ""
 
 
 def distinct_sample(run: RunDir) -> dict:
@@ -561,7 +624,7 @@ def _total(results: list[tuple[IngestUnit, dict]]) -> dict:
     for unit, r in results:
         for key in ("rows_in", "pairs", "heldout", "quarantine"):
             stats[key] += r[key]
-        for key in ("labeled_negatives", "without_labeled_negatives"):  # with data.negative_column
+        for key in ("labeled_negatives", "without_labeled_negatives", "extra_positives"):  # when there are any
             if key in r:
                 stats[key] = stats.get(key, 0) + r[key]
         for reason, n in r["reasons"].items():

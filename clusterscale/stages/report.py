@@ -13,6 +13,7 @@ import numpy as np
 
 from clusterscale.stages import report_plots
 from clusterscale.config import Config, ConfigError
+from clusterscale.stages.ingest import more_pairs
 from clusterscale.stages.costs import BEFORE_CLUSTERING, EXTRAPOLATED_FROM, device_seconds_label, stage_of, summarize
 from clusterscale.io.layout import (DEDUP, DEDUP_REMOVED, EVAL, MTEB_EVAL, PREDICTION_PATH, TRAIN, collapse_path,
                                     eval_by_cluster_path, manifest_path, read_manifest)
@@ -422,7 +423,7 @@ def write_report(cfg: Config, run: RunDir) -> str:
         parts += ["## Warnings", *flagged, ""]
     if run.exists("pairs", "_DONE.json"):
         s = run.done_stats("pairs")
-        parts += ["## Data", f"Rows in {s['rows_in']}: training pairs {s['pairs']}, held out {s['heldout']}, "
+        parts += ["## Data", f"Rows in {s['rows_in']}{more_pairs(s)}: training pairs {s['pairs']}, held out {s['heldout']}, "
                   f"quarantined {s['quarantine']}" + (f" {s['reasons']}" if s['reasons'] else "") + ".", ""]
     if run.exists(manifest_path(k)):
         manifest = read_manifest(run, manifest_path(k))
