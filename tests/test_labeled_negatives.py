@@ -1,14 +1,20 @@
 """Labeled hard negatives (data.negative_column -> `negatives`, train.labeled_negatives_per_query): ingest keeps them
 normalised or quarantines the row with a reason, the step masks a row's empty slots for every query, and training on
-shards without them is refused by name. A whole run that carries them to training: tests/test_extending.py."""
+shards without them is refused by name; negatives spread over several columns (sentence-transformers' negative_1 ...
+negative_n) are named by a comma list or a glob. A whole run that carries them to training: tests/test_extending.py."""
 from __future__ import annotations
+
+import csv
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import config
-from clusterscale.stages.ingest import _route_record, normalise_negatives
+from clusterscale.io.input_files import negative_columns
+from clusterscale.stages.ingest import IngestError, _route_record, normalise_negatives
+from test_ingest_inputs import _ingest
 from tests.conftest import make_pairs
 
 
@@ -29,6 +35,43 @@ def test_a_rows_negatives_are_a_text_or_a_list_normalised_and_a_bad_one_is_quara
                                                                                                           None)
     plain = config.load(None, ["data.heldout_fraction=0"]).data
     assert "negatives" not in _route_record({"query": "q", "passage": "p"}, 1, plain)[0][1]  # unset: pairs/ unchanged
+
+
+@pytest.mark.unit
+def test_negatives_in_several_columns_by_names_and_globs_in_every_format(tmp_path):
+    names = ["q", "p", "negative_10", "negative_2", "negative_1", "hard", "negative_x"]
+    assert negative_columns("negative_*", names) == ["negative_1", "negative_2", "negative_10", "negative_x"]
+    assert negative_columns("hard, negative_?", names) == ["hard", "negative_1", "negative_2", "negative_x"]
+    assert negative_columns("neg", names) == ["neg"] and negative_columns(None, names) == []
+    rows = [{"q": f"query {i}", "p": f"passage {i}", "id": i, **{f"negative_{j}": None if (i + j) % 5 == 0 else
+            [f"n{i}.{j}", f"m{i}.{j}"] if j == 11 else f"n{i}.{j}" for j in range(1, 12)}} for i in range(30)]
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.Table.from_pylist([{**r, "negative_11": r["negative_11"]} for r in rows]), data / "a.parquet")
+    (data / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(data / "c.csv", "w", newline="") as f:  # a CSV cell holds one text: negative_11 left out
+        writer = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "negative_11"])
+        writer.writeheader()
+        writer.writerows({k: v for k, v in r.items() if k != "negative_11"} for r in rows)
+
+    def expected(i: int, columns: range) -> list[str]:
+        out = []
+        for j in columns:
+            if (i + j) % 5:
+                out += [f"n{i}.{j}", f"m{i}.{j}"] if j == 11 else [f"n{i}.{j}"]
+        return out
+
+    tables, _ = _ingest(tmp_path, str(data), "data.negative_column=negative_*")
+    pairs = tables["pairs"] + tables["heldout"]
+    assert len(pairs) == 90 and not tables["quarantine"]
+    for row in pairs:
+        i, fmt = int(row["query"].split()[1]), row["pair_id"] >> 40  # files in sorted order: a.parquet, b, c.csv
+        assert row["negatives"] == expected(i, range(1, 12 if fmt < 2 else 11)), (fmt, row)
+    tables, _ = _ingest(tmp_path / "list", str(data / "b.jsonl"), "data.negative_column=negative_3, negative_1")
+    assert all(r["negatives"] == [t for j in (3, 1) for t in expected(int(r["query"].split()[1]), [j])]
+               for r in tables["pairs"] + tables["heldout"])
+    with pytest.raises(IngestError, match=r"its pattern 'neg_\*' matches none\) not found\. Columns found: 'q', 'p'"):
+        _ingest(tmp_path / "none", str(data / "a.parquet"), "data.negative_column=neg_*")
 
 
 def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):

@@ -77,8 +77,9 @@ class Config:
         labeled = self.train.objective.labeled_negatives_per_query
         if labeled and self.data.negative_column is None:  # known at load: it was found after Ray's start
             raise ConfigError(f"{self.train.key('labeled_negatives_per_query')}={labeled} needs labeled negatives: "
-                              f"set data.negative_column to the input column that holds them (one text or a list "
-                              f"per row; a new --run-dir, or --replace of pairs/), or set "
+                              f"set data.negative_column to the input column(s) that hold them (one text or a list "
+                              f"per row, or several columns: negative_1,negative_2 or negative_*; a new --run-dir, or "
+                              f"--replace of pairs/), or set "
                               f"{self.train.key('labeled_negatives_per_query')}=0.")
         every = self.train.shards.recluster_every
         if every and self.dedup.enabled and self.dedup.apply_to_shards:

@@ -32,7 +32,10 @@ class DataConfig(Section):
     source_column: str | None = knob(None, "Optional column naming each pair's source (kept as `source`).")
     negative_column: str | None = knob(None, "Optional column of labeled hard negatives: one text or a list of "
                                              "texts per row (kept as `negatives`, each normalised like the query "
-                                             "and passage; a null or empty one is none). Training uses them with "
+                                             "and passage; a null or empty one is none), or several columns, "
+                                             "comma-separated names and globs (negative_1,negative_2 or "
+                                             "negative_*: natural order, negative_2 before negative_10) whose texts "
+                                             "join in that order. Training uses them with "
                                              "train.labeled_negatives_per_query.", added=True)
     limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.",
                              bounds=POSITIVE)

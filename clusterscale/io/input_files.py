@@ -15,6 +15,7 @@ import io
 import json
 import os
 import posixpath
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -241,6 +242,7 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
         pf = pq.ParquetFile(fs.open_input_file(path))
         check_columns(pf.schema_arrow.names, path, data)
         groups = range(pf.num_row_groups) if row_groups is None else row_groups
+        columns = file_columns(columns, pf.schema_arrow.names, data)
         for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=list(groups), columns=columns):
             yield batch.to_pylist()
     elif fmt == "arrow":
@@ -264,6 +266,7 @@ def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
         reader = pa.ipc.open_file(fs.open_input_file(path))
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     check_columns(reader.schema.names, path, data)
+    columns = file_columns(columns, reader.schema.names, data)
     for batch in batches:
         for start in range(0, batch.num_rows, BATCH_ROWS):
             yield batch.slice(start, BATCH_ROWS).select(columns).to_pylist()
@@ -287,6 +290,7 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
         raise IngestError(f"{path}: its header line {bounded_names(header)} is one column holding a {separator}: the "
                           f"file is {separator}-separated, and CSV input is read comma-separated. Save it with commas "
                           f"(or as JSON lines or Parquet).") from None
+    columns = file_columns(columns, header, data)
     ragged: collections.deque[tuple[int, dict]] = collections.deque()
 
     def on_ragged(row) -> str:
@@ -424,14 +428,53 @@ def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> It
         yield rows
 
 
+GLOB_CHARS = frozenset("*?[")
+
+
+def negative_columns(spec: str | None, names: list[str]) -> list[str]:
+    """The columns data.negative_column names among a file's (or a JSON object's) `names`: comma-separated names and
+    globs (`negative_*`: the matching names in natural order, negative_2 before negative_10), each once, in order. A
+    literal name is kept whether or not it is there (check_columns names it if missing)."""
+    if not spec:
+        return []
+    out: dict[str, None] = {}
+    for token in (t.strip() for t in spec.split(",")):
+        if not token:
+            continue
+        if GLOB_CHARS & set(token):
+            out.update(dict.fromkeys(sorted((n for n in names if fnmatch.fnmatchcase(n, token)), key=_natural)))
+        else:
+            out[token] = None
+    return list(out)
+
+
+def _natural(name: str) -> list:
+    """Sort key: runs of digits compare as numbers (negative_2 < negative_10)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in _DIGITS.split(name) if part]
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def file_columns(columns: list[str], names: list[str], data: DataConfig) -> list[str]:
+    """The columns to read from a file whose columns are `names`: `columns` (query, passage, source) and the
+    negative columns data.negative_column names there."""
+    return columns + [c for c in negative_columns(data.negative_column, names) if c not in columns]
+
+
 def check_columns(found: list[str], path: str, data: DataConfig, scope: str = "") -> None:
     """The mapped columns are in the file, each once (a name twice would read one of them, silently); scope: where
     they were looked for, for the message (a JSON file's objects)."""
     wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
     if data.source_column:
         wanted["data.source_column"] = data.source_column
-    if data.negative_column:
-        wanted["data.negative_column"] = data.negative_column
+    tokens = [t.strip() for t in (data.negative_column or "").split(",") if t.strip()]
+    patterns = [t for t in tokens if GLOB_CHARS & set(t)]
+    literal = [t for t in tokens if t not in patterns]
+    if len(tokens) == 1 and literal:
+        wanted["data.negative_column"] = literal[0]
+    else:
+        wanted.update({f"data.negative_column[{t}]": t for t in literal})
     repeated = {col: [i + 1 for i, name in enumerate(found) if name == col] for col in set(wanted.values())}
     repeated = {col: places for col, places in repeated.items() if len(places) > 1}
     if repeated:
@@ -442,6 +485,8 @@ def check_columns(found: list[str], path: str, data: DataConfig, scope: str = ""
             f"the text is a guess. Rename the repeated columns in the file to unique names, or map "
             f"{'/'.join(keys)} to a column whose name appears once.")
     missing = [f"{key}={col!r}" for key, col in wanted.items() if col not in found]
+    missing += [f"data.negative_column={data.negative_column!r} (its pattern {t!r} matches none)" for t in patterns
+                if not any(fnmatch.fnmatchcase(name, t) for name in found)]
     if missing:
         raise IngestError(f"{path}: column(s) {', '.join(missing)} not found{scope}. Columns found: "
                           f"{bounded_names(found)}. Set the data.*_column keys to match "

@@ -17,6 +17,7 @@ into the same names, so the result is the same files. Run with `clusterscale ing
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -35,7 +36,7 @@ from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
                                          infer_format, is_encodable, iter_records, list_input_files,
-                                         refuse_run_dir_in_data)
+                                         negative_columns, refuse_run_dir_in_data)
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult, changed_keys
@@ -217,8 +218,9 @@ def unit_marker(unit: IngestUnit) -> str:
 def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfig, writer: _PartWriter,
                 row_budget: int | None) -> dict:
     """Send every record of one unit to pairs, heldout or quarantine; returns the counts."""
-    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else []) + (
-        [data.negative_column] if data.negative_column else [])
+    # The negative columns a glob of data.negative_column matches are added per file (input_files.file_columns).
+    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else []) + [
+        c for c in negative_columns(data.negative_column, []) if c not in (data.query_column, data.passage_column)]
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
     row_index = 0  # in the unit
     for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups):
@@ -266,7 +268,7 @@ def _route_record(rec: dict, pair_id: int, data: DataConfig) -> list[tuple[str, 
         reason = "over_long_passage"
     negatives, labeled = [], {}
     if data.negative_column:
-        raw_n = rec.get(data.negative_column)
+        raw_n = labeled_value(rec, data.negative_column)
         if reason is None:
             negatives, reason = normalise_negatives(raw_n, data.max_text_chars)
         labeled = {NEGATIVES_COLUMN: negatives} if reason is None else {NEGATIVES_COLUMN: _repr(raw_n)}
@@ -332,6 +334,26 @@ def extra_positive_id(pair_id: int, i: int) -> int:
         raise IngestError(f"Row {row} of an input file has a list of passages: pair_ids number such rows up to row "
                           f"{(1 << (ROW_BITS - 9)) - 1} of a file. Split the file.")
     return (pair_id - row) | EXTRA_POSITIVE_BIT | (row << 8) | (i - 1)
+
+
+def labeled_value(rec: dict, spec: str):
+    """A record's labeled negatives as read: the value of data.negative_column's one column, or the values of the
+    columns it names (comma-separated names and globs: input_files.negative_columns) as one list, a column's list
+    spread into it and its null left out."""
+    names = _negative_names(spec, tuple(rec))
+    if names == [spec]:
+        return rec.get(spec)
+    values = []
+    for name in names:
+        value = rec.get(name)
+        items = None if value is None else as_list(value)
+        values += items if items is not None else [] if value is None else [value]
+    return values
+
+
+@functools.lru_cache(maxsize=256)
+def _negative_names(spec: str, keys: tuple[str, ...]) -> list[str]:
+    return negative_columns(spec, list(keys))
 
 
 def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:

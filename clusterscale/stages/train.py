@@ -291,8 +291,9 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
                 wanted = cfg.train.objective.labeled_negatives_per_query
                 raise ConfigError(
                     f"train.labeled_negatives_per_query={wanted} needs labeled negatives, but the shards hold none: "
-                    f"set data.negative_column to the input column that holds them (one text or a list per row) in a "
-                    f"new --run-dir, or set train.labeled_negatives_per_query=0.")
+                    f"set data.negative_column to the input column(s) that hold them (one text or a list per row, or "
+                    f"several columns: negative_1,negative_2 or negative_*) in a new --run-dir, or set "
+                    f"train.labeled_negatives_per_query=0.")
     ingested = run.done_stats("pairs") if run.exists("pairs", "_DONE.json") else {}
     given, pairs = ingested.get("labeled_negatives"), ingested.get("pairs") or 0
     wanted = cfg.train.objective.labeled_negatives_per_query
