@@ -144,6 +144,31 @@ def test_a_local_start_never_joins_another_ray_on_this_machine(monkeypatch):
     assert [kwargs["address"] for kwargs in seen] == ["local"] and seen[0]["num_cpus"] == 2
 
 
+def test_a_local_ray_starts_ray_train_without_its_preemption_watcher_unless_the_user_says(monkeypatch):
+    """A local Ray is one node that nothing drains: its raylet (so Ray Train's controller) gets
+    RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 unless exported; a joined cluster keeps Ray's default (the watcher)."""
+    import os
+
+    from clusterscale.config import RayConfig
+    from clusterscale.runtime import session
+
+    seen = []
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"
+                                        and k != "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"})  # restored after the test
+    monkeypatch.setattr(session.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(session.ray, "init", lambda **kwargs: seen.append(
+        os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")))
+    for name in ("_drop_worker_log_noise", "_watch_local_ray", "_check_reachable"):
+        monkeypatch.setattr(session, name, lambda *args: None)
+    monkeypatch.setattr(session, "ray_data_progress", lambda on_terminal: None)
+    session.init_ray(RayConfig(num_cpus=2, include_dashboard=False))
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1"  # exported by the user: theirs wins
+    session.init_ray(RayConfig(num_cpus=2, include_dashboard=False))
+    del os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
+    session.init_ray(RayConfig(num_cpus=2, include_dashboard=False, address="10.0.0.1:6379"))
+    assert seen == ["0", "1", None]
+
+
 def test_a_joined_cluster_gets_the_omp_policy_once_for_the_job_not_per_faiss_actor(monkeypatch):
     """faiss' OpenMP policy reaches a cluster's workers through the job's runtime_env (one worker pool), unless the
     job it was submitted in sets it already (Ray refuses a driver runtime_env that repeats a key of the job's)."""

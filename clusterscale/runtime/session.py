@@ -198,6 +198,10 @@ def init_ray(cfg: RayConfig) -> None:
         # imported pyarrow and Ray Data again (~1-2 s of CPU each): a 268-pair mine took 46-54 s, 34-35 s with 8
         # kept (raylet's RAY_num_workers_soft_limit, read when it starts; a value the user exported wins).
         os.environ.setdefault("RAY_num_workers_soft_limit", str(max(IDLE_WORKERS, cfg.num_cpus or os.cpu_count() or 1)))
+        # Ray Train starts a PreemptionWatcher actor per training run to follow node drains (a cluster's spot reclaim
+        # notice); a local Ray is one node that no autoscaler drains, and the actor's start held each training's
+        # first step back ~1-3 s here (a value the user exported wins).
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         kwargs.update(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
         from clusterscale.runtime.reaper import remove_orphaned_shuffle_files
