@@ -359,10 +359,10 @@ def test_a_folder_s_compressed_files_are_read_and_a_file_of_unknown_format_is_na
     assert code == 0, err
     assert RunDir(str(tmp_path / "run2")).done_stats("pairs")["rows_in"] == 20
     assert "2 documentation or config file(s) beside the data skipped" in out
-    (parts / "more.tsv").write_text("q\tp\n")  # another format: named whatever data.format says
+    (parts / "more.xlsx").write_bytes(b"PK\x03\x04")  # another format: named whatever data.format says
     code, _, err = _cli_ingest(capsys, tmp_path / "run4", parts, "data.format=parquet")
     _user_fault(code, err)
-    assert "'more.tsv'" in err and "Convert files of another format" in err
+    assert "'more.xlsx'" in err and "Convert files of another format" in err
 
     (tmp_path / "semi.csv").write_text("q;p\nquery;passage\n")  # a CSV separated by semicolons: said so
     code, _, err = _cli_ingest(capsys, tmp_path / "run3", tmp_path / "semi.csv")

@@ -83,6 +83,35 @@ def test_csv_ragged_rows_invalid_utf8_and_null_words(tmp_path):
     assert counts[0]["rows_in"] == 8
 
 
+def test_tsv_as_pandas_and_the_csv_module_write_it_and_a_tab_separated_csv_named(tmp_path):
+    """TSV: a header line, quoted cells that hold tabs, quotes and line breaks, .tsv.gz, ragged rows quarantined in
+    their place; a .csv that is tab-separated (or a .tsv that is comma-separated) is refused with the fix."""
+    import csv
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [["q", "p"], ["q0", "p0"], ["q1", 'a "quoted"\tcell'], ["q2", "two\nlines"], ["q3", "NA"]]
+    with open(data / "a.tsv", "w", newline="") as f:
+        csv.writer(f, delimiter="\t").writerows(rows)
+    with gzip.open(data / "b.tsv.gz", "wt", newline="") as f:
+        f.write("q\tp\nq4\tp4\nthree\tcells\there\nq5\tp5\n")
+    tables, counts = _ingest(tmp_path, str(data))
+    kept = {r["query"]: r["passage"] for r in tables["pairs"] + tables["heldout"]}
+    assert kept == {"q0": "p0", "q1": 'a "quoted"\tcell', "q2": "two\nlines", "q3": "NA", "q4": "p4", "q5": "p5"}
+    assert [(r["query"], r["reason"], r["input_row"]) for r in tables["quarantine"]] == [
+        ("three\tcells\there", "csv_cells:3_of_2", 1)]
+    (tmp_path / "tabs.csv").write_text("q\tp\nquery\tpassage\n")
+    with pytest.raises(IngestError, match=r"is one column holding a tab: the file is tab-separated, and CSV input is "
+                                          r"read comma-separated\. Name it \.tsv \(or set data\.format=tsv\)"):
+        _ingest(tmp_path / "x", str(tmp_path / "tabs.csv"))
+    tables, _ = _ingest(tmp_path / "y", str(tmp_path / "tabs.csv"), "data.format=tsv")
+    assert [(r["query"], r["passage"]) for r in tables["pairs"] + tables["heldout"]] == [("query", "passage")]
+    (tmp_path / "commas.tsv").write_text("q,p\nquery,passage\n")
+    with pytest.raises(IngestError, match=r"holding a comma: .* TSV input is read tab-separated\. Name it \.csv"):
+        _ingest(tmp_path / "z", str(tmp_path / "commas.tsv"))
+
+
 def _parquet_bytes(rows: int, row_group_size: int) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.table({"q": [f"query {i}" for i in range(rows)], "p": [f"passage {i}" for i in range(rows)]}),

@@ -21,11 +21,11 @@ class DataConfig(Section):
                      "hdfs://, file://). 'builtin:docstrings' = the bundled real dataset (summary line -> body "
                      "of the docstrings of installed Python packages, source = package).")
     format: str = knob("auto", "Input format; 'auto' infers it from the file suffix (.parquet/.pq; .jsonl/"
-                               ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; JSON and CSV also "
-                               "as .gz, .bz2, .zst; .arrow/.feather = Arrow IPC, as in a Hugging Face "
-                               "save_to_disk folder). Set, every file is read as it, a folder's files without a "
-                               "suffix included.",
-                       ("auto", "parquet", "jsonl", "csv", "arrow"))
+                               ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; .tsv = tab-"
+                               "separated, a header line; JSON, CSV and TSV also as .gz, .bz2, .zst; .arrow/"
+                               ".feather = Arrow IPC, as in a Hugging Face save_to_disk folder). Set, every file is "
+                               "read as it, a folder's files without a suffix included.",
+                       ("auto", "parquet", "jsonl", "csv", "tsv", "arrow"))
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text, or a list of positive texts "
                                "(one pair each, as FlagEmbedding's `pos`).")

@@ -35,7 +35,8 @@ from clusterscale.redact import redact_uri
 ROW_BITS = 40  # up to 2**39 rows per file (ingest.EXTRA_POSITIVE_BIT is the 40th), 2**23 files
 BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
-TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv"}
+TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+DELIMITERS = {"csv": ",", "tsv": "\t"}  # the separated formats, read alike (a header line, quoted cells)
 COMPRESSIONS = (".gz", ".bz2", ".zst")  # what the text readers' compression="detect" decompresses by suffix
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", **TEXT_SUFFIXES,
                   **{suffix + packed: fmt for suffix, fmt in TEXT_SUFFIXES.items() for packed in COMPRESSIONS}}
@@ -47,7 +48,8 @@ DOC_NAMES = ("readme", "license", "licence", "copying", "notice", "citation", "c
              "sha1sums", "sha256sums", "sha512sums")
 HUB_METADATA = ("dataset_infos.json", "dataset_info.json")  # a dataset repository's card data, not pairs
 UTF8_BOM = b"\xef\xbb\xbf"
-OTHER_SEPARATORS = {";": "semicolon", "\t": "tab", "|": "pipe"}  # a one-column CSV header holding one: the cause
+# A one-column header holding one of these (and not the file's delimiter): the cause; the fix, when ingest reads it.
+OTHER_SEPARATORS = {";": ("semicolon", None), "\t": ("tab", "tsv"), "|": ("pipe", None), ",": ("comma", "csv")}
 FIRST_LINE_BYTES = 1 << 24  # a JSON file starting with `[` whose first line runs longer is taken for one array
 # Hugging Face `save_to_disk` writes these next to its .arrow shards; they describe the data, they are not data.
 HF_STATE, HF_SIDECARS, HF_DATASET_DICT = "state.json", ("dataset_info.json", "state.json"), "dataset_dict.json"
@@ -247,8 +249,8 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
             yield batch.to_pylist()
     elif fmt == "arrow":
         yield from _arrow_records(fs, path, columns, data)
-    elif fmt == "csv":
-        yield from _csv_records(fs, path, columns, data)
+    elif fmt in DELIMITERS:
+        yield from _csv_records(fs, path, columns, data, DELIMITERS[fmt])
     else:
         _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
         if is_json_array(fs, path):
@@ -272,24 +274,32 @@ def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
             yield batch.slice(start, BATCH_ROWS).select(columns).to_pylist()
 
 
-def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
-    """Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only the empty
-    cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined in
+def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig, delimiter: str = ","
+                 ) -> Iterator[list[dict]]:
+    """CSV, or TSV with delimiter "\t" (as pandas and the csv module write it: quoted cells may hold the delimiter,
+    quotes and line breaks). Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only
+    the empty cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined in
     their place, so every row keeps its number in the file (blank lines are not rows)."""
-    _refuse_binary(fs, path, "csv")
+    fmt = "tsv" if delimiter == "\t" else "csv"
+    _refuse_binary(fs, path, fmt)
     with fs.open_input_stream(path, compression="detect") as stream:
-        header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace")), None)
+        header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"),
+                                 delimiter=delimiter), None)
     if header is None:
-        raise pa.ArrowInvalid("empty CSV file: no header line")
-    separator = next((name for char, name in OTHER_SEPARATORS.items() if len(header) == 1 and char in header[0]), None)
+        raise pa.ArrowInvalid(f"empty {fmt.upper()} file: no header line")
+    separator = next((found for char, found in OTHER_SEPARATORS.items()
+                      if char != delimiter and len(header) == 1 and char in header[0]), None)
     try:
         check_columns(header, path, data)
     except IngestError:
         if separator is None:
             raise
-        raise IngestError(f"{path}: its header line {bounded_names(header)} is one column holding a {separator}: the "
-                          f"file is {separator}-separated, and CSV input is read comma-separated. Save it with commas "
-                          f"(or as JSON lines or Parquet).") from None
+        name, readable = separator
+        fix = (f"Name it .{readable} (or set data.format={readable})" if readable else
+               f"Save it {'with commas' if fmt == 'csv' else 'with tabs'} (or as JSON lines or Parquet)")
+        raise IngestError(f"{path}: its header line {bounded_names(header)} is one column holding a {name}: the "
+                          f"file is {name}-separated, and {fmt.upper()} input is read "
+                          f"{'comma' if fmt == 'csv' else 'tab'}-separated. {fix}.") from None
     columns = file_columns(columns, header, data)
     ragged: collections.deque[tuple[int, dict]] = collections.deque()
 
@@ -302,7 +312,7 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
     reader = pacsv.open_csv(
         fs.open_input_stream(path, compression="detect"),
         read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
-        parse_options=pacsv.ParseOptions(invalid_row_handler=on_ragged),
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.binary() for c in columns},
                                              strings_can_be_null=True, null_values=[""]))
     row = 0  # the file's data row the next record is

@@ -128,7 +128,7 @@ def _text_rows(fs, path: str, fmt: str, key: str | None = None) -> tuple[float, 
     if key is not None:
         return _scaled(max(1, len(re.findall(b'"' + re.escape(key.encode()) + rb'"\s*:', head))), consumed, size,
                        whole)
-    lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - (1 if fmt == "csv" else 0)
+    lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - (1 if fmt in ("csv", "tsv") else 0)
     return _scaled(max(1, lines), consumed, size, whole)
 
 
