@@ -88,8 +88,14 @@ def test_heldout_split_is_a_fixed_fraction_of_queries():
 def test_all_rows_bad_is_a_clear_error(tmp_path, ray_local):
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"q": ["", None], "p": ["x", "y"]}), path)
-    with pytest.raises(IngestError, match="No valid pairs"):
+    with pytest.raises(IngestError, match="No valid pairs .* The first: query_empty, data.query_column='q' holds \\."):
         _ingest(tmp_path, path)
+    path = tmp_path / "objects.jsonl"  # a passage column of objects: the error shows what it holds
+    path.write_text("".join(json.dumps({"q": f"q{i}", "p": {"title": "t", "text": "x" * 300}}) + "\n"
+                            for i in range(3)))
+    with pytest.raises(IngestError, match=r"The first: passage_not_string:dict, data.passage_column='p' holds "
+                                          r'\{"title": "t", "text": "x{176}\.\.\.\.$'):
+        _ingest(tmp_path / "objects", path)
 
 
 def _kinds_by_id(run) -> dict[int, tuple[str, str]]:

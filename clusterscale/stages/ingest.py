@@ -429,7 +429,7 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if stats["pairs"] == 0:
         raise IngestError(f"No valid pairs in {data.path}: {stats['rows_in']} rows read, "
                           f"{stats['quarantine']} quarantined ({stats['reasons']}), {len(stats['bad_files'])} "
-                          f"unreadable file(s) skipped; see {run.path('quarantine')}.")
+                          f"unreadable file(s) skipped; see {run.path('quarantine')}.{first_rejected(run, data)}")
     stats["wall_s"] = round(time.time() - started, 3)
     stats["worker_s"] = stats["wall_s"]
     reasons = f" {stats['reasons']}" if stats["reasons"] else ""
@@ -443,6 +443,25 @@ def run_ingest(ctx: StageContext) -> StageResult:
         print(line, flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def first_rejected(run: RunDir, data: DataConfig, most: int = 200) -> str:
+    """A sentence showing the first quarantined row (its reason and the rejected value, cut to `most` characters),
+    for the error of an input with no valid pair: a text column that holds objects or numbers shows what it holds."""
+    files = run.files("quarantine")
+    if not files:
+        return ""
+    with run.fs.open_input_file(files[0]) as f:
+        rows = pq.ParquetFile(f).iter_batches(batch_size=1, columns=["reason", "query", "passage"])
+        row = next(iter(rows), pa.table({"reason": []})).to_pylist()
+    if not row:
+        return ""
+    row = row[0]
+    side = next((side for side in ("query", "passage") if row["reason"].startswith((side, f"over_long_{side}"))), None)
+    value = row[side or "query"]  # a row that could not be read keeps its raw text as the query
+    value = "null" if value is None else value if len(value) <= most else value[:most] + "..."
+    where = f"data.{side}_column={getattr(data, f'{side}_column')!r} holds" if side else "the row reads"
+    return f" The first: {row['reason']}, {where} {value}."
 
 
 def more_pairs(stats: dict) -> str:
