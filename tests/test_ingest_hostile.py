@@ -84,6 +84,8 @@ def test_cli_reads_each_file_once_skips_run_dirs_and_keeps_csv_row_numbers(tmp_p
     rows = _table_rows(run)
     assert stats["rows_in"] == 160 == len(rows) == stats["pairs"] + stats["heldout"] + stats["quarantine"]
     assert stats["quarantine"] == len(ragged)
+    assert f"[ingest] warning: {len(ragged)} of 160 rows ({len(ragged) / 160:.0%}) were quarantined" in out
+    assert "The first: csv_cells:4_of_3, the row reads r0,too,many,cells." in out  # what to look at
     _row_numbers_hold([r for r in rows if r["pair_id"] >> ROW_BITS == 1], 1, ragged, 60)  # b.csv sorts after a.parquet
     assert sorted(r["query"] for r in rows if r["pair_id"] >> ROW_BITS == 0) == sorted(f"a{i}" for i in range(100))
 

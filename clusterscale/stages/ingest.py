@@ -58,6 +58,7 @@ OUTPUTS = ("pairs", "heldout", "quarantine")
 # A passage column of lists: at most this many texts (positives) per record, each a pair (extra_positive_id).
 MAX_POSITIVES = 256
 EXTRA_POSITIVE_BIT = 1 << (ROW_BITS - 1)  # in the pair_ids of a list's second and later texts only
+QUARANTINE_WARN_SHARE = 0.05  # a run that quarantines this share of its rows or more says so at the end of ingest
 DISTINCT_SAMPLE_ROWS = 10_000  # pairs read back to check that each text column varies (few_distinct_warnings)
 FOOTER_READ_THREADS = 16  # Parquet footers read at once when planning units (object stores: latency-bound)
 # C0/C1 control characters (NUL included) except tab, line feed and carriage return: they break tokenizers and
@@ -438,6 +439,11 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if stats["bad_files"]:
         print(f"[ingest] {len(stats['bad_files'])} unreadable file(s) skipped (data.bad_files=quarantine), "
               f"listed with their errors in {run.path(BAD_FILES)}", flush=True)
+    if stats["quarantine"] >= QUARANTINE_WARN_SHARE * stats["rows_in"]:
+        print(f"[ingest] warning: {stats['quarantine']} of {stats['rows_in']} rows "
+              f"({stats['quarantine'] / stats['rows_in']:.0%}) were quarantined ({stats['reasons']}): check the "
+              f"data.*_column keys and the input; they are in {run.path('quarantine')}."
+              f"{first_rejected(run, data)}", flush=True)
     stats["distinct_sample"] = distinct_sample(run)
     for line in few_distinct_warnings(stats["distinct_sample"], cfg.train.schedule.global_batch_size, data):
         print(line, flush=True)
