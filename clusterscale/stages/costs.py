@@ -70,7 +70,8 @@ def student_param_count(cfg: Config) -> int | None:
 
 def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     """Mean tokens per query and per passage over a sample of pairs/, each capped at the stage's max length (embed: per
-    pair, both texts with embed.side=both)."""
+    pair, both texts with embed.side=both): embed's counted by the frozen encoder's tokenizer, training's by the
+    student's (train.init's, or train.tokenizer's from scratch; the encoder's when the student's cannot be loaded)."""
     import pyarrow.dataset as pads
 
     from clusterscale.modeling.encoder import load_tokenizer, resolve_model_path
@@ -78,21 +79,32 @@ def mean_tokens(run: RunDir, cfg: Config) -> dict | None:
     files = run.files("pairs")
     if not files:
         return None
+    st = cfg.train.student
     try:
-        tokenizer = load_tokenizer(resolve_model_path(cfg.embed.model))
+        frozen_path = resolve_model_path(cfg.embed.model)
+        tokenizer = load_tokenizer(frozen_path)
     except Exception:
         return None
+    try:
+        student_path = resolve_model_path(st.tokenizer if st.init == "scratch" else st.init)
+        student = tokenizer if student_path == frozen_path else load_tokenizer(student_path)
+    except Exception:  # a hub id without network: the encoder's counts stand in
+        student = tokenizer
     table = pads.dataset(files, filesystem=run.fs, format="parquet").head(TOKEN_SAMPLE_ROWS, columns=["query", "passage"])
-    # Cut at the longest cap used below (a count above it is capped anyway): a long document costs no more than that,
-    # and transformers does not warn that a text longer than the model's maximum "will result in indexing errors".
-    most = max(cfg.embed.max_length, cfg.train.student.query_max_length, cfg.train.student.passage_max_length)
-    lengths = {side: np.array([len(ids) for ids in tokenizer(table.column(side).to_pylist(), truncation=True,
-                                                             max_length=most, verbose=False)["input_ids"]])
-               for side in ("query", "passage")}
+
+    def lengths(tok, most: int) -> dict[str, np.ndarray]:
+        # Cut at the longest cap used (a count above it is capped anyway): a long document costs no more than that,
+        # and transformers does not warn that a text longer than the model's maximum "will result in indexing errors".
+        return {side: np.array([len(ids) for ids in tok(table.column(side).to_pylist(), truncation=True,
+                                                          max_length=most, verbose=False)["input_ids"]])
+                for side in ("query", "passage")}
+
+    embedded = lengths(tokenizer, cfg.embed.max_length)
+    trained = lengths(student, max(st.query_max_length, st.passage_max_length))
     sides = ("query", "passage") if cfg.embed.side == "both" else (cfg.embed.side,)  # embed.side=both: each pair twice
-    return {"embed": float(sum(np.minimum(lengths[side], cfg.embed.max_length).mean() for side in sides)),
-            "train_query": float(np.minimum(lengths["query"], cfg.train.student.query_max_length).mean()),
-            "train_passage": float(np.minimum(lengths["passage"], cfg.train.student.passage_max_length).mean()),
+    return {"embed": float(sum(embedded[side].mean() for side in sides)),
+            "train_query": float(np.minimum(trained["query"], st.query_max_length).mean()),
+            "train_passage": float(np.minimum(trained["passage"], st.passage_max_length).mean()),
             "sample_rows": table.num_rows}
 
 
