@@ -83,22 +83,21 @@ def test_csv_ragged_rows_invalid_utf8_and_null_words(tmp_path):
     assert counts[0]["rows_in"] == 8
 
 
-def test_tsv_as_pandas_and_the_csv_module_write_it_and_a_tab_separated_csv_named(tmp_path):
-    """TSV: a header line, quoted cells that hold tabs, quotes and line breaks, .tsv.gz, ragged rows quarantined in
-    their place; a .csv that is tab-separated (or a .tsv that is comma-separated) is refused with the fix."""
-    import csv
+def test_tsv_cells_are_never_quoted_and_a_tab_separated_csv_is_named(tmp_path):
+    """TSV: a header line, a cell ends at a tab or line break and a quote is text (an unmatched quote at a cell's start
+    swallows no row), .tsv.gz, ragged rows quarantined in their place; a .csv that is tab-separated (or a .tsv that is
+    comma-separated) is refused with the fix."""
     import gzip
 
     data = tmp_path / "data"
     data.mkdir()
-    rows = [["q", "p"], ["q0", "p0"], ["q1", 'a "quoted"\tcell'], ["q2", "two\nlines"], ["q3", "NA"]]
-    with open(data / "a.tsv", "w", newline="") as f:
-        csv.writer(f, delimiter="\t").writerows(rows)
-    with gzip.open(data / "b.tsv.gz", "wt", newline="") as f:
-        f.write("q\tp\nq4\tp4\nthree\tcells\there\nq5\tp5\n")
+    (data / "a.tsv").write_text('q\tp\nq0\tp0\nq1\t"Hello," he said\nq2\t"unbalanced start\nq3\tp3 "x"\nq4\tNA\n')
+    with gzip.open(data / "b.tsv.gz", "wt") as f:
+        f.write("q\tp\nq5\tp5\nthree\tcells\there\nq6\tp6\n")
     tables, counts = _ingest(tmp_path, str(data))
     kept = {r["query"]: r["passage"] for r in tables["pairs"] + tables["heldout"]}
-    assert kept == {"q0": "p0", "q1": 'a "quoted"\tcell', "q2": "two\nlines", "q3": "NA", "q4": "p4", "q5": "p5"}
+    assert kept == {"q0": "p0", "q1": '"Hello," he said', "q2": '"unbalanced start', "q3": 'p3 "x"', "q4": "NA",
+                    "q5": "p5", "q6": "p6"}
     assert [(r["query"], r["reason"], r["input_row"]) for r in tables["quarantine"]] == [
         ("three\tcells\there", "csv_cells:3_of_2", 1)]
     (tmp_path / "tabs.csv").write_text("q\tp\nquery\tpassage\n")
@@ -110,6 +109,8 @@ def test_tsv_as_pandas_and_the_csv_module_write_it_and_a_tab_separated_csv_named
     (tmp_path / "commas.tsv").write_text("q,p\nquery,passage\n")
     with pytest.raises(IngestError, match=r"holding a comma: .* TSV input is read tab-separated\. Name it \.csv"):
         _ingest(tmp_path / "z", str(tmp_path / "commas.tsv"))
+    with pytest.raises(IngestError, match=r"TSV input is read tab-separated\. Set data\.format=csv\.$"):
+        _ingest(tmp_path / "w", str(tmp_path / "commas.tsv"), "data.format=tsv")  # renaming would not help
 
 
 def _parquet_bytes(rows: int, row_group_size: int) -> bytes:

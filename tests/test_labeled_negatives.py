@@ -70,8 +70,41 @@ def test_negatives_in_several_columns_by_names_and_globs_in_every_format(tmp_pat
     tables, _ = _ingest(tmp_path / "list", str(data / "b.jsonl"), "data.negative_column=negative_3, negative_1")
     assert all(r["negatives"] == [t for j in (3, 1) for t in expected(int(r["query"].split()[1]), [j])]
                for r in tables["pairs"] + tables["heldout"])
-    with pytest.raises(IngestError, match=r"its pattern 'neg_\*' matches none\) not found\. Columns found: 'q', 'p'"):
+    with pytest.raises(IngestError, match=r"its pattern 'neg_\*' matches none besides the query, passage and source "
+                                          r"columns\) not found\. Columns found: 'q', 'p'"):
         _ingest(tmp_path / "none", str(data / "a.parquet"), "data.negative_column=neg_*")
+
+
+@pytest.mark.unit
+def test_a_negative_glob_never_takes_the_pair_s_own_columns_nor_one_of_two_same_names(tmp_path):
+    data = config.load(None, ["data.query_column=neg_q", "data.passage_column=neg_pos", "data.source_column=neg_src",
+                              "data.negative_column=neg*", "data.heldout_fraction=0"]).data
+    rec = {"neg_q": "q", "neg_pos": "P", "neg_src": "s", "neg_1": "n1", "__raw__": "x"}
+    [(kind, row)] = _route_record(rec, 1, data)
+    assert kind == "pairs" and row["negatives"] == ["n1"]  # not its own passage, query or source
+    (tmp_path / "twice.csv").write_text("q,p,negative_1,negative_1\nquery,passage,n1,n2\n")
+    with pytest.raises(IngestError, match=r"'negative_1' \(columns 3, 4\) appear more than once"):
+        _ingest(tmp_path, str(tmp_path / "twice.csv"), "data.negative_column=negative_*")
+    # A column whose very name holds a comma or a glob character is that column; a ragged row keeps a null.
+    (tmp_path / "odd.csv").write_text('q,p,"hard,neg",negatives[0]\nquery,passage,h,n0\nragged\n')
+    for spec, negatives in (("hard,neg", ["h"]), ("negatives[0]", ["n0"])):
+        tables, _ = _ingest(tmp_path / spec, str(tmp_path / "odd.csv"), f"data.negative_column={spec}",
+                            "data.heldout_fraction=0")
+        assert [r["negatives"] for r in tables["pairs"]] == [negatives]
+        assert [(r["reason"], r["negatives"]) for r in tables["quarantine"]] == [("csv_cells:1_of_4", None)]
+
+
+@pytest.mark.unit
+def test_the_first_rejected_row_is_shown_by_the_column_at_fault(tmp_path):
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.stages.ingest import first_rejected
+
+    path = tmp_path / "neg.jsonl"
+    path.write_text('{"q": "a", "p": "b", "neg": {"x": 1}}\n{"q": "c", "p": "d", "neg": "e"}\n')
+    cfg = config.load(None, ["data.negative_column=neg", "data.query_column=q", "data.passage_column=p"])
+    _ingest(tmp_path, str(path), "data.negative_column=neg")
+    shown = first_rejected(RunDir(str(tmp_path / "run")), cfg.data)
+    assert shown == """ The first: negative_not_string:dict, data.negative_column='neg' holds {"x": 1}."""
 
 
 def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):

@@ -22,9 +22,9 @@ class DataConfig(Section):
                      "of the docstrings of installed Python packages, source = package).")
     format: str = knob("auto", "Input format; 'auto' infers it from the file suffix (.parquet/.pq; .jsonl/"
                                ".ndjson/.json = JSON lines, or one JSON array of objects; .csv; .tsv = tab-"
-                               "separated, a header line; JSON, CSV and TSV also as .gz, .bz2, .zst; .arrow/"
-                               ".feather = Arrow IPC, as in a Hugging Face save_to_disk folder). Set, every file is "
-                               "read as it, a folder's files without a suffix included.",
+                               "separated, a header line, cells never quoted; JSON, CSV and TSV also as .gz, .bz2, "
+                               ".zst; .arrow/.feather = Arrow IPC, as in a Hugging Face save_to_disk folder). Set, "
+                               "every file is read as it, a folder's files without a suffix included.",
                        ("auto", "parquet", "jsonl", "csv", "tsv", "arrow"))
     query_column: str = knob("query", "Column holding the query (anchor) text.")
     passage_column: str = knob("passage", "Column holding the passage (positive) text, or a list of positive texts "

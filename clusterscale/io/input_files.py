@@ -36,7 +36,7 @@ ROW_BITS = 40  # up to 2**39 rows per file (ingest.EXTRA_POSITIVE_BIT is the 40t
 BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
 TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
-DELIMITERS = {"csv": ",", "tsv": "\t"}  # the separated formats, read alike (a header line, quoted cells)
+DELIMITERS = {"csv": ",", "tsv": "\t"}  # the separated formats, read alike but for quoting (a header line)
 COMPRESSIONS = (".gz", ".bz2", ".zst")  # what the text readers' compression="detect" decompresses by suffix
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", **TEXT_SUFFIXES,
                   **{suffix + packed: fmt for suffix, fmt in TEXT_SUFFIXES.items() for packed in COMPRESSIONS}}
@@ -69,7 +69,7 @@ def infer_format(path: str, declared: str) -> str:
         if lower.endswith(suffix):
             return SUFFIX_FORMATS[suffix]
     raise IngestError(f"Cannot infer the format of {path!r} from its suffix; set data.format to "
-                      f"parquet, jsonl, csv or arrow.")
+                      f"parquet, jsonl, csv, tsv or arrow.")
 
 
 def list_input_files(data: DataConfig) -> tuple[pafs.FileSystem, list[str]]:
@@ -116,7 +116,7 @@ def _folder_data_files(walk: InputWalk, declared: str, path: str, root: str) -> 
     """The files of a data folder to read: those whose suffix names a format, and with data.format set those without
     a suffix too (a Hadoop part-00001); documentation, checksums and configs (README.md, LICENSE, *.yaml, *.sha256)
     are skipped and named in walk.docs_skipped. Any other file stops ingest: skipping it would drop its rows without
-    a word (a .tsv, a Snappy-compressed part, a part without a suffix when data.format is auto)."""
+    a word (a .xlsx, a Snappy-compressed part, a part without a suffix when data.format is auto)."""
     known, docs, unknown = [], [], []
     for f in walk.files:
         name = posixpath.basename(f).lower()
@@ -135,7 +135,7 @@ def _folder_data_files(walk: InputWalk, declared: str, path: str, root: str) -> 
         raise IngestError(
             f"data.path {redact_uri(path)!r} holds {len(unknown)} file(s) of no format ingest reads by their name: "
             f"{bounded_names(names, 10)}." +
-            (" A file without a suffix is read as data.format when it is set (parquet, jsonl, csv or arrow)."
+            (" A file without a suffix is read as data.format when it is set (parquet, jsonl, csv, tsv or arrow)."
              if bare else "") +
             (" Convert files of another format (a .tsv, Snappy-compressed text) to one it reads "
              "(.parquet, .jsonl, .csv, .arrow; text also .gz, .bz2, .zst)." if other else "") +
@@ -253,6 +253,7 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
         yield from _csv_records(fs, path, columns, data, DELIMITERS[fmt])
     else:
         _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
+        columns = columns + [c for c in negative_columns(data.negative_column, []) if c not in columns]
         if is_json_array(fs, path):
             yield from _json_array_records(fs, path, columns, data)
         else:
@@ -276,15 +277,16 @@ def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
 
 def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig, delimiter: str = ","
                  ) -> Iterator[list[dict]]:
-    """CSV, or TSV with delimiter "\t" (as pandas and the csv module write it: quoted cells may hold the delimiter,
-    quotes and line breaks). Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only
+    """CSV, or TSV with delimiter "\t": a TSV cell is never quoted (a tab or line break ends it, a quote is text, as in
+    MS MARCO's files: with CSV's quoting one cell that starts with an unmatched quote would swallow the rows after
+    it). Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only
     the empty cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined in
     their place, so every row keeps its number in the file (blank lines are not rows)."""
     fmt = "tsv" if delimiter == "\t" else "csv"
     _refuse_binary(fs, path, fmt)
     with fs.open_input_stream(path, compression="detect") as stream:
-        header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"),
-                                 delimiter=delimiter), None)
+        header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"), delimiter=delimiter,
+                                 quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL), None)
     if header is None:
         raise pa.ArrowInvalid(f"empty {fmt.upper()} file: no header line")
     separator = next((found for char, found in OTHER_SEPARATORS.items()
@@ -295,7 +297,8 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
         if separator is None:
             raise
         name, readable = separator
-        fix = (f"Name it .{readable} (or set data.format={readable})" if readable else
+        fix = (f"Set data.format={readable}" if readable and data.format != "auto" else
+               f"Name it .{readable} (or set data.format={readable})" if readable else
                f"Save it {'with commas' if fmt == 'csv' else 'with tabs'} (or as JSON lines or Parquet)")
         raise IngestError(f"{path}: its header line {bounded_names(header)} is one column holding a {name}: the "
                           f"file is {name}-separated, and {fmt.upper()} input is read "
@@ -312,7 +315,8 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
     reader = pacsv.open_csv(
         fs.open_input_stream(path, compression="detect"),
         read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
-        parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_ragged),
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if fmt == "csv" else False,
+                                         invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.binary() for c in columns},
                                              strings_can_be_null=True, null_values=[""]))
     row = 0  # the file's data row the next record is
@@ -441,21 +445,35 @@ def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> It
 GLOB_CHARS = frozenset("*?[")
 
 
-def negative_columns(spec: str | None, names: list[str]) -> list[str]:
-    """The columns data.negative_column names among a file's (or a JSON object's) `names`: comma-separated names and
-    globs (`negative_*`: the matching names in natural order, negative_2 before negative_10), each once, in order. A
-    literal name is kept whether or not it is there (check_columns names it if missing)."""
+def mapped_columns(data: DataConfig) -> frozenset[str]:
+    """The query, passage and source columns: never one of the negative columns a glob matches."""
+    return frozenset(c for c in (data.query_column, data.passage_column, data.source_column) if c)
+
+
+def negative_columns(spec: str | None, names: list[str], mapped: frozenset[str] = frozenset()) -> list[str]:
+    """The columns data.negative_column names among a file's (or a JSON object's) `names`: the spec whole when a
+    column has that very name (one holding a comma or a `*`); else comma-separated names and globs (`negative_*`: the
+    matching names in natural order, negative_2 before negative_10, never a `mapped` column nor an internal `__` key),
+    each once, in order. A literal name is kept whether or not it is there (check_columns names it if missing)."""
     if not spec:
         return []
+    if spec in names:
+        return [spec]
     out: dict[str, None] = {}
-    for token in (t.strip() for t in spec.split(",")):
-        if not token:
-            continue
+    for token in _spec_tokens(spec):
         if GLOB_CHARS & set(token):
-            out.update(dict.fromkeys(sorted((n for n in names if fnmatch.fnmatchcase(n, token)), key=_natural)))
+            out.update(dict.fromkeys(sorted(_glob_matches(token, names, mapped), key=_natural)))
         else:
             out[token] = None
     return list(out)
+
+
+def _spec_tokens(spec: str) -> list[str]:
+    return [t for t in (t.strip() for t in spec.split(",")) if t]
+
+
+def _glob_matches(pattern: str, names: list[str], mapped: frozenset[str]) -> list[str]:
+    return [n for n in names if fnmatch.fnmatchcase(n, pattern) and n not in mapped and not n.startswith("__")]
 
 
 def _natural(name: str) -> list:
@@ -469,7 +487,8 @@ _DIGITS = re.compile(r"(\d+)")
 def file_columns(columns: list[str], names: list[str], data: DataConfig) -> list[str]:
     """The columns to read from a file whose columns are `names`: `columns` (query, passage, source) and the
     negative columns data.negative_column names there."""
-    return columns + [c for c in negative_columns(data.negative_column, names) if c not in columns]
+    found = negative_columns(data.negative_column, names, mapped_columns(data))
+    return columns + [c for c in found if c not in columns]
 
 
 def check_columns(found: list[str], path: str, data: DataConfig, scope: str = "") -> None:
@@ -478,25 +497,26 @@ def check_columns(found: list[str], path: str, data: DataConfig, scope: str = ""
     wanted = {"data.query_column": data.query_column, "data.passage_column": data.passage_column}
     if data.source_column:
         wanted["data.source_column"] = data.source_column
-    tokens = [t.strip() for t in (data.negative_column or "").split(",") if t.strip()]
-    patterns = [t for t in tokens if GLOB_CHARS & set(t)]
-    literal = [t for t in tokens if t not in patterns]
-    if len(tokens) == 1 and literal:
-        wanted["data.negative_column"] = literal[0]
-    else:
-        wanted.update({f"data.negative_column[{t}]": t for t in literal})
+    spec, patterns = data.negative_column, []
+    if spec and (spec in found or [spec] == _spec_tokens(spec) and not GLOB_CHARS & set(spec)):
+        wanted["data.negative_column"] = spec
+    elif spec:
+        patterns = [t for t in _spec_tokens(spec) if GLOB_CHARS & set(t)]
+        wanted.update({f"data.negative_column[{t}]": t for t in _spec_tokens(spec) if t not in patterns})
+        wanted.update({f"data.negative_column[{t}]": name for t in patterns  # a glob's columns are each read once too
+                       for name in _glob_matches(t, found, mapped_columns(data))})
     repeated = {col: [i + 1 for i, name in enumerate(found) if name == col] for col in set(wanted.values())}
     repeated = {col: places for col, places in repeated.items() if len(places) > 1}
     if repeated:
-        keys = [key for key, col in wanted.items() if col in repeated]
+        keys = list(dict.fromkeys(key for key, col in wanted.items() if col in repeated))
         raise IngestError(f"{path}: the column name(s) " + ", ".join(
             f"{col!r} (columns {', '.join(map(str, places))})" for col, places in sorted(repeated.items())) +
             f" appear more than once among the {len(found)} columns {bounded_names(found)}, so which one holds "
             f"the text is a guess. Rename the repeated columns in the file to unique names, or map "
             f"{'/'.join(keys)} to a column whose name appears once.")
     missing = [f"{key}={col!r}" for key, col in wanted.items() if col not in found]
-    missing += [f"data.negative_column={data.negative_column!r} (its pattern {t!r} matches none)" for t in patterns
-                if not any(fnmatch.fnmatchcase(name, t) for name in found)]
+    missing += [f"data.negative_column={spec!r} (its pattern {t!r} matches none besides the query, passage and source "
+                f"columns)" for t in patterns if not _glob_matches(t, found, mapped_columns(data))]
     if missing:
         raise IngestError(f"{path}: column(s) {', '.join(missing)} not found{scope}. Columns found: "
                           f"{bounded_names(found)}. Set the data.*_column keys to match "

@@ -35,7 +35,7 @@ from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
-                                         infer_format, is_encodable, iter_records, list_input_files,
+                                         infer_format, is_encodable, iter_records, list_input_files, mapped_columns,
                                          negative_columns, refuse_run_dir_in_data)
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
@@ -219,9 +219,9 @@ def unit_marker(unit: IngestUnit) -> str:
 def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfig, writer: _PartWriter,
                 row_budget: int | None) -> dict:
     """Send every record of one unit to pairs, heldout or quarantine; returns the counts."""
-    # The negative columns a glob of data.negative_column matches are added per file (input_files.file_columns).
-    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else []) + [
-        c for c in negative_columns(data.negative_column, []) if c not in (data.query_column, data.passage_column)]
+    # The negative columns data.negative_column names are added per file (input_files.file_columns: a glob's
+    # matches, or a whole spec that is one column's name).
+    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
     row_index = 0  # in the unit
     for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups):
@@ -269,7 +269,7 @@ def _route_record(rec: dict, pair_id: int, data: DataConfig) -> list[tuple[str, 
         reason = "over_long_passage"
     negatives, labeled = [], {}
     if data.negative_column:
-        raw_n = labeled_value(rec, data.negative_column)
+        raw_n = labeled_value(rec, data)
         if reason is None:
             negatives, reason = normalise_negatives(raw_n, data.max_text_chars)
         labeled = {NEGATIVES_COLUMN: negatives} if reason is None else {NEGATIVES_COLUMN: _repr(raw_n)}
@@ -337,24 +337,28 @@ def extra_positive_id(pair_id: int, i: int) -> int:
     return (pair_id - row) | EXTRA_POSITIVE_BIT | (row << 8) | (i - 1)
 
 
-def labeled_value(rec: dict, spec: str):
+def labeled_value(rec: dict, data: DataConfig):
     """A record's labeled negatives as read: the value of data.negative_column's one column, or the values of the
     columns it names (comma-separated names and globs: input_files.negative_columns) as one list, a column's list
-    spread into it and its null left out."""
-    names = _negative_names(spec, tuple(rec))
+    spread into it and its null left out (None when every one is null or missing)."""
+    spec = data.negative_column
+    names = _negative_names(spec, tuple(rec), mapped_columns(data))
     if names == [spec]:
         return rec.get(spec)
-    values = []
+    values, found = [], False
     for name in names:
         value = rec.get(name)
-        items = None if value is None else as_list(value)
-        values += items if items is not None else [] if value is None else [value]
-    return values
+        if value is None:
+            continue
+        found = True
+        items = as_list(value)
+        values += items if items is not None else [value]
+    return values if found else None
 
 
 @functools.lru_cache(maxsize=256)
-def _negative_names(spec: str, keys: tuple[str, ...]) -> list[str]:
-    return negative_columns(spec, list(keys))
+def _negative_names(spec: str, keys: tuple[str, ...], mapped: frozenset[str]) -> list[str]:
+    return negative_columns(spec, list(keys), mapped)
 
 
 def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:
@@ -422,8 +426,9 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if stats["bad_files"]:
         run.write_json(BAD_FILES, stats["bad_files"])
     if stats["pairs"] == 0 and stats["heldout"]:
-        raise IngestError(f"Every valid pair of {redact_uri(data.path)} was held out: {stats['heldout']} of "
-                          f"{stats['rows_in']} rows went to heldout/ (data.heldout_fraction={data.heldout_fraction}), "
+        raise IngestError(f"Every valid pair of {redact_uri(data.path)} was held out: {stats['heldout']} pairs of "
+                          f"{stats['rows_in']} rows{more_pairs(stats)} went to heldout/ "
+                          f"(data.heldout_fraction={data.heldout_fraction}), "
                           f"none are left to train on. Held-out pairs are chosen by a hash of the query: with few "
                           f"distinct queries every pair can fall on one side. Lower data.heldout_fraction (0 holds "
                           f"none out), or add pairs.")
@@ -458,13 +463,14 @@ def first_rejected(run: RunDir, data: DataConfig, most: int = 200) -> str:
     if not files:
         return ""
     with run.fs.open_input_file(files[0]) as f:
-        rows = pq.ParquetFile(f).iter_batches(batch_size=1, columns=["reason", "query", "passage"])
-        row = next(iter(rows), pa.table({"reason": []})).to_pylist()
+        pf = pq.ParquetFile(f)
+        names = [c for c in ("reason", "query", "passage", NEGATIVES_COLUMN) if c in pf.schema_arrow.names]
+        row = next(iter(pf.iter_batches(batch_size=1, columns=names)), pa.table({"reason": []})).to_pylist()
     if not row:
         return ""
-    row = row[0]
-    side = next((side for side in ("query", "passage") if row["reason"].startswith((side, f"over_long_{side}"))), None)
-    value = row[side or "query"]  # a row that could not be read keeps its raw text as the query
+    row, keys = row[0], {"query": "query", "passage": "passage", "negative": NEGATIVES_COLUMN}
+    side = next((side for side in keys if row["reason"].startswith((side, f"over_long_{side}"))), None)
+    value = row.get(keys[side] if side else "query")  # a row that could not be read keeps its raw text as the query
     value = "null" if value is None else value if len(value) <= most else value[:most] + "..."
     where = f"data.{side}_column={getattr(data, f'{side}_column')!r} holds" if side else "the row reads"
     return f" The first: {row['reason']}, {where} {value}."
