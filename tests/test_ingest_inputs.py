@@ -113,6 +113,33 @@ def test_tsv_cells_are_never_quoted_and_a_tab_separated_csv_is_named(tmp_path):
         _ingest(tmp_path / "w", str(tmp_path / "commas.tsv"), "data.format=tsv")  # renaming would not help
 
 
+def test_files_without_a_header_line_take_data_column_names(tmp_path):
+    """MS MARCO's triples.train.small.tsv: query, positive, negative per line and no header. Without
+    data.column_names its first line is taken for the header: the error says how to name the columns."""
+    from clusterscale.plan.build import count_input_rows
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "triples.tsv").write_text("what is a star\ta ball of gas\ta planet\nragged line\nbake bread\tmix flour\t\n")
+    (data / "pairs.csv").write_text('q one,"p, one",n1\nq two,p two,n2\n')
+    named = ["data.column_names=[query,positive,negative]", "data.query_column=query",
+             "data.passage_column=positive", "data.negative_column=negative"]
+    tables, _ = _ingest(tmp_path, str(data), *named)
+    kept = sorted((r["query"], r["passage"], r["negatives"]) for r in tables["pairs"] + tables["heldout"])
+    assert kept == [("bake bread", "mix flour", []), ("q one", "p, one", ["n1"]), ("q two", "p two", ["n2"]),
+                    ("what is a star", "a ball of gas", ["a planet"])]
+    # Every row keeps its number: the ragged one is the file's second line (input_row + 1 without a header line).
+    assert [(r["query"], r["input_row"], r["pair_id"] & ((1 << 40) - 1)) for r in tables["quarantine"]] == [
+        ("ragged line", 1, 1)]
+    cfg = config.load(None, [f"data.path={data}", *named])
+    assert count_input_rows(cfg)[0] == 5  # no line is a header
+    with pytest.raises(IngestError, match=r"Columns found: 'what is a star', 'a ball of gas', 'a planet'\..* If "
+                                          r"the file has no header line, name its columns in order with data\."):
+        _ingest(tmp_path / "x", str(data / "triples.tsv"))
+    with pytest.raises(config.ConfigError, match=r"data\.column_names must list distinct, non-empty column names"):
+        config.load(None, ["data.column_names=[a,a]"])
+
+
 def _parquet_bytes(rows: int, row_group_size: int) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.table({"q": [f"query {i}" for i in range(rows)], "p": [f"passage {i}" for i in range(rows)]}),

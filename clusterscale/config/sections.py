@@ -44,6 +44,9 @@ class DataConfig(Section):
                                          "clustering: all pairs of one query fall on one side, so no held-out "
                                          "query, and no pair identical to a held-out pair, is trained on.",
                                    bounds=FRACTION)
+    column_names: list = knob([], "Names of the columns of CSV and TSV files that have no header line, in order "
+                                  "(MS MARCO's triples.train.small.tsv: [query, positive, negative]); [] = each "
+                                  "file's first line names them.", added=True)
     max_text_chars: int = knob(100_000, "Hard cap on a text's length in characters; longer rows are "
                                         "quarantined (reason over_long_*).", bounds=POSITIVE)
     rows_per_part: int = knob(200_000, "Rows per output Parquet part of pairs/ (the embed stage's work unit).",
@@ -60,6 +63,10 @@ class DataConfig(Section):
             raise ConfigError(f"{self.key('query_column')} and {self.key('passage_column')} must name different "
                               f"columns.")
         check_text(self.key("path"), self.path)  # also in check_type; here for a DataConfig built in code
+        names = self.column_names
+        if not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"{self.key('column_names')} must list distinct, non-empty column names (e.g. [query, "
+                              f"positive, negative]), got {names!r}.")
 
 
 @dataclass

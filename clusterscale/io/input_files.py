@@ -284,16 +284,21 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
     their place, so every row keeps its number in the file (blank lines are not rows)."""
     fmt = "tsv" if delimiter == "\t" else "csv"
     _refuse_binary(fs, path, fmt)
+    named = list(data.column_names)  # a file without a header line: its columns by data.column_names
     with fs.open_input_stream(path, compression="detect") as stream:
-        header = next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"), delimiter=delimiter,
-                                 quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL), None)
+        header = named or next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"),
+                                          delimiter=delimiter,
+                                          quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL), None)
     if header is None:
         raise pa.ArrowInvalid(f"empty {fmt.upper()} file: no header line")
     separator = next((found for char, found in OTHER_SEPARATORS.items()
-                      if char != delimiter and len(header) == 1 and char in header[0]), None)
+                      if not named and char != delimiter and len(header) == 1 and char in header[0]), None)
     try:
         check_columns(header, path, data)
-    except IngestError:
+    except IngestError as err:
+        if separator is None and not named:  # a first line of data taken for the header
+            raise IngestError(f"{err} If the file has no header line, name its columns in order with data.column_names "
+                              f"(e.g. --set 'data.column_names=[query,positive,negative]').") from None
         if separator is None:
             raise
         name, readable = separator
@@ -307,14 +312,15 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
     ragged: collections.deque[tuple[int, dict]] = collections.deque()
 
     def on_ragged(row) -> str:
-        # row.number counts records from 1 with the header (serial parsing): the data row index is number - 2.
-        ragged.append((row.number - 2, {"__reason__": f"csv_cells:{row.actual_columns}_of_{row.expected_columns}",
-                                        "__raw__": row.text}))
+        # row.number counts records from 1 with the header line if any (serial parsing): the data row index is
+        # number - 2, or number - 1 without a header line.
+        reason = f"csv_cells:{row.actual_columns}_of_{row.expected_columns}"
+        ragged.append((row.number - (1 if named else 2), {"__reason__": reason, "__raw__": row.text}))
         return "skip"
 
     reader = pacsv.open_csv(
         fs.open_input_stream(path, compression="detect"),
-        read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES),
+        read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES, column_names=named or None),
         parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if fmt == "csv" else False,
                                          invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.binary() for c in columns},

@@ -83,7 +83,8 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
             continue
         # a JSON array (pretty-printed, an element spans lines) by its elements' query keys, not its lines
         key = cfg.data.query_column if fmt == "jsonl" and is_json_array(fs, path) else None
-        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key)
+        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key,
+                                                                            bool(cfg.data.column_names))
         total += rows
         exact = exact and whole
     if cfg.data.limit:
@@ -98,7 +99,7 @@ def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, 
     return rows * size / consumed, False
 
 
-def _text_rows(fs, path: str, fmt: str, key: str | None = None) -> tuple[float, bool]:
+def _text_rows(fs, path: str, fmt: str, key: str | None = None, header_less: bool = False) -> tuple[float, bool]:
     """(rows, counted whole) of a JSONL/CSV file: lines in SAMPLE_BYTES read at four places along it (the middles
     of its quarters), scaled by the file's size; with `key`, the occurrences of "key": (a JSON array's elements). A
     compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
@@ -128,7 +129,8 @@ def _text_rows(fs, path: str, fmt: str, key: str | None = None) -> tuple[float, 
     if key is not None:
         return _scaled(max(1, len(re.findall(b'"' + re.escape(key.encode()) + rb'"\s*:', head))), consumed, size,
                        whole)
-    lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - (1 if fmt in ("csv", "tsv") else 0)
+    header = 1 if fmt in ("csv", "tsv") and not header_less else 0
+    lines = head.count(b"\n") + (not head.endswith(b"\n") and whole) - header
     return _scaled(max(1, lines), consumed, size, whole)
 
 
