@@ -120,15 +120,18 @@ class Registry:
 
 
 def knob(default: Any, doc: str, choices: tuple | Registry | None = None, affects_output: bool = True,
-         bounds: Bounds | None = None, added: bool = False):
+         bounds: Bounds | None = None, added: bool = False, joins_lists: bool = False):
     """A config field with its documentation, allowed values, and whether it changes a stage's output.
 
     Fields with affects_output=False (worker counts, batch sizes of inference) may change between
     reruns without invalidating completed work. bounds: the allowed range of a number (checked by validate).
     added: a key added after run directories were made (tests/fixtures/config_before): at its default it stays out
     of fingerprints, so those runs are reused, not redone; any other value enters them like every key's.
+    joins_lists: a text knob whose value may name several things comma-separated also takes a YAML list of texts
+    (joined with commas).
     """
-    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds, "added": added}
+    meta = {"doc": doc, "choices": choices, "affects_output": affects_output, "bounds": bounds, "added": added,
+            "joins_lists": joins_lists}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -250,6 +253,9 @@ def check_type(key: str, f: dataclasses.Field, value: Any) -> Any:
         if not math.isfinite(value):  # NaN passes every range check below and fails only at step 0
             raise ConfigError(f"{key} must be a finite number, got {value}; the default is {default}.")
     elif kind is str:
+        if isinstance(value, list) and value and f.metadata.get("joins_lists") and all(
+                isinstance(v, str) for v in value):
+            value = ",".join(value)  # [negative_1, negative_2] as written in YAML
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {bounded_repr(value)}.")
         if key.endswith("_prompt"):  # text put before texts, not a path: newlines and tabs are its own

@@ -43,6 +43,12 @@ def test_negatives_in_several_columns_by_names_and_globs_in_every_format(tmp_pat
     assert negative_columns("negative_*", names) == ["negative_1", "negative_2", "negative_10", "negative_x"]
     assert negative_columns("hard, negative_?", names) == ["hard", "negative_1", "negative_2", "negative_x"]
     assert negative_columns("neg", names) == ["neg"] and negative_columns(None, names) == []
+    (tmp_path / "c.yaml").write_text("data:\n  negative_column: [negative_1, hard]\n")  # a YAML list of names
+    written = config.load(tmp_path / "c.yaml").data.negative_column
+    assert written == "negative_1,hard" and negative_columns(written, names) == ["negative_1", "hard"]
+    (tmp_path / "c.yaml").write_text("data:\n  negative_column: [a, 1]\n")
+    with pytest.raises(config.ConfigError, match=r"data.negative_column must be a string, got \['a', 1\]"):
+        config.load(tmp_path / "c.yaml")
     rows = [{"q": f"query {i}", "p": f"passage {i}", "id": i, **{f"negative_{j}": None if (i + j) % 5 == 0 else
             [f"n{i}.{j}", f"m{i}.{j}"] if j == 11 else f"n{i}.{j}" for j in range(1, 12)}} for i in range(30)]
     data = tmp_path / "data"

@@ -35,8 +35,9 @@ class DataConfig(Section):
                                              "and passage; a null or empty one is none), or several columns, "
                                              "comma-separated names and globs (negative_1,negative_2 or "
                                              "negative_*: natural order, negative_2 before negative_10) whose texts "
-                                             "join in that order. Training uses them with "
-                                             "train.labeled_negatives_per_query.", added=True)
+                                             "join in that order (in a config file, a YAML list of names too). "
+                                             "Training uses them with train.labeled_negatives_per_query.", added=True,
+                               joins_lists=True)
     limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.",
                              bounds=POSITIVE)
     heldout_fraction: float = knob(0.05, "Fraction of queries held out for evaluation, chosen by a hash of "
