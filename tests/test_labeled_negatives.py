@@ -113,6 +113,29 @@ def test_the_first_rejected_row_is_shown_by_the_column_at_fault(tmp_path):
     assert shown == """ The first: negative_not_string:dict, data.negative_column='neg' holds {"x": 1}."""
 
 
+@pytest.mark.unit
+def test_a_random_draw_of_labeled_negatives_is_seeded_by_epoch_and_pair_and_keeps_the_listed_order():
+    from clusterscale.train.trainer import labeled_negatives
+
+    values = [[f"n{i}.{j}" for j in range(8)] for i in range(4)] + [["a", "b"], None]
+    ids = [11, 12, 13, (5 << 40) | 7, 14, 15]
+    first, empty = labeled_negatives(values, 3)
+    assert [p for p, _ in first][:4] == [v[:3] for v in values[:4]] and empty == 1 + 3
+    drawn, empty_drawn = labeled_negatives(values, 3, (0, 0, ids))
+    again, _ = labeled_negatives(values, 3, (0, 0, ids))
+    later, _ = labeled_negatives(values, 3, (0, 1, ids))
+    assert drawn == again and empty_drawn == empty  # the same on every rank and after a resume
+    for (p, q), v in zip(drawn[:4], values):
+        assert len(set(p)) == 3 and set(p) <= set(v) and p == sorted(p, key=v.index) and q == [None] * 3
+    assert [p for p, _ in drawn[:4]] != [p for p, _ in later[:4]]  # another draw next epoch
+    assert drawn[4][0] == ["a", "b", None] and drawn[5][0] == [None] * 3  # fewer than asked: all, masked slots
+    counts = {}
+    for epoch in range(300):  # every negative is drawn, about as often as any other
+        for text in labeled_negatives(values[:1], 3, (0, epoch, ids[:1]))[0][0][0]:
+            counts[text] = counts.get(text, 0) + 1
+    assert len(counts) == 8 and max(counts.values()) < 1.6 * min(counts.values())
+
+
 def test_empty_slots_change_no_loss_and_no_gradient(tiny_model):
     """A step whose every negative slot is empty equals the in-batch step (loss and gradients); a real labeled
     negative changes both."""

@@ -31,6 +31,11 @@ class LossConfig(Section):
                                                "(negatives_per_query); a row with fewer gets masked slots, which "
                                                "change nothing in its loss. 0 = off.",
                                             bounds=zero_means("no labeled negatives"), added=True)
+    labeled_negatives_draw: str = knob("first", "Which L of a row's labeled negatives join its loss when it has "
+                                                "more: 'first' (the same every epoch, best first as listed), or "
+                                                "'random' (a fresh draw each epoch, seeded by train.seed, the epoch "
+                                                "and the pair, as FlagEmbedding samples its `neg` list).",
+                                       ("first", "random"), added=True)
     loss: str = knob("infonce", "Training loss: 'infonce', or 'clp' = (1 - clp_lambda) * InfoNCE + clp_lambda "
                                 "* mean over mined negatives of 1 - cos(negative, its own pair's query) "
                                 "(CLP, arXiv 2412.17364; needs negatives_per_query >= 1).", LOSSES)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import ray.train
 import ray.train.torch as rt_torch
@@ -128,16 +129,27 @@ class SegmentJob:
                                f"(steps {self.seg_start}..{self.seg_stop}); delete train/{name}/ and start afresh.")
 
 
-def labeled_negatives(values: list, per_query: int) -> tuple[list[tuple[list, list]], int]:
-    """Each row's first `per_query` labeled negatives (data.negative_column) and their queries (unknown: None), and
-    how many slots were empty: a row with fewer fills its slots with None, which the loss masks for every query
-    (step.contrastive_backward), so they change no loss but keep every row at the same number of negatives."""
+def labeled_negatives(values: list, per_query: int, draw: tuple[int, int, list[int]] | None = None
+                      ) -> tuple[list[tuple[list, list]], int]:
+    """Each row's `per_query` labeled negatives (data.negative_column) and their queries (unknown: None), and how many
+    slots were empty: a row with fewer fills its slots with None, which the loss masks for every query
+    (step.contrastive_backward), so they change no loss but keep every row at the same number of negatives.
+    The row's first ones, or with draw = (seed, epoch, pair_ids) a random choice of a row with more, in its listed
+    order, by (seed, epoch, pair_id): the same on every rank and on a resumed run, another each epoch."""
     rows, empty = [], 0
-    for texts in values:
-        texts = list(texts or [])[:per_query]
+    for i, texts in enumerate(values):
+        texts = list(texts or [])
+        if draw is not None and len(texts) > per_query:
+            seed, epoch, pid = draw[0], draw[1], draw[2][i]
+            rng = np.random.default_rng([seed, epoch, pid >> 32, pid & 0xFFFF_FFFF, LABELED_DRAW])
+            texts = [texts[j] for j in sorted(rng.choice(len(texts), per_query, replace=False))]
+        texts = texts[:per_query]
         empty += per_query - len(texts)
         rows.append((texts + [None] * (per_query - len(texts)), [None] * per_query))
     return rows, empty
+
+
+LABELED_DRAW = 0x1A6E1ED  # the labeled negatives' random streams, apart from the mined padding's (same seed)
 
 
 class TrainData:
@@ -300,7 +312,10 @@ class Trainer:
             return loss, stats | figures
         per_row = [([], [])] * len(queries)
         if labeled:
-            per_row, empty = labeled_negatives(table.column("negatives").to_pylist(), labeled)
+            draw = None
+            if self.tc.objective.labeled_negatives_draw == "random":
+                draw = (self.tc.schedule.seed, self.data.epoch_at(step), table.column("pair_id").to_pylist())
+            per_row, empty = labeled_negatives(table.column("negatives").to_pylist(), labeled, draw)
             figures["labeled_negatives_empty"] = torch.tensor(float(empty))
         if mined:
             neg_passages, neg_queries, padded = self.data.negatives.for_rows(table, step)
