@@ -46,6 +46,8 @@ def test_negatives_in_several_columns_by_names_and_globs_in_every_format(tmp_pat
     (tmp_path / "c.yaml").write_text("data:\n  negative_column: [negative_1, hard]\n")  # a YAML list of names
     written = config.load(tmp_path / "c.yaml").data.negative_column
     assert written == "negative_1,hard" and negative_columns(written, names) == ["negative_1", "hard"]
+    typed = config.load(None, ["data.negative_column=[negative_1, 'hard']"]).data.negative_column  # --set keeps text
+    assert negative_columns(typed, names) == ["negative_1", "hard"]
     (tmp_path / "c.yaml").write_text("data:\n  negative_column: [a, 1]\n")
     with pytest.raises(config.ConfigError, match=r"data.negative_column must be a string, got \['a', 1\]"):
         config.load(tmp_path / "c.yaml")

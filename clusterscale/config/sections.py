@@ -35,7 +35,7 @@ class DataConfig(Section):
                                              "and passage; a null or empty one is none), or several columns, "
                                              "comma-separated names and globs (negative_1,negative_2 or "
                                              "negative_*: natural order, negative_2 before negative_10) whose texts "
-                                             "join in that order (in a config file, a YAML list of names too). "
+                                             "join in that order (a list of names too: [negative_1, negative_2]). "
                                              "Training uses them with train.labeled_negatives_per_query.", added=True,
                                joins_lists=True)
     limit: int | None = knob(None, "Use only the first N input rows (files in sorted order). null = all.",

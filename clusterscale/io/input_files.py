@@ -475,7 +475,9 @@ def negative_columns(spec: str | None, names: list[str], mapped: frozenset[str] 
 
 
 def _spec_tokens(spec: str) -> list[str]:
-    return [t for t in (t.strip() for t in spec.split(",")) if t]
+    if spec.startswith("[") and spec.endswith("]") and "," in spec:  # --set 'data.negative_column=[a, b]': a list
+        spec = spec[1:-1]
+    return [t for t in (t.strip().strip("'\"") for t in spec.split(",")) if t]
 
 
 def _glob_matches(pattern: str, names: list[str], mapped: frozenset[str]) -> list[str]:
