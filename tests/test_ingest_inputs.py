@@ -140,6 +140,37 @@ def test_files_without_a_header_line_take_data_column_names(tmp_path):
         config.load(None, ["data.column_names=[a,a]"])
 
 
+@pytest.mark.parametrize("layout, expected", [
+    ({"anchor": "a", "positive": "b", "negative": "c"},  # sentence-transformers' triplets
+     "data.query_column=anchor data.passage_column=positive data.negative_column=negative"),
+    ({"query": "a", "pos": ["b"], "neg": ["c", "d"], "prompt": "e"},  # FlagEmbedding
+     "data.query_column=query data.passage_column=pos data.negative_column=neg"),
+    ({"query": "a", "positive": "b", **{f"negative_{i}": f"n{i}" for i in range(1, 12)}},  # triplet-50's columns
+     "data.query_column=query data.passage_column=positive data.negative_column='negative_*'"),
+    ({"Question": "a", "Answer": "b", "id": 1}, "data.query_column=Question data.passage_column=Answer"),
+])
+def test_missing_columns_name_the_mapping_the_files_names_fit(tmp_path, layout, expected):
+    """A file of a known layout read with the default column names: the message proposes the --set that fits its
+    names, and that --set reads it. A file of other names gets the generic example."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({**layout, "row": row}) + "\n" for row in range(2)))
+    defaults = ["data.query_column=query", "data.passage_column=passage"]
+    with pytest.raises(IngestError, match=r"This file's names fit: --set ") as raised:
+        _ingest(tmp_path / "a", str(path), *defaults)
+    hint = str(raised.value).split("--set ", 1)[1].split(" (data.negative_column")[0].rstrip(".")
+    wanted = {k: v for k, v in (w.split("=", 1) for w in expected.split())}
+    assert {k: v for k, v in (w.split("=", 1) for w in hint.split())} == {
+        k: v for k, v in wanted.items() if k != "data.query_column" or v != "query"}
+    settings = [f"{k}={v.strip(chr(39))}" for k, v in wanted.items()]
+    tables, _ = _ingest(tmp_path / "b", str(path), *settings)
+    assert len(tables["pairs"]) + len(tables["heldout"]) >= 2 and not tables["quarantine"]
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": 1, "title": "t", "body": "b"}) + "\n")
+    with pytest.raises(IngestError, match=r"Columns found: 'id', 'title', 'body'\. Set the data\.\*_column keys to "
+                                          r"match \(e\.g\. --set data\.query_column=question"):
+        _ingest(tmp_path / "c", str(other), *defaults)
+
+
 def _parquet_bytes(rows: int, row_group_size: int) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.table({"q": [f"query {i}" for i in range(rows)], "p": [f"passage {i}" for i in range(rows)]}),

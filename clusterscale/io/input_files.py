@@ -527,8 +527,56 @@ def check_columns(found: list[str], path: str, data: DataConfig, scope: str = ""
                 f"columns)" for t in patterns if not _glob_matches(t, found, mapped_columns(data))]
     if missing:
         raise IngestError(f"{path}: column(s) {', '.join(missing)} not found{scope}. Columns found: "
-                          f"{bounded_names(found)}. Set the data.*_column keys to match "
-                          f"(e.g. --set data.query_column=question data.passage_column=answer).")
+                          f"{bounded_names(found)}. {mapping_hint(found, data)}")
+
+
+# Column names of the pair layouts users bring, best first (sentence-transformers' anchor/positive/negative and
+# query/positive/negative_1.., FlagEmbedding's query/pos/neg, MS MARCO's triples, question/answer and
+# sentence1/sentence2 sets): the columns-not-found message proposes the mapping a file's own names fit.
+QUERY_NAMES = ("query", "anchor", "question", "queries", "q", "sentence1", "text1", "prompt", "instruction")
+PASSAGE_NAMES = ("passage", "positive", "pos", "document", "doc", "answer", "context", "text", "sentence2", "text2",
+                 "response", "content", "p")
+NEGATIVE_NAMES = ("negative", "neg", "negatives", "hard_negative", "hard_negatives", "negative_passages")
+_NUMBERED_NEGATIVE = re.compile(r"^(neg|negative|hard_negative)_?\d+$", re.IGNORECASE)
+
+
+def mapping_hint(found: list[str], data: DataConfig) -> str:
+    """What to set: the data.*_column values among `found` that fit the known layouts' names (the keys whose column
+    is missing; data.negative_column too when unset and the file has negatives), else a generic example."""
+    present = [name for name in found if name]
+    lowered = {name.lower(): name for name in reversed(present)}  # the first of names differing only in case
+
+    def pick(names: tuple[str, ...], taken: set[str]) -> str | None:
+        return next((lowered[n] for n in names if n in lowered and lowered[n] not in taken), None)
+
+    settings, taken = {}, {data.query_column, data.passage_column} & set(present)
+    for key, names in (("query", QUERY_NAMES), ("passage", PASSAGE_NAMES)):
+        if getattr(data, f"{key}_column") not in present:
+            choice = pick(names, taken)
+            if choice is not None:
+                settings[f"data.{key}_column"] = choice
+                taken.add(choice)
+    if settings and not data.negative_column:
+        numbered = [name for name in present if _NUMBERED_NEGATIVE.match(name) and name not in taken]
+        single = pick(NEGATIVE_NAMES, taken)
+        if len(numbered) > 1:
+            prefix = re.match(r"^\D*", numbered[0]).group(0)
+            same = all(name.startswith(prefix) for name in numbered)
+            settings["data.negative_column"] = f"{prefix}*" if same else ",".join(numbered)
+        elif single is not None or numbered:
+            settings["data.negative_column"] = single or numbered[0]
+    if not settings:
+        return ("Set the data.*_column keys to match (e.g. --set data.query_column=question "
+                "data.passage_column=answer).")
+    shown = " ".join(f"{key}={shell_word(value)}" for key, value in settings.items())
+    negatives = (" (data.negative_column: its labeled negatives, optional)" if "data.negative_column" in settings
+                 else "")
+    return f"This file's names fit: --set {shown}{negatives}."
+
+
+def shell_word(text: str) -> str:
+    """text as one shell word (quoted when it holds anything but letters, digits and ._-,)."""
+    return text if re.fullmatch(r"[\w.,-]+", text) else "'" + text.replace("'", "'\\''") + "'"
 
 
 def bounded_names(names: list[str], most: int = 20) -> str:
