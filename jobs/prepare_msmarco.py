@@ -62,6 +62,41 @@ def distractor(pid: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
+class PairFiles:
+    """Pair rows written ROWS_PER_FILE to a Parquet file: folder/part-00000.parquet, part-00001.parquet, ..."""
+
+    def __init__(self, folder: str, schema: pa.Schema):
+        os.makedirs(folder, exist_ok=True)
+        self.folder, self.schema, self.batch, self.rows, self.files = folder, schema, [], 0, 0
+
+    def add(self, row: dict) -> None:
+        self.batch.append(row)
+        self.rows += 1
+        if len(self.batch) >= ROWS_PER_FILE:
+            self.close()
+
+    def close(self) -> None:
+        """Write the rows not yet written (the last, partial file)."""
+        if self.batch:
+            pq.write_table(pa.Table.from_pylist(self.batch, self.schema),
+                           os.path.join(self.folder, f"part-{self.files:05d}.parquet"))
+            self.files += 1
+            self.batch = []
+
+
+def write_task_queries(folder: str, queries: dict[str, str], judged: list[tuple[str, str]]) -> None:
+    """A local MTEB task's queries.jsonl and qrels/test.tsv (each judgement relevant, score 1); its corpus.jsonl is
+    written beside them."""
+    os.makedirs(os.path.join(folder, "qrels"), exist_ok=True)
+    with open(os.path.join(folder, "queries.jsonl"), "w", encoding="utf-8") as f:
+        for qid, text in queries.items():
+            f.write(json.dumps({"_id": qid, "text": text}, ensure_ascii=False) + "\n")
+    with open(os.path.join(folder, "qrels", "test.tsv"), "w", encoding="utf-8") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for qid, pid in judged:
+            f.write(f"{qid}\t{pid}\t1\n")
+
+
 def prepare(src: str, out: str, dev_distractors: int, seed: int) -> dict:
     paths = {name: os.path.join(src, fname) for name, fname in FILES.items()}
     missing = [FILES[n] for n, p in paths.items() if not os.path.exists(p)]
@@ -88,29 +123,14 @@ def prepare(src: str, out: str, dev_distractors: int, seed: int) -> dict:
                 corpus_rows += 1
     skipped = {"train_qrels_without_query": 0, "train_qrels_without_passage": 0, "dev_qrels_without_query": 0,
                "dev_qrels_without_passage": 0}
-    os.makedirs(os.path.join(out, "train-pairs"), exist_ok=True)
-    rows, part, batch = 0, 0, {"query": [], "passage": [], "qid": [], "pid": []}
-
-    def flush() -> None:
-        nonlocal part, batch
-        if batch["query"]:
-            pq.write_table(pa.table({"query": batch["query"], "passage": batch["passage"],
-                                     "qid": pa.array([int(q) for q in batch["qid"]], pa.int64()),
-                                     "pid": pa.array([int(p) for p in batch["pid"]], pa.int64())}),
-                           os.path.join(out, "train-pairs", f"part-{part:05d}.parquet"))
-            part += 1
-            batch = {"query": [], "passage": [], "qid": [], "pid": []}
-
+    pairs = PairFiles(os.path.join(out, "train-pairs"), pa.schema([("query", pa.string()), ("passage", pa.string()),
+                                                                   ("qid", pa.int64()), ("pid", pa.int64())]))
     for qid, pid in train_qrels:
         if qid not in queries or pid not in passages:
             skipped["train_qrels_without_query" if qid not in queries else "train_qrels_without_passage"] += 1
             continue
-        for key, value in (("query", queries[qid]), ("passage", passages[pid]), ("qid", qid), ("pid", pid)):
-            batch[key].append(value)
-        rows += 1
-        if len(batch["query"]) >= ROWS_PER_FILE:
-            flush()
-    flush()
+        pairs.add({"query": queries[qid], "passage": passages[pid], "qid": int(qid), "pid": int(pid)})
+    pairs.close()
     dev_queries, dev_judged = {}, []
     for qid, pid in dev_qrels:
         if qid not in queries or pid not in passages:
@@ -118,13 +138,8 @@ def prepare(src: str, out: str, dev_distractors: int, seed: int) -> dict:
             continue
         dev_queries[qid] = queries[qid]
         dev_judged.append((qid, pid))
-    with open(os.path.join(out, "dev", "queries.jsonl"), "w", encoding="utf-8") as f:
-        for qid, text in dev_queries.items():
-            f.write(json.dumps({"_id": qid, "text": text}, ensure_ascii=False) + "\n")
-    with open(os.path.join(out, "dev", "qrels", "test.tsv"), "w", encoding="utf-8") as f:
-        f.write("query-id\tcorpus-id\tscore\n")
-        for qid, pid in dev_judged:
-            f.write(f"{qid}\t{pid}\t1\n")
+    write_task_queries(os.path.join(out, "dev"), dev_queries, dev_judged)
+    rows, part = pairs.rows, pairs.files
     stats = {"train_pairs": rows, "train_files": part, "train_queries": len({q for q, _ in train_qrels}),
              "dev_queries": len(dev_queries), "dev_qrels": len(dev_judged), "dev_corpus": corpus_rows,
              "collection": n_collection or None, "skipped": skipped, "seed": seed, "dev_distractors": dev_distractors}
