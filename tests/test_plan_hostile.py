@@ -11,6 +11,8 @@ import sys
 import textwrap
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from clusterscale import cli, config
@@ -361,3 +363,18 @@ def test_rows_of_a_pretty_printed_json_array_are_its_elements_not_its_lines(tmp_
         expected = 40_000 if name == "array.json" else 300
         assert abs(counted - expected) <= expected * 0.02, (name, counted)
         assert ("exact counts" if exact else "a sample of each file") in how, how
+
+
+def test_plan_warns_when_ingest_would_stop_on_the_columns(tmp_path, capsys):
+    """plan reads the first input file's first rows as ingest would: columns that are not the mapped ones are a
+    warning that carries ingest's message and the --set that fits; rightly mapped columns are none."""
+    path, out = tmp_path / "triplets.parquet", tmp_path / "plan.json"
+    pq.write_table(pa.table({"anchor": [f"q {i}" for i in range(400)], "positive": [f"p {i}" for i in range(400)]}),
+                   path)
+    code, _, _ = _plan(capsys, "--set", f"data.path={path}", "--json", str(out))
+    warnings = json.loads(out.read_text())["warnings"]
+    assert code == 0 and warnings[0].startswith(f"ingest would stop: {path}: column(s) data.query_column='query'")
+    assert "This file's names fit: --set data.query_column=anchor data.passage_column=positive." in warnings[0]
+    code, _, _ = _plan(capsys, "--set", f"data.path={path}", "data.query_column=anchor",
+                       "data.passage_column=positive", "--json", str(out))
+    assert code == 0 and not any("ingest would stop" in w for w in json.loads(out.read_text())["warnings"])

@@ -260,6 +260,17 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
             yield from _jsonl_records(fs, path, columns, data)
 
 
+def columns_problem(fs: pafs.FileSystem, path: str, data: DataConfig) -> str | None:
+    """What ingest would stop with on this file's columns (the mapping checked as ingest checks it, on its first
+    batch of rows), or None; for `plan`, which reads no more than that."""
+    columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
+    try:
+        next(iter_records(fs, path, infer_format(path, data.format), columns, data), None)
+    except IngestError as e:
+        return str(e)
+    return None
+
+
 def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
     """Arrow IPC: the stream format (what Hugging Face datasets write) or the file format (Feather v2)."""
     try:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
 from clusterscale.errors import bounded_repr
-from clusterscale.io.input_files import infer_format, is_json_array, list_input_files
+from clusterscale.io.input_files import columns_problem, infer_format, is_json_array, list_input_files
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.plan.cluster import MAX_GPUS, MAX_NODES, load_cluster, this_machine
@@ -90,6 +90,13 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
     if cfg.data.limit:
         total = min(total, cfg.data.limit)
     return int(total), f"data.path ({len(files)} files, {'exact counts' if exact else 'a sample of each file'})"
+
+
+def input_warnings(cfg: Config) -> list[str]:
+    """What ingest would stop with on the first input file's columns (as ingest checks them, on its first rows)."""
+    fs, files = list_input_files(cfg.data)
+    problem = columns_problem(fs, files[0], cfg.data) if files else None
+    return [f"ingest would stop: {problem}"] if problem else []
 
 
 def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, bool]:
@@ -292,10 +299,12 @@ def make_plan(request: PlanRequest) -> dict:
     rates = rates_from_calibration(data, path) if data else Rates()
     load_gpu_calibration(request.gpu_calibration, rates)
     measured = run_measurements(run, run_cfg, rates) if run else {"sizes": None, "dim": None, "rows": None}
+    data_warnings: list[str] = []
     if request.rows is not None:
         rows, rows_from = request.rows, "--rows"
     elif run is None or measured["rows"] is None:
         rows, rows_from = count_input_rows(cfg)
+        data_warnings = input_warnings(cfg)
     else:
         rows, rows_from = measured["rows"], "the run's ingest"
     check_number(f"The row count of {rows_from}", rows, 1, MAX_ROWS, "a number of pairs ")
@@ -339,7 +348,7 @@ def make_plan(request: PlanRequest) -> dict:
                            "global_batches_per_cluster": dict(zip(("min", "median", "max"), t.batches_per_cluster)),
                            "mean_global_batches_per_cluster": t.mean_batches_per_cluster,
                            "shards": main.shards.items, "cluster_sizes_from": main.shape.sizes_from},
-           "warnings": main.warnings(stages), "notes": [models.note, *rates.notes] + (
+           "warnings": data_warnings + main.warnings(stages), "notes": [models.note, *rates.notes] + (
                [f"no rate for {', '.join(uncalibrated(stages))}: left out of the sums and the ratio"]
                if uncalibrated(stages) else []),
            "price_per_gpu_hour": request.price_per_gpu_hour, "table": []}
