@@ -90,11 +90,11 @@ def test_all_rows_bad_is_a_clear_error(tmp_path, ray_local):
     pq.write_table(pa.table({"q": ["", None], "p": ["x", "y"]}), path)
     with pytest.raises(IngestError, match="No valid pairs .* The first: query_empty, data.query_column='q' holds \\."):
         _ingest(tmp_path, path)
-    path = tmp_path / "objects.jsonl"  # a passage column of objects: the error shows what it holds
-    path.write_text("".join(json.dumps({"q": f"q{i}", "p": {"title": "t", "text": "x" * 300}}) + "\n"
+    path = tmp_path / "objects.jsonl"  # a passage column of objects without a "text": the error shows what it holds
+    path.write_text("".join(json.dumps({"q": f"q{i}", "p": {"title": "t", "body": "x" * 300}}) + "\n"
                             for i in range(3)))
     with pytest.raises(IngestError, match=r"The first: passage_not_string:dict, data.passage_column='p' holds "
-                                          r'\{"title": "t", "text": "x{176}\.\.\.\.$'):
+                                          r'\{"title": "t", "body": "x{176}\.\.\.\.$'):
         _ingest(tmp_path / "objects", path)
 
 

@@ -27,10 +27,49 @@ def test_a_passage_is_a_text_or_a_list_of_texts():
     assert normalise_passages(np.array(["w"], dtype=object)) == (["w"], None)
     assert normalise_passages(np.str_("a text")) == (["a text"], None)  # a NumPy text is one text, not a list
     for value, reason in (([], "empty"), ([None, " "], "empty"), ([1], "not_string:int"), (["ok", 2.5],
-                          "not_string:float"), ({"text": "t"}, "not_string:dict"), ([b"\xff"], "invalid_utf8"),
+                          "not_string:float"), ({"title": "t"}, "not_string:dict"), ([b"\xff"], "invalid_utf8"),
                           (None, "null"), (["t"] * (MAX_POSITIVES + 1), "too_many_texts")):
         assert normalise_passages(value) == ([], reason), value
     assert len(normalise_passages([f"t{i}" for i in range(MAX_POSITIVES)])[0]) == MAX_POSITIVES
+
+
+@pytest.mark.unit
+def test_a_passage_object_with_a_text_is_its_title_and_text():
+    """DPR's ctxs, Tevatron's passages, a BEIR corpus record: {"title", "text", ...} is "title text", the text alone
+    without a title; an object without a text string stays a rejected dict. The labeled negatives read the same."""
+    assert normalise_passages({"title": "T", "text": "body", "score": 3}) == (["T body"], None)
+    assert normalise_passages([{"title": "", "text": "a"}, {"text": " b "}, {"title": None, "text": "c"}]) == (
+        ["a", "b", "c"], None)
+    for value in ({"text": None, "title": "T"}, [{"title": "T"}], {"text": 5}):
+        assert normalise_passages(value) == ([], "not_string:dict"), value
+    data = config.load(None, ["data.heldout_fraction=0", "data.negative_column=hard", "data.passage_column=pos"]).data
+    routed = _route_record({"query": "q", "pos": [{"title": "A", "text": "a"}],
+                            "hard": [{"title": "N", "text": "n", "passage_id": "7"}, "plain"]}, 1, data)
+    assert routed == [("pairs", {"pair_id": 1, "query": "q", "passage": "A a", "source": None,
+                                 "negatives": ["N n", "plain"]})]
+    routed = _route_record({"query": "q", "pos": "p", "hard": {"title": "N", "text": "n"}}, 2, data)
+    assert routed[0][1]["negatives"] == ["N n"]
+    assert _route_record({"query": "q", "pos": "p", "hard": [{"id": 1}]}, 3, data)[0][1]["reason"] == \
+        "negative_not_string:dict"
+
+
+def test_dpr_json_array_and_a_parquet_list_of_structs(tmp_path):
+    """DPR's training file (a JSON array; question, positive_ctxs, hard_negative_ctxs of {"title", "text", ...}) and
+    the same as Parquet list<struct> columns read as they are: one pair per positive, negatives as "title text"."""
+    records = [{"question": f"who made thing {i}", "answers": [f"maker {i}"],
+                "positive_ctxs": [{"title": f"Thing {i}", "text": f"made by maker {i}", "passage_id": str(i)}] * (
+                    1 + i % 2),
+                "hard_negative_ctxs": [{"title": "", "text": f"thing {i + 1} by maker {i + 1}", "passage_id": "x"}]}
+               for i in range(6)]
+    (tmp_path / "dpr.json").write_text(json.dumps(records, indent=1))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "dpr.parquet")
+    mapping = ["data.query_column=question", "data.passage_column=positive_ctxs",
+               "data.negative_column=hard_negative_ctxs", "data.heldout_fraction=0"]
+    for name in ("dpr.json", "dpr.parquet"):
+        tables, counts = _ingest(tmp_path / name.replace(".", "_"), str(tmp_path / name), *mapping)
+        pairs = sorted((r["query"], r["passage"], tuple(r["negatives"])) for r in tables["pairs"])
+        assert len(pairs) == 9 and not tables["quarantine"], name  # 3 records with two positives
+        assert pairs[0] == ("who made thing 0", "Thing 0 made by maker 0", ("thing 1 by maker 1",)), name
 
 
 @pytest.mark.unit

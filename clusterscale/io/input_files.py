@@ -542,12 +542,14 @@ def check_columns(found: list[str], path: str, data: DataConfig, scope: str = ""
 
 
 # Column names of the pair layouts users bring, best first (sentence-transformers' anchor/positive/negative and
-# query/positive/negative_1.., FlagEmbedding's query/pos/neg, MS MARCO's triples, question/answer and
-# sentence1/sentence2 sets): the columns-not-found message proposes the mapping a file's own names fit.
+# query/positive/negative_1.., FlagEmbedding's query/pos/neg, DPR's question/positive_ctxs/hard_negative_ctxs,
+# Tevatron's query/positive_passages/negative_passages, MS MARCO's triples, question/answer, sentence1/sentence2):
+# the columns-not-found message proposes the mapping a file's own names fit.
 QUERY_NAMES = ("query", "anchor", "question", "queries", "q", "sentence1", "text1", "prompt", "instruction")
-PASSAGE_NAMES = ("passage", "positive", "pos", "document", "doc", "answer", "context", "text", "sentence2", "text2",
-                 "response", "content", "p")
-NEGATIVE_NAMES = ("negative", "neg", "negatives", "hard_negative", "hard_negatives", "negative_passages")
+PASSAGE_NAMES = ("passage", "positive", "pos", "positive_ctxs", "positive_passages", "document", "doc", "answer",
+                 "context", "text", "sentence2", "text2", "response", "content", "p")
+NEGATIVE_NAMES = ("negative", "neg", "negatives", "hard_negative", "hard_negatives", "hard_negative_ctxs",
+                  "negative_passages", "negative_ctxs")
 _NUMBERED_NEGATIVE = re.compile(r"^(neg|negative|hard_negative)_?\d+$", re.IGNORECASE)
 
 

@@ -292,14 +292,25 @@ def as_list(value) -> list | None:
     return listed if isinstance(listed, list) else None
 
 
+def document_text(value):
+    """A passage or labeled negative as read: an object with a "text" string (DPR's ctxs, a BEIR corpus record, a
+    Parquet struct: {"title", "text", ...}) is its title and text joined by a space ("title text", as MTEB joins
+    BEIR's; the text alone when the title is missing or empty); any other value as it is."""
+    if not isinstance(value, dict) or not isinstance(value.get("text"), str):
+        return value
+    title = value.get("title")
+    return f"{title} {value['text']}" if isinstance(title, str) and title.strip() else value["text"]
+
+
 def normalise_texts(items: list, max_chars: int | None = None) -> tuple[list[str], str | None]:
-    """(clean texts, None) or ([], reason) for a list of texts: null elements and texts that normalise to nothing are
-    skipped; the reason of the first element that is not text (normalise_text's), or `over_long` past max_chars."""
+    """(clean texts, None) or ([], reason) for a list of texts (or document_text objects): null elements and texts
+    that normalise to nothing are skipped; the reason of the first element that is not text (normalise_text's), or
+    `over_long` past max_chars."""
     texts = []
     for item in items:
         if item is None:
             continue
-        text, why = normalise_text(item)
+        text, why = normalise_text(document_text(item))
         if why == "empty":
             continue
         if why is not None:
@@ -316,7 +327,7 @@ def normalise_passages(value) -> tuple[list[str], str | None]:
     MAX_POSITIVES texts `too_many_texts`."""
     items = as_list(value)
     if items is None:
-        text, why = normalise_text(value)
+        text, why = normalise_text(document_text(value))
         return ([text], None) if why is None else ([], why)
     texts, why = normalise_texts(items)
     if why is None and not texts:
@@ -368,7 +379,7 @@ def normalise_negatives(value, max_chars: int) -> tuple[list[str], str | None]:
     data.max_text_chars does (over_long_negative)."""
     if value is None:
         return [], None
-    items = [value] if isinstance(value, (str, bytes)) else as_list(value)
+    items = [value] if isinstance(value, (str, bytes)) or document_text(value) is not value else as_list(value)
     if items is None:
         return [], f"negative_not_string:{type(value).__name__}"
     texts, why = normalise_texts(items, max_chars)
