@@ -5,7 +5,8 @@
 
 BEIR_DIR holds a dataset as BEIR distributes it (https://github.com/beir-cellar/beir; NQ, HotpotQA, FiQA, MS MARCO,
 SciFact, ... and many other retrieval sets in the same layout): corpus.jsonl ({"_id", "title", "text"} per line),
-queries.jsonl ({"_id", "text"}), qrels/<split>.tsv (query-id, corpus-id, score; a header line); each may be .gz.
+queries.jsonl ({"_id", "text"}), qrels/<split>.tsv (query-id, corpus-id, score, or TREC's 4 fields; a header
+line or not); each may be .gz.
 clusterscale reads (query, passage) rows, so the ids are joined here, once. It writes
   OUT_DIR/train-pairs/part-*.parquet: one row per judgement of --split with score > 0 (columns query, passage,
       query_id, corpus_id): what data.path reads (`--set data.path=OUT_DIR/train-pairs`);
@@ -63,21 +64,26 @@ def jsonl_rows(path: str):
 
 
 def read_qrels(path: str) -> tuple[list[tuple[str, str]], int]:
-    """((query id, corpus id) of each judgement with score > 0, in file order; judgements with score <= 0)."""
+    """((query id, corpus id) of each judgement with score > 0, in file order; judgements with score <= 0). A line is
+    BEIR's `query-id corpus-id score` or TREC's `query-id iteration corpus-id score` (MS MARCO's qrels); a first
+    line whose score is not a number is a header."""
     relevant, other = [], 0
     with open_text(path) as f:
         for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
-            if not row or n == 1 and row[:2] == ["query-id", "corpus-id"]:
+            if not row:
                 continue
-            if len(row) < 3:
-                raise SystemExit(f"{path}:{n}: a qrels line has 3 tab-separated fields (query-id, corpus-id, score), "
-                                 f"got {len(row)}.")
+            if len(row) not in (3, 4):
+                raise SystemExit(f"{path}:{n}: a qrels line has 3 tab-separated fields (query-id, corpus-id, score; "
+                                 f"BEIR) or 4 (query-id, iteration, corpus-id, score; TREC), got {len(row)}.")
+            qid, pid, value = (row[0], row[1], row[2]) if len(row) == 3 else (row[0], row[2], row[3])
             try:
-                score = float(row[2])
+                score = float(value)
             except ValueError:
-                raise SystemExit(f"{path}:{n}: the score {row[2]!r} is not a number.") from None
+                if n == 1:
+                    continue  # a header line
+                raise SystemExit(f"{path}:{n}: the score {value!r} is not a number.") from None
             if score > 0:
-                relevant.append((row[0], row[1]))
+                relevant.append((qid, pid))
             else:
                 other += 1
     return relevant, other
@@ -111,8 +117,9 @@ def prepare(src: str, out: str, split: str, eval_split: str | None, eval_distrac
         for _, doc in jsonl_rows(corpus_path):
             pid = str(doc["_id"])
             if pid in wanted_p:
-                passages[pid] = passage_text(doc, title)
-            if corpus is not None and (pid in eval_positive or distractor(pid, seed, fraction)):
+                passages.setdefault(pid, passage_text(doc, title))  # an id given twice: its first record
+            sampled = pid in eval_positive or distractor(pid, seed, fraction)
+            if corpus is not None and sampled and pid not in found_eval:  # a judged id given twice: written once
                 corpus.write(json.dumps({"_id": pid, "title": (doc.get("title") or "") if title else "",
                                          "text": doc["text"]}, ensure_ascii=False) + "\n")
                 corpus_rows += 1

@@ -171,6 +171,25 @@ def test_missing_columns_name_the_mapping_the_files_names_fit(tmp_path, layout, 
         _ingest(tmp_path / "c", str(other), *defaults)
 
 
+@pytest.mark.unit
+def test_the_column_hint_never_proposes_a_column_another_key_reads_or_a_broader_glob():
+    from clusterscale.io.input_files import mapping_hint
+
+    data = config.load(None, []).data
+    # neg_scores is no negative: the glob neg_* would take it, so the numbered columns are named
+    assert "data.negative_column=neg_0,neg_1 " in mapping_hint(["anchor", "positive", "neg_0", "neg_1", "neg_scores"],
+                                                               data)
+    source = config.load(None, ["data.source_column=answer"]).data  # answer is the source: the passage is text
+    assert "--set data.query_column=question data.passage_column=text." in mapping_hint(
+        ["question", "answer", "text"], source)
+    assert mapping_hint(["anchor", "x"], data) == (
+        "This file's names fit --set data.query_column=anchor; no column's name says which is data.passage_column: "
+        "set it to one of the columns found.")
+    missing_negatives = config.load(None, ["data.negative_column=negatives"]).data
+    assert mapping_hint(["query", "passage", "neg"], missing_negatives) == (
+        "This file's names fit: --set data.negative_column=neg.")
+
+
 def _parquet_bytes(rows: int, row_group_size: int) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.table({"q": [f"query {i}" for i in range(rows)], "p": [f"passage {i}" for i in range(rows)]}),

@@ -378,3 +378,9 @@ def test_plan_warns_when_ingest_would_stop_on_the_columns(tmp_path, capsys):
     code, _, _ = _plan(capsys, "--set", f"data.path={path}", "data.query_column=anchor",
                        "data.passage_column=positive", "--json", str(out))
     assert code == 0 and not any("ingest would stop" in w for w in json.loads(out.read_text())["warnings"])
+    utf16 = tmp_path / "utf16.csv"  # a file ingest cannot read: stop, or skip it with data.bad_files=quarantine
+    utf16.write_bytes(("query,passage\n" + "".join(f"q {i},p {i}\n" for i in range(400))).encode("utf-16"))
+    for bad_files, action in (("error", "stop"), ("quarantine", "skip it (data.bad_files=quarantine)")):
+        code, _, _ = _plan(capsys, "--set", f"data.path={utf16}", f"data.bad_files={bad_files}", "--json", str(out))
+        assert code == 0 and json.loads(out.read_text())["warnings"][0].startswith(
+            f"ingest would {action}: {utf16}: cannot be read as csv (this is not CSV text"), bad_files

@@ -65,6 +65,15 @@ def test_prepare_beir_writes_pairs_ingest_reads_and_an_eval_task(tmp_path, monke
     assert run_job(monkeypatch, "prepare_beir", str(src), str(tmp_path / "plain"), "--no-title") == 0
     assert pq.read_table(tmp_path / "plain" / "train-pairs").column("passage")[0].as_py() == DOCS["doc3"]["text"]
     (src / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq9\tdoc1\t1\n")
+    # TREC's 4-field qrels (MS MARCO's: query-id, iteration, corpus-id, score), another header, no header line.
+    (src / "qrels" / "trec.tsv").write_text("qid\titer\tdocid\trel\nq1\t0\tdoc3\t1\nq2\t0\tdoc4\t0\n")
+    (src / "qrels" / "bare.tsv").write_text("q1\tdoc3\t1\nq2\tdoc4\t1\n")
+    for split, expected in (("trec", [("q1", "doc3")]), ("bare", [("q1", "doc3"), ("q2", "doc4")])):
+        assert run_job(monkeypatch, "prepare_beir", str(src), str(tmp_path / split), "--split", split) == 0
+        assert [(r["query_id"], r["corpus_id"]) for r in pq.read_table(tmp_path / split / "train-pairs").to_pylist()
+                ] == expected
+    (src / "qrels" / "five.tsv").write_text("q1\t0\tdoc3\t1\textra\n")
+    assert "got 5" in run_job(monkeypatch, "prepare_beir", str(src), str(tmp_path / "five"), "--split", "five")
     stopped = run_job(monkeypatch, "prepare_beir", str(src), str(tmp_path / "none"), "--split", "dev")
     assert re.search(r"No train pairs: none of the 1 judgements .* qrels/dev\.tsv", stopped)
     stopped = run_job(monkeypatch, "prepare_beir", str(tmp_path / "out"), str(tmp_path / "x"))

@@ -261,13 +261,19 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
 
 
 def columns_problem(fs: pafs.FileSystem, path: str, data: DataConfig) -> str | None:
-    """What ingest would stop with on this file's columns (the mapping checked as ingest checks it, on its first
-    batch of rows), or None; for `plan`, which reads no more than that."""
+    """What ingest would do about this file, read as ingest reads it but only its first batch of rows (for `plan`):
+    'ingest would stop: <why>' for columns that are not the mapped ones or a file it cannot read ('ingest would skip
+    it: ...' with data.bad_files=quarantine), or None."""
     columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
+    fmt = infer_format(path, data.format)
     try:
-        next(iter_records(fs, path, infer_format(path, data.format), columns, data), None)
+        next(iter_records(fs, path, fmt, columns, data), None)
     except IngestError as e:
-        return str(e)
+        return f"ingest would stop: {e}"
+    except UNREADABLE as err:
+        found = str(err) if isinstance(err, NotTextError) else f"{type(err).__name__}: {err}"
+        action = "skip it (data.bad_files=quarantine)" if data.bad_files == "quarantine" else "stop"
+        return f"ingest would {action}: {path}: cannot be read as {fmt} ({found})."
     return None
 
 
@@ -554,37 +560,57 @@ _NUMBERED_NEGATIVE = re.compile(r"^(neg|negative|hard_negative)_?\d+$", re.IGNOR
 
 
 def mapping_hint(found: list[str], data: DataConfig) -> str:
-    """What to set: the data.*_column values among `found` that fit the known layouts' names (the keys whose column
-    is missing; data.negative_column too when unset and the file has negatives), else a generic example."""
+    """What to set: for each key whose column is missing (query, passage, a literal negative column), the column among
+    `found` that fits the known layouts' names and no other key reads; data.negative_column too when unset and the
+    file has negatives. A key no column fits is named; no fit at all gives a generic example."""
     present = [name for name in found if name]
     lowered = {name.lower(): name for name in reversed(present)}  # the first of names differing only in case
+    literal_negatives = [t for t in _spec_tokens(data.negative_column or "") if not GLOB_CHARS & set(t)]
+    taken = (set(mapped_columns(data)) | set(literal_negatives)) & set(present)
 
-    def pick(names: tuple[str, ...], taken: set[str]) -> str | None:
+    def pick(names: tuple[str, ...]) -> str | None:
         return next((lowered[n] for n in names if n in lowered and lowered[n] not in taken), None)
 
-    settings, taken = {}, {data.query_column, data.passage_column} & set(present)
-    for key, names in (("query", QUERY_NAMES), ("passage", PASSAGE_NAMES)):
-        if getattr(data, f"{key}_column") not in present:
-            choice = pick(names, taken)
-            if choice is not None:
-                settings[f"data.{key}_column"] = choice
-                taken.add(choice)
-    if settings and not data.negative_column:
-        numbered = [name for name in present if _NUMBERED_NEGATIVE.match(name) and name not in taken]
-        single = pick(NEGATIVE_NAMES, taken)
-        if len(numbered) > 1:
-            prefix = re.match(r"^\D*", numbered[0]).group(0)
-            same = all(name.startswith(prefix) for name in numbered)
-            settings["data.negative_column"] = f"{prefix}*" if same else ",".join(numbered)
-        elif single is not None or numbered:
-            settings["data.negative_column"] = single or numbered[0]
+    settings, unfit = {}, []
+    wanted = [("data.query_column", data.query_column, QUERY_NAMES),
+              ("data.passage_column", data.passage_column, PASSAGE_NAMES)]
+    if data.negative_column and len(literal_negatives) == 1 and data.negative_column not in present:
+        wanted.append(("data.negative_column", data.negative_column, NEGATIVE_NAMES))
+    for key, column, names in wanted:
+        if column in present:
+            continue
+        choice = pick(names)
+        if choice is None:
+            unfit.append(key)
+            continue
+        settings[key] = choice
+        taken.add(choice)
+    if settings and not unfit and not data.negative_column:
+        negatives = _negatives_hint(present, taken) or pick(NEGATIVE_NAMES)
+        if negatives:
+            settings["data.negative_column"] = negatives
     if not settings:
         return ("Set the data.*_column keys to match (e.g. --set data.query_column=question "
                 "data.passage_column=answer).")
     shown = " ".join(f"{key}={shell_word(value)}" for key, value in settings.items())
+    if unfit:
+        return (f"This file's names fit --set {shown}; no column's name says which is {' or '.join(unfit)}: set "
+                f"{'it' if len(unfit) == 1 else 'them'} to one of the columns found.")
     negatives = (" (data.negative_column: its labeled negatives, optional)" if "data.negative_column" in settings
-                 else "")
+                 and not data.negative_column else "")
     return f"This file's names fit: --set {shown}{negatives}."
+
+
+def _negatives_hint(present: list[str], taken: set[str]) -> str | None:
+    """Numbered negative columns (negative_1 .. negative_n): a glob when it matches exactly them, else their names
+    comma-separated (one: its name); None for none."""
+    numbered = [name for name in present if _NUMBERED_NEGATIVE.match(name) and name not in taken]
+    if len(numbered) < 2:
+        return numbered[0] if numbered else None
+    glob = re.match(r"^\D*", numbered[0]).group(0) + "*"
+    if set(_glob_matches(glob, present, frozenset(taken))) == set(numbered):
+        return glob
+    return ",".join(numbered)
 
 
 def shell_word(text: str) -> str:

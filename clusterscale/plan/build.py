@@ -93,10 +93,10 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
 
 
 def input_warnings(cfg: Config) -> list[str]:
-    """What ingest would stop with on the first input file's columns (as ingest checks them, on its first rows)."""
+    """What ingest would do about the first input file (input_files.columns_problem: its columns, whether it reads)."""
     fs, files = list_input_files(cfg.data)
     problem = columns_problem(fs, files[0], cfg.data) if files else None
-    return [f"ingest would stop: {problem}"] if problem else []
+    return [problem] if problem else []
 
 
 def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, bool]:
