@@ -356,3 +356,20 @@ def test_bad_late_row_group_drops_every_unit_of_its_file(tmp_path, ray_local):
     stats = run_stage("ingest", cfg, run).stats  # four units of the corrupt file: three read fine, the last one fails
     assert stats["rows_in"] == 2 and [b["path"] for b in stats["bad_files"]] == [str(folder / "late_corrupt.parquet")]
     assert sum(pq.read_metadata(f).num_rows for k in KINDS for f in run.files(k)) == 2
+
+
+@pytest.mark.unit
+def test_ingest_names_big_files_one_task_reads_whole(capsys):
+    from clusterscale.io.input_walk import InputWalk
+    from clusterscale.stages.ingest import WHOLE_FILE_WARN_BYTES, _print_whole_files
+
+    files = ["/d/big.jsonl", "/d/big.parquet", "/d/small.tsv", "/d/huge.csv.gz"]
+    walk = InputWalk(files=files, stamps={"/d/big.jsonl": (3 * 2**30, 0), "/d/big.parquet": (5 * 2**30, 0),
+                                          "/d/small.tsv": (WHOLE_FILE_WARN_BYTES - 1, 0),
+                                          "/d/huge.csv.gz": (WHOLE_FILE_WARN_BYTES, 0)})
+    _print_whole_files(walk, config.load(None, []).data)
+    said = capsys.readouterr().out
+    assert said.startswith("[ingest] 2 big file(s) each read whole by one task (only Parquet files are split, by row "
+                           "groups): /d/big.jsonl (3.0 GiB), /d/huge.csv.gz (1.0 GiB). Split them")
+    _print_whole_files(InputWalk(files=["/d/small.tsv"], stamps={}), config.load(None, []).data)
+    assert capsys.readouterr().out == ""

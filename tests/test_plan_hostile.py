@@ -384,3 +384,29 @@ def test_plan_warns_when_ingest_would_stop_on_the_columns(tmp_path, capsys):
         code, _, _ = _plan(capsys, "--set", f"data.path={utf16}", f"data.bad_files={bad_files}", "--json", str(out))
         assert code == 0 and json.loads(out.read_text())["warnings"][0].startswith(
             f"ingest would {action}: {utf16}: cannot be read as csv (this is not CSV text"), bad_files
+
+
+def test_ingest_is_planned_no_faster_than_one_task_over_its_largest_file(tmp_path, capsys):
+    """Only Parquet files are split into work units (runs of row groups); a JSON lines file is one task's, however
+    big: on a cluster of 768 CPUs, plan bounds ingest by that task and warns. The same rows as Parquet files are
+    bound by a unit of data.rows_per_part rows, not warned about."""
+    rows = [{"query": f"what is thing {i}", "passage": f"thing {i} is an object"} for i in range(40_000)]
+    (tmp_path / "one.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "parquet").mkdir()
+    for part in range(8):
+        pq.write_table(pa.Table.from_pylist(rows[part::8]), tmp_path / "parquet" / f"part-{part}.parquet",
+                       row_group_size=1_000)
+    shipped = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration.json")
+    cluster = os.path.join(os.path.dirname(__file__), "..", "cluster_configs", "aws-gpu-cluster.yaml")
+    out, plans = tmp_path / "plan.json", {}
+    for name in ("one.jsonl", "parquet"):
+        code, _, _ = _plan(capsys, "--set", f"data.path={tmp_path / name}", "data.rows_per_part=2000",
+                           "--calibration", shipped, "--cluster", cluster, "--json", str(out))
+        assert code == 0
+        plans[name] = json.loads(out.read_text())
+    one, split = plans["one.jsonl"], plans["parquet"]
+    assert "bound by its largest work unit (" in one["stages"]["ingest"]["time_from"]
+    assert any(w.startswith("ingest: ") and "rows in one task" in w for w in one["warnings"])
+    assert one["stages"]["ingest"]["wall_s"] > 2 * split["stages"]["ingest"]["wall_s"]
+    assert "largest work unit (2,000 rows in one task" in split["stages"]["ingest"]["time_from"]  # 2 row groups
+    assert not any(w.startswith("ingest: ") for w in split["warnings"])

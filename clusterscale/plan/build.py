@@ -71,25 +71,41 @@ def load_config(request: PlanRequest) -> tuple[Config, RunDir | None, Config | N
 def count_input_rows(cfg: Config) -> tuple[int, str]:
     """Rows of data.path: exact from Parquet footers and Arrow IPC files; JSONL/CSV (compressed ones decompressed)
     and Arrow streams counted in a sample from the start of each file, scaled by the file's size."""
+    rows, rows_from, _ = count_input(cfg)
+    return rows, rows_from
+
+
+def count_input(cfg: Config) -> tuple[int, str, int]:
+    """(count_input_rows's rows and where they come from, the rows of ingest's largest work unit: a Parquet file's
+    run of row groups of >= data.rows_per_part rows as stages/ingest.file_units cuts them, any other file whole)."""
     if cfg.data.path.startswith(("builtin:", "synth://")):
         raise ConfigError(f"data.path {cfg.data.path} is not a file input: pass --rows N.")
     fs, files = list_input_files(cfg.data)
-    exact, total = True, 0.0
+    exact, total, largest = True, 0.0, 0.0
     for path in files:
         fmt = infer_format(path, cfg.data.format)
         if fmt == "parquet":
             with fs.open_input_file(path) as f:
-                total += pq.ParquetFile(f).metadata.num_rows
+                meta = pq.ParquetFile(f).metadata
+            total += meta.num_rows
+            unit = 0
+            for g in range(meta.num_row_groups):
+                unit += meta.row_group(g).num_rows
+                if unit >= cfg.data.rows_per_part:
+                    largest, unit = max(largest, unit), 0
+            largest = max(largest, unit)
             continue
         # a JSON array (pretty-printed, an element spans lines) by its elements' query keys, not its lines
         key = cfg.data.query_column if fmt == "jsonl" and is_json_array(fs, path) else None
         rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key,
                                                                             bool(cfg.data.column_names))
         total += rows
+        largest = max(largest, rows)
         exact = exact and whole
     if cfg.data.limit:
-        total = min(total, cfg.data.limit)
-    return int(total), f"data.path ({len(files)} files, {'exact counts' if exact else 'a sample of each file'})"
+        total, largest = min(total, cfg.data.limit), min(largest, cfg.data.limit)
+    return (int(total), f"data.path ({len(files)} files, {'exact counts' if exact else 'a sample of each file'})",
+            int(largest))
 
 
 def input_warnings(cfg: Config) -> list[str]:
@@ -300,10 +316,12 @@ def make_plan(request: PlanRequest) -> dict:
     load_gpu_calibration(request.gpu_calibration, rates)
     measured = run_measurements(run, run_cfg, rates) if run else {"sizes": None, "dim": None, "rows": None}
     data_warnings: list[str] = []
+    unit_share = None  # ingest's largest work unit / the input rows, when the input files were read
     if request.rows is not None:
         rows, rows_from = request.rows, "--rows"
     elif run is None or measured["rows"] is None:
-        rows, rows_from = count_input_rows(cfg)
+        rows, rows_from, largest_unit = count_input(cfg)
+        unit_share = largest_unit / rows if rows else None
         data_warnings = input_warnings(cfg)
     else:
         rows, rows_from = measured["rows"], "the run's ingest"
@@ -333,7 +351,7 @@ def make_plan(request: PlanRequest) -> dict:
 
     def planner(n: int, k: int) -> Planner:
         sizes = measured["sizes"] if run_cfg and k == run_cfg.cluster.k else None
-        return Planner(cfg, run_shape(cfg, n, k, dim, sizes, imbalance), cluster, rates, models,
+        return Planner(cfg, run_shape(cfg, n, k, dim, sizes, imbalance, unit_share), cluster, rates, models,
                        request.price_per_gpu_hour)
 
     main = planner(rows, k_values[0])
@@ -368,4 +386,4 @@ def make_plan(request: PlanRequest) -> dict:
     return out
 
 
-__all__ = ["PlanRequest", "make_plan", "count_input_rows", "train_shape", "shard_sizes"]
+__all__ = ["PlanRequest", "make_plan", "count_input_rows", "count_input", "train_shape", "shard_sizes"]

@@ -156,6 +156,15 @@ class Planner:
         fixed = self.rates.stages[fixed_stage].fixed_s if fixed_stage in self.rates.stages else 0.0
         return fixed + flops / (per_item * max(1, gpus)), source
 
+    def ingest_unit_s(self) -> float:
+        """One task over ingest's largest work unit (a non-Parquet file is read whole): the stage's least time."""
+        rate = self.rates.stages.get("ingest")
+        return rate.fixed_s + rate.cpu_s_per_work * self.shape.ingest_unit_rows if rate else 0.0
+
+    def unit_note(self) -> str:
+        return (f"{self.shape.ingest_unit_rows:,} rows in one task: ingest splits a Parquet file into runs of row "
+                f"groups of >= data.rows_per_part rows and reads any other file whole")
+
     def eval_texts(self) -> float:
         """The texts evaluate embeds per model: the held-out queries it picks (eval.max_queries, chosen in tasks),
         their passages (one each, as most held-out queries have) and the distractors; never the whole held-out split,
@@ -355,6 +364,8 @@ class Planner:
             if name == "train":
                 work = float(self.train.steps_per_epoch * cfg.train.schedule.global_batch_size)
             wall, source = self.cpu_time(name, work, cluster.cpus)
+            if name == "ingest" and self.ingest_unit_s() > wall:  # one task reads the largest unit
+                wall, source = self.ingest_unit_s(), f"{source}; bound by its largest work unit ({self.unit_note()})"
             # fit's and assign's searches, shard's and dedup's shuffle partitions, dedup's semantic pass: measured rates
             wall += self.k_terms(name)
             if math.isnan(wall) and name in ("embed", "train", "evaluate") and self.rates.cpu_flops_per_s_per_cpu:
@@ -454,6 +465,11 @@ class Planner:
         if cfg.shard.small_cluster_policy == "merge" and self.shape.cluster_sizes.largest < batch:
             out.append("every cluster is smaller than one global batch: the shard stage refuses shard."
                        "small_cluster_policy=merge")
+        parallel = self.cpu_time("ingest", stage_work("ingest", cfg, self.shape), self.cluster.cpus)[0]
+        if self.ingest_unit_s() > 2 * parallel and self.shape.ingest_unit_rows > 2 * cfg.data.rows_per_part:
+            out.append(f"ingest: {self.unit_note()} ({self.ingest_unit_s():,.0f} s, against {parallel:,.0f} s over "
+                       f"the cluster's CPUs): split big JSON lines, CSV, TSV or JSON files (or write Parquet with "
+                       f"row groups of ~data.rows_per_part rows) for a parallel ingest")
         per_task = self.cluster.node_memory_bytes / MB / max(1, self.cluster.cpus_per_node)
         for s in stages.values():
             if s.runs_on == "cpu" and s.stage != "train" and s.peak_task_mb > per_task:

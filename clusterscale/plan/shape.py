@@ -36,6 +36,7 @@ class RunShape:
     dim: int
     cluster_sizes: SizeCounts  # rows per cluster before the small-cluster policy (sums to train_rows; or a list)
     sizes_from: str          # where the sizes come from (the run's manifest, or a lognormal at an imbalance)
+    ingest_unit_rows: int = 0  # the rows of ingest's largest work unit (one task reads it), 0 = unknown
 
     def __post_init__(self):
         object.__setattr__(self, "cluster_sizes", SizeCounts.of(self.cluster_sizes))
@@ -46,9 +47,10 @@ def imbalance_factor(sizes) -> float:
 
 
 def run_shape(cfg: Config, rows_in: int, k: int, dim: int, measured_sizes: list[int] | None = None,
-              imbalance: float | None = None) -> RunShape:
+              imbalance: float | None = None, ingest_unit_share: float | None = None) -> RunShape:
     """The shape of a run: measured_sizes (a run's clusters at this k) are scaled to the new N, else a lognormal
-    at `imbalance` (default DEFAULT_IMBALANCE)."""
+    at `imbalance` (default DEFAULT_IMBALANCE); ingest_unit_share: ingest's largest work unit as a share of the input
+    rows (the input files read; the same files scaled), else a unit of data.rows_per_part rows (Parquet's)."""
     heldout = int(round(rows_in * cfg.data.heldout_fraction))
     train = rows_in - heldout
     if measured_sizes is not None and len(measured_sizes) == k and sum(measured_sizes):
@@ -60,7 +62,8 @@ def run_shape(cfg: Config, rows_in: int, k: int, dim: int, measured_sizes: list[
         source = (f"lognormal sizes at imbalance factor {factor:.2f}"
                   + ("" if imbalance else " (assumed: no run measured one)")
                   + ("" if k <= EXACT_ITEMS else f", in quantile bins beyond {EXACT_ITEMS:,} clusters"))
-    return RunShape(rows_in, train, heldout, k, dim, sizes, source)
+    unit = math.ceil(ingest_unit_share * rows_in) if ingest_unit_share else min(rows_in, cfg.data.rows_per_part)
+    return RunShape(rows_in, train, heldout, k, dim, sizes, source, unit)
 
 
 def shard_sizes(cfg: Config, shape: RunShape) -> SizeCounts:

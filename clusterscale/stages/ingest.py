@@ -99,6 +99,8 @@ def normalise_text(value) -> tuple[str | None, str | None]:
     return text, None
 
 
+WHOLE_FILE_WARN_BYTES = 2**30  # a non-Parquet input file this big is named: one task reads it whole
+
 @dataclass(frozen=True)
 class IngestUnit:
     """One task's share of the input: row groups of a Parquet file, or a whole file (row_groups None)."""
@@ -426,6 +428,7 @@ def run_ingest(ctx: StageContext) -> StageResult:
     units = plan_units(fs, files, data)
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
     _print_skipped(listing.walk)
+    _print_whole_files(listing.walk, data)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
     results = run_units(run, fs, units, data, finished)
     stats = _total(results)
@@ -520,6 +523,18 @@ def few_distinct_warnings(sample: dict, global_batch: int, data: DataConfig) -> 
 def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
     """The executor's check before `out` is reused: refused when an input file changed since (io/input_identity)."""
     refuse_changed_input_files(ctx.run, out, effective_data_config(ctx.cfg))
+
+
+def _print_whole_files(walk, data: DataConfig) -> None:
+    """Name the big input files one task reads whole (every format but Parquet is one work unit: a JSON lines, CSV,
+    TSV, JSON or Arrow file is not split), which then bound the stage's time whatever the cluster."""
+    big = [(path, size) for path in walk.files if infer_format(path, data.format) != "parquet"
+           and (size := (walk.stamps.get(path) or (None, None))[0] or 0) >= WHOLE_FILE_WARN_BYTES]
+    if big:
+        shown = ", ".join(f"{redact_uri(path)} ({size / 2**30:.1f} GiB)" for path, size in big[:5])
+        print(f"[ingest] {len(big)} big file(s) each read whole by one task (only Parquet files are split, by row "
+              f"groups): {shown}{' ...' if len(big) > 5 else ''}. Split them into files of ~256 MB (or write "
+              f"Parquet) for a parallel ingest.", flush=True)
 
 
 def _print_skipped(walk) -> None:
