@@ -31,7 +31,7 @@ import sys
 
 import pyarrow as pa
 
-from prepare_msmarco import PairFiles, distractor, write_task_queries
+from prepare_msmarco import PairFiles, distractor, judged_task, write_stats, write_task_queries
 
 
 def data_file(folder: str, name: str) -> str:
@@ -134,13 +134,8 @@ def prepare(src: str, out: str, split: str, eval_split: str | None, eval_distrac
             continue
         pairs.add({"query": queries[qid], "passage": passages[pid], "query_id": qid, "corpus_id": pid})
     pairs.close()
-    eval_queries, eval_judged = {}, []
-    for qid, pid in judged:
-        if qid not in queries or pid not in found_eval:
-            skipped["eval_without_query" if qid not in queries else "eval_without_passage"] += 1
-            continue
-        eval_queries[qid] = queries[qid]
-        eval_judged.append((qid, pid))
+    eval_queries, eval_judged, skipped["eval_without_query"], skipped["eval_without_passage"] = judged_task(
+        judged, queries, found_eval)
     if eval_split:
         write_task_queries(eval_dir, eval_queries, eval_judged)
     rows, part = pairs.rows, pairs.files
@@ -152,8 +147,7 @@ def prepare(src: str, out: str, split: str, eval_split: str | None, eval_distrac
     if rows == 0:
         raise SystemExit(f"No train pairs: none of the {len(train)} judgements with score > 0 in qrels/{split}.tsv "
                          f"names a query of queries.jsonl and a passage of corpus.jsonl (skipped: {skipped}).")
-    with open(os.path.join(out, "prepare.json"), "w") as f:
-        json.dump(stats, f, indent=1)
+    write_stats(out, stats)
     return stats
 
 

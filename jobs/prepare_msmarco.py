@@ -84,6 +84,26 @@ class PairFiles:
             self.batch = []
 
 
+def judged_task(judged: list[tuple[str, str]], queries: dict[str, str], passages
+                ) -> tuple[dict[str, str], list[tuple[str, str]], int, int]:
+    """The judgements whose query and passage are known (`passages`: any container of passage ids): (their queries,
+    those judgements in order, the number skipped for a missing query, for a missing passage)."""
+    task_queries, kept, no_query, no_passage = {}, [], 0, 0
+    for qid, pid in judged:
+        if qid not in queries or pid not in passages:
+            no_query, no_passage = no_query + (qid not in queries), no_passage + (qid in queries)
+            continue
+        task_queries[qid] = queries[qid]
+        kept.append((qid, pid))
+    return task_queries, kept, no_query, no_passage
+
+
+def write_stats(out: str, stats: dict) -> None:
+    """OUT_DIR/prepare.json: what a converter wrote and skipped."""
+    with open(os.path.join(out, "prepare.json"), "w") as f:
+        json.dump(stats, f, indent=1)
+
+
 def write_task_queries(folder: str, queries: dict[str, str], judged: list[tuple[str, str]]) -> None:
     """A local MTEB task's queries.jsonl and qrels/test.tsv (each judgement relevant, score 1); its corpus.jsonl is
     written beside them."""
@@ -131,20 +151,14 @@ def prepare(src: str, out: str, dev_distractors: int, seed: int) -> dict:
             continue
         pairs.add({"query": queries[qid], "passage": passages[pid], "qid": int(qid), "pid": int(pid)})
     pairs.close()
-    dev_queries, dev_judged = {}, []
-    for qid, pid in dev_qrels:
-        if qid not in queries or pid not in passages:
-            skipped["dev_qrels_without_query" if qid not in queries else "dev_qrels_without_passage"] += 1
-            continue
-        dev_queries[qid] = queries[qid]
-        dev_judged.append((qid, pid))
+    dev_queries, dev_judged, skipped["dev_qrels_without_query"], skipped["dev_qrels_without_passage"] = \
+        judged_task(dev_qrels, queries, passages)
     write_task_queries(os.path.join(out, "dev"), dev_queries, dev_judged)
     rows, part = pairs.rows, pairs.files
     stats = {"train_pairs": rows, "train_files": part, "train_queries": len({q for q, _ in train_qrels}),
              "dev_queries": len(dev_queries), "dev_qrels": len(dev_judged), "dev_corpus": corpus_rows,
              "collection": n_collection or None, "skipped": skipped, "seed": seed, "dev_distractors": dev_distractors}
-    with open(os.path.join(out, "prepare.json"), "w") as f:
-        json.dump(stats, f, indent=1)
+    write_stats(out, stats)
     return stats
 
 
