@@ -361,15 +361,21 @@ def test_bad_late_row_group_drops_every_unit_of_its_file(tmp_path, ray_local):
 @pytest.mark.unit
 def test_ingest_names_big_files_one_task_reads_whole(capsys):
     from clusterscale.io.input_walk import InputWalk
-    from clusterscale.stages.ingest import WHOLE_FILE_WARN_BYTES, _print_whole_files
+    from clusterscale.stages.ingest import WHOLE_FILE_WARN_BYTES, IngestUnit, _print_whole_files
 
-    files = ["/d/big.jsonl", "/d/big.parquet", "/d/small.tsv", "/d/huge.csv.gz"]
+    files = ["/d/big.jsonl", "/d/big.parquet", "/d/small.tsv", "/d/huge.csv.gz", "/d/array.json", "/d/cut.tsv"]
     walk = InputWalk(files=files, stamps={"/d/big.jsonl": (3 * 2**30, 0), "/d/big.parquet": (5 * 2**30, 0),
                                           "/d/small.tsv": (WHOLE_FILE_WARN_BYTES - 1, 0),
-                                          "/d/huge.csv.gz": (WHOLE_FILE_WARN_BYTES, 0)})
-    _print_whole_files(walk, config.load(None, []).data)
+                                          "/d/huge.csv.gz": (WHOLE_FILE_WARN_BYTES, 0),
+                                          "/d/array.json": (2 * 2**30, 0), "/d/cut.tsv": (2 * 2**30, 0)})
+    units = [IngestUnit(0, "/d/big.jsonl", 0, byte_range=(0, 2**30)),
+             IngestUnit(0, "/d/big.jsonl", 1, byte_range=(2**30, 3 * 2**30)), IngestUnit(1, "/d/big.parquet"),
+             IngestUnit(2, "/d/small.tsv"), IngestUnit(3, "/d/huge.csv.gz"), IngestUnit(4, "/d/array.json"),
+             IngestUnit(5, "/d/cut.tsv", 0, byte_range=(0, 2 * 2**30))]
+    _print_whole_files(walk, config.load(None, []).data, units)
     said = capsys.readouterr().out
-    assert said.startswith("[ingest] 2 big file(s) each read whole by one task (only Parquet files are split, by row "
-                           "groups): /d/big.jsonl (3.0 GiB), /d/huge.csv.gz (1.0 GiB). Split them")
-    _print_whole_files(InputWalk(files=["/d/small.tsv"], stamps={}), config.load(None, []).data)
+    assert said.startswith("[ingest] 2 big file(s) each read whole by one task (CSV, compressed and JSON array files "
+                           "are not split; Parquet is split by row groups, uncompressed JSON lines and TSV by byte "
+                           "ranges): /d/huge.csv.gz (1.0 GiB), /d/array.json (2.0 GiB). Split them"), said
+    _print_whole_files(InputWalk(files=["/d/small.tsv"], stamps={}), config.load(None, []).data, [])
     assert capsys.readouterr().out == ""

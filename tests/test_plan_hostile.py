@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -387,9 +388,9 @@ def test_plan_warns_when_ingest_would_stop_on_the_columns(tmp_path, capsys):
 
 
 def test_ingest_is_planned_no_faster_than_one_task_over_its_largest_file(tmp_path, capsys):
-    """Only Parquet files are split into work units (runs of row groups); a JSON lines file is one task's, however
-    big: on a cluster of 768 CPUs, plan bounds ingest by that task and warns. The same rows as Parquet files are
-    bound by a unit of data.rows_per_part rows, not warned about."""
+    """A JSON lines file no bigger than data.range_bytes is one task's: on a cluster of 768 CPUs, plan bounds ingest
+    by that task and warns. The same rows as Parquet files are bound by a unit of data.rows_per_part rows (runs of row
+    groups), and the file cut into byte ranges by a range's rows: neither is warned about."""
     rows = [{"query": f"what is thing {i}", "passage": f"thing {i} is an object"} for i in range(40_000)]
     (tmp_path / "one.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "parquet").mkdir()
@@ -399,12 +400,17 @@ def test_ingest_is_planned_no_faster_than_one_task_over_its_largest_file(tmp_pat
     shipped = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "plan_calibration.json")
     cluster = os.path.join(os.path.dirname(__file__), "..", "cluster_configs", "aws-gpu-cluster.yaml")
     out, plans = tmp_path / "plan.json", {}
-    for name in ("one.jsonl", "parquet"):
-        code, _, _ = _plan(capsys, "--set", f"data.path={tmp_path / name}", "data.rows_per_part=2000",
+    ranges = f"data.range_bytes={(tmp_path / 'one.jsonl').stat().st_size // 20 + 1}"  # 20 ranges of 2,000 rows
+    for name, path, extra in (("one.jsonl", "one.jsonl", ()), ("parquet", "parquet", ()),
+                              ("ranges", "one.jsonl", (ranges,))):
+        code, _, _ = _plan(capsys, "--set", f"data.path={tmp_path / path}", "data.rows_per_part=2000", *extra,
                            "--calibration", shipped, "--cluster", cluster, "--json", str(out))
         assert code == 0
         plans[name] = json.loads(out.read_text())
-    one, split = plans["one.jsonl"], plans["parquet"]
+    one, split, ranged = plans["one.jsonl"], plans["parquet"], plans["ranges"]
+    unit = re.search(r"largest work unit \(([\d,]+) rows in one task", ranged["stages"]["ingest"]["time_from"])
+    assert 1_900 <= int(unit.group(1).replace(",", "")) <= 2_100  # the file's rows counted in a sample
+    assert not any(w.startswith("ingest: ") for w in ranged["warnings"])
     assert "bound by its largest work unit (" in one["stages"]["ingest"]["time_from"]
     assert any(w.startswith("ingest: ") and "rows in one task" in w for w in one["warnings"])
     assert one["stages"]["ingest"]["wall_s"] > 2 * split["stages"]["ingest"]["wall_s"]

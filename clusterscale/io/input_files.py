@@ -30,6 +30,7 @@ from clusterscale.errors import UserError
 from clusterscale.io.filesystems import resolve_filesystem
 from clusterscale.io.input_walk import InputWalk, file_stamp, walk_files
 from clusterscale.io.json_input import brackets_balance, is_encodable, json_array_records, jsonl_records
+from clusterscale.io.text_ranges import open_range
 from clusterscale.redact import redact_uri
 
 ROW_BITS = 40  # up to 2**39 rows per file (ingest.EXTRA_POSITIVE_BIT is the 40th), 2**23 files
@@ -237,9 +238,19 @@ def _read_hf_json(fs: pafs.FileSystem, path: str) -> dict:
                           f"dataset again with save_to_disk, or point data.path at its .arrow files.") from None
 
 
+def splittable(fs: pafs.FileSystem, path: str, fmt: str) -> bool:
+    """Whether ingest may read `path` in byte ranges (io/text_ranges): JSON lines or TSV, not compressed, not a
+    JSON array."""
+    if fmt not in ("jsonl", "tsv") or path.lower().endswith(COMPRESSIONS):
+        return False
+    return fmt == "tsv" or not is_json_array(fs, path)
+
+
 def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], data: DataConfig,
-                 row_groups: tuple[int, ...] | None = None) -> Iterator[list[dict]]:
-    """Lists of row dicts (the wanted columns) from one file, streaming; of some row groups only (Parquet)."""
+                 row_groups: tuple[int, ...] | None = None, byte_range: tuple[int, int] | None = None
+                 ) -> Iterator[list[dict]]:
+    """Lists of row dicts (the wanted columns) from one file, streaming; of some row groups only (Parquet), or of
+    the lines that start in a byte range (JSON lines, TSV: io/text_ranges)."""
     if fmt == "parquet":
         pf = pq.ParquetFile(fs.open_input_file(path))
         check_columns(pf.schema_arrow.names, path, data)
@@ -250,14 +261,14 @@ def iter_records(fs: pafs.FileSystem, path: str, fmt: str, columns: list[str], d
     elif fmt == "arrow":
         yield from _arrow_records(fs, path, columns, data)
     elif fmt in DELIMITERS:
-        yield from _csv_records(fs, path, columns, data, DELIMITERS[fmt])
+        yield from _csv_records(fs, path, columns, data, DELIMITERS[fmt], byte_range)
     else:
         _refuse_binary(fs, path, "json" if path.lower().endswith(".json") else "jsonl")
         columns = columns + [c for c in negative_columns(data.negative_column, []) if c not in columns]
-        if is_json_array(fs, path):
+        if byte_range is None and is_json_array(fs, path):
             yield from _json_array_records(fs, path, columns, data)
         else:
-            yield from _jsonl_records(fs, path, columns, data)
+            yield from _jsonl_records(fs, path, columns, data, byte_range)
 
 
 def columns_problem(fs: pafs.FileSystem, path: str, data: DataConfig) -> str | None:
@@ -292,13 +303,14 @@ def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
             yield batch.slice(start, BATCH_ROWS).select(columns).to_pylist()
 
 
-def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig, delimiter: str = ","
-                 ) -> Iterator[list[dict]]:
+def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig, delimiter: str = ",",
+                 byte_range: tuple[int, int] | None = None) -> Iterator[list[dict]]:
     """CSV, or TSV with delimiter "\t": a TSV cell is never quoted (a tab or line break ends it, a quote is text, as in
     MS MARCO's files: with CSV's quoting one cell that starts with an unmatched quote would swallow the rows after
     it). Cells arrive as bytes (so invalid UTF-8 is a quarantined row, not a failed file); only
     the empty cell is null ("NA", "null", "NaN" are text); rows with the wrong number of cells are quarantined in
-    their place, so every row keeps its number in the file (blank lines are not rows)."""
+    their place, so every row keeps its number in the file (blank lines are not rows). Of a byte range (TSV): its
+    lines, read with the header line's names; row numbers from the range's first row."""
     fmt = "tsv" if delimiter == "\t" else "csv"
     _refuse_binary(fs, path, fmt)
     named = list(data.column_names)  # a file without a header line: its columns by data.column_names
@@ -327,17 +339,23 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
                           f"{'comma' if fmt == 'csv' else 'tab'}-separated. {fix}.") from None
     columns = file_columns(columns, header, data)
     ragged: collections.deque[tuple[int, dict]] = collections.deque()
+    # A range past the file's first is read with the header's names (its first line is data, as without a header).
+    names = named or (list(header) if byte_range and byte_range[0] > 0 else None)
 
     def on_ragged(row) -> str:
         # row.number counts records from 1 with the header line if any (serial parsing): the data row index is
         # number - 2, or number - 1 without a header line.
         reason = f"csv_cells:{row.actual_columns}_of_{row.expected_columns}"
-        ragged.append((row.number - (1 if named else 2), {"__reason__": reason, "__raw__": row.text}))
+        ragged.append((row.number - (1 if names else 2), {"__reason__": reason, "__raw__": row.text}))
         return "skip"
 
+    stream = fs.open_input_stream(path, compression="detect") if byte_range is None else \
+        open_range(fs, path, byte_range)
+    if byte_range is not None and not stream.peek(1):
+        return  # no line starts in the range (one crosses it whole): pyarrow calls an empty input a bad file
     reader = pacsv.open_csv(
-        fs.open_input_stream(path, compression="detect"),
-        read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES, column_names=named or None),
+        stream,
+        read_options=pacsv.ReadOptions(use_threads=False, block_size=CSV_BLOCK_BYTES, column_names=names),
         parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if fmt == "csv" else False,
                                          invalid_row_handler=on_ragged),
         convert_options=pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.binary() for c in columns},
@@ -422,13 +440,19 @@ def is_json_array(fs: pafs.FileSystem, path: str) -> bool:
         return False
 
 
-def _jsonl_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
+def _jsonl_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig,
+                   byte_range: tuple[int, int] | None = None) -> Iterator[list[dict]]:
     """JSON lines, parsed line by line so one bad line is quarantined, not fatal. Lines end at "\\n" only (a raw
-    carriage return inside a string is text, as in CSV); a UTF-8 byte-order mark before the first line is skipped."""
-    stream = fs.open_input_stream(path, compression="detect")
+    carriage return inside a string is text, as in CSV); a UTF-8 byte-order mark before the first line is skipped.
+    Of a byte range: its lines; the column mapping is checked in the file's first range only, as on a whole file
+    (on its first batch of rows)."""
+    first = byte_range is None or byte_range[0] == 0
+    stream = fs.open_input_stream(path, compression="detect") if byte_range is None else \
+        open_range(fs, path, byte_range)
     # surrogateescape keeps undecodable bytes recoverable, so such a line is quarantined with its bytes.
-    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="\n")
-    return _checked_batches(jsonl_records(text, columns), path, data)
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig" if first else "utf-8", errors="surrogateescape",
+                            newline="\n")
+    return _checked_batches(jsonl_records(text, columns), path, data, check=first)
 
 
 def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig
@@ -438,12 +462,13 @@ def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data
     return _checked_batches(json_array_records(io.TextIOWrapper(stream, encoding="utf-8-sig"), columns), path, data)
 
 
-def _checked_batches(records: Iterator[dict], path: str, data: DataConfig) -> Iterator[list[dict]]:
+def _checked_batches(records: Iterator[dict], path: str, data: DataConfig, check: bool = True
+                     ) -> Iterator[list[dict]]:
     """Row dicts in batches of BATCH_ROWS, the column mapping checked on the first batch that holds an object: a
     mapped key named twice in the file's first object is the file's shape, an error (in a later object, that row's
     fault); a mapped key that no object of that batch holds is a wrong mapping, an error (an object without it,
     among others with it, is that row's fault: quarantined, as a JSON file's objects need not share their keys)."""
-    rows, first, keys = [], True, {}  # keys: of the checked batch's objects, in order of appearance
+    rows, first, keys = [], check, {}  # keys: of the checked batch's objects, in order of appearance
     for row in records:
         if first:
             if "__keys__" in row and not keys:

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
 from clusterscale.errors import bounded_repr
-from clusterscale.io.input_files import columns_problem, infer_format, is_json_array, list_input_files
+from clusterscale.io.input_files import COMPRESSIONS, columns_problem, infer_format, is_json_array, list_input_files
+from clusterscale.io.text_ranges import byte_ranges
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
 from clusterscale.plan.cluster import MAX_GPUS, MAX_NODES, load_cluster, this_machine
@@ -76,8 +77,9 @@ def count_input_rows(cfg: Config) -> tuple[int, str]:
 
 
 def count_input(cfg: Config) -> tuple[int, str, int]:
-    """(count_input_rows's rows and where they come from, the rows of ingest's largest work unit: a Parquet file's
-    run of row groups of >= data.rows_per_part rows as stages/ingest.file_units cuts them, any other file whole)."""
+    """(count_input_rows's rows and where they come from, the rows of ingest's largest work unit as
+    stages/ingest.file_units cuts the files: a Parquet file's run of row groups of >= data.rows_per_part rows, a byte
+    range of ~data.range_bytes of an uncompressed JSON lines or TSV file, any other file whole)."""
     if cfg.data.path.startswith(("builtin:", "synth://")):
         raise ConfigError(f"data.path {cfg.data.path} is not a file input: pass --rows N.")
     fs, files = list_input_files(cfg.data)
@@ -100,7 +102,10 @@ def count_input(cfg: Config) -> tuple[int, str, int]:
         rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key,
                                                                             bool(cfg.data.column_names))
         total += rows
-        largest = max(largest, rows)
+        # ingest reads an uncompressed JSON lines or TSV file in byte ranges of ~data.range_bytes (file_units)
+        ranges = 1 if fmt not in ("jsonl", "tsv") or key is not None or path.lower().endswith(COMPRESSIONS) else \
+            len(byte_ranges(fs.get_file_info(path).size, cfg.data.range_bytes))
+        largest = max(largest, rows / ranges)
         exact = exact and whole
     if cfg.data.limit:
         total, largest = min(total, cfg.data.limit), min(largest, cfg.data.limit)

@@ -163,7 +163,8 @@ class Planner:
 
     def unit_note(self) -> str:
         return (f"{self.shape.ingest_unit_rows:,} rows in one task: ingest splits a Parquet file into runs of row "
-                f"groups of >= data.rows_per_part rows and reads any other file whole")
+                f"groups of >= data.rows_per_part rows, an uncompressed JSON lines or TSV file into byte ranges of "
+                f"data.range_bytes, and reads any other file (CSV, compressed, a JSON array) whole")
 
     def eval_texts(self) -> float:
         """The texts evaluate embeds per model: the held-out queries it picks (eval.max_queries, chosen in tasks),
@@ -468,8 +469,9 @@ class Planner:
         parallel = self.cpu_time("ingest", stage_work("ingest", cfg, self.shape), self.cluster.cpus)[0]
         if self.ingest_unit_s() > 2 * parallel and self.shape.ingest_unit_rows > 2 * cfg.data.rows_per_part:
             out.append(f"ingest: {self.unit_note()} ({self.ingest_unit_s():,.0f} s, against {parallel:,.0f} s over "
-                       f"the cluster's CPUs): split big JSON lines, CSV, TSV or JSON files (or write Parquet with "
-                       f"row groups of ~data.rows_per_part rows) for a parallel ingest")
+                       f"the cluster's CPUs): split big CSV, compressed or JSON array files (or write Parquet "
+                       f"with row groups of ~data.rows_per_part rows, or uncompressed JSON lines) for a parallel "
+                       f"ingest")
         per_task = self.cluster.node_memory_bytes / MB / max(1, self.cluster.cpus_per_node)
         for s in stages.values():
             if s.runs_on == "cpu" and s.stage != "train" and s.peak_task_mb > per_task:

@@ -1,14 +1,15 @@
 """Ingest: read user pairs (Parquet/JSONL/JSON/CSV/Arrow, local or object store), validate, normalise, split.
 
-One Ray task per work unit: a run of Parquet row groups of about data.rows_per_part rows (planned from the
-footers, so one big Parquet file is read by many tasks), or a whole file of the other formats (their rows
-can only be numbered by reading them). Every input row ends in exactly one of pairs/, heldout/ or
-quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is skipped whole
-and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in the
-file: stable, unique and independent of how the work is split. A passage column of lists (FlagEmbedding's `pos`)
+One Ray task per work unit: a run of Parquet row groups of about data.rows_per_part rows (planned from the footers,
+so one big Parquet file is read by many tasks), a byte range of an uncompressed JSON lines or TSV file bigger than
+data.range_bytes (io/text_ranges: its rows numbered from a first pass of tasks that count each range's lines), or a
+whole file of the other formats (CSV, compressed, JSON arrays, Arrow). Every input row ends in exactly one of
+pairs/, heldout/ or quarantine/ (with a reason); a file that cannot be read stops ingest with its name, or is
+skipped whole and listed in quarantine/bad_files.json (data.bad_files). pair_id = (file index << 40) | row index in
+the file: stable, unique and independent of how the work is split. A passage column of lists (FlagEmbedding's `pos`)
 gives one pair per text: the first keeps the row's pair_id, the others get extra_positive_id's.
 
-data.limit: Parquet units get their exact row budget from the footers and all run at once. A unit of
+data.limit: Parquet units and byte ranges get their exact row budget (footers, counts) and all run at once. A unit of
 unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
 the most rows it could be allowed; units that turn out to lie past the limit are discarded, and the one
 that crosses it is re-read with its exact budget. Each unit writes a marker (pairs/_units/) after its parts: a
@@ -36,10 +37,11 @@ from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
                                          infer_format, is_encodable, iter_records, list_input_files, mapped_columns,
-                                         negative_columns, refuse_run_dir_in_data)
+                                         negative_columns, refuse_run_dir_in_data, splittable)
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult, changed_keys
+from clusterscale.io.text_ranges import byte_ranges, count_rows
 from clusterscale.runtime.progress import ProgressLine
 from clusterscale.runtime.resources import ClusterResources
 from clusterscale.runtime.stage_context import StageContext
@@ -110,21 +112,37 @@ class IngestUnit:
     unit_index: int = 0  # the unit's place in its file
     row_start: int = 0  # index in the file of the unit's first row
     row_groups: tuple[int, ...] | None = None
-    rows: int | None = None  # known from the Parquet footer; None for other formats
+    rows: int | None = None  # known from the Parquet footer or a byte range's count; None for a whole text file
+    byte_range: tuple[int, int] | None = None  # [start, end) of a JSON lines or TSV file (io/text_ranges)
 
 
-def plan_units(fs: pafs.FileSystem, files: list[str], data: DataConfig) -> list[IngestUnit]:
-    """The work units of every input file, in file order (footers read in threads)."""
+def plan_units(fs: pafs.FileSystem, files: list[str], data: DataConfig, sizes: dict[str, int] | None = None
+               ) -> list[IngestUnit]:
+    """The work units of every input file, in file order (footers read in threads); a byte range's row_start and
+    rows are filled by count_ranges. sizes: the files' sizes as listed (else asked for when they matter)."""
     with ThreadPoolExecutor(FOOTER_READ_THREADS) as pool:
-        per_file = pool.map(lambda item: file_units(fs, item[0], item[1], data), enumerate(files))
+        per_file = pool.map(lambda item: file_units(fs, item[0], item[1], data, (sizes or {}).get(item[1])),
+                            enumerate(files))
         return [unit for units in per_file for unit in units]
 
 
-def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig) -> list[IngestUnit]:
-    """A Parquet file as runs of whole row groups of >= data.rows_per_part rows (the last may be smaller);
-    any other file, or one whose footer cannot be read (its task reports that), as one unit."""
-    if infer_format(path, data.format) != "parquet":
-        return [IngestUnit(file_index, path)]
+def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig, size: int | None = None
+               ) -> list[IngestUnit]:
+    """A Parquet file as runs of whole row groups of >= data.rows_per_part rows (the last may be smaller); an
+    uncompressed JSON lines or TSV file bigger than data.range_bytes as byte ranges of about that size (their rows
+    not yet counted); any other file, or one whose footer cannot be read (its task reports that), as one unit."""
+    fmt = infer_format(path, data.format)
+    if fmt != "parquet":
+        if fmt not in ("jsonl", "tsv") or not data.range_bytes:
+            return [IngestUnit(file_index, path)]
+        try:
+            size = fs.get_file_info(path).size if size is None else size
+            if size <= data.range_bytes or not splittable(fs, path, fmt):
+                return [IngestUnit(file_index, path)]
+        except UNREADABLE:  # its task reports it
+            return [IngestUnit(file_index, path)]
+        return [IngestUnit(file_index, path, i, byte_range=r)
+                for i, r in enumerate(byte_ranges(size, data.range_bytes))]
     try:
         with fs.open_input_file(path) as f:
             meta = pq.ParquetFile(f).metadata
@@ -138,6 +156,33 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
             units.append(IngestUnit(file_index, path, len(units), start, tuple(groups), rows))
             start, groups, rows = start + rows, [], 0
     return units or [IngestUnit(file_index, path, row_groups=(), rows=0)]
+
+
+def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig) -> list[IngestUnit]:
+    """The units with each byte range's rows counted (one Ray task per range) and its row_start the rows of the
+    file's ranges before it, so that rows keep their number in the file."""
+    ranged = [u for u in units if u.byte_range is not None]
+    if not ranged:
+        return units
+    files = {u.file_index for u in ranged}
+    print(f"[ingest] counting the rows of {len(files)} big JSON lines/TSV file(s) in {len(ranged)} byte ranges "
+          f"(data.range_bytes={data.range_bytes:,})", flush=True)
+    task = ray.remote(num_cpus=1, max_retries=2)(count_rows)
+    refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
+            for u in ranged]
+    progress = ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        progress.advance(len(done))
+    counts, starts, out = dict(zip((id(u) for u in ranged), ray.get(refs))), {}, []
+    for unit in units:
+        if unit.byte_range is not None:
+            start = starts.get(unit.file_index, 0)
+            unit = replace(unit, row_start=start, rows=counts[id(unit)])
+            starts[unit.file_index] = start + unit.rows
+        out.append(unit)
+    return out
 
 
 def schemas(data: DataConfig) -> tuple[pa.Schema, pa.Schema]:
@@ -226,7 +271,7 @@ def _route_unit(fs: pafs.FileSystem, unit: IngestUnit, fmt: str, data: DataConfi
     columns = [data.query_column, data.passage_column] + ([data.source_column] if data.source_column else [])
     counts = {"rows_in": 0, "pairs": 0, "heldout": 0, "quarantine": 0, "reasons": {}}
     row_index = 0  # in the unit
-    for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups):
+    for records in iter_records(fs, unit.path, fmt, columns, data, unit.row_groups, unit.byte_range):
         if row_budget is not None:
             records = records[:max(0, row_budget - row_index)]
         if not records:
@@ -425,10 +470,11 @@ def run_ingest(ctx: StageContext) -> StageResult:
     for f in files:
         infer_format(f, data.format)  # fail before any work on an unknown suffix
     started = time.time()
-    units = plan_units(fs, files, data)
+    units = plan_units(fs, files, data, {path: stamp[0] for path, stamp in listing.walk.stamps.items() if stamp})
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
     _print_skipped(listing.walk)
-    _print_whole_files(listing.walk, data)
+    _print_whole_files(listing.walk, data, units)
+    units = count_ranges(fs, units, data)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
     results = run_units(run, fs, units, data, finished)
     stats = _total(results)
@@ -525,16 +571,19 @@ def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
     refuse_changed_input_files(ctx.run, out, effective_data_config(ctx.cfg))
 
 
-def _print_whole_files(walk, data: DataConfig) -> None:
-    """Name the big input files one task reads whole (every format but Parquet is one work unit: a JSON lines, CSV,
-    TSV, JSON or Arrow file is not split), which then bound the stage's time whatever the cluster."""
-    big = [(path, size) for path in walk.files if infer_format(path, data.format) != "parquet"
+def _print_whole_files(walk, data: DataConfig, units: list[IngestUnit]) -> None:
+    """Name the big input files one task reads whole (a CSV, compressed, JSON array or Arrow file is one work unit;
+    Parquet files are split by row groups, uncompressed JSON lines and TSV by byte ranges), which then bound the
+    stage's time whatever the cluster."""
+    split = {u.path for u in units if u.byte_range is not None}
+    big = [(path, size) for path in walk.files if path not in split and infer_format(path, data.format) != "parquet"
            and (size := (walk.stamps.get(path) or (None, None))[0] or 0) >= WHOLE_FILE_WARN_BYTES]
     if big:
         shown = ", ".join(f"{redact_uri(path)} ({size / 2**30:.1f} GiB)" for path, size in big[:5])
-        print(f"[ingest] {len(big)} big file(s) each read whole by one task (only Parquet files are split, by row "
-              f"groups): {shown}{' ...' if len(big) > 5 else ''}. Split them into files of ~256 MB (or write "
-              f"Parquet) for a parallel ingest.", flush=True)
+        print(f"[ingest] {len(big)} big file(s) each read whole by one task (CSV, compressed and JSON array files "
+              f"are not split; Parquet is split by row groups, uncompressed JSON lines and TSV by byte ranges): "
+              f"{shown}{' ...' if len(big) > 5 else ''}. Split them into files of ~256 MB (or write Parquet or "
+              f"uncompressed JSON lines) for a parallel ingest.", flush=True)
 
 
 def _print_skipped(walk) -> None:
@@ -561,6 +610,10 @@ def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict
         before = run.read_json(PLAN)
         if before.get("inputs") != digest:
             print("[ingest] the input files changed since the interrupted attempt: it is started over", flush=True)
+            run.remove(PLAN)
+        elif before.get("units", len(units)) != len(units):  # an older version cut the files otherwise
+            print("[ingest] the interrupted attempt cut the input into other work units: it is started over",
+                  flush=True)
             run.remove(PLAN)
         elif before.get("fingerprint") != ctx.fingerprint:
             print(f"[ingest] the interrupted attempt was made with another config (changed: "

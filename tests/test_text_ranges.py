@@ -1,0 +1,129 @@
+"""Byte ranges of big JSON lines and TSV files (io/text_ranges): each line read once, rows numbered as in the whole
+file, and ingest's output the same as one task reading the file whole."""
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow.fs as pafs
+import pytest
+
+from clusterscale import config
+from clusterscale.io.rundir import RunDir
+from clusterscale.io.text_ranges import byte_ranges, count_rows, open_range
+from clusterscale.pipeline import run_stage
+from tests.test_ingest import _kinds_by_id, _table
+
+def _lines(stream) -> bytes:
+    with stream:
+        return stream.read()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(6))
+def test_ranges_hold_each_line_once_and_count_its_rows(tmp_path, seed):
+    rng = random.Random(seed)
+    pieces = [b"", b"\n", b"\r\n", b"\r", b"x", b"\xc3\xa9", b"\t", b"long " * 40]
+    data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 300)))
+    path = tmp_path / "f.txt"
+    path.write_bytes(data)
+    fs = pafs.LocalFileSystem()
+    for n in (1, 2, 3, 7, 50):
+        ranges = byte_ranges(len(data), max(1, len(data) // n)) if data else [(0, 0)]
+        parts = [_lines(open_range(fs, str(path), r)) for r in ranges]
+        assert b"".join(parts) == data, (n, ranges)
+        offset = 0
+        for (start, end), part in zip(ranges, parts):  # a part is the lines whose first byte is in its range
+            assert not part or (start <= offset < end and (offset == 0 or data[offset - 1:offset] == b"\n"))
+            offset += len(part)
+        whole_lines = data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
+        assert sum(count_rows(fs, str(path), r, "jsonl", False) for r in ranges) == whole_lines
+        # TSV: the records pyarrow's reader makes (non-empty lines, split at \n, \r\n or \r)
+        records = sum(1 for line in data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n") if line)
+        assert sum(count_rows(fs, str(path), r, "tsv", False) for r in ranges) == records
+
+
+@pytest.mark.unit
+def test_byte_ranges():
+    assert byte_ranges(10, 0) == [(0, 10)] and byte_ranges(10, 10) == [(0, 10)]
+    assert byte_ranges(10, 4) == [(0, 3), (3, 6), (6, 10)]
+
+
+def _ingest(tmp_path, name, path, *extra):
+    cfg = config.load(None, [f"data.path={path}", "data.query_column=q", "data.passage_column=p",
+                             "data.heldout_fraction=0.2", *extra])
+    run = RunDir(str(tmp_path / name))
+    return run, run_stage("ingest", cfg, run).stats
+
+
+def _quarantined(run):
+    return sorted((r["pair_id"], r["reason"], r["input_row"], r["query"])
+                  for r in _table(run, "quarantine").to_pylist())
+
+
+def test_a_jsonl_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, ray_local, capsys):
+    rng = random.Random(0)
+    lines = []
+    for i in range(400):
+        roll = rng.random()
+        if roll < 0.03:
+            lines.append("")  # a blank line is a (quarantined) row
+        elif roll < 0.06:
+            lines.append("{not json")
+        else:
+            q = f"query {i} " + "é" * rng.randint(0, 30) + "\r" * (i % 50 == 0)  # multi-byte text, a raw CR
+            lines.append(json.dumps({"q": q, "p": f"passage {i} " + "long " * rng.randint(0, 60)},
+                                    ensure_ascii=False))
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())  # a byte-order mark, CRLF, no final newline
+    whole, whole_stats = _ingest(tmp_path, "whole", path)
+    size = path.stat().st_size
+    capsys.readouterr()
+    split, stats = _ingest(tmp_path, "split", path, f"data.range_bytes={size // 13}")
+    said = capsys.readouterr().out
+    assert "1 input file(s)" in said and "13 work unit(s)" in said and "in 13 byte ranges" in said, said
+    assert {k: stats[k] for k in ("rows_in", "pairs", "heldout", "quarantine", "reasons")} == \
+        {k: whole_stats[k] for k in ("rows_in", "pairs", "heldout", "quarantine", "reasons")}
+    assert stats["rows_in"] == 400 and stats["reasons"]["blank_line"] > 0
+    assert _kinds_by_id(split) == _kinds_by_id(whole) and _quarantined(split) == _quarantined(whole)
+    for kind in ("pairs", "heldout"):
+        assert sorted(_table(split, kind).to_pylist(), key=lambda r: r["pair_id"]) == \
+            sorted(_table(whole, kind).to_pylist(), key=lambda r: r["pair_id"])
+    # Killed after its parts and before the markers of two ranges: a rerun reads those two ranges only, same rows.
+    import os
+
+    from clusterscale.stages.ingest import UNITS_DIR
+    for kind in ("pairs", "heldout", "quarantine"):
+        os.remove(split.path(f"{kind}/_DONE.json"))
+    for name in sorted(split.listdir(UNITS_DIR))[5:7]:
+        os.remove(split.path(f"{UNITS_DIR}/{name}"))
+    capsys.readouterr()
+    _, again = _ingest(tmp_path, "split", path, f"data.range_bytes={size // 13}")
+    assert "resuming: 11 of 13 work units" in capsys.readouterr().out
+    assert again["rows_in"] == 400 and _kinds_by_id(split) == _kinds_by_id(whole)
+    # data.limit over ranges of known rows: the first rows, as from the whole file
+    limited, stats = _ingest(tmp_path, "limited", path, f"data.range_bytes={size // 13}", "data.limit=150")
+    whole_limited, _ = _ingest(tmp_path, "whole_limited", path, "data.limit=150")
+    assert stats["rows_in"] == 150 and _kinds_by_id(limited) == _kinds_by_id(whole_limited)
+
+
+def test_a_tsv_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, ray_local):
+    rows = ["q\tp"]
+    for i in range(300):
+        rows.append(f"query {i}\tpassage {i} {'x' * (i % 37)}" if i % 23 else f"ragged {i}")  # wrong cell count
+        if i % 41 == 0:
+            rows.append("")  # blank lines are not rows
+    path = tmp_path / "big.tsv"
+    path.write_text("\r\n".join(rows) + "\r\n")
+    size = path.stat().st_size
+    whole, whole_stats = _ingest(tmp_path, "whole", path)
+    split, stats = _ingest(tmp_path, "split", path, f"data.range_bytes={size // 9}")
+    assert stats["rows_in"] == whole_stats["rows_in"] == 300 and stats["quarantine"] == whole_stats["quarantine"] > 0
+    assert _kinds_by_id(split) == _kinds_by_id(whole) and _quarantined(split) == _quarantined(whole)
+    # a file without a header line, its columns named
+    path.write_text("\n".join(rows[1:]) + "\n")
+    named = ["data.column_names=[q,p]"]
+    whole, whole_stats = _ingest(tmp_path, "whole_named", path, *named)
+    split, stats = _ingest(tmp_path, "split_named", path, *named, f"data.range_bytes={size // 9}")
+    assert stats["rows_in"] == whole_stats["rows_in"] == 300
+    assert _kinds_by_id(split) == _kinds_by_id(whole) and _quarantined(split) == _quarantined(whole)
