@@ -374,8 +374,35 @@ def test_ingest_names_big_files_one_task_reads_whole(capsys):
              IngestUnit(5, "/d/cut.tsv", 0, byte_range=(0, 2 * 2**30))]
     _print_whole_files(walk, config.load(None, []).data, units)
     said = capsys.readouterr().out
-    assert said.startswith("[ingest] 2 big file(s) each read whole by one task (CSV, compressed and JSON array files "
-                           "are not split; Parquet is split by row groups, uncompressed JSON lines and TSV by byte "
-                           "ranges): /d/huge.csv.gz (1.0 GiB), /d/array.json (2.0 GiB). Split them"), said
+    assert said.startswith("[ingest] 2 big file(s) each read whole by one task (CSV, compressed, JSON array and "
+                           "Arrow files are; Parquet is split by row groups, uncompressed JSON lines and TSV by byte "
+                           "ranges of data.range_bytes): /d/huge.csv.gz (1.0 GiB), /d/array.json (2.0 GiB). Split "
+                           "them"), said
     _print_whole_files(InputWalk(files=["/d/small.tsv"], stamps={}), config.load(None, []).data, [])
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.unit
+def test_negative_columns_no_key_names_are_noted_by_ingest_and_plan(tmp_path):
+    from clusterscale.io.input_files import unused_negatives
+    from clusterscale.plan.build import input_warnings
+
+    data = config.load(None, ["data.passage_column=positive", "data.query_column=anchor"]).data
+    assert unused_negatives(["anchor", "positive", "negative"], data).startswith(
+        "the input has a column 'negative' that looks like labeled hard negatives")
+    numbered = unused_negatives(["anchor", "positive"] + [f"negative_{i}" for i in range(1, 4)], data)
+    assert "columns 'negative_*' that look like" in numbered and "--set data.negative_column='negative_*'" in numbered
+    assert unused_negatives(["anchor", "positive", "score"], data) is None
+    mapped = config.load(None, ["data.passage_column=positive", "data.query_column=anchor",
+                                "data.negative_column=negative"]).data
+    assert unused_negatives(["anchor", "positive", "negative"], mapped) is None
+    assert unused_negatives(["anchor", "negative"], config.load(None, ["data.passage_column=negative",
+                                                                       "data.query_column=anchor"]).data) is None
+    path = tmp_path / "triplets.parquet"
+    pq.write_table(pa.table({"anchor": ["a"], "positive": ["p"], "hard_negatives": [["n"]]}), path)
+    cfg = config.load(None, [f"data.path={path}", "data.passage_column=positive", "data.query_column=anchor"])
+    assert input_warnings(cfg)[0].startswith("the input has a column 'hard_negatives' that looks like")
+    tsv = tmp_path / "triples.tsv"
+    tsv.write_text("q\tp\tneg\nquery\tpassage\tnegative\n")
+    cfg = config.load(None, [f"data.path={tsv}", "data.passage_column=p", "data.query_column=q"])
+    assert "'neg'" in input_warnings(cfg)[0]

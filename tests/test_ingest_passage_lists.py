@@ -143,3 +143,11 @@ def test_the_cli_ingests_flagembedding_jsonl_and_says_how_many_pairs_the_lists_a
     assert stats["pairs"] + stats["heldout"] == 80 and stats["quarantine"] == 0
     assert stats["labeled_negatives"] == stats["pairs"]  # every pair carries its record's negative
     assert "rows in 40 (+40 pairs from the records' further passages): pairs" in out
+    assert "note:" not in out
+    # The same file with its negatives left unmapped: ingest says they are not read, and what to set.
+    code = cli.main(["ingest", "--run-dir", str(tmp_path / "unmapped"), "--set", f"data.path={path}",
+                     "data.query_column=query", "data.passage_column=pos", "data.heldout_fraction=0.2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "[ingest] note: the input has a column 'neg' that looks like labeled hard negatives, but " \
+        "data.negative_column is unset: they are not read, and training draws none. To train with them: --set " \
+        "data.negative_column=neg train.labeled_negatives_per_query=1 (or more)." in out, out

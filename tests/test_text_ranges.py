@@ -44,6 +44,48 @@ def test_ranges_hold_each_line_once_and_count_its_rows(tmp_path, seed):
 
 
 @pytest.mark.unit
+def test_a_range_with_no_newline_reads_nothing_past_its_end(tmp_path):
+    """A file of "\\r"-ended rows (no "\\n"): the first range holds it all, the others read only their own bytes."""
+    path = tmp_path / "cr.tsv"
+    path.write_bytes(b"q\tp\r" + b"".join(b"query %d\tpassage %d\r" % (i, i) for i in range(2000)))
+    fs, size = pafs.LocalFileSystem(), path.stat().st_size
+    read = []
+
+    class Counting:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def read_at(self, n, pos):
+            read.append(n)
+            return self.raw.read_at(n, pos)
+
+        def close(self):
+            self.raw.close()
+
+    from clusterscale.io.text_ranges import LineRange
+    ranges = byte_ranges(size, size // 8)
+    for r in ranges[1:]:
+        with LineRange(Counting(fs.open_input_file(str(path))), *r, size) as stream:
+            assert stream.read() == b""
+    assert sum(read) <= size  # each range probed its own bytes only
+    assert [count_rows(fs, str(path), r, "tsv", True) for r in ranges] == [2000] + [0] * 7
+
+
+@pytest.mark.unit
+def test_what_is_not_split(tmp_path):
+    from clusterscale.io.input_files import splittable
+
+    fs = pafs.LocalFileSystem()
+    for name, fmt in (("a.jsonl.gz", "jsonl"), ("a.jsonl.lz4", "jsonl"), ("a.csv", "csv"), ("a.tsv.zst", "tsv")):
+        (tmp_path / name).write_bytes(b"x")
+        assert not splittable(fs, str(tmp_path / name), fmt), name
+    (tmp_path / "array.json").write_text('[{"q": "a", "p": "b"},\n{"q": "c", "p": "d"}]\n')
+    (tmp_path / "lines.json").write_text('{"q": "a", "p": "b"}\n{"q": "c", "p": "d"}\n')
+    assert not splittable(fs, str(tmp_path / "array.json"), "jsonl")
+    assert splittable(fs, str(tmp_path / "lines.json"), "jsonl") and splittable(fs, str(tmp_path / "lines.json"), "tsv")
+
+
+@pytest.mark.unit
 def test_byte_ranges():
     assert byte_ranges(10, 0) == [(0, 10)] and byte_ranges(10, 10) == [(0, 10)]
     assert byte_ranges(10, 4) == [(0, 3), (3, 6), (6, 10)]
@@ -101,8 +143,10 @@ def test_a_jsonl_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, 
     _, again = _ingest(tmp_path, "split", path, f"data.range_bytes={size // 13}")
     assert "resuming: 11 of 13 work units" in capsys.readouterr().out
     assert again["rows_in"] == 400 and _kinds_by_id(split) == _kinds_by_id(whole)
-    # data.limit over ranges of known rows: the first rows, as from the whole file
+    # data.limit: the file is read whole from its start (counting every range would read all of it)
+    capsys.readouterr()
     limited, stats = _ingest(tmp_path, "limited", path, f"data.range_bytes={size // 13}", "data.limit=150")
+    assert "1 work unit(s)" in capsys.readouterr().out
     whole_limited, _ = _ingest(tmp_path, "whole_limited", path, "data.limit=150")
     assert stats["rows_in"] == 150 and _kinds_by_id(limited) == _kinds_by_id(whole_limited)
 
@@ -120,10 +164,26 @@ def test_a_tsv_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, ra
     split, stats = _ingest(tmp_path, "split", path, f"data.range_bytes={size // 9}")
     assert stats["rows_in"] == whole_stats["rows_in"] == 300 and stats["quarantine"] == whole_stats["quarantine"] > 0
     assert _kinds_by_id(split) == _kinds_by_id(whole) and _quarantined(split) == _quarantined(whole)
-    # a file without a header line, its columns named
-    path.write_text("\n".join(rows[1:]) + "\n")
+    # a file without a header line, its columns named; a byte-order mark on a blank first line (no row)
+    path.write_bytes(b"\xef\xbb\xbf\n" + ("\n".join(rows[1:]) + "\n").encode())
     named = ["data.column_names=[q,p]"]
     whole, whole_stats = _ingest(tmp_path, "whole_named", path, *named)
     split, stats = _ingest(tmp_path, "split_named", path, *named, f"data.range_bytes={size // 9}")
     assert stats["rows_in"] == whole_stats["rows_in"] == 300
     assert _kinds_by_id(split) == _kinds_by_id(whole) and _quarantined(split) == _quarantined(whole)
+
+
+def test_the_jsonl_column_check_is_the_whole_files(tmp_path, ray_local):
+    """The mapping is checked on the file's first batch of objects, however the file is cut: the first range's
+    objects lacking a key that later objects of that batch hold is those rows' fault, not a wrong mapping."""
+    lines = [json.dumps({"q": f"query {i}", "passage": f"p {i}"}) for i in range(20)]
+    lines += [json.dumps({"q": f"query {i}", "p": f"passage {i} " + "x" * 50}) for i in range(20, 200)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    whole, whole_stats = _ingest(tmp_path, "whole", path)
+    split, stats = _ingest(tmp_path, "split", path, f"data.range_bytes={path.stat().st_size // 10}")
+    assert stats["quarantine"] == whole_stats["quarantine"] == 20 and _kinds_by_id(split) == _kinds_by_id(whole)
+    # a mapping no object has: the same error, from the first range's task
+    from clusterscale.stages.ingest import IngestError
+    with pytest.raises(IngestError, match="data.passage_column='body' not found"):
+        _ingest(tmp_path, "wrong", path, f"data.range_bytes={path.stat().st_size // 10}", "data.passage_column=body")

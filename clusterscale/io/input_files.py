@@ -38,7 +38,8 @@ BATCH_ROWS = 16_384
 CSV_BLOCK_BYTES = 1 << 20  # pyarrow's default; a row must fit in one block
 TEXT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 DELIMITERS = {"csv": ",", "tsv": "\t"}  # the separated formats, read alike but for quoting (a header line)
-COMPRESSIONS = (".gz", ".bz2", ".zst")  # what the text readers' compression="detect" decompresses by suffix
+COMPRESSIONS = (".gz", ".bz2", ".zst")  # the compressed suffixes format inference knows
+DETECTED_COMPRESSIONS = (*COMPRESSIONS, ".lz4")  # what the text readers' compression="detect" decompresses
 SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", **TEXT_SUFFIXES,
                   **{suffix + packed: fmt for suffix, fmt in TEXT_SUFFIXES.items() for packed in COMPRESSIONS}}
 # Files a data folder holds beside its data by convention (a dataset repository's card, license, configs, loading
@@ -241,7 +242,7 @@ def _read_hf_json(fs: pafs.FileSystem, path: str) -> dict:
 def splittable(fs: pafs.FileSystem, path: str, fmt: str) -> bool:
     """Whether ingest may read `path` in byte ranges (io/text_ranges): JSON lines or TSV, not compressed, not a
     JSON array."""
-    if fmt not in ("jsonl", "tsv") or path.lower().endswith(COMPRESSIONS):
+    if fmt not in ("jsonl", "tsv") or path.lower().endswith(DETECTED_COMPRESSIONS):
         return False
     return fmt == "tsv" or not is_json_array(fs, path)
 
@@ -288,6 +289,54 @@ def columns_problem(fs: pafs.FileSystem, path: str, data: DataConfig) -> str | N
     return None
 
 
+def input_column_names(fs: pafs.FileSystem, path: str, data: DataConfig) -> list[str]:
+    """The column names of an input file: a Parquet or Arrow schema's, a CSV/TSV header's (or data.column_names), the
+    keys of a JSON file's objects in its first batch of rows; [] when it cannot be read so (ingest says why)."""
+    fmt = infer_format(path, data.format)
+    try:
+        if fmt == "parquet":
+            with fs.open_input_file(path) as f:
+                return pq.ParquetFile(f).schema_arrow.names
+        if fmt == "arrow":
+            try:
+                return pa.ipc.open_stream(fs.open_input_stream(path)).schema.names
+            except pa.ArrowInvalid:
+                return pa.ipc.open_file(fs.open_input_file(path)).schema.names
+        if fmt in DELIMITERS:
+            return list(data.column_names) or _header(fs, path, fmt) or []
+        rows = next(iter_records(fs, path, fmt, [data.query_column, data.passage_column], data), [])
+        return list(dict.fromkeys(key for row in rows if "__reason__" not in row for key in row))
+    except (IngestError, *UNREADABLE):
+        return []
+
+
+def unused_negatives(names: list[str], data: DataConfig) -> str | None:
+    """A note when data.negative_column is unset and the file has columns named as labeled hard negatives (BGE's
+    `neg`, sentence-transformers' `negative`/`negative_1..`, DPR's `hard_negative_ctxs`): ingest reads no negatives
+    then, and training draws none. None otherwise."""
+    if data.negative_column:
+        return None
+    present = [name for name in names if name]
+    taken = set(mapped_columns(data)) & set(present)
+    lowered = {name.lower(): name for name in reversed(present)}
+    found = _negatives_hint(present, taken) or next(
+        (lowered[n] for n in NEGATIVE_NAMES if n in lowered and lowered[n] not in taken), None)
+    if found is None:
+        return None
+    return (f"the input has {'columns' if ',' in found or '*' in found else 'a column'} {found!r} that look"
+            f"{'' if ',' in found or '*' in found else 's'} like labeled hard negatives, but data.negative_column "
+            f"is unset: they are not read, and training draws none. To train with them: --set "
+            f"data.negative_column={shell_word(found)} train.labeled_negatives_per_query=1 (or more).")
+
+
+def _header(fs: pafs.FileSystem, path: str, fmt: str) -> list[str] | None:
+    """A CSV/TSV file's first line as cells (None for an empty file); a TSV's cells are never quoted."""
+    with fs.open_input_stream(path, compression="detect") as stream:
+        return next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"),
+                               delimiter=DELIMITERS[fmt],
+                               quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL), None)
+
+
 def _arrow_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> Iterator[list[dict]]:
     """Arrow IPC: the stream format (what Hugging Face datasets write) or the file format (Feather v2)."""
     try:
@@ -314,10 +363,7 @@ def _csv_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataC
     fmt = "tsv" if delimiter == "\t" else "csv"
     _refuse_binary(fs, path, fmt)
     named = list(data.column_names)  # a file without a header line: its columns by data.column_names
-    with fs.open_input_stream(path, compression="detect") as stream:
-        header = named or next(csv.reader(io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace"),
-                                          delimiter=delimiter,
-                                          quoting=csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL), None)
+    header = named or _header(fs, path, fmt)
     if header is None:
         raise pa.ArrowInvalid(f"empty {fmt.upper()} file: no header line")
     separator = next((found for char, found in OTHER_SEPARATORS.items()
@@ -447,12 +493,24 @@ def _jsonl_records(fs: pafs.FileSystem, path: str, columns: list[str], data: Dat
     Of a byte range: its lines; the column mapping is checked in the file's first range only, as on a whole file
     (on its first batch of rows)."""
     first = byte_range is None or byte_range[0] == 0
+    if byte_range is not None and first:  # the mapping checked as on the whole file (its first batch of objects)
+        _check_jsonl_mapping(fs, path, columns, data)
     stream = fs.open_input_stream(path, compression="detect") if byte_range is None else \
         open_range(fs, path, byte_range)
     # surrogateescape keeps undecodable bytes recoverable, so such a line is quarantined with its bytes.
     text = io.TextIOWrapper(stream, encoding="utf-8-sig" if first else "utf-8", errors="surrogateescape",
                             newline="\n")
-    return _checked_batches(jsonl_records(text, columns), path, data, check=first)
+    return _checked_batches(jsonl_records(text, columns), path, data, check=byte_range is None)
+
+
+def _check_jsonl_mapping(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig) -> None:
+    """The whole file's column check (_checked_batches) without its rows: read from the start until the first batch
+    that holds an object has been checked (BATCH_ROWS lines, or more when the first hold no object)."""
+    with fs.open_input_stream(path) as stream:
+        text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="\n")
+        for batch in _checked_batches(jsonl_records(text, columns), path, data):
+            if any("__reason__" not in row for row in batch):
+                return
 
 
 def _json_array_records(fs: pafs.FileSystem, path: str, columns: list[str], data: DataConfig

@@ -1,11 +1,13 @@
 """Byte ranges of a big JSON lines or TSV file, each read by its own ingest task (Hadoop's text splits).
 
-A range [start, end) holds the lines whose first byte lies in it: a line that crosses `end` belongs to this range,
-and the next range skips it. Lines end at "\\n" (as the JSON lines reader splits them; TSV files end theirs with
-"\\n" or "\\r\\n"), so concatenating the ranges of a file gives the file. Rows keep their number in the whole file
-(pair_id = file << 40 | row): a first pass counts each range's rows in tasks (newlines, at memory speed), and a
-range's first row is the sum of the counts before it. Only files ingest reads line by line are cut: uncompressed
-JSON lines and TSV. CSV (a quoted cell may hold line breaks), compressed files and JSON arrays are read whole.
+A range [start, end) holds the lines whose first byte lies in it, a line being what ends at "\\n" (as the JSON lines
+reader splits them): a line that crosses `end` belongs to this range, and the next range skips it, so concatenating
+the ranges of a file gives the file. A TSV row may also end at a lone "\\r" (pyarrow's CSV reader splits there too):
+such rows stay inside the "\\n"-line that holds them, so a file of "\\r"-ended rows is in effect one range. Rows keep
+their number in the whole file (pair_id = file << 40 | row): a first pass counts each range's rows in tasks
+(newlines, at memory speed), and a range's first row is the sum of the counts before it. Only files ingest reads line
+by line are cut: uncompressed JSON lines and TSV. CSV (a quoted cell may hold line breaks), compressed files and
+JSON arrays are read whole.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pyarrow as pa
 CHUNK_BYTES = 1 << 23  # read per request (an object store's latency is paid per request); memory per task
 PROBE_BYTES = 1 << 16  # read first when looking for a range's first line start (doubled while no newline)
 _TERMINATORS = np.frombuffer(b"\n\r", np.uint8)
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def byte_ranges(size: int, range_bytes: int) -> list[tuple[int, int]]:
@@ -35,22 +38,28 @@ class LineRange(io.RawIOBase):
     def __init__(self, raw: pa.NativeFile, start: int, end: int, size: int):
         super().__init__()
         self.raw, self.end, self.size = raw, end, size
-        self.pos = start if start == 0 else self._after_newline(start - 1)
+        self.probe = PROBE_BYTES  # the next read past `end` (the crossing line's tail is often short)
+        self.pos = start if start == 0 else self._after_newline(start - 1, end)
         self.finished = self.pos >= end  # a line crossing the whole range belongs to an earlier one
 
-    def _after_newline(self, pos: int) -> int:
-        """The position after the first "\\n" at or after `pos` (the file's size when there is none)."""
+    def _after_newline(self, pos: int, limit: int) -> int:
+        """The position after the first "\\n" in [pos, limit) (`limit` when there is none: no line starts there)."""
         probe = PROBE_BYTES
-        while pos < self.size:
-            chunk = self.raw.read_at(min(probe, self.size - pos), pos)
+        while pos < limit:
+            chunk = self.raw.read_at(min(probe, limit - pos), pos)
             found = chunk.find(b"\n")
             if found >= 0:
                 return pos + found + 1
             pos, probe = pos + len(chunk), min(2 * probe, CHUNK_BYTES)
-        return self.size
+        return limit
 
     def readable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
 
     def readinto(self, buffer) -> int:
         if self.finished or self.pos >= self.size:
@@ -58,8 +67,9 @@ class LineRange(io.RawIOBase):
         want = len(buffer)
         if self.pos < self.end:  # inside the range: up to its end
             data = self.raw.read_at(min(want, self.end - self.pos), self.pos)
-        else:  # past it: the crossing line, to its newline
-            data = self.raw.read_at(min(want, CHUNK_BYTES, self.size - self.pos), self.pos)
+        else:  # past it: the crossing line, to its newline, in reads that grow from PROBE_BYTES
+            data = self.raw.read_at(min(want, self.probe, self.size - self.pos), self.pos)
+            self.probe = min(2 * self.probe, CHUNK_BYTES)
             found = data.find(b"\n")
             if found >= 0:
                 data, self.finished = data[:found + 1], True
@@ -83,7 +93,12 @@ def count_rows(fs, path: str, byte_range: tuple[int, int], fmt: str, header: boo
     them (it skips empty lines), less the header line in the file's first range when `header`."""
     rows, last, previous = 0, b"\n", True  # previous: the byte before is a terminator (a range starts a line)
     with open_range(fs, path, byte_range) as stream:
+        first = byte_range[0] == 0
         while chunk := stream.read(CHUNK_BYTES):
+            if first and fmt == "tsv":  # pyarrow drops a byte-order mark: "BOM\n" is an empty line, no row
+                chunk, first = chunk.removeprefix(UTF8_BOM), False
+                if not chunk:
+                    continue
             if fmt == "jsonl":
                 rows += chunk.count(b"\n")
             else:

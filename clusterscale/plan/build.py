@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
 from clusterscale.errors import bounded_repr
-from clusterscale.io.input_files import COMPRESSIONS, columns_problem, infer_format, is_json_array, list_input_files
+from clusterscale.io.input_files import (DETECTED_COMPRESSIONS, columns_problem, infer_format, input_column_names,
+                                         is_json_array, list_input_files, unused_negatives)
 from clusterscale.io.text_ranges import byte_ranges
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
@@ -103,8 +104,9 @@ def count_input(cfg: Config) -> tuple[int, str, int]:
                                                                             bool(cfg.data.column_names))
         total += rows
         # ingest reads an uncompressed JSON lines or TSV file in byte ranges of ~data.range_bytes (file_units)
-        ranges = 1 if fmt not in ("jsonl", "tsv") or key is not None or path.lower().endswith(COMPRESSIONS) else \
-            len(byte_ranges(fs.get_file_info(path).size, cfg.data.range_bytes))
+        ranges = 1 if fmt not in ("jsonl", "tsv") or key is not None or cfg.data.limit is not None \
+            or path.lower().endswith(DETECTED_COMPRESSIONS) or not cfg.data.range_bytes \
+            else len(byte_ranges(fs.get_file_info(path).size, cfg.data.range_bytes))
         largest = max(largest, rows / ranges)
         exact = exact and whole
     if cfg.data.limit:
@@ -114,9 +116,13 @@ def count_input(cfg: Config) -> tuple[int, str, int]:
 
 
 def input_warnings(cfg: Config) -> list[str]:
-    """What ingest would do about the first input file (input_files.columns_problem: its columns, whether it reads)."""
+    """What ingest would do about the first input file (input_files.columns_problem: its columns, whether it reads),
+    or what it would leave unread (input_files.unused_negatives: columns of labeled negatives no key names)."""
     fs, files = list_input_files(cfg.data)
-    problem = columns_problem(fs, files[0], cfg.data) if files else None
+    if not files:
+        return []
+    problem = columns_problem(fs, files[0], cfg.data) or unused_negatives(input_column_names(fs, files[0], cfg.data),
+                                                                          cfg.data)
     return [problem] if problem else []
 
 

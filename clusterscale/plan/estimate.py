@@ -469,9 +469,9 @@ class Planner:
         parallel = self.cpu_time("ingest", stage_work("ingest", cfg, self.shape), self.cluster.cpus)[0]
         if self.ingest_unit_s() > 2 * parallel and self.shape.ingest_unit_rows > 2 * cfg.data.rows_per_part:
             out.append(f"ingest: {self.unit_note()} ({self.ingest_unit_s():,.0f} s, against {parallel:,.0f} s over "
-                       f"the cluster's CPUs): split big CSV, compressed or JSON array files (or write Parquet "
-                       f"with row groups of ~data.rows_per_part rows, or uncompressed JSON lines) for a parallel "
-                       f"ingest")
+                       f"the cluster's CPUs): split big CSV, compressed or JSON array files, lower "
+                       f"data.range_bytes for uncompressed JSON lines and TSV, or write Parquet with row groups of "
+                       f"~data.rows_per_part rows, for a parallel ingest")
         per_task = self.cluster.node_memory_bytes / MB / max(1, self.cluster.cpus_per_node)
         for s in stages.values():
             if s.runs_on == "cpu" and s.stage != "train" and s.peak_task_mb > per_task:

@@ -9,7 +9,8 @@ skipped whole and listed in quarantine/bad_files.json (data.bad_files). pair_id 
 the file: stable, unique and independent of how the work is split. A passage column of lists (FlagEmbedding's `pos`)
 gives one pair per text: the first keeps the row's pair_id, the others get extra_positive_id's.
 
-data.limit: Parquet units and byte ranges get their exact row budget (footers, counts) and all run at once. A unit of
+data.limit: Parquet units get their exact row budget from the footers and all run at once (files are not cut into
+byte ranges under a limit: counting them would read every row). A unit of
 unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
 the most rows it could be allowed; units that turn out to lie past the limit are discarded, and the one
 that crosses it is re-read with its exact budget. Each unit writes a marker (pairs/_units/) after its parts: a
@@ -36,8 +37,9 @@ from clusterscale.io.builtin_data import BUILTIN_DOCSTRINGS
 from clusterscale.io.filesystems import filesystem_errors
 from clusterscale.config import Config, DataConfig
 from clusterscale.io.input_files import (ROW_BITS, UNREADABLE, IngestError, NotTextError, escaped, find_input_files,
-                                         infer_format, is_encodable, iter_records, list_input_files, mapped_columns,
-                                         negative_columns, refuse_run_dir_in_data, splittable)
+                                         infer_format, input_column_names, is_encodable, iter_records,
+                                         list_input_files, mapped_columns, negative_columns, refuse_run_dir_in_data,
+                                         splittable, unused_negatives)
 from clusterscale.io.input_identity import listing_digest, listing_table, record_inputs, refuse_changed_input_files
 from clusterscale.redact import redact_uri
 from clusterscale.io.rundir import RunDir, StageResult, changed_keys
@@ -101,11 +103,12 @@ def normalise_text(value) -> tuple[str | None, str | None]:
     return text, None
 
 
-WHOLE_FILE_WARN_BYTES = 2**30  # a non-Parquet input file this big is named: one task reads it whole
+WHOLE_FILE_WARN_BYTES = 2**30  # an input file this big that one task reads whole (not cut into units) is named
 
 @dataclass(frozen=True)
 class IngestUnit:
-    """One task's share of the input: row groups of a Parquet file, or a whole file (row_groups None)."""
+    """One task's share of the input: row groups of a Parquet file, a byte range of a JSON lines or TSV file, or a
+    whole file (row_groups and byte_range None)."""
 
     file_index: int  # the file's place in sorted order: the high bits of its pair_ids
     path: str
@@ -133,7 +136,8 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
     not yet counted); any other file, or one whose footer cannot be read (its task reports that), as one unit."""
     fmt = infer_format(path, data.format)
     if fmt != "parquet":
-        if fmt not in ("jsonl", "tsv") or not data.range_bytes:
+        # Under data.limit a file is read whole, from its start: counting its ranges would read all of it.
+        if fmt not in ("jsonl", "tsv") or not data.range_bytes or data.limit is not None:
             return [IngestUnit(file_index, path)]
         try:
             size = fs.get_file_info(path).size if size is None else size
@@ -160,14 +164,15 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
 
 def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig) -> list[IngestUnit]:
     """The units with each byte range's rows counted (one Ray task per range) and its row_start the rows of the
-    file's ranges before it, so that rows keep their number in the file."""
+    file's ranges before it, so that rows keep their number in the file. A file a range of which cannot be read
+    becomes one whole unit again: its ingest task reports it (data.bad_files)."""
     ranged = [u for u in units if u.byte_range is not None]
     if not ranged:
         return units
     files = {u.file_index for u in ranged}
     print(f"[ingest] counting the rows of {len(files)} big JSON lines/TSV file(s) in {len(ranged)} byte ranges "
           f"(data.range_bytes={data.range_bytes:,})", flush=True)
-    task = ray.remote(num_cpus=1, max_retries=2)(count_rows)
+    task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
     refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
             for u in ranged]
     progress = ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
@@ -176,13 +181,26 @@ def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig)
         done, pending = ray.wait(pending, num_returns=1)
         progress.advance(len(done))
     counts, starts, out = dict(zip((id(u) for u in ranged), ray.get(refs))), {}, []
+    unreadable = {u.file_index for u in ranged if counts[id(u)] is None}
     for unit in units:
+        if unit.file_index in unreadable:
+            if unit.unit_index == 0:
+                out.append(IngestUnit(unit.file_index, unit.path))
+            continue
         if unit.byte_range is not None:
             start = starts.get(unit.file_index, 0)
             unit = replace(unit, row_start=start, rows=counts[id(unit)])
             starts[unit.file_index] = start + unit.rows
         out.append(unit)
     return out
+
+
+def _count_rows(fs: pafs.FileSystem, path: str, byte_range: tuple[int, int], fmt: str, header: bool) -> int | None:
+    """count_rows, or None when the file cannot be read."""
+    try:
+        return count_rows(fs, path, byte_range, fmt, header)
+    except UNREADABLE:
+        return None
 
 
 def schemas(data: DataConfig) -> tuple[pa.Schema, pa.Schema]:
@@ -474,6 +492,8 @@ def run_ingest(ctx: StageContext) -> StageResult:
     print(f"[ingest] {len(files)} input file(s) from {redact_uri(data.path)}, {len(units)} work unit(s)", flush=True)
     _print_skipped(listing.walk)
     _print_whole_files(listing.walk, data, units)
+    if files and (note := unused_negatives(input_column_names(fs, files[0], data), data)):
+        print(f"[ingest] note: {note}", flush=True)
     units = count_ranges(fs, units, data)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
     results = run_units(run, fs, units, data, finished)
@@ -572,18 +592,18 @@ def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
 
 
 def _print_whole_files(walk, data: DataConfig, units: list[IngestUnit]) -> None:
-    """Name the big input files one task reads whole (a CSV, compressed, JSON array or Arrow file is one work unit;
-    Parquet files are split by row groups, uncompressed JSON lines and TSV by byte ranges), which then bound the
-    stage's time whatever the cluster."""
+    """Name the big input files one task reads whole (a CSV, compressed, JSON array or Arrow file is one work unit,
+    and so is any file under data.limit or with data.range_bytes=0; Parquet files are split by row groups,
+    uncompressed JSON lines and TSV by byte ranges), which then bound the stage's time whatever the cluster."""
     split = {u.path for u in units if u.byte_range is not None}
     big = [(path, size) for path in walk.files if path not in split and infer_format(path, data.format) != "parquet"
            and (size := (walk.stamps.get(path) or (None, None))[0] or 0) >= WHOLE_FILE_WARN_BYTES]
     if big:
         shown = ", ".join(f"{redact_uri(path)} ({size / 2**30:.1f} GiB)" for path, size in big[:5])
-        print(f"[ingest] {len(big)} big file(s) each read whole by one task (CSV, compressed and JSON array files "
-              f"are not split; Parquet is split by row groups, uncompressed JSON lines and TSV by byte ranges): "
-              f"{shown}{' ...' if len(big) > 5 else ''}. Split them into files of ~256 MB (or write Parquet or "
-              f"uncompressed JSON lines) for a parallel ingest.", flush=True)
+        print(f"[ingest] {len(big)} big file(s) each read whole by one task (CSV, compressed, JSON array and Arrow "
+              f"files are; Parquet is split by row groups, uncompressed JSON lines and TSV by byte ranges of "
+              f"data.range_bytes): {shown}{' ...' if len(big) > 5 else ''}. Split them into files of ~256 MB, or "
+              f"write Parquet or uncompressed JSON lines, for a parallel ingest.", flush=True)
 
 
 def _print_skipped(walk) -> None:
@@ -611,14 +631,14 @@ def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict
         if before.get("inputs") != digest:
             print("[ingest] the input files changed since the interrupted attempt: it is started over", flush=True)
             run.remove(PLAN)
-        elif before.get("units", len(units)) != len(units):  # an older version cut the files otherwise
-            print("[ingest] the interrupted attempt cut the input into other work units: it is started over",
-                  flush=True)
-            run.remove(PLAN)
         elif before.get("fingerprint") != ctx.fingerprint:
             print(f"[ingest] the interrupted attempt was made with another config (changed: "
                   f"{changed_keys(before.get('covers'), getattr(ctx.fingerprint, 'values', None))}): it is started "
                   f"over", flush=True)
+            run.remove(PLAN)
+        elif before.get("units", len(units)) != len(units):  # an older version cut the files otherwise
+            print("[ingest] the interrupted attempt cut the input into other work units: it is started over",
+                  flush=True)
             run.remove(PLAN)
     fresh = not run.exists(PLAN)
     load_or_make_plan(run, "pairs", PLAN, ctx.fingerprint, "ingest", lambda: {"inputs": digest, "units": len(units)})
