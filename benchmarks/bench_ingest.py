@@ -11,8 +11,10 @@ it (cli.main), timed by the command and by the stage's own wall_s (ingest's _DON
   whole    data.range_bytes=0: one task parses every line.
   ranges   data.range_bytes as given (default: as shipped): a counting pass, then one task per range.
 
-`same_output` compares the pair_ids of pairs/, heldout/ and quarantine/ and the stats of both arms. `ray_read_json`
-is `ray.data.read_json(file).count()`: pyarrow's C++ parser, one read task for the one file, no validation.
+`same_output` compares the pair_ids of pairs/, heldout/ and quarantine/ and the stats of both arms. `one_range`: the
+largest range's count and ingest task timed alone in this process, the stage's critical path on a cluster with a CPU
+per range. `ray_read_json` is `ray.data.read_json(file).count()`: pyarrow's C++ parser, one read task for the one
+file, no validation.
 """
 from __future__ import annotations
 
@@ -63,6 +65,27 @@ def pair_ids(run_dir: str) -> dict:
             for kind in ("pairs", "heldout", "quarantine") if run.files(kind)}
 
 
+def one_range(root: str, path: str, range_bytes: int) -> dict:
+    """The critical path with a CPU per range: one range's count and its ingest task, timed in this process."""
+    from clusterscale import config
+    from clusterscale.io.rundir import RunDir
+    from clusterscale.io.text_ranges import count_rows
+    from clusterscale.stages.ingest import file_units, ingest_unit, list_input_files
+
+    cfg = config.load(None, [f"data.path={path}", f"data.range_bytes={range_bytes}"])
+    fs, files = list_input_files(cfg.data)
+    unit = max(file_units(fs, 0, files[0], cfg.data), key=lambda u: u.byte_range[1] - u.byte_range[0])
+    started = time.time()
+    rows = count_rows(fs, files[0], unit.byte_range, "jsonl", False)
+    counted = time.time() - started
+    scratch = os.path.join(root, "one_range")
+    shutil.rmtree(scratch, ignore_errors=True)
+    started = time.time()
+    ingest_unit(RunDir(scratch).uri, fs, unit, cfg.data)
+    return {"ranges": len(file_units(fs, 0, files[0], cfg.data)), "rows": rows, "count_s": round(counted, 3),
+            "ingest_task_s": round(time.time() - started, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -80,6 +103,7 @@ def main() -> None:
     print(f"[bench] wrote {args.rows:,} rows, {size / 2**20:.0f} MiB in {time.time() - started:.0f}s", flush=True)
     warm = os.path.join(root, "warm.jsonl")
     write_file(warm, 100)
+    shutil.rmtree(os.path.join(root, "warm"), ignore_errors=True)
     ingest(os.path.join(root, "warm"), warm, [])
     from clusterscale import config
 
@@ -102,6 +126,7 @@ def main() -> None:
         arm["stats"] = {k: arm["stats"][k] for k in counted}
     result["ranges_over_whole"] = round(result["arms"]["ranges"]["stage_wall_s"]
                                         / result["arms"]["whole"]["stage_wall_s"], 3)
+    result["one_range"] = one_range(root, path, range_bytes)
     import ray.data
 
     started = time.time()
