@@ -162,26 +162,31 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
     return units or [IngestUnit(file_index, path, row_groups=(), rows=0)]
 
 
-def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig) -> list[IngestUnit]:
-    """The units with each byte range's rows counted (one Ray task per range) and its row_start the rows of the
-    file's ranges before it, so that rows keep their number in the file. A file a range of which cannot be read
-    becomes one whole unit again: its ingest task reports it (data.bad_files)."""
+def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig,
+                 known: dict[str, int] | None = None) -> list[IngestUnit]:
+    """The units with each byte range's rows counted (one Ray task per range; `known`: the rows of the ranges an
+    interrupted attempt finished, by marker) and its row_start the rows of the file's ranges before it, so that rows
+    keep their number in the file. A file a range of which cannot be read becomes one whole unit again: its ingest
+    task reports it (data.bad_files)."""
+    known = known or {}
     ranged = [u for u in units if u.byte_range is not None]
+    todo = [u for u in ranged if unit_marker(u) not in known]
     if not ranged:
         return units
-    files = {u.file_index for u in ranged}
-    print(f"[ingest] counting the rows of {len(files)} big JSON lines/TSV file(s) in {len(ranged)} byte ranges "
-          f"(data.range_bytes={data.range_bytes:,})", flush=True)
+    if todo:
+        print(f"[ingest] counting the rows of {len({u.file_index for u in todo})} big JSON lines/TSV file(s) in "
+              f"{len(todo)} byte ranges (data.range_bytes={data.range_bytes:,})", flush=True)
     task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
     refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
-            for u in ranged]
+            for u in todo]
     progress = ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         progress.advance(len(done))
-    counts, starts, out = dict(zip((id(u) for u in ranged), ray.get(refs))), {}, []
-    unreadable = {u.file_index for u in ranged if counts[id(u)] is None}
+    counts = dict(zip((unit_marker(u) for u in todo), ray.get(refs))) | known
+    starts, out = {}, []
+    unreadable = {u.file_index for u in ranged if counts[unit_marker(u)] is None}
     for unit in units:
         if unit.file_index in unreadable:
             if unit.unit_index == 0:
@@ -189,7 +194,7 @@ def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig)
             continue
         if unit.byte_range is not None:
             start = starts.get(unit.file_index, 0)
-            unit = replace(unit, row_start=start, rows=counts[id(unit)])
+            unit = replace(unit, row_start=start, rows=counts[unit_marker(unit)])
             starts[unit.file_index] = start + unit.rows
         out.append(unit)
     return out
@@ -494,8 +499,8 @@ def run_ingest(ctx: StageContext) -> StageResult:
     _print_whole_files(listing.walk, data, units)
     if files and (note := unused_negatives(input_column_names(fs, files[0], data), data)):
         print(f"[ingest] note: {note}", flush=True)
-    units = count_ranges(fs, units, data)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
+    units = count_ranges(fs, units, data, {name: marker["rows_in"] for name, marker in finished.items()})
     results = run_units(run, fs, units, data, finished)
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
