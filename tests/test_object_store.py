@@ -156,3 +156,29 @@ def test_an_ambiguous_userinfo_is_refused_before_the_store_is_used(s3_endpoint, 
     fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "any"))
     buckets = {info.path for info in fs.get_file_info(pafs.FileSelector("/"))}
     assert not buckets & {"leakedpart", "LEAKEDPART", "hostbucket"}, buckets
+
+
+def test_byte_ranges_of_a_jsonl_file_on_the_store_read_its_lines_once(s3_endpoint):
+    """Ranged reads (read_at) on an object store: the ranges of a JSON lines file give its records once each, in
+    order, and their counts its lines, as on local disk (tests/test_text_ranges.py)."""
+    from clusterscale.config import DataConfig
+    from clusterscale.io.input_files import iter_records
+    from clusterscale.io.text_ranges import byte_ranges, count_rows
+    from clusterscale.stages.ingest import list_input_files
+
+    fs, _ = resolve_filesystem(s3_uri(s3_endpoint, "range-bucket"))
+    fs.create_dir("range-bucket")
+    lines = [json.dumps({"q": f"query {i}", "p": "passage " + "é" * (i % 40)}, ensure_ascii=False) for i in range(300)]
+    with fs.open_output_stream("range-bucket/pairs.jsonl") as out:
+        out.write(("\n".join(lines) + "\n").encode())
+    data = DataConfig(path=s3_uri(s3_endpoint, "range-bucket/pairs.jsonl"), query_column="q", passage_column="p")
+    fs, files = list_input_files(data)
+    size = fs.get_file_info(files[0]).size
+
+    def records(byte_range=None):
+        return [r for batch in iter_records(fs, files[0], "jsonl", ["q", "p"], data, byte_range=byte_range)
+                for r in batch]
+
+    ranges = byte_ranges(size, size // 7)
+    assert [r for byte_range in ranges for r in records(byte_range)] == records() and len(records()) == 300
+    assert sum(count_rows(fs, files[0], r, "jsonl", False) for r in ranges) == 300
