@@ -203,3 +203,11 @@ def test_fewer_labeled_negatives_than_asked_for_are_said_at_the_start_of_trainin
     run.mark_done("pairs", "fp", {"pairs": 4, "labeled_negatives": 4, "without_labeled_negatives": 2})
     _check_labeled_negatives(cfg, run, manifests)
     assert "warning" not in capsys.readouterr().out
+    # Negatives ingested, none asked for: said, with the key that uses them.
+    from clusterscale.stages.train import _note_unused_labeled_negatives
+    _note_unused_labeled_negatives(config.load(None, ["data.negative_column=neg"]), run)
+    assert "[train] note: the training pairs carry 1.0 labeled negatives each on average (data.negative_column=neg), " \
+           "but train.labeled_negatives_per_query=0: training draws none." in capsys.readouterr().out
+    run.mark_done("pairs", "fp", {"pairs": 4})  # ingested without data.negative_column
+    _note_unused_labeled_negatives(config.load(None, []), run)
+    assert capsys.readouterr().out == ""

@@ -159,6 +159,8 @@ def plan_training(cfg: Config, run: RunDir, resume: bool) -> TrainPlan:
         _check_negatives(cfg, run)
     if tc.objective.labeled_negatives_per_query:
         _check_labeled_negatives(cfg, run, manifests)
+    else:
+        _note_unused_labeled_negatives(cfg, run)
     sizes = manifest.strata_sizes
     num_steps = schedule.total_steps(sizes, tc.schedule.global_batch_size, tc.schedule.epochs, tc.schedule.steps)
     if num_steps == 0 or not all(schedule.batches_per_epoch(m.strata_sizes, batches.global_batch_size)
@@ -303,6 +305,17 @@ def _check_labeled_negatives(cfg: Config, run: RunDir, manifests: list) -> None:
               f" of {pairs} pairs with none; data.negative_column={cfg.data.negative_column}): a query's missing "
               f"ones are empty slots, masked, so each step has fewer hard negatives than asked for (the metrics' "
               f"labeled_negatives_empty counts them).", flush=True)
+
+
+def _note_unused_labeled_negatives(cfg: Config, run: RunDir) -> None:
+    """Said once: the pairs carry labeled negatives (ingest's count) that train.labeled_negatives_per_query=0 leaves
+    unused (a comparison arm may mean it; a first run usually forgot the key)."""
+    ingested = run.done_stats("pairs") if run.exists("pairs", "_DONE.json") else {}
+    given, pairs = ingested.get("labeled_negatives") or 0, ingested.get("pairs") or 0
+    if given and pairs:
+        print(f"[train] note: the training pairs carry {given / pairs:.1f} labeled negatives each on average "
+              f"(data.negative_column={cfg.data.negative_column}), but train.labeled_negatives_per_query=0: training "
+              f"draws none. Set it to 1 or more to train with them.", flush=True)
 
 
 def check_resumable(cfg: Config, run: RunDir) -> None:
