@@ -2,7 +2,8 @@
 byte ranges of data.range_bytes read by parallel tasks (as shipped), with the same output; and Ray Data's
 read_json over the same file (one read task per file) for reference.
 
-    python benchmarks/bench_ingest.py [--rows 1000000] [--range-bytes 134217728] [--out-dir DIR] [--json OUT]
+    python benchmarks/bench_ingest.py [--rows 1000000] [--range-bytes 134217728] [--limit N] [--out-dir DIR]
+                                      [--json OUT]
 
 One process, one local Ray (started by a warm-up ingest of 100 rows, so no arm pays Ray's start). The file: --rows
 (query, passage) lines, passages of 20-80 words, ~270 bytes a line. Arms, each `clusterscale ingest` as the CLI runs
@@ -10,6 +11,10 @@ it (cli.main), timed by the command and by the stage's own wall_s (ingest's _DON
 
   whole    data.range_bytes=0: one task parses every line.
   ranges   data.range_bytes as given (default: as shipped): a counting pass, then one task per range.
+
+--limit N adds data.limit=N to both arms (a trial run, or a sweep's smaller sizes, on a big file): the ranges arm
+counts ranges in file order only until N rows are covered, and reads only those; `units_read` is how many units each
+arm ran (their markers in pairs/_units).
 
 `same_output` compares the pair_ids of pairs/, heldout/ and quarantine/ and the stats of both arms. `one_range`: the
 largest range's count and ingest task timed alone in this process, the stage's critical path on a cluster with a CPU
@@ -91,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--range-bytes", type=int, default=None, help="data.range_bytes of the ranges arm "
                                                                       "(default: as shipped)")
+    parser.add_argument("--limit", type=int, default=None, help="data.limit of both arms")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -109,8 +115,9 @@ def main() -> None:
 
     shipped = config.load(None, []).data.range_bytes
     range_bytes = shipped if args.range_bytes is None else args.range_bytes
-    arms = {"whole": ["data.range_bytes=0"], "ranges": [f"data.range_bytes={range_bytes}"]}
-    result = {"rows": args.rows, "file_mib": round(size / 2**20, 1), "range_bytes": range_bytes,
+    limit = [f"data.limit={args.limit}"] if args.limit else []
+    arms = {"whole": ["data.range_bytes=0", *limit], "ranges": [f"data.range_bytes={range_bytes}", *limit]}
+    result = {"rows": args.rows, "limit": args.limit, "file_mib": round(size / 2**20, 1), "range_bytes": range_bytes,
               "range_bytes_shipped": shipped, "cpus": os.cpu_count(), "arms": {}}
     ids = {}
     for name, keys in arms.items():
@@ -118,6 +125,7 @@ def main() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
         result["arms"][name] = ingest(run_dir, path, keys)
         ids[name] = pair_ids(run_dir)
+        result["arms"][name]["units_read"] = len(os.listdir(os.path.join(run_dir, "pairs", "_units")))
         print(f"[bench] {name}: {result['arms'][name]['command_s']}s", flush=True)
     counted = ("rows_in", "pairs", "heldout", "quarantine", "reasons")
     result["same_output"] = ids["whole"] == ids["ranges"] and all(

@@ -151,6 +151,9 @@ def test_limit_over_text_and_parquet_files_reads_the_first_rows_in_file_order(tm
     expected = {(0 << 40) + j: f"a q{j}" for j in range(10)} | {(1 << 40) + j: f"b q{j}" for j in range(30)} \
         | {(2 << 40) + j: f"c q{j}" for j in range(5)}
     assert {pid: q for pid, (_, q) in _kinds_by_id(run).items()} == expected
+    # the JSON lines files in byte ranges (counted in waves until the limit): the same rows
+    run, stats = _ingest(tmp_path / "ranges", folder, "data.rows_per_part=10", "data.limit=45", "data.range_bytes=80")
+    assert stats["rows_in"] == 45 and {pid: q for pid, (_, q) in _kinds_by_id(run).items()} == expected
 
 
 def test_limit_rules_rerun_units_read_too_far_or_cut_short():

@@ -402,7 +402,8 @@ def test_ingest_is_planned_no_faster_than_one_task_over_its_largest_file(tmp_pat
     out, plans = tmp_path / "plan.json", {}
     ranges = f"data.range_bytes={(tmp_path / 'one.jsonl').stat().st_size // 20 + 1}"  # 20 ranges of 2,000 rows
     for name, path, extra in (("one.jsonl", "one.jsonl", ()), ("parquet", "parquet", ()),
-                              ("ranges", "one.jsonl", (ranges,))):
+                              ("ranges", "one.jsonl", (ranges,)),
+                              ("limited", "one.jsonl", (ranges, "data.limit=9000"))):
         code, _, _ = _plan(capsys, "--set", f"data.path={tmp_path / path}", "data.rows_per_part=2000", *extra,
                            "--calibration", shipped, "--cluster", cluster, "--json", str(out))
         assert code == 0
@@ -411,8 +412,36 @@ def test_ingest_is_planned_no_faster_than_one_task_over_its_largest_file(tmp_pat
     unit = re.search(r"largest work unit \(([\d,]+) rows in one task", ranged["stages"]["ingest"]["time_from"])
     assert 1_900 <= int(unit.group(1).replace(",", "")) <= 2_100  # the file's rows counted in a sample
     assert not any(w.startswith("ingest: ") for w in ranged["warnings"])
+    # under data.limit too, ingest reads the ranges the limit covers, in parallel
+    assert unit.group(0) in plans["limited"]["stages"]["ingest"]["time_from"]
     assert "bound by its largest work unit (" in one["stages"]["ingest"]["time_from"]
     assert any(w.startswith("ingest: ") and "rows in one task" in w for w in one["warnings"])
     assert one["stages"]["ingest"]["wall_s"] > 2 * split["stages"]["ingest"]["wall_s"]
     assert "largest work unit (2,000 rows in one task" in split["stages"]["ingest"]["time_from"]  # 2 row groups
     assert not any(w.startswith("ingest: ") for w in split["warnings"])
+
+
+def test_input_sizes_come_from_the_listing(tmp_path, monkeypatch):
+    """count_input asks no store for the size of a file the listing already gave (one request per file saved on an
+    object store)."""
+    import pyarrow.fs as pafs
+
+    from clusterscale.plan import build
+
+    for i in range(3):
+        (tmp_path / f"p{i}.jsonl").write_text("".join(json.dumps({"query": f"q {j}", "passage": f"p {j}"}) + "\n"
+                                                      for j in range(50)))
+    asked, local = [], pafs.LocalFileSystem()
+
+    class Counting:
+        def get_file_info(self, what):
+            asked.append(what)
+            return local.get_file_info(what)
+
+        def __getattr__(self, name):
+            return getattr(local, name)
+
+    listing = build.find_input_files(config.load(None, [f"data.path={tmp_path}"]).data)
+    monkeypatch.setattr(build, "find_input_files", lambda data: dataclasses.replace(listing, fs=Counting()))
+    assert build.count_input(config.load(None, [f"data.path={tmp_path}", "data.range_bytes=500"]))[0] == 150
+    assert not [what for what in asked if isinstance(what, str)], asked

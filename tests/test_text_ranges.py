@@ -72,6 +72,27 @@ def test_a_range_with_no_newline_reads_nothing_past_its_end(tmp_path):
 
 
 @pytest.mark.unit
+def test_under_a_limit_ranges_are_counted_in_waves_and_never_past_it():
+    from clusterscale.stages.ingest import IngestUnit, _next_wave, unit_marker
+
+    units = [IngestUnit(0, "a.parquet", 0, 0, (0,), 100)]  # a Parquet unit of 100 rows, then a big JSONL file
+    units += [IngestUnit(1, "b.jsonl", i, byte_range=(i * 10, i * 10 + 10)) for i in range(20)]
+    units += [IngestUnit(2, "c.csv")]  # a whole file: rows unknown
+    counts: dict = {}
+    assert _next_wave(units, counts, None, 4) == units[1:21]  # no limit: every range at once
+    waves = []
+    while wave := _next_wave(units, counts, 1000, 4):
+        waves.append([u.unit_index for u in wave])
+        counts.update({unit_marker(u): 50 for u in wave})
+    # one range first; then (1000 - 100 - 50) / 50 = 17 ranges are missing: 4 (one per CPU) at a time
+    assert waves == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17]]
+    assert 100 + 50 * sum(map(len, waves)) == 1000  # the ranges past the limit (18, 19) are never counted
+    counts = {unit_marker(units[1]): None}  # an unreadable range counts as no rows
+    assert _next_wave(units, counts, 300, 4) == [units[2]]  # and nothing seen to size a wave by
+    assert _next_wave(units, {}, 100, 4) == []  # the Parquet unit's 100 rows cover the limit: no range is read
+
+
+@pytest.mark.unit
 def test_what_is_not_split(tmp_path):
     from clusterscale.io.input_files import splittable
 
@@ -144,12 +165,22 @@ def test_a_jsonl_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, 
     said = capsys.readouterr().out
     assert "resuming: 11 of 13 work units" in said and "in 2 byte ranges" in said  # only those two counted
     assert again["rows_in"] == 400 and _kinds_by_id(split) == _kinds_by_id(whole)
-    # data.limit: the file is read whole from its start (counting every range would read all of it)
+    # data.limit: ranges counted in file order only until the limit is covered; those past it are never read
     capsys.readouterr()
     limited, stats = _ingest(tmp_path, "limited", path, f"data.range_bytes={size // 13}", "data.limit=150")
-    assert "1 work unit(s)" in capsys.readouterr().out
-    whole_limited, _ = _ingest(tmp_path, "whole_limited", path, "data.limit=150")
-    assert stats["rows_in"] == 150 and _kinds_by_id(limited) == _kinds_by_id(whole_limited)
+    said = capsys.readouterr().out
+    assert "in up to 13 byte ranges" in said and "until data.limit=150 rows" in said, said
+    markers = limited.listdir(UNITS_DIR)
+    assert 150 // 31 <= len(markers) < 13, markers  # ~31 rows a range: the ranges that hold the first 150 rows
+    whole_limited, whole_stats = _ingest(tmp_path, "whole_limited", path, "data.limit=150")
+    assert stats["rows_in"] == whole_stats["rows_in"] == 150
+    assert _kinds_by_id(limited) == _kinds_by_id(whole_limited) and _quarantined(limited) == _quarantined(whole_limited)
+    # killed before its last marker (the range the limit cut short): the rerun counts that range again, same rows
+    for kind in ("pairs", "heldout", "quarantine"):
+        os.remove(limited.path(f"{kind}/_DONE.json"))
+    os.remove(limited.path(f"{UNITS_DIR}/{sorted(markers)[-1]}"))
+    _, again = _ingest(tmp_path, "limited", path, f"data.range_bytes={size // 13}", "data.limit=150")
+    assert again["rows_in"] == 150 and _kinds_by_id(limited) == _kinds_by_id(whole_limited)
 
 
 def test_a_tsv_file_read_in_byte_ranges_gives_the_whole_file_ingest(tmp_path, ray_local):

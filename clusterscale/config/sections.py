@@ -54,8 +54,9 @@ class DataConfig(Section):
                               bounds=POSITIVE)
     range_bytes: int = knob(64 * 2**20, "An uncompressed JSON lines or TSV file bigger than this is read by "
                                         "several ingest tasks, one per byte range of about this size (rows keep "
-                                        "their number in the file: a first pass counts each range's lines). 0, or "
-                                        "data.limit set, = every such file is read whole by one task. CSV, "
+                                        "their number in the file: a first pass counts each range's lines, under "
+                                        "data.limit only up to the limit). 0 = every such file is read whole by "
+                                        "one task. CSV, "
                                         "compressed files and JSON arrays are always read whole; Parquet files are "
                                         "split by row groups.", bounds=NON_NEGATIVE, added=True)
     bad_files: str = knob("error", "An input file that cannot be read at all (corrupt, truncated or 0-byte "

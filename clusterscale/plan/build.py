@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 from clusterscale import config as config_mod
 from clusterscale.config import Config, ConfigError
 from clusterscale.errors import bounded_repr
-from clusterscale.io.input_files import (DETECTED_COMPRESSIONS, columns_problem, infer_format, input_column_names,
-                                         is_json_array, list_input_files, unused_negatives)
+from clusterscale.io.input_files import (DETECTED_COMPRESSIONS, columns_problem, find_input_files, infer_format,
+                                         input_column_names, is_json_array, list_input_files, unused_negatives)
 from clusterscale.io.text_ranges import byte_ranges
 from clusterscale.io.layout import fit_stats_path, load_manifest, manifest_path
 from clusterscale.io.rundir import RunDir
@@ -83,7 +83,8 @@ def count_input(cfg: Config) -> tuple[int, str, int]:
     range of ~data.range_bytes of an uncompressed JSON lines or TSV file, any other file whole)."""
     if cfg.data.path.startswith(("builtin:", "synth://")):
         raise ConfigError(f"data.path {cfg.data.path} is not a file input: pass --rows N.")
-    fs, files = list_input_files(cfg.data)
+    listing = find_input_files(cfg.data)
+    fs, files = listing.fs, listing.walk.files
     exact, total, largest = True, 0.0, 0.0
     for path in files:
         fmt = infer_format(path, cfg.data.format)
@@ -98,15 +99,18 @@ def count_input(cfg: Config) -> tuple[int, str, int]:
                     largest, unit = max(largest, unit), 0
             largest = max(largest, unit)
             continue
+        # the size the listing gave (one request less per file on an object store), else asked for
+        size = (listing.walk.stamps.get(path) or (None, None))[0]
+        size = fs.get_file_info(path).size if size is None else size
         # a JSON array (pretty-printed, an element spans lines) by its elements' query keys, not its lines
         key = cfg.data.query_column if fmt == "jsonl" and is_json_array(fs, path) else None
-        rows, whole = _arrow_rows(fs, path) if fmt == "arrow" else _text_rows(fs, path, fmt, key,
-                                                                            bool(cfg.data.column_names))
+        rows, whole = _arrow_rows(fs, path, size) if fmt == "arrow" else _text_rows(fs, path, size, fmt, key,
+                                                                                  bool(cfg.data.column_names))
         total += rows
         # ingest reads an uncompressed JSON lines or TSV file in byte ranges of ~data.range_bytes (file_units)
-        ranges = 1 if fmt not in ("jsonl", "tsv") or key is not None or cfg.data.limit is not None \
+        ranges = 1 if fmt not in ("jsonl", "tsv") or key is not None \
             or path.lower().endswith(DETECTED_COMPRESSIONS) or not cfg.data.range_bytes \
-            else len(byte_ranges(fs.get_file_info(path).size, cfg.data.range_bytes))
+            else len(byte_ranges(size, cfg.data.range_bytes))
         largest = max(largest, rows / ranges)
         exact = exact and whole
     if cfg.data.limit:
@@ -133,12 +137,12 @@ def _scaled(rows: float, consumed: int, size: int, whole: bool) -> tuple[float, 
     return rows * size / consumed, False
 
 
-def _text_rows(fs, path: str, fmt: str, key: str | None = None, header_less: bool = False) -> tuple[float, bool]:
+def _text_rows(fs, path: str, size: int, fmt: str, key: str | None = None, header_less: bool = False
+               ) -> tuple[float, bool]:
     """(rows, counted whole) of a JSONL/CSV file: lines in SAMPLE_BYTES read at four places along it (the middles
     of its quarters), scaled by the file's size; with `key`, the occurrences of "key": (a JSON array's elements). A
     compressed one (by suffix: the bytes of a .gz are not its lines) is counted in the decompression of its first
     64 KiB, 256 KiB, ... up to SAMPLE_BYTES of compressed bytes, until that gives a MiB of text."""
-    size = fs.get_file_info(path).size
     codec = _CODECS.get(posixpath.splitext(path.lower())[1])
     with fs.open_input_file(path) as raw:  # never decompressed on its own
         if not codec:  # a quarter MiB around 1/8, 3/8, 5/8 and 7/8 of the file: rows that grow along it count
@@ -177,14 +181,14 @@ def _decompressed(prefix: bytes, codec: str) -> bytes:
     return b"".join(out)
 
 
-def _arrow_rows(fs, path: str) -> tuple[float, bool]:
+def _arrow_rows(fs, path: str, size: int) -> tuple[float, bool]:
     """(rows, counted whole) of an Arrow IPC file: exact from the file format's footer, else (the stream format of
     Hugging Face datasets) the record batches in its first SAMPLE_BYTES, scaled by the file's size."""
     try:
         return float(pads.dataset([path], filesystem=fs, format="ipc").count_rows()), True  # batch headers only
     except pa.ArrowInvalid:
         pass
-    size, rows = fs.get_file_info(path).size, 0
+    rows = 0
     with fs.open_input_file(path) as raw:
         reader, whole = pa.ipc.open_stream(raw), True
         for batch in reader:

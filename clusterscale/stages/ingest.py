@@ -9,13 +9,13 @@ skipped whole and listed in quarantine/bad_files.json (data.bad_files). pair_id 
 the file: stable, unique and independent of how the work is split. A passage column of lists (FlagEmbedding's `pos`)
 gives one pair per text: the first keeps the row's pair_id, the others get extra_positive_id's.
 
-data.limit: Parquet units get their exact row budget from the footers and all run at once (files are not cut into
-byte ranges under a limit: counting them would read every row). A unit of
-unknown size (a text or Arrow file) is read speculatively alongside up to one task per CPU, each with
-the most rows it could be allowed; units that turn out to lie past the limit are discarded, and the one
-that crosses it is re-read with its exact budget. Each unit writes a marker (pairs/_units/) after its parts: a
-rerun of an interrupted attempt (same config, same input files) keeps the units with a marker and runs the rest
-into the same names, so the result is the same files. Run with `clusterscale ingest [CONFIG] --run-dir R`.
+data.limit: Parquet units get their exact row budget from the footers, byte ranges from their counts (counted in
+file order only until the limit is covered), and all run at once. A unit of unknown size (a text or Arrow file) is
+read speculatively alongside up to one task per CPU, each with the most rows it could be allowed; units that turn
+out to lie past the limit are discarded, and the one that crosses it is re-read with its exact budget. Each unit
+writes a marker (pairs/_units/) after its parts: a rerun of an interrupted attempt (same config, same input files)
+keeps the units with a marker and runs the rest into the same names, so the result is the same files. Run with
+`clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
 
@@ -136,8 +136,7 @@ def file_units(fs: pafs.FileSystem, file_index: int, path: str, data: DataConfig
     not yet counted); any other file, or one whose footer cannot be read (its task reports that), as one unit."""
     fmt = infer_format(path, data.format)
     if fmt != "parquet":
-        # Under data.limit a file is read whole, from its start: counting its ranges would read all of it.
-        if fmt not in ("jsonl", "tsv") or not data.range_bytes or data.limit is not None:
+        if fmt not in ("jsonl", "tsv") or not data.range_bytes:
             return [IngestUnit(file_index, path)]
         try:
             size = fs.get_file_info(path).size if size is None else size
@@ -167,37 +166,70 @@ def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig,
     """The units with each byte range's rows counted (one Ray task per range; `known`: the rows of the ranges an
     interrupted attempt finished, by marker) and its row_start the rows of the file's ranges before it, so that rows
     keep their number in the file. A file a range of which cannot be read becomes one whole unit again: its ingest
-    task reports it (data.bad_files)."""
-    known = known or {}
+    task reports it (data.bad_files). Under data.limit the ranges are counted in file order, in waves (_next_wave),
+    until the rows known before a unit reach the limit; the ranges after that point are never read, and are left
+    out."""
     ranged = [u for u in units if u.byte_range is not None]
-    todo = [u for u in ranged if unit_marker(u) not in known]
     if not ranged:
         return units
+    counts: dict[str, int | None] = dict(known or {})
+    todo = [u for u in ranged if unit_marker(u) not in counts]
     if todo:
+        until = f", in file order until data.limit={data.limit:,} rows" if data.limit is not None else ""
         print(f"[ingest] counting the rows of {len({u.file_index for u in todo})} big JSON lines/TSV file(s) in "
-              f"{len(todo)} byte ranges (data.range_bytes={data.range_bytes:,})", flush=True)
+              f"{'up to ' if until else ''}{len(todo)} byte ranges (data.range_bytes={data.range_bytes:,}{until})",
+              flush=True)
     task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
-    refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
-            for u in todo]
-    progress = ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        progress.advance(len(done))
-    counts = dict(zip((unit_marker(u) for u in todo), ray.get(refs))) | known
+    progress = ProgressLine("ingest", len(todo), unit="byte ranges counted", on_tty=True)
+    cpus = ClusterResources.current().cpus
+    while wave := _next_wave(units, counts, data.limit, cpus):
+        refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
+                for u in wave]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            progress.advance(len(done))
+        counts.update(zip((unit_marker(u) for u in wave), ray.get(refs)))
     starts, out = {}, []
-    unreadable = {u.file_index for u in ranged if counts[unit_marker(u)] is None}
+    unreadable = {u.file_index for u in ranged if unit_marker(u) in counts and counts[unit_marker(u)] is None}
     for unit in units:
         if unit.file_index in unreadable:
             if unit.unit_index == 0:
                 out.append(IngestUnit(unit.file_index, unit.path))
             continue
         if unit.byte_range is not None:
+            if unit_marker(unit) not in counts:  # past data.limit: never read
+                continue
             start = starts.get(unit.file_index, 0)
             unit = replace(unit, row_start=start, rows=counts[unit_marker(unit)])
             starts[unit.file_index] = start + unit.rows
         out.append(unit)
     return out
+
+
+def _next_wave(units: list[IngestUnit], counts: dict[str, int | None], limit: int | None, cpus: int
+               ) -> list[IngestUnit]:
+    """The next byte ranges to count: every uncounted one without a limit. Under `limit`, uncounted ones in file order
+    and none past the point where the rows known before a unit (Parquet footers, ranges counted) reach it, since
+    ingest never reads beyond: one range first, then as many as the rows still missing need at the mean rows of the
+    ranges counted so far (at most one per CPU)."""
+    if limit is None:
+        return [u for u in units if u.byte_range is not None and unit_marker(u) not in counts]
+    seen = [n for n in counts.values() if n]
+    wave, known, width = [], 0, 1
+    for unit in units:
+        if known >= limit or len(wave) == width:
+            break
+        if unit.byte_range is not None:
+            if (marker := unit_marker(unit)) not in counts:
+                if not wave and seen:  # rows still missing / mean rows of a range, rounded up
+                    width = min(cpus, max(1, -(-(limit - known) * len(seen) // sum(seen))))
+                wave.append(unit)
+            else:
+                known += counts[marker] or 0
+        elif unit.rows is not None:
+            known += unit.rows
+    return wave
 
 
 def _count_rows(fs: pafs.FileSystem, path: str, byte_range: tuple[int, int], fmt: str, header: bool) -> int | None:
@@ -500,7 +532,9 @@ def run_ingest(ctx: StageContext) -> StageResult:
     if files and (note := unused_negatives(input_column_names(fs, files[0], data), data)):
         print(f"[ingest] note: {note}", flush=True)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
-    units = count_ranges(fs, units, data, {name: marker["rows_in"] for name, marker in finished.items()})
+    # A finished range's rows, unless a data.limit budget may have cut it short.
+    units = count_ranges(fs, units, data, {name: marker["rows_in"] for name, marker in finished.items()
+                                           if marker.get("budget") is None or marker["rows_in"] < marker["budget"]})
     results = run_units(run, fs, units, data, finished)
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
@@ -598,7 +632,7 @@ def refuse_changed_inputs(ctx: StageContext, out: str) -> None:
 
 def _print_whole_files(walk, data: DataConfig, units: list[IngestUnit]) -> None:
     """Name the big input files one task reads whole (a CSV, compressed, JSON array or Arrow file is one work unit,
-    and so is any file under data.limit or with data.range_bytes=0; Parquet files are split by row groups,
+    and so is any file with data.range_bytes=0; Parquet files are split by row groups,
     uncompressed JSON lines and TSV by byte ranges), which then bound the stage's time whatever the cluster."""
     split = {u.path for u in units if u.byte_range is not None}
     big = [(path, size) for path in walk.files if path not in split and infer_format(path, data.format) != "parquet"
