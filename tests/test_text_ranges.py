@@ -79,7 +79,6 @@ def test_under_a_limit_ranges_are_counted_in_waves_and_never_past_it():
     units += [IngestUnit(1, "b.jsonl", i, byte_range=(i * 10, i * 10 + 10)) for i in range(20)]
     units += [IngestUnit(2, "c.csv")]  # a whole file: rows unknown
     counts: dict = {}
-    assert _next_wave(units, counts, None, 4) == units[1:21]  # no limit: every range at once
     waves = []
     while wave := _next_wave(units, counts, 1000, 4):
         waves.append([u.unit_index for u in wave])
@@ -219,3 +218,80 @@ def test_the_jsonl_column_check_is_the_whole_files(tmp_path, ray_local):
     from clusterscale.stages.ingest import IngestError
     with pytest.raises(IngestError, match="data.passage_column='body' not found"):
         _ingest(tmp_path, "wrong", path, f"data.range_bytes={path.stat().st_size // 10}", "data.passage_column=body")
+
+
+def test_under_a_limit_a_file_found_unreadable_gives_its_rows_to_the_files_after_it(tmp_path, ray_local,
+                                                                                    monkeypatch):
+    """Ranges are counted only as far as data.limit needs, so the rows of a file that counts but cannot be read
+    (a gzip named .jsonl) go to the next file's ranges, as when every file is read whole; and a file whose later
+    range cannot be counted after its first ranges were read is read again whole, from its start."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_bytes(b"\x1f\x8b\x08\x00" + b"x\n" * 500)  # its newlines count, its text does not read
+    (data / "b.jsonl").write_text("".join(json.dumps({"q": f"query {i}", "p": f"passage {i}"}) + "\n"
+                                          for i in range(300)))
+    keys = ["data.bad_files=quarantine", "data.limit=100"]
+    whole, whole_stats = _ingest(tmp_path, "whole", data, *keys)
+    split, stats = _ingest(tmp_path, "split", data, *keys, "data.range_bytes=600")
+    assert stats["rows_in"] == whole_stats["rows_in"] == 100 and len(stats["bad_files"]) == 1
+    assert _kinds_by_id(split) == _kinds_by_id(whole) and all(pid >> 40 == 1 for pid in _kinds_by_id(split))
+
+    from clusterscale.stages import ingest
+    counted = ingest._count_rows
+    size = (data / "b.jsonl").stat().st_size
+    seventh = byte_ranges(size, 600)[6][0]
+
+    def unreadable_from_the_seventh(fs, path, byte_range, fmt, header):  # as if the store failed on b's 7th range on
+        return None if path.endswith("b.jsonl") and byte_range[0] >= seventh else counted(fs, path, byte_range, fmt,
+                                                                                           header)
+
+    # a's 20 counted rows and b's first 6 ranges cover the limit: they run; a gives its 20 rows back, b's 7th range
+    # cannot be counted: b is read again, whole, from its start
+    monkeypatch.setattr(ingest, "_count_rows", unreadable_from_the_seventh)
+    (data / "a.jsonl").write_bytes(b"\x1f\x8b\x08\x00" + b"x" * 700 + b"\n" * 20)
+    undone = []
+    monkeypatch.setattr(ingest._Accepted, "undo", lambda self, i, undo=ingest._Accepted.undo: (undone.append(i),
+                                                                                                undo(self, i)))
+    keys = ["data.bad_files=quarantine", "data.limit=100"]
+    whole, whole_stats = _ingest(tmp_path, "whole_b", data, *keys)
+    split, stats = _ingest(tmp_path, "split_b", data, *keys, "data.range_bytes=600")
+    assert stats["rows_in"] == whole_stats["rows_in"] == 100 and _kinds_by_id(split) == _kinds_by_id(whole)
+    assert 1 in undone and sorted(split.listdir(ingest.UNITS_DIR))[-1] == "00001-00020.json"  # b's whole unit
+
+
+def test_a_rerun_that_reads_a_file_in_another_shape_leaves_no_rows_of_the_first(tmp_path, ray_local, monkeypatch):
+    """An attempt read a file in byte ranges and was killed; the rerun cannot count one of its ranges (a store
+    error) and reads the file whole, or the reverse: the output holds each row once, and only the rerun's markers."""
+    import os
+
+    import pyarrow.dataset as pads
+
+    from clusterscale.stages import ingest
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "b.jsonl").write_text("".join(json.dumps({"q": f"query {i}", "p": f"passage {i}"}) + "\n"
+                                          for i in range(300)))
+    # ~15 rows a range: the limit ends in the 7th, which a rerun counts again (the limit may have cut it short)
+    seventh = byte_ranges((data / "b.jsonl").stat().st_size, 600)[6][0]
+    counted = ingest._count_rows
+
+    def seventh_unreadable(fs, path, byte_range, fmt, header):
+        return None if byte_range[0] == seventh else counted(fs, path, byte_range, fmt, header)
+
+    def ids(run):
+        return pads.dataset(run.files("pairs") + run.files("heldout"), format="parquet").to_table(
+            columns=["pair_id"]).column(0).to_pylist()
+
+    keys = ["data.limit=100", "data.range_bytes=600", "data.rows_per_part=30"]
+    whole, _ = _ingest(tmp_path, "whole", data, "data.limit=100")
+    for first, second in ((counted, seventh_unreadable), (seventh_unreadable, counted)):
+        name = f"shapes-{first is counted}"
+        monkeypatch.setattr(ingest, "_count_rows", first)
+        run, _ = _ingest(tmp_path, name, data, *keys)
+        for kind in ("pairs", "heldout", "quarantine"):  # killed before the done markers
+            os.remove(run.path(f"{kind}/_DONE.json"))
+        monkeypatch.setattr(ingest, "_count_rows", second)
+        run, stats = _ingest(tmp_path, name, data, *keys)
+        assert stats["rows_in"] == 100 and sorted(ids(run)) == sorted(set(ids(run))) == sorted(_kinds_by_id(whole))
+        assert run.listdir(ingest.UNITS_DIR) == (["00000-00020.json"] if second is seventh_unreadable else
+                                                 [f"00000-{i:05d}.json" for i in range(7)])

@@ -14,7 +14,8 @@ file order only until the limit is covered), and all run at once. A unit of unkn
 read speculatively alongside up to one task per CPU, each with the most rows it could be allowed; units that turn
 out to lie past the limit are discarded, and the one that crosses it is re-read with its exact budget. Each unit
 writes a marker (pairs/_units/) after its parts: a rerun of an interrupted attempt (same config, same input files)
-keeps the units with a marker and runs the rest into the same names, so the result is the same files. Run with
+keeps the units with a marker and runs the rest into the same names, and deletes what no kept unit wrote (a unit cut
+short, a file read in byte ranges by one attempt and whole by the other), so the result is the same files. Run with
 `clusterscale ingest [CONFIG] --run-dir R`.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import posixpath
 import time
 import unicodedata
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -166,55 +168,77 @@ def count_ranges(fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig,
     """The units with each byte range's rows counted (one Ray task per range; `known`: the rows of the ranges an
     interrupted attempt finished, by marker) and its row_start the rows of the file's ranges before it, so that rows
     keep their number in the file. A file a range of which cannot be read becomes one whole unit again: its ingest
-    task reports it (data.bad_files). Under data.limit the ranges are counted in file order, in waves (_next_wave),
-    until the rows known before a unit reach the limit; the ranges after that point are never read, and are left
-    out."""
-    ranged = [u for u in units if u.byte_range is not None]
-    if not ranged:
-        return units
-    counts: dict[str, int | None] = dict(known or {})
-    todo = [u for u in ranged if unit_marker(u) not in counts]
+    task reports it (data.bad_files). Under data.limit nothing is counted here: run_units counts the ranges in file
+    order, a wave at a time, only as far as the limit needs them (RangeCounter)."""
+    counter = RangeCounter(fs, data, known)
+    todo = [u for u in units if counter.uncounted(u)]
     if todo:
         until = f", in file order until data.limit={data.limit:,} rows" if data.limit is not None else ""
         print(f"[ingest] counting the rows of {len({u.file_index for u in todo})} big JSON lines/TSV file(s) in "
               f"{'up to ' if until else ''}{len(todo)} byte ranges (data.range_bytes={data.range_bytes:,}{until})",
               flush=True)
-    task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
-    progress = ProgressLine("ingest", len(todo), unit="byte ranges counted", on_tty=True)
-    cpus = ClusterResources.current().cpus
-    while wave := _next_wave(units, counts, data.limit, cpus):
-        refs = [task.remote(fs, u.path, u.byte_range, infer_format(u.path, data.format), not data.column_names)
-                for u in wave]
+    if data.limit is not None:
+        return units
+    counter.count(todo)
+    return counter.apply(units, 0)[0]
+
+
+class RangeCounter:
+    """The rows of byte ranges, counted by Ray tasks (one per range) and kept by marker name; a range that cannot
+    be read counts as None."""
+
+    def __init__(self, fs: pafs.FileSystem, data: DataConfig, known: dict[str, int] | None = None):
+        self.fs, self.data = fs, data
+        self.counts: dict[str, int | None] = dict(known or {})
+        self.progress: ProgressLine | None = None
+
+    def uncounted(self, unit: IngestUnit) -> bool:
+        return unit.byte_range is not None and unit.rows is None and unit_marker(unit) not in self.counts
+
+    def count(self, ranges: list[IngestUnit]) -> None:
+        task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
+        refs = [task.remote(self.fs, u.path, u.byte_range, infer_format(u.path, self.data.format),
+                            not self.data.column_names) for u in ranges]
+        self.progress = self.progress or ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            progress.advance(len(done))
-        counts.update(zip((unit_marker(u) for u in wave), ray.get(refs)))
-    starts, out = {}, []
-    unreadable = {u.file_index for u in ranged if unit_marker(u) in counts and counts[unit_marker(u)] is None}
-    for unit in units:
-        if unit.file_index in unreadable:
-            if unit.unit_index == 0:
-                out.append(IngestUnit(unit.file_index, unit.path))
-            continue
-        if unit.byte_range is not None:
-            if unit_marker(unit) not in counts:  # past data.limit: never read
+            self.progress.advance(len(done))
+        self.counts.update(zip((unit_marker(u) for u in ranges), ray.get(refs)))
+
+    def waves(self, units: list[IngestUnit], start: int, remaining: int) -> None:
+        """Count the ranges from units[start] on, in waves (_next_wave), until the rows known from there cover
+        `remaining` (data.limit: the rows still to read) or no range is left."""
+        while wave := _next_wave(units[start:], self.counts, remaining, ClusterResources.current().cpus):
+            self.count(wave)
+
+    def apply(self, units: list[IngestUnit], start: int) -> tuple[list[IngestUnit], int]:
+        """(units with the counted ranges' rows and row_starts, the index to go on from): a file with a range that
+        cannot be read becomes one whole unit at its first unit's place (the index to go on from when that is
+        before `start`), numbered after its ranges."""
+        starts, out, go_on = {}, [], start
+        unreadable = {u.file_index for u in units if u.byte_range is not None
+                      and self.counts.get(unit_marker(u), 0) is None}
+        ranges = Counter(u.file_index for u in units if u.file_index in unreadable)
+        for unit in units:
+            if unit.file_index in unreadable:
+                if unit.unit_index == 0:  # named after the file's last range: no output name of a range is reused
+                    go_on = min(go_on, len(out))
+                    out.append(IngestUnit(unit.file_index, unit.path, unit_index=ranges[unit.file_index]))
                 continue
-            start = starts.get(unit.file_index, 0)
-            unit = replace(unit, row_start=start, rows=counts[unit_marker(unit)])
-            starts[unit.file_index] = start + unit.rows
-        out.append(unit)
-    return out
+            if unit.byte_range is not None and unit_marker(unit) in self.counts:
+                begin = starts.get(unit.file_index, 0)
+                unit = replace(unit, row_start=begin, rows=self.counts[unit_marker(unit)])
+                starts[unit.file_index] = begin + unit.rows
+            out.append(unit)
+        return out, go_on
 
 
-def _next_wave(units: list[IngestUnit], counts: dict[str, int | None], limit: int | None, cpus: int
-               ) -> list[IngestUnit]:
-    """The next byte ranges to count: every uncounted one without a limit. Under `limit`, uncounted ones in file order
-    and none past the point where the rows known before a unit (Parquet footers, ranges counted) reach it, since
-    ingest never reads beyond: one range first, then as many as the rows still missing need at the mean rows of the
-    ranges counted so far (at most one per CPU)."""
-    if limit is None:
-        return [u for u in units if u.byte_range is not None and unit_marker(u) not in counts]
+def _next_wave(units: list[IngestUnit], counts: dict[str, int | None], limit: int, cpus: int) -> list[IngestUnit]:
+    """The next byte ranges to count under data.limit (`limit`: rows still to read from units[0] on): uncounted
+    ones in file order and none past the point where the rows known before a unit (Parquet footers, ranges counted)
+    reach it, since ingest never reads beyond: one range first, then as many as the rows still missing need at the
+    mean rows of the ranges counted so far (at most one per CPU)."""
     seen = [n for n in counts.values() if n]
     wave, known, width = [], 0, 1
     for unit in units:
@@ -310,7 +334,8 @@ def ingest_unit(run_uri: str, fs: pafs.FileSystem, unit: IngestUnit, data: DataC
     marker = unit_marker(unit)
     result = counts | {"written": writer.written() + [marker]}
     # Written last, after every part: a unit with its marker is complete, and a rerun takes its result from it.
-    run.write_json(marker, {"path": unit.path, "row_start": unit.row_start, "budget": row_budget, **result})
+    run.write_json(marker, {"path": unit.path, "row_start": unit.row_start, "budget": row_budget,
+                            "byte_range": unit.byte_range, **result})
     return result
 
 
@@ -533,9 +558,11 @@ def run_ingest(ctx: StageContext) -> StageResult:
         print(f"[ingest] note: {note}", flush=True)
     finished = resume_plan(ctx, listing_digest(listing_table(listing.walk)), units)
     # A finished range's rows, unless a data.limit budget may have cut it short.
-    units = count_ranges(fs, units, data, {name: marker["rows_in"] for name, marker in finished.items()
-                                           if marker.get("budget") is None or marker["rows_in"] < marker["budget"]})
-    results = run_units(run, fs, units, data, finished)
+    known = {name: marker["rows_in"] for name, marker in finished.items() if marker.get("byte_range")
+             and (marker.get("budget") is None or marker["rows_in"] < marker["budget"]) and "bad_file" not in marker}
+    units = count_ranges(fs, units, data, known)
+    results = run_units(run, fs, units, data, finished, known)
+    remove_strays(run, results)
     stats = _total(results)
     stats["links_skipped"] = listing.walk.links_skipped
     stats["run_dirs_skipped"] = [redact_uri(d) for d in listing.walk.run_dirs_skipped]
@@ -698,10 +725,13 @@ def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict
 
 
 def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: DataConfig,
-              finished: dict[str, dict] | None = None) -> list[tuple[IngestUnit, dict]]:
+              finished: dict[str, dict] | None = None, known: dict[str, int] | None = None
+              ) -> list[tuple[IngestUnit, dict]]:
     """Every unit through a Ray task, in rounds under data.limit (see the module docstring); the accepted
     (unit, counts) in unit order. finished: the markers of units an interrupted attempt finished (resume_plan):
-    their results are taken as recorded, with the budget they ran with, and no task runs for them."""
+    their results are taken as recorded, with the budget they ran with, and no task runs for them. Under data.limit
+    the byte ranges not yet counted are counted here, a wave at a time when the rounds reach them (known: the
+    counts the markers give), so that a file found unreadable gives its rows back to the files after it."""
     task = ray.remote(num_cpus=1, max_retries=2)(ingest_unit)
     width, finished = ClusterResources.current().cpus, finished or {}
 
@@ -709,12 +739,20 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
         return ray.get(task.remote(run.uri, fs, unit, data, budget))
 
     accepted, start = _Accepted(run, data.limit), 0
+    counter = RangeCounter(fs, data, known)
     # At most one line every 10 s, on a terminal too (plain tasks: no Ray Data bars); not one per unit (an input of
     # thousands of files printed thousands of lines).
     progress = ProgressLine("ingest", len(units), unit="work units", on_tty=True)
     while start < len(units) and not accepted.full():
+        if units[start].byte_range is not None and units[start].rows is None:  # data.limit: the next ranges' rows
+            counter.waves(units, start, accepted.remaining())
+            units, go_on = counter.apply(units, start)
+            if go_on < start:  # the file found unreadable part-way is one whole unit again, read from its start
+                accepted.undo(units[go_on].file_index)
+            start = go_on
+            continue
         batch = speculative_batch(units[start:], accepted.remaining(), width)
-        recorded = [finished.get(unit_marker(unit)) for unit, _ in batch]
+        recorded = [_finished(finished, unit) for unit, _ in batch]
         refs = {i: task.remote(run.uri, fs, unit, data, budget)
                 for i, ((unit, budget), found) in enumerate(zip(batch, recorded)) if found is None}
         progress.advance(len(batch) - len(refs))
@@ -733,7 +771,27 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
     return accepted.results
 
 
-_MARKER_ONLY = ("path", "row_start", "budget")  # what a unit's marker holds beside its result
+def remove_strays(run: RunDir, results: list[tuple[IngestUnit, dict]]) -> None:
+    """Delete the parts and markers no accepted unit wrote: a unit a kill cut short, or one of the other shape a
+    file had in an earlier attempt (read in byte ranges there and whole here, or the reverse). One listing a folder;
+    markers first, so that a kill part-way leaves no marker whose parts are gone."""
+    written = {name for _, result in results for name in result["written"]}
+    for folder in (UNITS_DIR, *OUTPUTS):
+        for name in run.listdir(folder):
+            if (name.startswith("part-") or folder == UNITS_DIR) and f"{folder}/{name}" not in written:
+                run.remove(f"{folder}/{name}")
+
+
+_MARKER_ONLY = ("path", "row_start", "budget", "byte_range")  # what a unit's marker holds beside its result
+
+
+def _finished(finished: dict[str, dict], unit: IngestUnit) -> dict | None:
+    """The marker of `unit` an earlier attempt left, if it is of this very unit: a file that one attempt read in byte
+    ranges and another whole (a range it could not count) gives its first range and its whole unit one name."""
+    found = finished.get(unit_marker(unit))
+    same = found is not None and found.get("row_start") == unit.row_start and \
+        tuple(found.get("byte_range") or ()) == tuple(unit.byte_range or ())
+    return found if same else None
 
 
 def speculative_batch(units: list[IngestUnit], remaining: int | None, width: int
@@ -744,8 +802,8 @@ def speculative_batch(units: list[IngestUnit], remaining: int | None, width: int
         return [(unit, None) for unit in units]
     batch, surely_before, unknown = [], 0, 0
     for unit in units:
-        if surely_before >= remaining or unknown == width:
-            break
+        if surely_before >= remaining or unknown == width or unit.byte_range is not None and unit.rows is None:
+            break  # (a byte range not counted yet: run_units counts it first)
         batch.append((unit, remaining - surely_before))
         if unit.rows is None:
             unknown += 1
@@ -796,15 +854,20 @@ class _Accepted:
         cut_short = given is not None and given < allowed and rows_in >= given  # it may hold more rows
         return rows_in <= allowed and not cut_short
 
-    def _drop_file(self, file_index: int) -> None:
-        self.bad_files.add(file_index)
+    def undo(self, file_index: int) -> None:
+        """Forget a file's units (deleting their output): it is read again, whole."""
+        self.bad_files.discard(file_index)
         for unit, result in [item for item in self.results if item[0].file_index == file_index]:
             self._discard(result)
             self.rows_in -= result["rows_in"]
         self.results = [item for item in self.results if item[0].file_index != file_index]
 
+    def _drop_file(self, file_index: int) -> None:
+        self.undo(file_index)
+        self.bad_files.add(file_index)
+
     def _discard(self, result: dict) -> None:
-        for name in result["written"]:
+        for name in reversed(result["written"]):  # its marker first: a kill part-way leaves no finished unit
             self.run.remove(name)
 
 
