@@ -89,6 +89,11 @@ def test_under_a_limit_ranges_are_counted_in_waves_and_never_past_it():
     counts = {unit_marker(units[1]): None}  # an unreadable range counts as no rows
     assert _next_wave(units, counts, 300, 4) == [units[2]]  # and nothing seen to size a wave by
     assert _next_wave(units, {}, 100, 4) == []  # the Parquet unit's 100 rows cover the limit: no range is read
+    assert _next_wave(units, {}, 1000, 4, skip={1}) == []  # a file found unreadable: its ranges are not counted
+    d = [IngestUnit(3, "d.jsonl", i, byte_range=(i * 10, i * 10 + 10)) for i in range(2)]
+    seen = {unit_marker(units[1]): 50}  # a range counted elsewhere: waves of up to 4
+    assert _next_wave([*d[:1], units[-1], *d[1:]], seen, 1000, 4) == d[:1]  # none past a file of unknown size
+    assert _next_wave(d, seen, 1000, 4) == d
 
 
 @pytest.mark.unit

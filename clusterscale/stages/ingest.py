@@ -195,22 +195,25 @@ class RangeCounter:
     def uncounted(self, unit: IngestUnit) -> bool:
         return unit.byte_range is not None and unit.rows is None and unit_marker(unit) not in self.counts
 
-    def count(self, ranges: list[IngestUnit]) -> None:
+    def count(self, ranges: list[IngestUnit], total: int | None = None) -> None:
+        """Count `ranges` (of `total` ranges to count at most, for the progress line)."""
         task = ray.remote(num_cpus=1, max_retries=2)(_count_rows)
         refs = [task.remote(self.fs, u.path, u.byte_range, infer_format(u.path, self.data.format),
                             not self.data.column_names) for u in ranges]
-        self.progress = self.progress or ProgressLine("ingest", len(refs), unit="byte ranges counted", on_tty=True)
+        self.progress = self.progress or ProgressLine("ingest", total or len(refs), unit="byte ranges counted",
+                                                      on_tty=True)
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             self.progress.advance(len(done))
         self.counts.update(zip((unit_marker(u) for u in ranges), ray.get(refs)))
 
-    def waves(self, units: list[IngestUnit], start: int, remaining: int) -> None:
+    def waves(self, units: list[IngestUnit], start: int, remaining: int, skip: set[int]) -> None:
         """Count the ranges from units[start] on, in waves (_next_wave), until the rows known from there cover
-        `remaining` (data.limit: the rows still to read) or no range is left."""
-        while wave := _next_wave(units[start:], self.counts, remaining, ClusterResources.current().cpus):
-            self.count(wave)
+        `remaining` (data.limit: the rows still to read), a unit of unknown size comes, or no range is left."""
+        total = sum(1 for u in units[start:] if self.uncounted(u) and u.file_index not in skip)
+        while wave := _next_wave(units[start:], self.counts, remaining, ClusterResources.current().cpus, skip):
+            self.count(wave, total)
 
     def apply(self, units: list[IngestUnit], start: int) -> tuple[list[IngestUnit], int]:
         """(units with the counted ranges' rows and row_starts, the index to go on from): a file with a range that
@@ -234,15 +237,21 @@ class RangeCounter:
         return out, go_on
 
 
-def _next_wave(units: list[IngestUnit], counts: dict[str, int | None], limit: int, cpus: int) -> list[IngestUnit]:
+def _next_wave(units: list[IngestUnit], counts: dict[str, int | None], limit: int, cpus: int,
+               skip: set[int] = frozenset()) -> list[IngestUnit]:
     """The next byte ranges to count under data.limit (`limit`: rows still to read from units[0] on): uncounted
     ones in file order and none past the point where the rows known before a unit (Parquet footers, ranges counted)
     reach it, since ingest never reads beyond: one range first, then as many as the rows still missing need at the
-    mean rows of the ranges counted so far (at most one per CPU)."""
+    mean rows of the ranges counted so far (at most one per CPU). None past a unit of unknown size either (a whole
+    file may hold the rest), nor of a file in `skip` (found unreadable: none of its rows count)."""
     seen = [n for n in counts.values() if n]
     wave, known, width = [], 0, 1
     for unit in units:
         if known >= limit or len(wave) == width:
+            break
+        if unit.file_index in skip:
+            continue
+        if unit.byte_range is None and unit.rows is None:
             break
         if unit.byte_range is not None:
             if (marker := unit_marker(unit)) not in counts:
@@ -715,12 +724,15 @@ def resume_plan(ctx: StageContext, digest: str, units: list[IngestUnit]) -> dict
     for folder in OUTPUTS:  # the temp files of writes a kill cut short
         split_done(run, folder, [])
     names = set(run.listdir(UNITS_DIR)) if run.exists(UNITS_DIR) else set()
-    wanted = [unit_marker(u) for u in units if posixpath.basename(unit_marker(u)) in names]
+    # and the whole unit a file cut into ranges falls back to when a range cannot be counted (RangeCounter.apply)
+    ranges = Counter((u.file_index, u.path) for u in units if u.byte_range is not None)
+    fallbacks = [IngestUnit(file_index, path, unit_index=n) for (file_index, path), n in ranges.items()]
+    wanted = [unit_marker(u) for u in units + fallbacks if posixpath.basename(unit_marker(u)) in names]
     with ThreadPoolExecutor(FOOTER_READ_THREADS) as pool:
         finished = dict(zip(wanted, pool.map(run.read_json, wanted)))
     if finished:
-        print(f"[ingest] resuming: {len(finished)} of {len(units)} work units were finished by an earlier attempt",
-              flush=True)
+        kept = sum(unit_marker(u) in finished for u in units)
+        print(f"[ingest] resuming: {kept} of {len(units)} work units were finished by an earlier attempt", flush=True)
     return finished
 
 
@@ -744,8 +756,12 @@ def run_units(run: RunDir, fs: pafs.FileSystem, units: list[IngestUnit], data: D
     # thousands of files printed thousands of lines).
     progress = ProgressLine("ingest", len(units), unit="work units", on_tty=True)
     while start < len(units) and not accepted.full():
+        if units[start].file_index in accepted.bad_files:  # the rest of a file found unreadable: nothing to read
+            start += 1
+            progress.advance(1)
+            continue
         if units[start].byte_range is not None and units[start].rows is None:  # data.limit: the next ranges' rows
-            counter.waves(units, start, accepted.remaining())
+            counter.waves(units, start, accepted.remaining(), accepted.bad_files)
             units, go_on = counter.apply(units, start)
             if go_on < start:  # the file found unreadable part-way is one whole unit again, read from its start
                 accepted.undo(units[go_on].file_index)
