@@ -240,6 +240,8 @@ def test_under_a_limit_a_file_found_unreadable_gives_its_rows_to_the_files_after
     split, stats = _ingest(tmp_path, "split", data, *keys, "data.range_bytes=600")
     assert stats["rows_in"] == whole_stats["rows_in"] == 100 and len(stats["bad_files"]) == 1
     assert _kinds_by_id(split) == _kinds_by_id(whole) and all(pid >> 40 == 1 for pid in _kinds_by_id(split))
+    from clusterscale.stages.ingest import UNITS_DIR
+    assert [m for m in split.listdir(UNITS_DIR) if m.startswith("00000-")] == ["00000-00000.json"]  # a: one task
 
     from clusterscale.stages import ingest
     counted = ingest._count_rows
