@@ -390,7 +390,8 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
                                 "group_keys": keys_for(left, groups.num_groups), "backend": cfg.ray.vector_backend,
                                 "chunks": plan.get("search_chunks", UNRECORDED_CHUNKS)},
             batch_format="pyarrow", **env, **gpus)
-        progress = ProgressLine("mine", len(left), unit="search groups")
+        progress = ProgressLine("mine", len(left), unit="search groups",
+                                before_first="the vectors are routed and shuffled to their search groups first")
         for _ in ds.iter_rows():
             progress.advance(1)
         run.write_json(searched, {"groups": groups.num_groups})
@@ -406,7 +407,8 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
         ds = ds.groupby("bucket", num_partitions=max(1, len(indices))).map_groups(
             _merge_and_write, fn_kwargs={"run_uri": run.uri, "mine": mine,
                                          "bucket_keys": keys_for(indices, len(plan["units"]))}, batch_format="pyarrow")
-    progress, results = ProgressLine("mine", n_rows, unit="queries merged"), []
+    progress, results = ProgressLine("mine", n_rows, unit="queries merged",
+                                     before_first="the search results are shuffled to their buckets first"), []
     for result in ds.iter_rows():
         results.append(result)
         progress.advance(result["rows"])

@@ -141,7 +141,8 @@ def dedup_all(cfg: Config, run: RunDir, heldout: dict, n_rows: int, fingerprint:
     # partition: a reduce holds one of them, whatever N.
     buckets = max(1, math.ceil(n_rows / ROWS_PER_BUCKET))
     bucket_keys = one_key_per_partition(buckets)
-    progress, results, pending = ProgressLine("dedup", n_rows), [], []
+    progress, results, pending = ProgressLine(
+        "dedup", n_rows, before_first="the pairs are shuffled to their buckets and clusters first"), [], []
     done = _recorded(run)
     for folder in (DEDUP_KEPT, DEDUP_REMOVED):  # the temp files of writes a kill cut short
         if run.exists(folder):
