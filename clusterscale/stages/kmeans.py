@@ -178,12 +178,15 @@ def run_fit(ctx: StageContext) -> StageResult:
     loads = [functools.partial(read_sample_slice, run.uri, s, keep_fraction, cfg.cluster.seed, cfg.cluster.side,
                                cfg.cluster.dims) for s in slices]
     actors = start_sample_shards(loads, plan, backend)
+    progress = ProgressLine("fit", cfg.cluster.niter, unit="iterations",
+                            before_first="the workers read the sample first")
     try:
         descriptions = ray.get([a.describe.remote() for a in actors])
         n_sample = check_sample(descriptions, k)
         dim = next(d for desc in descriptions for d in desc["dims"])
         load_s = time.time() - started
-        centroids, stats = fit_on_actors(actors, k, cfg.cluster.niter, cfg.cluster.seed)
+        centroids, stats = fit_on_actors(actors, k, cfg.cluster.niter, cfg.cluster.seed,
+                                         log=lambda _: progress.advance(1))
     finally:
         for a in actors:
             ray.kill(a)

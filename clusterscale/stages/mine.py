@@ -213,7 +213,7 @@ def group_bounds(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, 
 
 
 def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_queries: bool,
-                       bounds: tuple[int, int]) -> SearchGroups:
+                       bounds: tuple[int, int], n_rows: int = 0) -> SearchGroups:
     """Passages and probing queries per cluster (a pass over assign/; the driver sums k-vectors), split into
     groups of at most bounds = (passages, queries) (group_bounds). count_queries: route each query by its
     emb_query in assign/; otherwise queries probe their own cluster's neighbours (exact for a re-embedding, an
@@ -225,8 +225,11 @@ def plan_search_groups(cfg: Config, run: RunDir, centroids: np.ndarray, count_qu
     ds = ds.map_batches(_count, fn_kwargs={"centroids": centroids, "nprobe": cfg.mine.nprobe},
                         batch_format="pyarrow", **env)
     passages, queries = np.zeros(k, np.int64), np.zeros(k, np.int64)
+    progress = ProgressLine("mine", n_rows, unit="rows counted")  # n_rows: the rows of assign/ (0: no line)
     for row in ds.iter_rows():
-        passages += np.asarray(row["passages"], np.int64)
+        counted = np.asarray(row["passages"], np.int64)
+        passages += counted
+        progress.advance(int(counted.sum()))
         if count_queries:
             queries += np.asarray(row["queries"], np.int64)
     if not count_queries:
@@ -440,7 +443,7 @@ def _search_plan(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, 
     centroids = load_centroids(run, cfg.cluster.k)
     bounds = group_bounds(cfg, run, source, encoder, len(centroids))
     count_queries = encoder is None and "emb_query" in _schema(run, assign_dir(cfg.cluster.k))
-    return plan_units(n_rows, cfg, plan_search_groups(cfg, run, centroids, count_queries, bounds), bounds)
+    return plan_units(n_rows, cfg, plan_search_groups(cfg, run, centroids, count_queries, bounds, n_rows), bounds)
 
 
 def run_mine(ctx: StageContext) -> StageResult:
