@@ -38,6 +38,7 @@ from clusterscale.runtime.hashing import hash_unit, splitmix64
 from clusterscale.io.negatives import (PADDING_PATH, PADDING_POOL_ROWS, Draw, candidate_files, groups_per_piece,
                                        shard_files, sidecar_marker, sidecar_path, sidecar_table, training_manifest)
 from clusterscale.train.negatives import training_draw
+from clusterscale.runtime.progress import ProgressLine
 
 PADDING_SALT = 0x6E6567  # the padding pool's hash salt ("neg")
 DRAW_SALT = 0x64726177  # the draw's hash salt ("draw")
@@ -206,8 +207,11 @@ def write_sidecars(neg_run: RunDir, shards_run: RunDir, set_dir: str, manifest: 
         by_piece = candidate_partitions(n_rows, draw.per_query * draw.draws, len(todo))
         written = found.groupby("unit", num_partitions=by_piece).map_groups(
             write_piece, fn_kwargs={"run_uri": shards_run.uri, "units": units, "draw": draw}, batch_format="pyarrow")
-        for row in written.iter_rows():
+        progress = ProgressLine("mine", len(todo), unit="sidecar pieces",
+                                before_first="the drawn candidates are joined to their texts first")
+        for row in written.iter_rows():  # one row per piece with rows
             counts = {k: counts[k] + row[k] for k in counts}
+            progress.advance(1)
         still = _missing(shards_run, units, draw)
         if still:
             for row in ray.data.from_items([{"unit": i} for i in still]).map_batches(
