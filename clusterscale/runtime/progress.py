@@ -7,7 +7,7 @@ Data's own bars show progress and these lines stay silent.
 
 A line is printed when work finishes; while none does (a shuffle's barrier, one long unit: at 100M pairs mine
 routes and shuffles for tens of minutes before its first search group ends), a heartbeat thread repeats the line
-with the time elapsed every HEARTBEAT_S, so a log never goes silent while the stage runs.
+with the time that step has run every HEARTBEAT_S.
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ def format_progress(stage: str, done: int, total: int, elapsed_s: float, unit: s
 
 
 class ProgressLine:
-    """Counts finished rows of a stage; prints format_progress at most every interval_s (not on a TTY), and while
-    no row finishes, every heartbeat_s (HEARTBEAT_S; None: never) with the time the stage has run and, before the
-    first, `before_first` (what runs until then).
+    """Counts finished rows of a step of a stage; prints format_progress at most every interval_s (not on a TTY),
+    and while no row finishes, every heartbeat_s (HEARTBEAT_S; None: never) with the time since the line was made
+    and, before the first, `before_first` (what runs until then).
 
     Nothing is printed at completion: the stage's own summary line follows. The heartbeat thread ends with the
     work (done >= total), with close(), or once the line is no longer referenced (the stage returned or failed)."""
@@ -74,17 +74,19 @@ class ProgressLine:
             self.heartbeat.start()
 
     def advance(self, rows: int) -> None:
-        self.done += rows
-        if self.done >= self.total:
-            self._over.set()
+        with self._lock:
+            self.done += rows
+            if self.done >= self.total:
+                self._over.set()
         now = self.clock()
         if self.enabled and self.done < self.total and now - self.last_printed >= self.interval_s:
             self._print(now, format_progress(self.stage, self.done, self.total, now - self.started, self.unit))
 
     def close(self) -> None:
         """End the heartbeat (the stage's work is over, whatever its count)."""
-        self.closed = True
-        self._over.set()
+        with self._lock:
+            self.closed = True
+            self._over.set()
 
     @property
     def finished(self) -> bool:
@@ -92,19 +94,25 @@ class ProgressLine:
 
     def beat(self) -> bool:
         """Print the heartbeat line if nothing was printed for heartbeat_s; False once the work is over."""
-        if self.finished:
-            return False
-        now = self.clock()
-        if now - self.last_printed >= self.heartbeat_s:
-            line = format_progress(self.stage, self.done, self.total, now - self.started, self.unit)
-            note = f"; {self.before_first}" if self.before_first and not self.done else ""
-            self._print(now, f"{line} (running for {format_duration(now - self.started)}{note})")
-        return True
+        with self._lock:  # not after the work ended (the stage's summary line may follow at once)
+            if self.finished:
+                return False
+            now = self.clock()
+            if now - self.last_printed >= self.heartbeat_s:
+                line = format_progress(self.stage, self.done, self.total, now - self.started, self.unit)
+                note = f"; {self.before_first}" if self.before_first and not self.done else ""
+                self._write(now, f"{line} (running for {format_duration(now - self.started)}{note})")
+            return True
 
     def _print(self, now: float, line: str) -> None:
         with self._lock:  # the heartbeat thread and the stage's own calls
-            self.last_printed = now
-            print(line, file=self.stream, flush=True)
+            self._write(now, line)
+
+    def _write(self, now: float, line: str) -> None:
+        """One write per line (print's two could interleave with another thread's output); under _lock."""
+        self.last_printed = now
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def _heartbeat(ref: "weakref.ref[ProgressLine]", period: float, over: threading.Event) -> None:

@@ -214,6 +214,9 @@ class RangeCounter:
         total = sum(1 for u in units[start:] if self.uncounted(u) and u.file_index not in skip)
         while wave := _next_wave(units[start:], self.counts, remaining, ClusterResources.current().cpus, skip):
             self.count(wave, total)
+        if self.progress is not None:  # counting stops short of its total once the limit is covered
+            self.progress.close()
+            self.progress = None
 
     def apply(self, units: list[IngestUnit], start: int) -> tuple[list[IngestUnit], int]:
         """(units with the counted ranges' rows and row_starts, the index to go on from): a file with a range that

@@ -393,10 +393,14 @@ def mine_all(cfg: Config, run: RunDir, source: RunDir, encoder: str | None, need
                                 "group_keys": keys_for(left, groups.num_groups), "backend": cfg.ray.vector_backend,
                                 "chunks": plan.get("search_chunks", UNRECORDED_CHUNKS)},
             batch_format="pyarrow", **env, **gpus)
+        first = ("the queries are embedded, routed and shuffled" if embeds_queries else
+                 "the vectors are joined to their pairs, routed and shuffled" if encoder is not None else
+                 "the vectors are routed and shuffled")
         progress = ProgressLine("mine", len(left), unit="search groups",
-                                before_first="the vectors are routed and shuffled to their search groups first")
-        for _ in ds.iter_rows():
+                                before_first=f"{first} to their search groups first")
+        for _ in ds.iter_rows():  # one row per group searched (a group no row reached gives none)
             progress.advance(1)
+        progress.close()
         run.write_json(searched, {"groups": groups.num_groups})
         embedded = n_rows if embeds_queries else 0
     indices = [int(posixpath.basename(u["output"])[5:10]) for u in todo]  # part-<bucket>.parquet

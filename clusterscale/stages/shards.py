@@ -274,7 +274,7 @@ def write_groups(ds: ray.data.Dataset, run: RunDir, k: int, layout: SetLayout, c
     room = cluster.cpus_per_node - (plan.num_cpus or 1) >= 1
     first = min(plan.actors, cluster.nodes) if room else 1
     before = written_groups(run, layout.folder)  # an interrupted attempt's (the folder's plan has this fingerprint)
-    progress, groups = ProgressLine(what, sizes.rows, before_first="the pairs are shuffled to their clusters first"), {}
+    progress, groups = ProgressLine(what, sizes.rows, before_first="the pairs are shuffled to their groups first"), {}
     for r in before:
         groups.setdefault(r["shard"], []).append(r)
         progress.advance(r["rows"])
