@@ -65,3 +65,24 @@ def test_a_workers_console_drops_user_faults_only(monkeypatch):
     assert console.shown == ["Error in training function: a bug", "a warning"]
     assert log_file.shown == ["Error in training function: [Errno 28] No space left on device",
                               "Error in training function: a bug", "a warning"]
+
+
+def test_the_controllers_poll_interval_reaches_ray_train_unless_the_user_set_it(monkeypatch):
+    """Ray Train's controller sees a fit's end (and a rank's failure) one poll late: clusterscale polls at 32 ranks
+    a second within [0.25 s, Ray's 2 s], through the variable Ray passes from the driver to its controller, and
+    leaves the driver's environment as it was; a value the user set is kept."""
+    import os
+
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    from clusterscale.stages.train import HEALTH_CHECK_ENV, controller_poll
+
+    monkeypatch.delenv(HEALTH_CHECK_ENV, raising=False)
+    for ranks, interval in ((1, "0.25"), (8, "0.25"), (16, "0.5"), (64, "2.0"), (512, "2.0")):
+        with controller_poll(ranks):
+            assert get_env_vars_to_propagate()[HEALTH_CHECK_ENV] == interval
+        assert HEALTH_CHECK_ENV not in os.environ
+    monkeypatch.setenv(HEALTH_CHECK_ENV, "5")
+    with controller_poll(1):
+        assert get_env_vars_to_propagate()[HEALTH_CHECK_ENV] == "5"
+    assert os.environ[HEALTH_CHECK_ENV] == "5"
