@@ -413,6 +413,18 @@ def test_cli_text_keys_are_taken_as_typed_and_an_empty_run_dir_is_a_user_fault(t
                                "data.passage_column=123", "data.heldout_fraction=0.9999999")
     _user_fault(code, err)
     assert "Every valid pair" in err and "was held out" in err and "Lower data.heldout_fraction" in err
+    # None held out although asked for (few distinct queries, or a tiny fraction): ingested, with a warning that
+    # names the fraction, the distinct queries and the keys to set.
+    code, out, err = _cli_ingest(capsys, tmp_path / "run_none_held", data, "data.query_column=yes",
+                                 "data.passage_column=123", "data.heldout_fraction=0.000001")
+    assert code == 0, err
+    assert "data.heldout_fraction=1e-06 held out none of the 20 pairs" in out and "20 distinct queries" in out, out
+    from clusterscale.io.rundir import StageMissingError
+    from clusterscale.stages.eval_set import heldout_queries
+
+    with pytest.raises(StageMissingError, match="held out no query of this data") as missing:
+        heldout_queries(RunDir(str(tmp_path / "run_none_held")), 10)
+    assert "data.heldout_fraction=1e-06" in str(missing.value)
 
 
 def test_cli_a_text_column_that_barely_varies_is_warned_of_naming_it(tmp_path, ray_local, capsys):

@@ -127,9 +127,12 @@ def heldout_queries(run: RunDir, max_queries: int) -> tuple[pa.Table, list[list[
     first pair is known), and T is raised until max_queries candidates have a key <= T (or T covers all)."""
     work, total = units(run, "heldout")
     if total == 0:
-        raise StageMissingError(f"No held-out pairs in {run.path('heldout')} (data.heldout_fraction="
-                                f"{_heldout_fraction(run)}): nothing to evaluate on. To evaluate, ingest with "
-                                f"data.heldout_fraction > 0 in a new --run-dir.")
+        fraction = _heldout_fraction(run)
+        why = ("ingest with data.heldout_fraction > 0" if fraction in (0, "?") else "the fraction held out no query "
+               "of this data (chosen by a hash of the query: too few distinct queries); ingest with a higher "
+               "data.heldout_fraction, or more distinct queries,")
+        raise StageMissingError(f"No held-out pairs in {run.path('heldout')} (data.heldout_fraction={fraction}): "
+                                f"nothing to evaluate on. To evaluate, {why} in a new --run-dir.")
     threshold = min(1.0, SAFETY * max_queries / total)
     while True:
         wanted = None if threshold >= 1.0 else frozenset(

@@ -610,8 +610,21 @@ def run_ingest(ctx: StageContext) -> StageResult:
     stats["distinct_sample"] = distinct_sample(run)
     for line in few_distinct_warnings(stats["distinct_sample"], cfg.train.schedule.global_batch_size, data):
         print(line, flush=True)
+    if not stats["heldout"] and data.heldout_fraction > 0:
+        print(none_held_out(stats["distinct_sample"], data, stats["pairs"]), flush=True)
     return StageResult(stats, outputs={kind: StageResult({"rows": stats[kind]}) for kind in ("heldout", "quarantine")},
                        config={"data": data.to_dict()})
+
+
+def none_held_out(sample: dict, data: DataConfig, pairs: int) -> str:
+    """The warning of an ingest that was to hold pairs out and held none (few distinct queries, or a tiny fraction
+    of them): evaluate will have nothing to score, and a `run` stops there, after training."""
+    return (f"[ingest] warning: data.heldout_fraction={data.heldout_fraction} held out none of the {pairs:,} pairs: "
+            f"held-out pairs are chosen by a hash of the query, and the first {sample['rows']:,} pairs hold "
+            f"{sample['query']:,} distinct queries (~{data.heldout_fraction * sample['query']:.2g} expected held "
+            f"out). evaluate will have nothing to score (a `run` stops there, after training). To evaluate, raise "
+            f"data.heldout_fraction or bring more distinct queries; to train without an evaluation, set "
+            f"data.heldout_fraction=0 (either in a new --run-dir, or with --replace).")
 
 
 def first_rejected(run: RunDir, data: DataConfig, most: int = 200) -> str:
