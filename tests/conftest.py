@@ -130,7 +130,7 @@ def pairs_parquet(tmp_path) -> str:
 
 def tiny_overrides(model: str, data_path: str) -> list[str]:
     """A full pipeline in well under a minute: tiny BERT as encoder and student, k=4, 2 embed actors and ONE training
-    worker (a Ray Train fit here costs ~14 s with one rank, ~18 s with two: a test that needs ranks or DDP sets
+    worker (a Ray Train fit here costs ~11 s with one rank, ~14 s with two: a test that needs ranks or DDP sets
     train.num_workers=2)."""
     return [f"data.path={data_path}", "data.query_column=q", "data.passage_column=p", "data.source_column=src",
             "data.heldout_fraction=0.1", f"embed.model={model}", "embed.max_length=32", "embed.batch_size=32",
