@@ -128,7 +128,9 @@ def test_split_search_groups_give_the_same_negatives(pairs):
 
 def _kill_midway(argv: list[str], address: str, delays: dict, folder: str, prefix: str, files: int) -> None:
     """`clusterscale <argv>` on the session's Ray with its units slowed by `delays` (tests/conftest.py's hook), killed
-    (SIGKILL) once `folder` holds `files` files named `prefix`*."""
+    (SIGKILL) once `folder` holds `files` files named `prefix`*. Returns once no more such files come: Ray ends a
+    killed driver's tasks only when it has seen the driver gone, and a task that ends first still writes its file
+    (still slowed meanwhile: the files counted after this are the ones a rerun finds)."""
     import json
     import os
     import signal
@@ -155,6 +157,12 @@ def _kill_midway(argv: list[str], address: str, delays: dict, folder: str, prefi
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        quiet = max(2.0, 5 * max(delays.values()))  # seconds without a new file
+        seen, settled = count(), time.time() + quiet
+        while time.time() < min(settled, deadline):
+            time.sleep(0.05)
+            if count() != seen:
+                seen, settled = count(), time.time() + quiet
     finally:
         delay.unlink()
 
